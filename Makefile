@@ -1,0 +1,80 @@
+# gpufrac — every target sets itself up: venv, install, native build, protos.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+CC     ?= cc
+
+BUILD      := build/native
+ASAN_BUILD := build/asan
+CSTD       := -std=c11 -D_GNU_SOURCE -fPIC -pthread -Wall -Wextra -Werror
+CFLAGS_REL := $(CSTD) -O2 -g
+CFLAGS_SAN := $(CSTD) -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
+LDLIBS     := -ldl -lpthread
+
+SIM_SRC := gpufrac/simgpu/native
+MG_SRC  := gpufrac/memguard/native
+SIM_HDR := $(wildcard $(SIM_SRC)/*.h)
+MG_HDR  := $(wildcard $(MG_SRC)/*.h)
+
+NATIVE_LIBS = libnvidia-ml.so.1 libcuda.so.1 libmemguard.so mg_ctest
+
+.PHONY: all setup native native-asan proto run test test-fast bench lint clean
+
+all: setup
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed native proto
+
+native: $(addprefix $(BUILD)/,$(NATIVE_LIBS))
+native-asan: $(addprefix $(ASAN_BUILD)/,$(NATIVE_LIBS))
+
+# One rule set, two flavours: release in build/native, ASan+UBSan in build/asan.
+define native_rules
+$(1)/libnvidia-ml.so.1: $(SIM_SRC)/nvml.c $(SIM_SRC)/simstate.c $(SIM_HDR)
+	@mkdir -p $(1)
+	$(CC) $(2) -shared -Wl,-soname,libnvidia-ml.so.1 -o $$@ $(SIM_SRC)/nvml.c $(SIM_SRC)/simstate.c $(LDLIBS)
+$(1)/libcuda.so.1: $(SIM_SRC)/cuda.c $(SIM_SRC)/simstate.c $(SIM_HDR)
+	@mkdir -p $(1)
+	$(CC) $(2) -shared -Wl,-soname,libcuda.so.1 -o $$@ $(SIM_SRC)/cuda.c $(SIM_SRC)/simstate.c $(LDLIBS)
+$(1)/libmemguard.so: $(MG_SRC)/memguard.c $(MG_HDR)
+	@mkdir -p $(1)
+	$(CC) $(2) -shared -o $$@ $(MG_SRC)/memguard.c $(LDLIBS)
+$(1)/mg_ctest: $(MG_SRC)/mg_ctest.c $(1)/libcuda.so.1
+	@mkdir -p $(1)
+	$(CC) $(2) -o $$@ $(MG_SRC)/mg_ctest.c -L$(1) -l:libcuda.so.1 -Wl,-rpath,'$$$$ORIGIN' $(LDLIBS)
+endef
+$(eval $(call native_rules,$(BUILD),$(CFLAGS_REL)))
+$(eval $(call native_rules,$(ASAN_BUILD),$(CFLAGS_SAN)))
+
+PROTOS := $(wildcard gpufrac/proto/*.proto)
+PROTO_STAMP := gpufrac/proto/.generated
+proto: $(PROTO_STAMP)
+$(PROTO_STAMP): $(PROTOS) $(VENV)/.installed
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
+	touch $@
+
+# The main job: the agent on a real node when a GPU and a kubelet are present,
+# otherwise on a simulated GPU node with a short demo.
+run: setup
+	$(VENV)/bin/gpufrac run
+
+test: setup native-asan
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+test-fast: setup
+	$(PY) -m pytest -q -x -p no:cacheprovider tests -m 'not slow'
+
+bench: setup
+	$(PY) -m bench
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf build $(VENV) gpufrac/proto/*_pb2*.py* $(PROTO_STAMP)

@@ -1,0 +1,3 @@
+"""gpufrac: node-level GPU sharing for Kubernetes."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,75 @@
+"""The `gpufrac` command line.
+
+Each subcommand's work lives in the module that owns the capability; this file
+only parses arguments and dispatches, importing lazily so `gpufrac gpus` does not
+pay for gRPC or the kubernetes client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+# subcommand -> (module, function, help); the function takes the parsed args and
+# returns an exit code.
+Handler = tuple[str, str, str]
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="node config YAML (default: built-in defaults)")
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
+    parser = argparse.ArgumentParser(prog="gpufrac", description="GPU sharing for Kubernetes nodes.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    handlers: dict[str, Handler] = {}
+
+    def add(name: str, module: str, func: str, help_: str) -> argparse.ArgumentParser:
+        handlers[name] = (module, func, help_)
+        p = sub.add_parser(name, help=help_, description=help_)
+        _add_common(p)
+        return p
+
+    p = add("run", "gpufrac.demo", "cmd_run", "run the agent (real node) or the simulated-node demo")
+    p.add_argument("--sim", action="store_true", help="force the simulated node even if a GPU is present")
+    p.add_argument("--preset", default="dgx-h100", help="simgpu preset for the demo")
+    p.add_argument("--keep", action="store_true", help="keep serving after the demo until Ctrl-C")
+
+    p = add("agent", "gpufrac.agent.main", "cmd_agent", "run the node agent (the DaemonSet's process)")
+
+    p = add("gpus", "gpufrac.agent.report", "cmd_gpus", "list the node's GPUs with memory and health")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = add("topo", "gpufrac.agent.report", "cmd_topo", "GPU interconnect matrix, NUMA and CPU affinity")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = add("memguard", "gpufrac.memguard.inspect", "cmd_memguard", "inspect a container's memguard files")
+    p.add_argument("action", choices=["inspect"])
+    p.add_argument("container_dir", help="the container's gpufrac directory (host path)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = add("sim", "gpufrac.simgpu.cli", "cmd_sim", "manage a simulated GPU node (tests, demo)")
+    p.add_argument("sim_args", nargs=argparse.REMAINDER, help="simgpu subcommand and its arguments")
+    return parser, handlers
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, handlers = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    module, func, _ = handlers[args.command]
+    fn: Callable[[argparse.Namespace], int] = getattr(importlib.import_module(module), func)
+    try:
+        return int(fn(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

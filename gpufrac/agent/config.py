@@ -1,0 +1,229 @@
+"""The node configuration: typed, loaded in one place, validated with clear errors.
+
+The ConfigMap (deploy/daemonset/config.yaml) holds YAML with camelCase keys, as
+Kubernetes objects do; each maps to a snake_case dataclass field below. Unknown
+keys and bad values raise ConfigError naming the key, the value and the reason,
+so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+from gpufrac.agent.units import parse_bytes, parse_duration
+
+GiB = 1 << 30
+RESOLVERS = ("swap", "evict", "wait")
+
+
+class ConfigError(ValueError):
+    """A configuration key has a value the agent cannot use."""
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(p.title() for p in rest)
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+# Field metadata: how a value is parsed. "bytes" and "seconds" accept the
+# human forms ("1Gi", "30m"); everything else must already have the field's type.
+def _bytes(default: int) -> Any:
+    return field(default=default, metadata={"kind": "bytes"})
+
+
+def _seconds(default: float) -> Any:
+    return field(default=default, metadata={"kind": "seconds"})
+
+
+def _choice(default: str, *choices: str) -> Any:
+    return field(default=default, metadata={"kind": "choice", "choices": choices})
+
+
+@dataclass
+class PathsConfig:
+    state_dir: str = "/var/lib/gpufrac"
+    kubelet_dir: str = "/var/lib/kubelet"
+    # Where the shim library lives on the host (mounted read-only into containers).
+    shim_host_path: str = "/var/lib/gpufrac/lib/libmemguard.so"
+    # Where the container sees its gpufrac directory (config, usage, arbiter socket).
+    container_dir: str = "/var/run/gpufrac"
+
+    @property
+    def device_plugin_dir(self) -> str:
+        return os.path.join(self.kubelet_dir, "device-plugins")
+
+    @property
+    def pod_resources_socket(self) -> str:
+        return os.path.join(self.kubelet_dir, "pod-resources", "kubelet.sock")
+
+    @property
+    def containers_dir(self) -> str:
+        return os.path.join(self.state_dir, "containers")
+
+
+@dataclass
+class HealthConfig:
+    # XIDs that say nothing about the GPU itself (application faults) are ignored.
+    ignored_xids: list[int] = field(default_factory=lambda: [13, 31, 43, 45, 68, 109])
+    # A GPU made Unhealthy by an XID is Healthy again after this long without a new one.
+    xid_recovery: float = _seconds(300.0)
+    poll_interval: float = _seconds(1.0)
+
+
+@dataclass
+class WatchdogConfig:
+    mode: str = _choice("report", "off", "report", "enforce")
+    tolerance: int = _bytes(256 << 20)
+    interval: float = _seconds(5.0)
+
+
+@dataclass
+class SwapConfig:
+    host_ram_budget: int = _bytes(64 * GiB)
+    # Pods that say nothing about swap may be swapped if this is true.
+    default_swappable: bool = False
+
+
+@dataclass
+class IdleConfig:
+    enabled: bool = True
+    idle_timeout: float = _seconds(3600.0)
+    max_runtime: float = _seconds(0.0)  # 0 = no limit
+    grace_period: float = _seconds(300.0)
+    action: str = _choice("notify", "notify", "swap", "evict")
+    dry_run: bool = False
+    # Evictions go through the Eviction API (PodDisruptionBudgets hold); a plain
+    # delete is used only when this is set.
+    allow_delete: bool = False
+    exempt_namespaces: list[str] = field(default_factory=lambda: ["kube-system"])
+    # Classes reaped besides "interactive".
+    reap_classes: list[str] = field(default_factory=list)
+    interval: float = _seconds(10.0)
+
+
+@dataclass
+class MetricsConfig:
+    port: int = 9410
+    bind_address: str = "0.0.0.0"
+
+
+@dataclass
+class Config:
+    node_name: str = field(default_factory=lambda: os.environ.get("NODE_NAME", os.uname().nodename))
+    memory_unit: int = _bytes(GiB)
+    reserved_per_gpu: int = _bytes(GiB)
+    allocation_policy: str = _choice("binpack", "binpack", "spread")
+    device_list_strategy: str = _choice("envvar", "envvar", "cdi")
+    lend_unused_requests: bool = False
+    resolvers: list[str] = field(default_factory=lambda: list(RESOLVERS))
+    wait_timeout: float = _seconds(30.0)
+    arbiter_timeout: float = _seconds(2.0)
+    # Burst grants stay this far below what NVML says is physically free.
+    grant_margin: int = _bytes(256 << 20)
+    evict_idle_threshold: float = _seconds(600.0)
+    status_socket: str = "/var/run/gpufrac/status.sock"
+    log_json: bool = False
+    log_level: str = _choice("info", "debug", "info", "warning", "error")
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    swap: SwapConfig = field(default_factory=SwapConfig)
+    idle: IdleConfig = field(default_factory=IdleConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def validate(self) -> None:
+        if self.memory_unit < (1 << 20):
+            raise ConfigError(f"memoryUnit: {self.memory_unit} bytes is below the 1Mi minimum")
+        bad = [r for r in self.resolvers if r not in RESOLVERS]
+        if bad:
+            raise ConfigError(f"resolvers: unknown resolver(s) {bad}; choose from {list(RESOLVERS)}")
+        if len(set(self.resolvers)) != len(self.resolvers):
+            raise ConfigError(f"resolvers: {self.resolvers} names a resolver twice")
+        if not 0 < self.metrics.port < 65536:
+            raise ConfigError(f"metrics.port: {self.metrics.port} is not a TCP port")
+
+
+def _convert(path: str, f: dataclasses.Field[Any], hint: Any, value: Any) -> Any:
+    kind = f.metadata.get("kind")
+    try:
+        if kind == "bytes":
+            return parse_bytes(value)
+        if kind == "seconds":
+            return parse_duration(value)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    if kind == "choice":
+        if value not in f.metadata["choices"]:
+            raise ConfigError(f"{path}: {value!r} is not one of {list(f.metadata['choices'])}")
+        return value
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return _build(hint, value, path + ".")
+    origin = getattr(hint, "__origin__", None)
+    if origin is list:
+        (item,) = hint.__args__
+        if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
+            raise ConfigError(f"{path}: expected a list of {item.__name__}, got {value!r}")
+        return list(value)
+    # bool is an int subclass: check it first so `port: true` is refused.
+    if hint is bool or isinstance(value, bool):
+        if not (hint is bool and isinstance(value, bool)):
+            raise ConfigError(f"{path}: expected {hint.__name__}, got {value!r}")
+        return value
+    if not isinstance(value, hint):
+        raise ConfigError(f"{path}: expected {hint.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls: type[Any], data: dict[str, Any], prefix: str = "") -> Any:
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        name = _snake(key)
+        if name not in fields:
+            known = ", ".join(sorted(_camel(n) for n in fields))
+            raise ConfigError(f"{prefix}{key}: unknown key (known: {known})")
+        kwargs[name] = _convert(prefix + key, fields[name], hints[name], value)
+    return cls(**kwargs)
+
+
+def load(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Load the node config from a YAML file (or defaults), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: top level must be a mapping")
+        data = loaded or {}
+    if overrides:
+        data = _merge(data, overrides)
+    cfg = _build(Config, data)
+    cfg.validate()
+    return cfg
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out

@@ -1,0 +1,66 @@
+"""GPU inventory types: what the agent knows about each GPU on the node.
+
+The inventory is read through nvidia-ml-py (gpufrac/agent/inventory.py), the same
+code on simgpu and on a real node. Everything else in the agent consumes these
+types, never NVML directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class PcieLink(str, Enum):
+    """How two GPUs reach each other over PCIe, best first (nvidia-smi topo -m names)."""
+
+    SELF = "X"
+    BOARD = "PIX"  # same board / single PCIe switch
+    SWITCH = "PXB"  # several PCIe switches, no host bridge
+    HOST_BRIDGE = "PHB"  # through one CPU's host bridge
+    NUMA = "NODE"  # across host bridges within one NUMA node
+    SYSTEM = "SYS"  # across the inter-socket link
+
+    @property
+    def rank(self) -> int:
+        return list(PcieLink).index(self)
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    uuid: str
+    model: str
+    memory_total: int  # bytes, as NVML reports
+    pci_bus_id: str
+    numa_node: int | None
+    cpu_affinity: tuple[int, ...]
+    minor: int
+
+
+@dataclass(frozen=True)
+class Link:
+    nvlinks: int  # active NVLink links between the pair (0 = none)
+    pcie: PcieLink
+
+
+@dataclass
+class GpuHealth:
+    healthy: bool = True
+    reason: str = ""  # e.g. "XID 79 at 2026-11-23T07:30:00Z", "fell off the bus"
+    since: float = 0.0  # time.time() of the last change
+
+
+@dataclass
+class Inventory:
+    gpus: list[Gpu]
+    # links[(a, b)] for every ordered pair of GPU indices a != b
+    links: dict[tuple[int, int], Link] = field(default_factory=dict)
+    driver_version: str = ""
+    cuda_driver_version: int = 0
+
+    def by_uuid(self, uuid: str) -> Gpu | None:
+        return next((g for g in self.gpus if g.uuid == uuid), None)
+
+    def link(self, a: int, b: int) -> Link:
+        return Link(0, PcieLink.SELF) if a == b else self.links[(a, b)]

@@ -1,0 +1,59 @@
+"""Parsing of the quantities and durations users write in annotations and config."""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+
+from kubernetes.utils.quantity import parse_quantity
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+_DURATION_SCALE = {"ms": Decimal("0.001"), "s": Decimal(1), "m": Decimal(60), "h": Decimal(3600)}
+
+
+def parse_bytes(value: str | int) -> int:
+    """A Kubernetes quantity ("24Gi", "2500Mi", "8G", 1073741824) as whole bytes.
+
+    Raises ValueError naming the value when it is not a non-negative whole byte count."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a quantity")
+    try:
+        q = parse_quantity(value)
+    except (ValueError, InvalidOperation, TypeError) as e:
+        raise ValueError(f"{value!r} is not a quantity like 24Gi or 2500Mi") from e
+    if q < 0:
+        raise ValueError(f"{value!r} is negative")
+    if q != q.to_integral_value():
+        raise ValueError(f"{value!r} is not a whole number of bytes")
+    return int(q)
+
+
+def parse_duration(value: str | int | float) -> float:
+    """A Go-style duration ("30m", "1h30m", "250ms", "45s") or plain seconds, as seconds."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a duration")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"{value!r} is negative")
+        return float(value)
+    text = str(value).strip()
+    if not text:
+        raise ValueError("empty duration")
+    pos, total = 0, Decimal(0)
+    for m in _DURATION_PART.finditer(text):
+        if m.start() != pos:
+            break
+        total += Decimal(m.group(1)) * _DURATION_SCALE[m.group(2)]
+        pos = m.end()
+    if pos != len(text):
+        raise ValueError(f"{value!r} is not a duration like 30m, 1h30m or 45s")
+    return float(total)
+
+
+def format_bytes(n: int) -> str:
+    """Human-readable binary size: 1536 MiB -> '1.5Gi'."""
+    for unit, scale in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
+        if abs(n) >= scale:
+            v = n / scale
+            return f"{v:.0f}{unit}" if v == int(v) else f"{v:.1f}{unit}"
+    return f"{n}B"

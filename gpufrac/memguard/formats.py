@@ -1,0 +1,250 @@
+"""The memguard config and usage files (native/memguard_abi.h), for the agent.
+
+One definition: the C header is the source of truth, these ctypes structures
+mirror it, and tests/unit/test_abi.py proves they match offset for offset.
+
+The agent is the only writer of `config` (the container mounts it read-only);
+it updates in place under the seqlock so the shim never sees a torn limit.
+The shim is the writer of `usage`; the agent reads it and reaps dead slots.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIG_MAGIC = 0x3147464347464D47
+USAGE_MAGIC = 0x3147534547464D47
+ABI_VERSION = 1
+MAX_PROCS = 256
+
+CONFIG_FILE = "config"
+USAGE_FILE = "usage"
+SOCKET_FILE = "arbiter.sock"
+DEFAULT_DIR = "/var/run/gpufrac"
+
+FLAG_POD_KNOWN = 1 << 0
+FLAG_PREEMPTIBLE = 1 << 1
+FLAG_SWAPPABLE = 1 << 2
+FLAG_WHOLE_GPU = 1 << 3
+FLAG_DISABLED = 1 << 4
+
+CLASS_BATCH, CLASS_INTERACTIVE, CLASS_INFERENCE = 0, 1, 2
+CLASS_NAMES = {"batch": CLASS_BATCH, "interactive": CLASS_INTERACTIVE, "inference": CLASS_INFERENCE}
+
+u32, u64, i32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int32
+
+
+class ConfigStruct(ctypes.Structure):
+    _fields_ = [
+        ("magic", u64),
+        ("abi_version", u32),
+        ("file_size", u32),
+        ("seq", u64),
+        ("generation", u64),
+        ("gpu_uuid", ctypes.c_char * 80),
+        ("request_bytes", u64),
+        ("limit_bytes", u64),
+        ("grant_bytes", u64),
+        ("flags", u32),
+        ("workload_class", u32),
+        ("arbiter_timeout_ms", u32),
+        ("wait_timeout_ms", u32),
+        ("priority", i32),
+        ("pad0", u32),
+        ("namespace_", ctypes.c_char * 64),
+        ("pod", ctypes.c_char * 128),
+        ("container", ctypes.c_char * 64),
+        ("pod_uid", ctypes.c_char * 40),
+    ]
+
+
+class ProcSlot(ctypes.Structure):
+    _fields_ = [
+        ("pid", i32),
+        ("pad0", u32),
+        ("start_time", u64),
+        ("used_bytes", u64),
+        ("peak_bytes", u64),
+        ("launches", u64),
+        ("last_activity_ns", u64),
+        ("oom_refusals", u64),
+        ("swapped", u32),
+        ("pad1", u32),
+    ]
+
+
+class UsageStruct(ctypes.Structure):
+    _fields_ = [
+        ("magic", u64),
+        ("abi_version", u32),
+        ("file_size", u32),
+        ("total_used", u64),
+        ("grant_returned", u64),
+        ("slots", ProcSlot * MAX_PROCS),
+    ]
+
+
+class FormatError(Exception):
+    """A config or usage file is missing, truncated, or of another version."""
+
+
+@dataclass
+class ContainerConfig:
+    """What the agent decides for one container; written to its config file."""
+
+    gpu_uuid: str
+    request_bytes: int
+    limit_bytes: int
+    grant_bytes: int = 0
+    flags: int = FLAG_PREEMPTIBLE
+    workload_class: int = CLASS_BATCH
+    arbiter_timeout_ms: int = 2000
+    wait_timeout_ms: int = 30000
+    priority: int = 0
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
+    pod_uid: str = ""
+
+    def __post_init__(self) -> None:
+        # Never a limit below the guarantee, never a grant past the limit.
+        self.limit_bytes = max(self.limit_bytes, self.request_bytes)
+        self.grant_bytes = max(0, min(self.grant_bytes, self.limit_bytes - self.request_bytes))
+
+
+def _map(path: Path, struct: type[ctypes.Structure], magic: int, writable: bool) -> tuple[mmap.mmap, ctypes.Structure]:
+    flags = os.O_RDWR if writable else os.O_RDONLY
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        raise FormatError(f"cannot open {path}: {e.strerror}") from e
+    try:
+        size = os.fstat(fd).st_size
+        if size < ctypes.sizeof(struct):
+            raise FormatError(f"{path}: {size} bytes, want {ctypes.sizeof(struct)} (truncated or foreign file)")
+        mm = mmap.mmap(fd, ctypes.sizeof(struct), access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    s = struct.from_buffer(mm) if writable else struct.from_buffer_copy(mm)
+    if s.magic != magic or s.abi_version != ABI_VERSION or s.file_size != ctypes.sizeof(struct):
+        raise FormatError(f"{path}: bad magic, version {s.abi_version} or size {s.file_size}")
+    return mm, s
+
+
+def _create(path: Path, struct: type[ctypes.Structure], magic: int, mode: int) -> None:
+    """Create a zeroed file with its header, atomically (write tmp, rename)."""
+    s = struct()
+    s.magic, s.abi_version, s.file_size = magic, ABI_VERSION, ctypes.sizeof(struct)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(bytes(s))
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+class ConfigFile:
+    """The agent's handle on one container's config file (the only writer)."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.path = Path(directory) / CONFIG_FILE
+        if not self.path.exists():
+            _create(self.path, ConfigStruct, CONFIG_MAGIC, 0o644)
+        self._mm, self._s = _map(self.path, ConfigStruct, CONFIG_MAGIC, writable=True)
+
+    def write(self, cfg: ContainerConfig) -> int:
+        """Publish a new config under the seqlock; returns the new generation."""
+        s = self._s
+        s.seq += 1  # odd: readers retry
+        s.generation += 1
+        s.gpu_uuid = cfg.gpu_uuid.encode()
+        s.request_bytes = cfg.request_bytes
+        s.limit_bytes = cfg.limit_bytes
+        s.grant_bytes = cfg.grant_bytes
+        s.flags = cfg.flags
+        s.workload_class = cfg.workload_class
+        s.arbiter_timeout_ms = cfg.arbiter_timeout_ms
+        s.wait_timeout_ms = cfg.wait_timeout_ms
+        s.priority = cfg.priority
+        s.namespace_ = cfg.namespace.encode()[:63]
+        s.pod = cfg.pod.encode()[:127]
+        s.container = cfg.container.encode()[:63]
+        s.pod_uid = cfg.pod_uid.encode()[:39]
+        s.seq += 1  # even: consistent
+        self._mm.flush()
+        return int(s.generation)
+
+    def read(self) -> ContainerConfig:
+        return read_config(self.path.parent)
+
+    def close(self) -> None:
+        del self._s
+        self._mm.close()
+
+
+def read_config(directory: str | os.PathLike[str]) -> ContainerConfig:
+    """A consistent snapshot of a container's config (retries while a write is in flight)."""
+    path = Path(directory) / CONFIG_FILE
+    for _ in range(1000):
+        mm, s = _map(path, ConfigStruct, CONFIG_MAGIC, writable=False)
+        mm.close()
+        if s.seq % 2 == 0:
+            return ContainerConfig(
+                gpu_uuid=s.gpu_uuid.decode(),
+                request_bytes=s.request_bytes,
+                limit_bytes=s.limit_bytes,
+                grant_bytes=s.grant_bytes,
+                flags=s.flags,
+                workload_class=s.workload_class,
+                arbiter_timeout_ms=s.arbiter_timeout_ms,
+                wait_timeout_ms=s.wait_timeout_ms,
+                priority=s.priority,
+                namespace=s.namespace_.decode(),
+                pod=s.pod.decode(),
+                container=s.container.decode(),
+                pod_uid=s.pod_uid.decode(),
+            )
+    raise FormatError(f"{path}: a write never completed (seq stays odd)")
+
+
+def generation(directory: str | os.PathLike[str]) -> int:
+    mm, s = _map(Path(directory) / CONFIG_FILE, ConfigStruct, CONFIG_MAGIC, writable=False)
+    mm.close()
+    return int(s.generation)
+
+
+def create_usage(directory: str | os.PathLike[str]) -> Path:
+    """Create an empty usage file (agent side, when the container is allocated)."""
+    path = Path(directory) / USAGE_FILE
+    if not path.exists():
+        # World-writable: container processes may run as any uid; the file holds
+        # only this container's own counters.
+        _create(path, UsageStruct, USAGE_MAGIC, 0o666)
+    return path
+
+
+class UsageFile:
+    """A writable mapping of a container's usage file (agent reaps dead slots here)."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.path = Path(directory) / USAGE_FILE
+        self._mm, self.usage = _map(self.path, UsageStruct, USAGE_MAGIC, writable=True)
+
+    def live_slots(self) -> list[ProcSlot]:
+        return [s for s in self.usage.slots if s.pid > 0]
+
+    def close(self) -> None:
+        del self.usage
+        self._mm.close()
+
+
+def read_usage(directory: str | os.PathLike[str]) -> UsageStruct:
+    """A copy of a container's usage file."""
+    mm, s = _map(Path(directory) / USAGE_FILE, UsageStruct, USAGE_MAGIC, writable=False)
+    mm.close()
+    return s  # type: ignore[return-value]

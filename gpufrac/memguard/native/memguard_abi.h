@@ -1,0 +1,93 @@
+/*
+ * memguard shared file formats: the contract between the agent and the shim.
+ *
+ * Per container the agent creates a host directory (mounted into the container
+ * at $GPUFRAC_CONTAINER_DIR, default /var/run/gpufrac) holding:
+ *   config  - written by the agent only; mounted read-only; the shim maps it
+ *             PROT_READ. Updated in place under a seqlock (odd seq = writing).
+ *   usage   - written by the shim (every process of the container); one slot
+ *             per process plus the container-wide total, all C11 atomics.
+ *   arbiter.sock - the agent's unix socket for the slow path (bursts, swap-in).
+ * gpufrac/memguard/formats.py mirrors these structs with ctypes; a test
+ * compiles a probe against this header and compares sizes and offsets.
+ *
+ * No lock lives in either file: a process killed at any instruction leaves
+ * both files consistent (its slot is reclaimed by the next one to notice).
+ */
+#ifndef GPUFRAC_MEMGUARD_ABI_H
+#define GPUFRAC_MEMGUARD_ABI_H
+
+#include <stdatomic.h>
+#include <stdint.h>
+
+#define MG_CONFIG_MAGIC 0x3147464347464d47ULL /* "GMFGCFG1" little-endian */
+#define MG_USAGE_MAGIC 0x3147534547464d47ULL  /* "GMFGESG1" little-endian */
+#define MG_ABI_VERSION 1u
+
+#define MG_MAX_PROCS 256
+#define MG_UUID_LEN 80
+#define MG_NAME_LEN 128
+
+#define MG_CONFIG_FILE "config"
+#define MG_USAGE_FILE "usage"
+#define MG_SOCKET_FILE "arbiter.sock"
+#define MG_DEFAULT_DIR "/var/run/gpufrac"
+
+/* config.flags */
+#define MG_FLAG_POD_KNOWN (1u << 0)   /* limit comes from the pod's annotations */
+#define MG_FLAG_PREEMPTIBLE (1u << 1) /* burst memory may be reclaimed by killing */
+#define MG_FLAG_SWAPPABLE (1u << 2)   /* may be swapped to host RAM */
+#define MG_FLAG_WHOLE_GPU (1u << 3)   /* whole GPU(s): account, never limit */
+#define MG_FLAG_DISABLED (1u << 4)    /* agent revoked the container: refuse all allocations */
+
+/* config.workload_class */
+#define MG_CLASS_BATCH 0
+#define MG_CLASS_INTERACTIVE 1
+#define MG_CLASS_INFERENCE 2
+
+typedef struct {
+    uint64_t magic;                  /* MG_CONFIG_MAGIC */
+    uint32_t abi_version;            /* MG_ABI_VERSION */
+    uint32_t file_size;              /* sizeof(mg_config_t) */
+    _Atomic uint64_t seq;            /* seqlock: odd while the agent writes */
+    uint64_t generation;             /* bumped by every agent update */
+    char gpu_uuid[MG_UUID_LEN];      /* the GPU this container's memory lives on */
+    uint64_t request_bytes;          /* guaranteed */
+    uint64_t limit_bytes;            /* hard ceiling, >= request */
+    uint64_t grant_bytes;            /* current burst grant above request (<= limit - request) */
+    uint32_t flags;                  /* MG_FLAG_* */
+    uint32_t workload_class;         /* MG_CLASS_* */
+    uint32_t arbiter_timeout_ms;     /* give up on the agent after this long */
+    uint32_t wait_timeout_ms;        /* wait resolver bound for this container */
+    int32_t priority;                /* pod.spec.priority */
+    uint32_t pad0;
+    /* informational, for `gpufrac memguard inspect` and logs */
+    char namespace_[64];
+    char pod[MG_NAME_LEN];
+    char container[64];
+    char pod_uid[40];
+} mg_config_t;
+
+typedef struct {
+    _Atomic int32_t pid;             /* 0 free, -1 being reaped, >0 owner (container pid ns) */
+    uint32_t pad0;
+    uint64_t start_time;             /* /proc/self/stat starttime (ticks since boot) */
+    _Atomic uint64_t used_bytes;     /* this process's counted GPU memory */
+    _Atomic uint64_t peak_bytes;
+    _Atomic uint64_t launches;       /* kernel/graph launches */
+    _Atomic uint64_t last_activity_ns; /* CLOCK_MONOTONIC ns of the last launch */
+    _Atomic uint64_t oom_refusals;   /* allocations the shim refused */
+    _Atomic uint32_t swapped;        /* 1 while the agent holds it swapped out */
+    _Atomic uint32_t pad1;
+} mg_proc_slot_t;
+
+typedef struct {
+    uint64_t magic;                  /* MG_USAGE_MAGIC */
+    uint32_t abi_version;
+    uint32_t file_size;              /* sizeof(mg_usage_t) */
+    _Atomic uint64_t total_used;     /* container-wide: reserved by CAS before the real allocation */
+    _Atomic uint64_t grant_returned; /* bytes of grant the shim no longer needs (agent reclaims) */
+    mg_proc_slot_t slots[MG_MAX_PROCS];
+} mg_usage_t;
+
+#endif
