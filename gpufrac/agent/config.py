@@ -133,6 +133,8 @@ class Config:
     grant_margin: int = _bytes(256 << 20)
     evict_idle_threshold: float = _seconds(600.0)
     status_socket: str = "/var/run/gpufrac/status.sock"
+    # The apiserver URL; empty = the in-cluster service account, else $KUBECONFIG / ~/.kube/config.
+    api_server: str = ""
     log_json: bool = False
     log_level: str = _choice("info", "debug", "info", "warning", "error")
     paths: PathsConfig = field(default_factory=PathsConfig)

@@ -58,6 +58,8 @@ class Inventory:
     links: dict[tuple[int, int], Link] = field(default_factory=dict)
     driver_version: str = ""
     cuda_driver_version: int = 0
+    # NVML indices of GPUs that did not answer (fell off the bus) -> why; not in `gpus`.
+    unreachable: dict[int, str] = field(default_factory=dict)
 
     def by_uuid(self, uuid: str) -> Gpu | None:
         return next((g for g in self.gpus if g.uuid == uuid), None)

@@ -21,6 +21,8 @@ def parse_bytes(value: str | int) -> int:
         q = parse_quantity(value)
     except (ValueError, InvalidOperation, TypeError) as e:
         raise ValueError(f"{value!r} is not a quantity like 24Gi or 2500Mi") from e
+    if not q.is_finite():  # Decimal accepts "NaN" and "Infinity"
+        raise ValueError(f"{value!r} is not a finite quantity")
     if q < 0:
         raise ValueError(f"{value!r} is negative")
     if q != q.to_integral_value():

@@ -20,6 +20,10 @@ MAX_NVLINKS = 18
 MAX_PROCS = 1024
 EVENT_RING = 64
 CPU_WORDS = 4
+UUID_LEN = 80
+NAME_LEN = 96
+BUSID_LEN = 32
+NVLINK_NVSWITCH = -2  # nvlink_peer entry: the link goes into an NVSwitch fabric
 
 TOPO_INTERNAL = 0
 TOPO_SINGLE = 10
@@ -83,7 +87,7 @@ class Proc(ctypes.Structure):
         ("busy_until_ns", u64),
         ("busy_ns_total", u64),
         ("ckpt_state", u32),
-        ("pad", u32),
+        ("api_inflight", u32),
         ("start_time", u64),
     ]
 

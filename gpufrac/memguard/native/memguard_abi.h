@@ -90,4 +90,37 @@ typedef struct {
     mg_proc_slot_t slots[MG_MAX_PROCS];
 } mg_usage_t;
 
+/*
+ * Slow path on arbiter.sock (added with the shim, issue 4; the arbiter is
+ * issue 5). One request and one reply per connection, both fixed-size,
+ * native byte order. The agent identifies the caller by SO_PEERCRED, never by
+ * `pid`. On MG_BURST_GRANTED the agent has ALREADY published the larger
+ * grant_bytes in config (generation >= rep.generation) before replying; the
+ * shim then re-reads the config and retries its reservation. Anything else
+ * (denial, timeout, short reply, bad magic) makes the allocation fail with
+ * CUDA_ERROR_OUT_OF_MEMORY.
+ */
+#define MG_BURST_MAGIC 0x3142474dU /* "MGB1" little-endian */
+#define MG_BURST_OP_BURST 1u
+#define MG_BURST_GRANTED 0u
+#define MG_BURST_DENIED 1u
+
+typedef struct {
+    uint32_t magic;        /* MG_BURST_MAGIC */
+    uint16_t version;      /* MG_ABI_VERSION */
+    uint16_t op;           /* MG_BURST_OP_BURST */
+    int32_t pid;           /* informational (container pid namespace) */
+    uint32_t pad0;
+    uint64_t bytes;        /* the allocation that does not fit request + grant */
+    uint64_t total_after;  /* container total_used if it were granted */
+    uint64_t generation;   /* config generation the shim decided on */
+} mg_burst_req_t;
+
+typedef struct {
+    uint32_t magic;        /* MG_BURST_MAGIC */
+    uint16_t version;      /* MG_ABI_VERSION */
+    uint16_t status;       /* MG_BURST_GRANTED / MG_BURST_DENIED */
+    uint64_t generation;   /* config generation that carries the grant */
+} mg_burst_rep_t;
+
 #endif

@@ -32,6 +32,10 @@
 #define SIMGPU_NAME_LEN 96
 #define SIMGPU_BUSID_LEN 32
 
+/* simgpu_gpu_t.nvlink_peer value for a link into an NVSwitch fabric (DGX/HGX):
+ * every pair of GPUs with fabric links talks over NVLink. */
+#define SIMGPU_NVLINK_NVSWITCH (-2)
+
 #define SIMGPU_PID_FREE 0
 #define SIMGPU_PID_REAPING (-1)
 
@@ -99,7 +103,7 @@ typedef struct {
     _Atomic uint64_t busy_until_ns;     /* CLOCK_REALTIME ns until which the GPU is busy for it */
     _Atomic uint64_t busy_ns_total;     /* accumulated busy time, for utilisation */
     _Atomic uint32_t ckpt_state;        /* SIMGPU_CKPT_* (per process: same in all its slots) */
-    _Atomic uint32_t pad;
+    _Atomic uint32_t api_inflight;      /* fake libcuda: API calls in progress (checkpoint lock waits for 0) */
     uint64_t start_time;                /* /proc/<pid>/stat starttime: guards against pid reuse */
 } simgpu_proc_t;
 

@@ -1,0 +1,39 @@
+"""Capacity study: one synthetic day on an 8-GPU node, replayed against whole GPUs,
+time-slicing, static fractions and gpufrac (docs/capacity-study.md).
+
+`python -m bench.packing` (or `python -m bench`, which calls main()) writes
+bench/results/packing.json; `--docs` also regenerates the table and plot in docs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_OUT = ROOT / "bench" / "results" / "packing.json"
+DOC = ROOT / "docs" / "capacity-study.md"
+PLOT = ROOT / "docs" / "capacity-study.png"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.packing import report
+
+    ap = argparse.ArgumentParser(prog="python -m bench.packing", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=7, help="trace seed (default 7)")
+    ap.add_argument("--sensitivity-seeds", type=int, default=5, help="seeds for the spread table (1 = off)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
+    ap.add_argument("--docs", action="store_true", help=f"also rewrite the table in {DOC.name} and the plot")
+    args = ap.parse_args(argv)
+    if args.sensitivity_seeds < 1:
+        ap.error(f"--sensitivity-seeds: {args.sensitivity_seeds} must be at least 1")
+
+    data = report.run_study(args.seed, args.sensitivity_seeds)
+    report.write_json(data, args.out)
+    print(report.markdown_table(data))
+    print(f"\nwrote {args.out}")
+    if args.docs:
+        report.update_doc(DOC, data)
+        report.plot(data, PLOT)
+        print(f"wrote {DOC} and {PLOT}")
+    return 0

@@ -1,0 +1,3 @@
+from bench.packing import main
+
+raise SystemExit(main())

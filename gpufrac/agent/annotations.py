@@ -1,0 +1,321 @@
+"""Pod annotations -> the policy of one container (DESIGN.md section 1).
+
+Pure functions: no I/O, no Kubernetes client. Every bad value becomes an
+AnnotationProblem naming the key, the value and why, plus the SAFE default for
+that setting (limit = request, preemptible, class batch, node-config timeouts).
+Nothing here raises on user input, and nothing here ever yields a limit below
+the request or above the GPU's allocatable memory.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from typing import TypeVar
+
+from gpufrac.agent.config import Config
+from gpufrac.agent.units import format_bytes, parse_bytes, parse_duration
+from gpufrac.memguard.formats import (
+    CLASS_NAMES,
+    FLAG_POD_KNOWN,
+    FLAG_PREEMPTIBLE,
+    FLAG_SWAPPABLE,
+    FLAG_WHOLE_GPU,
+)
+
+PREFIX = "gpufrac.dev/"
+MEMORY_LIMIT = PREFIX + "gpu-memory-limit"
+FRACTION_LIMIT = PREFIX + "gpu-fraction-limit"
+PREEMPTIBLE = PREFIX + "preemptible"
+SWAPPABLE = PREFIX + "swappable"
+WORKLOAD_CLASS = PREFIX + "workload-class"
+IDLE_TIMEOUT = PREFIX + "idle-timeout"
+MAX_RUNTIME = PREFIX + "max-runtime"
+WAIT_TIMEOUT = PREFIX + "wait-timeout"
+
+LIMIT_KEYS = (MEMORY_LIMIT, FRACTION_LIMIT)
+# Every annotation a user may write. Other gpufrac.dev/ keys are typos and are
+# reported, so "gpufrac.dev/gpu-memory-limt" does not silently mean "no burst".
+# Parts of gpufrac that write their own annotations add them to AGENT_OWNED.
+USER_KEYS = frozenset(
+    {*LIMIT_KEYS, PREEMPTIBLE, SWAPPABLE, WORKLOAD_CLASS, IDLE_TIMEOUT, MAX_RUNTIME, WAIT_TIMEOUT}
+)
+AGENT_OWNED: set[str] = set()
+
+T = TypeVar("T")
+DEFAULT_CLASS = "batch"
+# The config file stores the wait timeout in a u32 of milliseconds.
+MAX_WAIT_TIMEOUT_S = (2**32 - 1) / 1000
+_INT32 = (-(2**31), 2**31 - 1)
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%?\s*$")
+
+
+@dataclass(frozen=True)
+class AnnotationProblem:
+    """One annotation the agent could not honour, and what it did instead."""
+
+    key: str
+    value: str
+    reason: str
+    default: str  # the safe value applied instead, in words
+
+    def message(self, container: str) -> str:
+        """The text of the Warning Event: names key, value, reason and the default applied."""
+        return (
+            f'annotation {self.key}="{self.value}" ignored for container {container}: '
+            f"{self.reason}; applied the safe default {self.default}"
+        )
+
+
+@dataclass(frozen=True)
+class ContainerPolicy:
+    """What the agent enforces for one container, decided from its pod."""
+
+    request_bytes: int
+    limit_bytes: int
+    limit_key: str | None  # the annotation the limit came from; None = limit is the request
+    workload_class: str = DEFAULT_CLASS
+    preemptible: bool = True
+    swappable: bool = False
+    priority: int = 0
+    idle_timeout: float = 0.0  # seconds
+    max_runtime: float = 0.0  # seconds, 0 = none
+    wait_timeout: float = 0.0  # seconds
+    whole_gpu: bool = False
+    pod_known: bool = True
+
+    @property
+    def flags(self) -> int:
+        f = FLAG_POD_KNOWN if self.pod_known else 0
+        f |= FLAG_PREEMPTIBLE if self.preemptible else 0
+        f |= FLAG_SWAPPABLE if self.swappable else 0
+        f |= FLAG_WHOLE_GPU if self.whole_gpu else 0
+        return f
+
+    @property
+    def burst(self) -> bool:
+        return self.limit_bytes > self.request_bytes
+
+    def config_fields(self) -> dict[str, int]:
+        """The memguard ContainerConfig fields this policy sets (for ledger.update_config)."""
+        return {
+            "limit_bytes": self.limit_bytes,
+            "flags": self.flags,
+            "workload_class": CLASS_NAMES[self.workload_class],
+            "priority": self.priority,
+            "wait_timeout_ms": round(self.wait_timeout * 1000),
+        }
+
+
+@dataclass
+class PolicyResult:
+    policy: ContainerPolicy
+    problems: list[AnnotationProblem] = field(default_factory=list)
+
+
+def safe_policy(request_bytes: int, cfg: Config, *, whole_gpu: bool = False) -> ContainerPolicy:
+    """The policy of a container whose pod is not known yet: no burst, node defaults."""
+    return ContainerPolicy(
+        request_bytes=request_bytes,
+        limit_bytes=request_bytes,
+        limit_key=None,
+        swappable=cfg.swap.default_swappable,
+        idle_timeout=cfg.idle.idle_timeout,
+        max_runtime=cfg.idle.max_runtime,
+        wait_timeout=min(cfg.wait_timeout, MAX_WAIT_TIMEOUT_S),
+        whole_gpu=whole_gpu,
+        pod_known=False,
+    )
+
+
+def _bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("true", "false"):
+        return t == "true"
+    raise ValueError("must be true or false")
+
+
+def _percent(text: str) -> Decimal:
+    m = _PERCENT.match(text)
+    if not m:
+        raise ValueError("must be a percentage of the GPU between 1 and 100, like 80")
+    try:
+        pct = Decimal(m.group(1))
+    except InvalidOperation as e:  # pragma: no cover - the regex admits only decimals
+        raise ValueError("is not a number") from e
+    if not 0 < pct <= 100:
+        raise ValueError("must be a percentage of the GPU between 1 and 100")
+    return pct
+
+
+def _positive_duration(text: str) -> float:
+    seconds = parse_duration(text)
+    if seconds <= 0:
+        raise ValueError("must be a positive duration like 30m")
+    return seconds
+
+
+def _wait_duration(text: str) -> float:
+    seconds = parse_duration(text)
+    if seconds > MAX_WAIT_TIMEOUT_S:
+        raise ValueError(f"is above the maximum of {MAX_WAIT_TIMEOUT_S:.0f}s")
+    return seconds
+
+
+def _reason(e: ValueError, value: str) -> str:
+    # units.py messages start with the repr of the value; the Event already names it.
+    text = str(e)
+    quoted = repr(value)
+    return text[len(quoted) :].strip() if text.startswith(quoted) else text
+
+
+def container_key(base: str, container: str) -> str:
+    """The per-container override of a limit annotation: gpufrac.dev/gpu-memory-limit.<container>."""
+    return f"{base}.{container}"
+
+
+def parse_policy(
+    annotations: Mapping[str, str] | None,
+    *,
+    container: str,
+    request_bytes: int,
+    gpu_allocatable: int,
+    cfg: Config,
+    priority: int | None = None,
+    containers: Collection[str] | None = None,
+    whole_gpu: bool = False,
+) -> PolicyResult:
+    """Decide one container's policy from its pod's annotations.
+
+    `gpu_allocatable` is the allocatable memory of the GPU the container lives on
+    (total - reserved); `containers` are all container names of the pod (for typo
+    checks of per-container overrides); `whole_gpu` marks whole-GPU allocations,
+    which are accounted but never limited below their GPUs.
+    """
+    ann = {str(k): str(v) for k, v in (annotations or {}).items()}
+    problems: list[AnnotationProblem] = []
+    base = safe_policy(request_bytes, cfg, whole_gpu=whole_gpu)
+
+    def setting(key: str, parse: Callable[[str], T], default: T, default_text: str) -> T:
+        if key not in ann:
+            return default
+        try:
+            return parse(ann[key])
+        except ValueError as e:
+            problems.append(AnnotationProblem(key, ann[key], _reason(e, ann[key]), default_text))
+            return default
+
+    _check_keys(ann, containers, problems)
+    limit, limit_key = _limit(ann, container, request_bytes, gpu_allocatable, whole_gpu, problems)
+
+    wclass = setting(WORKLOAD_CLASS, _class, DEFAULT_CLASS, DEFAULT_CLASS)
+    preemptible = setting(PREEMPTIBLE, _bool, True, "preemptible=true")
+    swappable = setting(SWAPPABLE, _bool, base.swappable, f"swappable={str(base.swappable).lower()}")
+    idle = setting(
+        IDLE_TIMEOUT, _positive_duration, base.idle_timeout, f"the node's idle-timeout {base.idle_timeout:g}s"
+    )
+    max_rt = setting(
+        MAX_RUNTIME, _positive_duration, base.max_runtime, f"the node's max-runtime {base.max_runtime:g}s"
+    )
+    wait = setting(
+        WAIT_TIMEOUT, _wait_duration, base.wait_timeout, f"the node's wait-timeout {base.wait_timeout:g}s"
+    )
+
+    prio = 0 if priority is None else max(_INT32[0], min(_INT32[1], int(priority)))
+    policy = ContainerPolicy(
+        request_bytes=request_bytes,
+        limit_bytes=limit,
+        limit_key=limit_key,
+        workload_class=wclass,
+        preemptible=preemptible,
+        swappable=swappable,
+        priority=prio,
+        idle_timeout=idle,
+        max_runtime=max_rt,
+        wait_timeout=wait,
+        whole_gpu=whole_gpu,
+        pod_known=True,
+    )
+    return PolicyResult(policy, problems)
+
+
+def _class(text: str) -> str:
+    t = text.strip().lower()
+    if t not in CLASS_NAMES:
+        raise ValueError(f"unknown workload class (choose from {', '.join(sorted(CLASS_NAMES))})")
+    return t
+
+
+def _check_keys(
+    ann: Mapping[str, str], containers: Collection[str] | None, problems: list[AnnotationProblem]
+) -> None:
+    """Report gpufrac.dev/ keys nobody reads (typos) and overrides naming no container."""
+    for key, value in ann.items():
+        if not key.startswith(PREFIX) or key in USER_KEYS or key in AGENT_OWNED:
+            continue
+        base, _, target = key.rpartition(".")
+        if base in LIMIT_KEYS and target:
+            if containers is not None and target not in containers:
+                problems.append(
+                    AnnotationProblem(
+                        key, value, f"the pod has no container named {target!r}", "no per-container override"
+                    )
+                )
+            continue
+        problems.append(
+            AnnotationProblem(
+                key, value, f"unknown gpufrac annotation (known: {', '.join(sorted(USER_KEYS))})", "ignored"
+            )
+        )
+
+
+def _limit(
+    ann: Mapping[str, str],
+    container: str,
+    request: int,
+    allocatable: int,
+    whole_gpu: bool,
+    problems: list[AnnotationProblem],
+) -> tuple[int, str | None]:
+    """The burst limit and the key it came from; limit = request on any doubt."""
+    default = f"limit = request ({format_bytes(request)})"
+    per_container = [k for k in (container_key(b, container) for b in LIMIT_KEYS) if k in ann]
+    pod_level = [k for k in LIMIT_KEYS if k in ann]
+    # The most specific level wins; two kinds at the same level are ambiguous.
+    given = per_container or pod_level
+    if not given:
+        return request, None
+    if len(given) > 1:
+        both = " and ".join(given)
+        for k in given:
+            problems.append(AnnotationProblem(k, ann[k], f"{both} are both set; set only one", default))
+        return request, None
+    key = given[0]
+    value = ann[key]
+    if whole_gpu:
+        # A whole-GPU container already owns its GPUs; only tell the user when
+        # they aimed the annotation at this very container.
+        if per_container:
+            problems.append(AnnotationProblem(key, value, "has no effect on a whole-GPU allocation", default))
+        return request, None
+    try:
+        if key.startswith(MEMORY_LIMIT):
+            limit = parse_bytes(value)
+        else:
+            limit = int(allocatable * _percent(value) / 100)
+    except ValueError as e:
+        problems.append(AnnotationProblem(key, value, _reason(e, value), default))
+        return request, None
+    if limit < request:
+        reason = (
+            f"{format_bytes(limit)} is below the request {format_bytes(request)}; a limit never undercuts it"
+        )
+        problems.append(AnnotationProblem(key, value, reason, default))
+        return request, None
+    if limit > allocatable:
+        reason = f"{format_bytes(limit)} is above the GPU's allocatable {format_bytes(allocatable)}"
+        problems.append(AnnotationProblem(key, value, reason, default))
+        return request, None
+    return limit, key

@@ -1,0 +1,457 @@
+"""The gpufrac node agent: device plugins, the allocation ledger, health, recovery.
+
+One asyncio loop owns all agent state (docs/architecture.md): the ledger, the two
+device-plugin servers, the reconciler with the kubelet's pod-resources and the
+health monitor (whose blocking NVML wait runs in a worker thread).
+
+Run it with `gpufrac agent --config node.yaml` or `python -m gpufrac.agent.main`;
+tests, the bench and the demo may also run `Agent` in-process (AgentThread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import inspect
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from gpufrac.agent import config as config_mod
+from gpufrac.agent.allocations import (
+    AllocationError,
+    ContainerAlloc,
+    Ledger,
+    container_key,
+    remove_container_dir,
+    write_container_dir,
+)
+from gpufrac.agent.config import Config
+from gpufrac.agent.gpus import GpuHealth, Inventory
+from gpufrac.agent.state import StateStore, restore
+from gpufrac.deviceplugin import preferred as preferred_mod
+from gpufrac.deviceplugin import slices
+from gpufrac.deviceplugin.podresources import ContainerDevices, PodResourcesClient
+from gpufrac.deviceplugin.server import DevicePlugin, PluginServer
+
+log = logging.getLogger("gpufrac.agent")
+T = TypeVar("T")
+
+# How often the agent asks pod-resources which containers still hold devices.
+RECONCILE_INTERVAL = 3.0
+# A fresh allocation is not released for missing from pod-resources this soon: the
+# kubelet records it only after Allocate returns.
+RELEASE_GRACE = 10.0
+
+
+class Agent:
+    """The agent. `inventory` and `health` may be injected (tests); by default they
+    come from NVML (gpufrac.agent.inventory / gpufrac.agent.health)."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        inventory: Inventory | None = None,
+        health: Any | None = None,
+        reconcile_interval: float = RECONCILE_INTERVAL,
+        release_grace: float = RELEASE_GRACE,
+    ) -> None:
+        self.config = config
+        self.inventory = inventory
+        self.health = health
+        self.reconcile_interval = reconcile_interval
+        self.release_grace = release_grace
+        self.ledger: Ledger | None = None
+        self.state = StateStore(config.paths.state_dir)
+        self.pod_resources = PodResourcesClient(config.paths.pod_resources_socket)
+        # Last pod-resources answer: container key -> who holds those devices.
+        self.listing: dict[str, ContainerDevices] = {}
+        self.plugins: dict[str, DevicePlugin] = {}
+        self.servers: dict[str, PluginServer] = {}
+        self.started = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._dirty = asyncio.Event()
+        self._identity_task: asyncio.Task[None] | None = None
+        self._identity_again = False
+
+    # -- lifetime --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        cfg = self.config
+        os.makedirs(cfg.paths.containers_dir, exist_ok=True)
+        if self.inventory is None:
+            from gpufrac.agent.inventory import read_inventory
+
+            self.inventory = await asyncio.to_thread(read_inventory)
+        ledger = self.ledger = Ledger(cfg, self.inventory)
+        log.info(
+            "agent on %s: %d GPUs, policy %s, memory unit %d bytes, reserved %d bytes per GPU",
+            cfg.node_name, len(self.inventory.gpus), cfg.allocation_policy, cfg.memory_unit, cfg.reserved_per_gpu,
+        )
+        await self._recover()
+        ledger.add_listener(self._on_change)
+        if self.health is None:
+            self.health = await asyncio.to_thread(self._open_health)
+        if self.health is not None:
+            self._apply_health(self.health.current())
+            self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
+        for resource in slices.RESOURCES:
+            plugin = self.plugins[resource] = DevicePlugin(resource, self)
+            server = self.servers[resource] = PluginServer(plugin, cfg.paths.device_plugin_dir)
+            await server.start()
+        self._tasks.append(asyncio.create_task(self._persist_loop(), name="persist"))
+        self._tasks.append(asyncio.create_task(self._reconcile_loop(), name="reconcile"))
+        self.started.set()
+
+    def _open_health(self) -> Any | None:
+        try:
+            from gpufrac.agent.health import HealthMonitor
+
+            assert self.inventory is not None
+            return HealthMonitor(self.config.health, gpus=self.inventory.gpus)
+        except Exception as e:  # no health monitoring is better than no agent
+            log.error("GPU health monitoring unavailable: %s", e)
+            return None
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        for server in self.servers.values():
+            await server.stop()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self.ledger is not None:
+            await self.state.save(self.ledger)
+        if self.health is not None and hasattr(self.health, "close"):
+            await asyncio.to_thread(self.health.close)
+
+    async def run(self) -> None:
+        """Start, serve until stop() (or SIGTERM/SIGINT), then stop."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(sig, self._stopping.set)
+        await self.start()
+        log.info("agent ready")
+        await self._stopping.wait()
+        log.info("agent stopping")
+        await self.stop()
+
+    # -- recovery --------------------------------------------------------------------
+
+    async def _recover(self) -> None:
+        """Rebuild the ledger: persisted state, reconciled with what the kubelet says."""
+        assert self.ledger is not None
+        entries = await asyncio.to_thread(self.state.load)
+        restored = restore(self.ledger, entries or [])
+        if restored:
+            log.info("state: %d allocations restored from %s", len(restored), self.state.path)
+        if not await self.reconcile(grace=0.0, materialize=False):
+            log.warning(
+                "pod-resources (%s) not reachable at start: keeping %d persisted allocations until it answers",
+                self.config.paths.pod_resources_socket, len(self.ledger.containers()),
+            )
+        await self._materialize_all()
+        await asyncio.to_thread(self._clean_orphans, {a.key for a in self.ledger.containers()})
+        await self.state.save(self.ledger)
+
+    async def _materialize_all(self) -> None:
+        """(Re)write every booked container's directory and keep its config open."""
+        assert self.ledger is not None
+        for alloc in self.ledger.containers():
+            handle = await asyncio.to_thread(write_container_dir, alloc.directory, alloc.config)
+            self.ledger.attach(alloc.key, handle)
+
+    def _clean_orphans(self, keep: set[str]) -> None:
+        root = self.config.paths.containers_dir
+        try:
+            names = os.listdir(root)
+        except FileNotFoundError:
+            return
+        for name in names:
+            if name not in keep:
+                log.info("removing directory of gone container %s", name)
+                remove_container_dir(os.path.join(root, name))
+
+    async def reconcile(self, grace: float | None = None, materialize: bool = True) -> bool:
+        """Align the ledger with pod-resources: release what the kubelet no longer lists
+        (older than `grace`), rebuild what it lists but the ledger lacks, record names.
+        False when pod-resources did not answer (nothing changed then)."""
+        assert self.ledger is not None
+        grace = self.release_grace if grace is None else grace
+        try:
+            listed = await self.pod_resources.list(slices.RESOURCES)
+        except grpc.aio.AioRpcError as e:
+            log.debug("pod-resources List: %s", e.details())
+            return False
+        self.listing = {}
+        for c in listed:
+            try:
+                self.listing[container_key(c.resource, c.device_ids)] = c
+            except ValueError:
+                log.warning("pod-resources lists unknown %s devices for %s/%s", c.resource, c.namespace, c.pod)
+        now = time.time()
+        for alloc in self.ledger.containers():
+            c = self.listing.get(alloc.key)
+            if c is not None:
+                if alloc.pod is None:
+                    self.ledger.bind(alloc.key, c.namespace, c.pod, c.container, alloc.pod_uid)
+            elif now - alloc.created >= grace:
+                log.info("releasing %s (%s): pod-resources no longer lists it", alloc.key, alloc.who())
+                self.ledger.release(alloc.key)
+        for key, c in self.listing.items():
+            if self.ledger.get(key) is not None:
+                continue
+            try:
+                alloc = self.ledger.reserve(c.resource, list(c.device_ids), ignore_health=True)
+            except AllocationError as e:
+                log.error("cannot rebuild allocation of %s/%s %s: %s", c.namespace, c.pod, c.container, e.message)
+                continue
+            self.ledger.bind(alloc.key, c.namespace, c.pod, c.container, None)
+            log.info("rebuilt allocation %s of %s/%s %s from pod-resources", key, c.namespace, c.pod, c.container)
+            if materialize:
+                handle = await asyncio.to_thread(write_container_dir, alloc.directory, alloc.config)
+                self.ledger.attach(alloc.key, handle)
+        return True
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.reconcile_interval)
+            try:
+                if await self.reconcile():
+                    await asyncio.to_thread(self._clean_orphans, {a.key for a in self.ledger.containers()})
+                    await self._resolve_identity()
+            except Exception:
+                log.exception("reconcile failed")
+
+    # -- persistence and change propagation ---------------------------------------------
+
+    def _on_change(self) -> None:
+        for plugin in self.plugins.values():
+            plugin.notify()
+        self._dirty.set()
+
+    async def _persist_loop(self) -> None:
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            try:
+                await self.state.save(self.ledger)
+            except OSError as e:
+                log.error("cannot write state file %s: %s", self.state.path, e)
+                await asyncio.sleep(1.0)
+                self._dirty.set()
+
+    # -- health ------------------------------------------------------------------------
+
+    def _apply_health(self, health: dict[str, GpuHealth]) -> None:
+        assert self.ledger is not None
+        for uuid, h in health.items():
+            if self.ledger.set_health(uuid, h.healthy, h.reason):
+                log.warning("GPU %s is now %s%s: its slices follow", uuid,
+                            "Healthy" if h.healthy else "Unhealthy", f" ({h.reason})" if h.reason else "")
+
+    async def _health_loop(self) -> None:
+        timeout_ms = max(10, int(self.config.health.poll_interval * 1000))
+        while True:
+            try:
+                await asyncio.to_thread(self.health.poll, timeout_ms)
+            except Exception as e:
+                log.error("health poll failed: %s", e)
+                await asyncio.sleep(self.config.health.poll_interval)
+                continue
+            self._apply_health(self.health.current())
+
+    # -- Backend for the device-plugin servers --------------------------------------------
+
+    def devices(self, resource: str) -> list[tuple[str, bool, int | None]]:
+        assert self.ledger is not None
+        return self.ledger.devices(resource)
+
+    def preferred(self, resource: str, available: Sequence[str], must: Sequence[str], size: int) -> list[str]:
+        assert self.ledger is not None and self.inventory is not None
+        return preferred_mod.preferred(
+            resource, available, must, size, self.ledger.geometry, self.inventory, self.config.allocation_policy
+        )
+
+    async def allocate(self, resource: str, device_ids: Sequence[str]) -> ContainerAlloc:
+        ledger = self.ledger
+        assert ledger is not None
+        existing = ledger.find(resource, device_ids)
+        if existing is not None or any(ledger.owner(d) for d in device_ids):
+            # The kubelet reuses devices of deleted pods without telling us: ask it
+            # which holders are still alive before calling this double booking.
+            if await self.reconcile(grace=0.0):
+                existing = ledger.find(resource, device_ids)
+                if existing is not None and existing.key in self.listing:
+                    log.info("Allocate: %s again for %s (kubelet re-allocation)", existing.key, existing.who())
+                    return existing
+            elif existing is not None:
+                # Cannot tell who holds them: start over with the safe config (limit = request).
+                ledger.release(existing.key)
+        alloc = ledger.reserve(resource, device_ids)
+        try:
+            handle = await asyncio.to_thread(write_container_dir, alloc.directory, alloc.config)
+        except OSError as e:
+            ledger.release(alloc.key)
+            raise AllocationError(
+                grpc.StatusCode.INTERNAL, f"cannot create container directory {alloc.directory}: {e}"
+            ) from e
+        ledger.attach(alloc.key, handle)
+        await self.state.save(ledger)  # on disk before the kubelet hears of it
+        log.info(
+            "allocated %s: %s x%d on %s (%d bytes per GPU)",
+            alloc.key, resource, alloc.slice_count, ",".join(alloc.gpus), alloc.request_bytes,
+        )
+        self._kick_identity()
+        return alloc
+
+    async def prestart(self, resource: str, device_ids: Sequence[str]) -> None:
+        assert self.ledger is not None
+        if self.ledger.find(resource, device_ids) is None:
+            await self.reconcile()  # rebuilds from pod-resources if our state was lost
+        if self.ledger.find(resource, device_ids) is None:
+            ids = sorted(device_ids)
+            raise AllocationError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"PreStartContainer: {resource} devices {ids[:6]}{'…' if len(ids) > 6 else ''} were never "
+                "allocated by this agent",
+            )
+        self._kick_identity()
+
+    # -- pod identity hook -----------------------------------------------------------------
+
+    def _kick_identity(self) -> None:
+        """Resolve pod identity soon, without delaying the kubelet's call."""
+        if self._identity_task is not None and not self._identity_task.done():
+            self._identity_again = True
+            return
+        self._identity_task = asyncio.create_task(self._identity_soon())
+
+    async def _identity_soon(self) -> None:
+        while True:
+            self._identity_again = False
+            await self.reconcile()  # the kubelet has recorded the new allocation by now
+            await self._resolve_identity()
+            if not self._identity_again:
+                return
+
+    async def _resolve_identity(self) -> None:
+        """gpufrac.agent.identity.resolve(agent), when that module exists."""
+        try:
+            mod = importlib.import_module("gpufrac.agent.identity")
+        except ModuleNotFoundError as e:
+            if e.name != "gpufrac.agent.identity":
+                log.error("pod identity unavailable: %s", e)
+            return
+        resolve: Callable[[Agent], Any] | None = getattr(mod, "resolve", None)
+        if resolve is None:
+            return
+        try:
+            result = resolve(self)
+            if inspect.isawaitable(result):
+                await result
+        except Exception:
+            log.exception("pod identity resolution failed")
+
+
+class AgentThread:
+    """An Agent on its own event loop in a background thread (tests, bench, demo)."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._main, name="gpufrac-agent", daemon=True)
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    def _main(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        try:
+            self.loop.run_until_complete(self._serve())
+        except BaseException as e:
+            self._error = e
+            self._ready.set()
+        finally:
+            self.loop.close()
+
+    async def _serve(self) -> None:
+        self.agent._stopping = asyncio.Event()
+        try:
+            await self.agent.start()
+        finally:
+            self._ready.set()
+        await self.agent._stopping.wait()
+        await self.agent.stop()
+
+    def start(self, timeout: float = 60.0) -> AgentThread:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("agent did not start")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def call(self, fn: Callable[[], Coroutine[Any, Any, T]] | Awaitable[T], timeout: float = 30.0) -> T:
+        assert self.loop is not None
+
+        async def run() -> T:
+            return await (fn() if callable(fn) else fn)
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.loop is not None and self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.agent._stopping.set)
+            self._thread.join(timeout)
+
+
+def setup_logging(cfg: Config) -> None:
+    fmt = (
+        '{"time":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}'
+        if cfg.log_json
+        else "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.basicConfig(level=cfg.log_level.upper(), format=fmt, stream=sys.stderr, force=True)
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_mod.load(args.config)
+    except config_mod.ConfigError as e:
+        print(f"gpufrac agent: {e}", file=sys.stderr)
+        return 2
+    setup_logging(cfg)
+    try:
+        asyncio.run(Agent(cfg).run())
+    except Exception as e:
+        from gpufrac.agent.inventory import NvmlError
+
+        if isinstance(e, NvmlError):
+            log.error("%s", e)
+            return 1
+        raise
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gpufrac.agent.main", description="gpufrac node agent")
+    parser.add_argument("--config", help="node config YAML (default: built-in defaults)")
+    return cmd_agent(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

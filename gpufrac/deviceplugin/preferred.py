@@ -1,0 +1,131 @@
+"""GetPreferredAllocation: which slices the kubelet should pick for one container.
+
+A share (fraction <= 100, any memory request) comes from one GPU: `binpack` picks
+the GPU that fits with the least left over, `spread` the one with the most.
+Whole GPUs (fraction 200, 300, …) get the best-connected set of fully free GPUs:
+inside one NUMA node when possible, then most NVLinks, then the closest PCIe path.
+
+The kubelet intersects the answer with what is available and fills any shortfall
+itself, so when nothing fits we still answer (best effort) and let Allocate
+explain the refusal.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+
+from gpufrac.agent.gpus import Inventory
+from gpufrac.deviceplugin import slices
+from gpufrac.deviceplugin.slices import FRACTION, FRACTION_SLICES, GpuGeometry
+
+# Above this many candidate sets, whole GPUs are chosen greedily instead.
+_MAX_COMBINATIONS = 20000
+
+
+def _by_gpu(ids: Sequence[str], geometry: Mapping[str, GpuGeometry]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for dev in ids:
+        try:
+            s = slices.parse(dev)
+        except ValueError:
+            continue
+        if s.gpu_uuid in geometry:
+            out.setdefault(s.gpu_uuid, []).append(dev)
+    for devs in out.values():
+        devs.sort(key=slices.sort_key)
+    return out
+
+
+def preferred(
+    resource: str,
+    available: Sequence[str],
+    must_include: Sequence[str],
+    size: int,
+    geometry: Mapping[str, GpuGeometry],
+    inventory: Inventory,
+    policy: str = "binpack",
+) -> list[str]:
+    """The device IDs to prefer (at most `size`), must_include first."""
+    if size <= 0:
+        return []
+    must = list(dict.fromkeys(must_include))
+    pool = list(dict.fromkeys([*must, *available]))
+    free = _by_gpu(pool, geometry)
+    if resource == FRACTION and size > FRACTION_SLICES and size % FRACTION_SLICES == 0:
+        gpus = _whole_gpus(size // FRACTION_SLICES, free, must, geometry, inventory)
+        if gpus is not None:
+            return [d for u in gpus for d in free[u]][:size]
+    return _share(size, free, must, geometry, policy)
+
+
+def _fill(gpu: str, size: int, free: Mapping[str, list[str]], must: Sequence[str]) -> list[str]:
+    chosen = [d for d in must if d in set(free.get(gpu, ()))]
+    rest = [d for d in free.get(gpu, ()) if d not in set(chosen)]
+    return (chosen + rest)[:size]
+
+
+def _share(
+    size: int,
+    free: Mapping[str, list[str]],
+    must: Sequence[str],
+    geometry: Mapping[str, GpuGeometry],
+    policy: str,
+) -> list[str]:
+    must_gpus = {slices.parse(d).gpu_uuid for d in must if d in {x for v in free.values() for x in v}}
+    candidates = [u for u in geometry if len(free.get(u, ())) >= size and must_gpus <= {u}]
+    if candidates:
+        leftover = {u: len(free[u]) - size for u in candidates}
+        # binpack: least left over; spread: most left over; ties -> lowest GPU index.
+        sign = 1 if policy == "binpack" else -1
+        best = min(candidates, key=lambda u: (sign * leftover[u], geometry[u].index))
+        return _fill(best, size, free, must)
+    # Nothing fits on one GPU: best effort from the GPU with the most room (Allocate
+    # will refuse with the reason if the kubelet insists on spanning GPUs).
+    if not free:
+        return list(must)[:size]
+    home = next(iter(must_gpus)) if len(must_gpus) == 1 else max(free, key=lambda u: len(free[u]))
+    return _fill(home, size, free, must)
+
+
+def _whole_gpus(
+    count: int,
+    free: Mapping[str, list[str]],
+    must: Sequence[str],
+    geometry: Mapping[str, GpuGeometry],
+    inventory: Inventory,
+) -> list[str] | None:
+    full = [u for u in geometry if len(free.get(u, ())) == FRACTION_SLICES]
+    must_gpus = {slices.parse(d).gpu_uuid for d in must if slices.parse(d).gpu_uuid in geometry}
+    if len(full) < count or not must_gpus <= set(full):
+        return None
+    idx = {u: geometry[u].index for u in full}
+
+    def score(group: Sequence[str]) -> tuple[int, int, int, tuple[int, ...]]:
+        numa = {geometry[u].numa_node for u in group}
+        nvlinks = pcie = 0
+        for a, b in itertools.combinations(group, 2):
+            link = inventory.link(idx[a], idx[b])
+            nvlinks += link.nvlinks
+            pcie += link.pcie.rank
+        # Smaller is better: one NUMA node, more NVLinks, nearer PCIe, lower indices.
+        return (0 if len(numa) == 1 else 1, -nvlinks, pcie, tuple(idx[u] for u in group))
+
+    others = [u for u in full if u not in must_gpus]
+    need = count - len(must_gpus)
+    base = sorted(must_gpus, key=lambda u: idx[u])
+    n_comb = 1
+    for i in range(need):
+        n_comb = n_comb * (len(others) - i) // (i + 1)
+    if n_comb <= _MAX_COMBINATIONS:
+        best = min((base + list(c) for c in itertools.combinations(others, need)), key=score, default=None)
+    else:  # greedy: grow the set by the GPU that scores best with it
+        best = list(base)
+        pool = list(others)
+        if not best:
+            best.append(pool.pop(0))
+        while len(best) < count:
+            nxt = min(pool, key=lambda u: score([*best, u]))
+            pool.remove(nxt)
+            best.append(nxt)
+    return sorted(best, key=lambda u: idx[u]) if best is not None else None

@@ -1,0 +1,285 @@
+"""The kubelet device-plugin servers (v1beta1), one per gpufrac resource.
+
+Each resource serves DevicePlugin on its own socket in the kubelet's
+device-plugin directory, *then* registers on kubelet.sock (the kubelet dials back
+inside Register). A kubelet restart wipes every socket and re-creates
+kubelet.sock; when a ListAndWatch stream ends the kubelet never re-dials. So a
+supervisor task per resource watches kubelet.sock, its own socket and the
+streams, and serves/registers again, backing off while the kubelet is away.
+
+All of it runs on the agent's event loop (grpc.aio); the decisions (booking,
+files, persistence) belong to a Backend, the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
+
+import grpc
+
+from gpufrac.agent.allocations import AllocationError, ContainerAlloc
+from gpufrac.agent.config import Config
+from gpufrac.deviceplugin import slices
+from gpufrac.memguard import formats
+from gpufrac.proto import deviceplugin_pb2 as pb
+from gpufrac.proto import deviceplugin_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "v1beta1"
+HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
+# The kubelet's own dial-back inside Register may take up to 10 s.
+REGISTER_TIMEOUT = 15.0
+WATCH_INTERVAL = 0.1
+SHIM_NAME = "libmemguard.so"
+
+
+class Backend(Protocol):
+    """What the servers need from the agent."""
+
+    config: Config
+
+    def devices(self, resource: str) -> list[tuple[str, bool, int | None]]: ...
+    def preferred(self, resource: str, available: Sequence[str], must: Sequence[str], size: int) -> list[str]: ...
+    async def allocate(self, resource: str, device_ids: Sequence[str]) -> ContainerAlloc: ...
+    async def prestart(self, resource: str, device_ids: Sequence[str]) -> None: ...
+
+
+def arbiter_socket(config: Config) -> str:
+    """Host path of the arbiter's unix socket (one per node; peers are told apart by SO_PEERCRED)."""
+    return getattr(config.paths, "arbiter_socket", None) or os.path.join(config.paths.state_dir, "arbiter.sock")
+
+
+def container_response(alloc: ContainerAlloc, config: Config) -> pb.ContainerAllocateResponse:
+    """What the kubelet hands the container runtime: the GPU(s) and the shim injection."""
+    resp = pb.ContainerAllocateResponse()
+    if config.device_list_strategy == "cdi":
+        resp.cdi_devices.extend(pb.CDIDevice(name=f"nvidia.com/gpu={u}") for u in alloc.gpus)
+    else:
+        resp.envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(alloc.gpus)
+    cdir = config.paths.container_dir
+    shim = os.path.join(cdir, SHIM_NAME)
+    resp.envs["LD_PRELOAD"] = shim
+    resp.envs["GPUFRAC_CONTAINER_DIR"] = cdir
+    # File mounts, not the directory: the container may write its usage file and
+    # reach the arbiter, but its config (limits) is read-only to it.
+    host = alloc.directory
+    resp.mounts.extend(
+        [
+            pb.Mount(container_path=shim, host_path=config.paths.shim_host_path, read_only=True),
+            pb.Mount(
+                container_path=os.path.join(cdir, formats.CONFIG_FILE),
+                host_path=os.path.join(host, formats.CONFIG_FILE),
+                read_only=True,
+            ),
+            pb.Mount(
+                container_path=os.path.join(cdir, formats.USAGE_FILE),
+                host_path=os.path.join(host, formats.USAGE_FILE),
+                read_only=False,
+            ),
+            pb.Mount(
+                container_path=os.path.join(cdir, formats.SOCKET_FILE),
+                host_path=arbiter_socket(config),
+                read_only=False,
+            ),
+        ]
+    )
+    return resp
+
+
+def _stat_id(path: str) -> tuple[int, int, int] | None:
+    """Identity of a file: inode numbers are reused, so ctime tells re-creations apart."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_ctime_ns)
+
+
+class DevicePlugin(pb_grpc.DevicePluginServicer):
+    """The DevicePlugin service of one resource."""
+
+    def __init__(self, resource: str, backend: Backend) -> None:
+        self.resource = resource
+        self.backend = backend
+        self._version = 0
+        self._changed = asyncio.Event()
+        self._snapshot: tuple[int, pb.ListAndWatchResponse] | None = None
+        self.active_streams = 0
+        self.stream_ended = asyncio.Event()
+        self.snapshots_sent = 0
+
+    def notify(self) -> None:
+        """Devices changed: every open ListAndWatch stream sends a fresh full list."""
+        self._version += 1
+        ev, self._changed = self._changed, asyncio.Event()
+        ev.set()
+
+    def snapshot(self) -> pb.ListAndWatchResponse:
+        if self._snapshot is None or self._snapshot[0] != self._version:
+            resp = pb.ListAndWatchResponse()
+            for dev, ok, numa in self.backend.devices(self.resource):
+                d = resp.devices.add(ID=dev, health=HEALTHY if ok else UNHEALTHY)
+                if numa is not None and numa >= 0:
+                    d.topology.nodes.add(ID=numa)
+            self._snapshot = (self._version, resp)
+        return self._snapshot[1]
+
+    async def GetDevicePluginOptions(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.DevicePluginOptions:
+        return pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
+
+    async def ListAndWatch(
+        self, request: pb.Empty, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ListAndWatchResponse]:
+        self.active_streams += 1
+        try:
+            while True:
+                version, changed = self._version, self._changed
+                yield self.snapshot()
+                self.snapshots_sent += 1
+                if self._version == version:
+                    await changed.wait()
+        finally:
+            self.active_streams -= 1
+            self.stream_ended.set()
+
+    async def GetPreferredAllocation(
+        self, request: pb.PreferredAllocationRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PreferredAllocationResponse:
+        resp = pb.PreferredAllocationResponse()
+        for creq in request.container_requests:
+            ids = self.backend.preferred(
+                self.resource,
+                list(creq.available_deviceIDs),
+                list(creq.must_include_deviceIDs),
+                int(creq.allocation_size),
+            )
+            resp.container_responses.add(deviceIDs=ids)
+        return resp
+
+    async def Allocate(self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext) -> pb.AllocateResponse:
+        resp = pb.AllocateResponse()
+        for creq in request.container_requests:
+            try:
+                alloc = await self.backend.allocate(self.resource, list(creq.devices_ids))
+            except AllocationError as e:
+                log.warning("Allocate %s refused: %s", self.resource, e.message)
+                await context.abort(e.code, e.message)
+            resp.container_responses.append(container_response(alloc, self.backend.config))
+        return resp
+
+    async def PreStartContainer(
+        self, request: pb.PreStartContainerRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PreStartContainerResponse:
+        try:
+            await self.backend.prestart(self.resource, list(request.devices_ids))
+        except AllocationError as e:
+            log.warning("PreStartContainer %s refused: %s", self.resource, e.message)
+            await context.abort(e.code, e.message)
+        return pb.PreStartContainerResponse()
+
+
+class PluginServer:
+    """Serves one resource's socket and keeps it registered with the kubelet."""
+
+    def __init__(self, plugin: DevicePlugin, device_plugin_dir: str) -> None:
+        self.plugin = plugin
+        self.dir = device_plugin_dir
+        self.socket_name = slices.SOCKETS[plugin.resource]
+        self.socket_path = os.path.join(device_plugin_dir, self.socket_name)
+        self.kubelet_socket = os.path.join(device_plugin_dir, "kubelet.sock")
+        self._server: grpc.aio.Server | None = None
+        self._socket_id: tuple[int, int, int] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.registrations = 0
+        self.last_registered = 0.0
+        self.registered = asyncio.Event()
+
+    async def start(self) -> None:
+        await self._serve()
+        self._task = asyncio.create_task(self._supervise(), name=f"register {self.plugin.resource}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._server is not None:
+            await self._server.stop(grace=0)
+            self._server = None
+        if _stat_id(self.socket_path) == self._socket_id:
+            with contextlib.suppress(OSError):
+                os.unlink(self.socket_path)
+
+    async def _serve(self) -> None:
+        if self._server is not None:
+            await self._server.stop(grace=0)
+        os.makedirs(self.dir, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)  # stale socket of an earlier run
+        server = grpc.aio.server()
+        pb_grpc.add_DevicePluginServicer_to_server(self.plugin, server)
+        server.add_insecure_port(f"unix://{self.socket_path}")
+        await server.start()
+        self._server = server
+        self._socket_id = _stat_id(self.socket_path)
+        log.info("serving %s on %s", self.plugin.resource, self.socket_path)
+
+    async def _register(self) -> None:
+        req = pb.RegisterRequest(
+            version=API_VERSION,
+            endpoint=self.socket_name,
+            resource_name=self.plugin.resource,
+            options=pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True),
+        )
+        async with grpc.aio.insecure_channel(f"unix://{self.kubelet_socket}") as ch:
+            await pb_grpc.RegistrationStub(ch).Register(req, timeout=REGISTER_TIMEOUT)
+
+    async def _supervise(self) -> None:
+        backoff = WATCH_INTERVAL
+        while True:
+            if _stat_id(self.socket_path) != self._socket_id:
+                log.info("%s: socket %s was removed (kubelet restart?): serving again", self.plugin.resource, self.socket_path)
+                await self._serve()
+            kubelet_id = _stat_id(self.kubelet_socket)
+            if kubelet_id is None:
+                await asyncio.sleep(WATCH_INTERVAL)  # kubelet away: wait for kubelet.sock
+                continue
+            self.plugin.stream_ended.clear()
+            try:
+                await self._register()
+            except (grpc.aio.AioRpcError, OSError) as e:
+                detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                log.warning("%s: Register on %s failed (%s); retrying in %.1fs", self.plugin.resource,
+                            self.kubelet_socket, detail, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = WATCH_INTERVAL
+            self.registrations += 1
+            self.last_registered = time.monotonic()
+            self.registered.set()
+            log.info("%s: registered with the kubelet (%d)", self.plugin.resource, self.registrations)
+            reason = await self._watch(kubelet_id)
+            log.info("%s: %s: registering again", self.plugin.resource, reason)
+
+    async def _watch(self, kubelet_id: tuple[int, int, int]) -> str:
+        """Wait for a reason to register again."""
+        ended = asyncio.ensure_future(self.plugin.stream_ended.wait())
+        try:
+            while True:
+                done, _ = await asyncio.wait({ended}, timeout=WATCH_INTERVAL)
+                if done:
+                    return "ListAndWatch stream ended"
+                if _stat_id(self.kubelet_socket) != kubelet_id:
+                    return "kubelet.sock was re-created"
+                if _stat_id(self.socket_path) != self._socket_id:
+                    return f"{self.socket_name} was removed"
+        finally:
+            ended.cancel()

@@ -1,0 +1,1238 @@
+/*
+ * memguard: the CUDA allocation shim (LD_PRELOAD).
+ *
+ * It holds every process of a container to the container's GPU-memory request
+ * and limit, which the agent publishes in $GPUFRAC_CONTAINER_DIR/config
+ * (memguard_abi.h). Usage is counted per container in the shared usage file.
+ *
+ * How calls reach the hooks. One table (MG_SYMBOLS below) lists every entry
+ * point: exported name, the base name and cudaVersion under which the driver's
+ * cuGetProcAddress hands it out, per-thread-stream variant or not, and the
+ * hook. It drives all three ways a program finds a driver function:
+ *   1. direct symbol: each hook is exported under the driver's name, so a
+ *      program linked against libcuda binds to it first (LD_PRELOAD);
+ *   2. dlsym(handle, name) on a libcuda / libnvidia-ml handle (ctypes, pynvml,
+ *      cudart's bootstrap): dlsym itself is overridden; when the real lookup
+ *      returns the driver's own function for a table entry, the hook is
+ *      returned instead;
+ *   3. cuGetProcAddress / _v2 (CUDA 12 runtimes, cuda-python): the real query
+ *      runs first, so the driver keeps deciding which variant (legacy, _v2,
+ *      _ptsz) a (name, version, flags) means; the answer is swapped for the
+ *      hook of that variant (matched by address, else by the table's versions).
+ * The real function behind each entry is resolved once, by name, from the
+ * already-loaded driver library, and cached in g_real[].
+ *
+ * Accounting. usage->total_used is the container's total: bytes are reserved
+ * there by CAS *before* the real allocation (so concurrent processes can never
+ * overshoot the limit together) and given back if the driver fails. Each
+ * process owns a slot (claimed by CAS on pid) holding its own bytes, so when it
+ * dies whoever notices subtracts exactly those bytes once (CAS pid -> -1).
+ * Every subtraction saturates at zero. No lock is shared between processes;
+ * a process killed at any instruction leaves both files usable.
+ * Per process, device pointers / array handles / VMM handles map to their
+ * counted size in lock-free open-addressing tables (no per-call scans).
+ *
+ * Order of the two counters: a kill landing between the total and the slot
+ * update can only leave the container over-counted by that one allocation
+ * (never under-counted, which would loosen the limit): on allocation the total
+ * is charged before the slot, on free the slot is credited before the total.
+ * A kill during the real driver call is exact: both counters hold the bytes.
+ *
+ * Fast path (within request + grant): atomic loads of the config under its
+ * seqlock, one CAS on the total, relaxed atomics on the slot and one table
+ * insert: no syscall, no getenv, no lock, no scan.
+ */
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "memguard_abi.h"
+
+#define MG_LIKELY(x) __builtin_expect(!!(x), 1)
+#define MG_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define MG_EXPORT __attribute__((visibility("default")))
+#define MG_COLD __attribute__((cold, noinline))
+
+/* ------------------------------------------------------------------------ */
+/* The few CUDA driver / NVML types the hooks need (ABI of cuda.h / nvml.h).  */
+
+typedef int CUresult;
+#define CUDA_SUCCESS 0
+#define CUDA_ERROR_INVALID_VALUE 1
+#define CUDA_ERROR_OUT_OF_MEMORY 2
+#define CUDA_ERROR_NOT_FOUND 500
+typedef unsigned long long CUdeviceptr; /* CUdeviceptr_v2 */
+typedef unsigned int CUdeviceptr_v1;    /* legacy (pre-3.2) ABI of the unsuffixed symbols */
+typedef int CUdevice;
+typedef unsigned long long cuuint64_t;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct CUstream_st *CUstream;
+typedef struct CUfunc_st *CUfunction;
+typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUmemPoolHandle_st *CUmemoryPool;
+typedef struct CUarray_st *CUarray;
+typedef struct CUmemAllocationProp_st CUmemAllocationProp; /* only passed through */
+typedef struct CUlaunchConfig_st CUlaunchConfig;           /* only passed through */
+typedef int CUdriverProcAddressQueryResult;
+#define CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM 0x2ULL
+
+typedef struct {
+    size_t Width;
+    size_t Height;
+    int Format; /* CUarray_format */
+    unsigned int NumChannels;
+} CUDA_ARRAY_DESCRIPTOR; /* _v2 */
+
+typedef struct {
+    size_t Width;
+    size_t Height;
+    size_t Depth;
+    int Format;
+    unsigned int NumChannels;
+    unsigned int Flags;
+} CUDA_ARRAY3D_DESCRIPTOR; /* _v2 */
+
+typedef int nvmlReturn_t;
+#define NVML_SUCCESS 0
+#define NVML_ERROR_FUNCTION_NOT_FOUND 13
+typedef struct nvmlDevice_st *nvmlDevice_t;
+typedef struct {
+    unsigned long long total;
+    unsigned long long free;
+    unsigned long long used;
+} nvmlMemory_t;
+typedef struct {
+    unsigned int version;
+    unsigned long long total;
+    unsigned long long reserved;
+    unsigned long long free;
+    unsigned long long used;
+} nvmlMemory_v2_t;
+
+/* ------------------------------------------------------------------------ */
+/* The hook table.                                                           */
+
+enum { LIB_CUDA, LIB_NVML };
+static const char *const g_lib_names[] = {"libcuda.so.1", "libnvidia-ml.so.1"};
+
+/* X(exported name, base name for cuGetProcAddress, cudaVersion the driver maps
+ *   base to this variant from, library, per-thread default stream variant) */
+#define MG_SYMBOLS(X)                                                          \
+    X(cuGetProcAddress, "cuGetProcAddress", 11030, LIB_CUDA, 0)                \
+    X(cuGetProcAddress_v2, "cuGetProcAddress", 12000, LIB_CUDA, 0)             \
+    X(cuMemAlloc, "cuMemAlloc", 2000, LIB_CUDA, 0)                             \
+    X(cuMemAlloc_v2, "cuMemAlloc", 3020, LIB_CUDA, 0)                          \
+    X(cuMemAllocPitch, "cuMemAllocPitch", 2000, LIB_CUDA, 0)                   \
+    X(cuMemAllocPitch_v2, "cuMemAllocPitch", 3020, LIB_CUDA, 0)                \
+    X(cuMemAllocManaged, "cuMemAllocManaged", 6000, LIB_CUDA, 0)               \
+    X(cuMemAllocAsync, "cuMemAllocAsync", 11020, LIB_CUDA, 0)                  \
+    X(cuMemAllocAsync_ptsz, "cuMemAllocAsync", 11020, LIB_CUDA, 1)             \
+    X(cuMemAllocFromPoolAsync, "cuMemAllocFromPoolAsync", 11020, LIB_CUDA, 0)  \
+    X(cuMemAllocFromPoolAsync_ptsz, "cuMemAllocFromPoolAsync", 11020, LIB_CUDA, 1) \
+    X(cuMemFreeAsync, "cuMemFreeAsync", 11020, LIB_CUDA, 0)                    \
+    X(cuMemFreeAsync_ptsz, "cuMemFreeAsync", 11020, LIB_CUDA, 1)               \
+    X(cuMemFree, "cuMemFree", 2000, LIB_CUDA, 0)                               \
+    X(cuMemFree_v2, "cuMemFree", 3020, LIB_CUDA, 0)                            \
+    X(cuMemCreate, "cuMemCreate", 10020, LIB_CUDA, 0)                          \
+    X(cuMemRelease, "cuMemRelease", 10020, LIB_CUDA, 0)                        \
+    X(cuArrayCreate_v2, "cuArrayCreate", 3020, LIB_CUDA, 0)                    \
+    X(cuArray3DCreate_v2, "cuArray3DCreate", 3020, LIB_CUDA, 0)                \
+    X(cuArrayDestroy, "cuArrayDestroy", 2000, LIB_CUDA, 0)                     \
+    X(cuMemGetInfo, "cuMemGetInfo", 2000, LIB_CUDA, 0)                         \
+    X(cuMemGetInfo_v2, "cuMemGetInfo", 3020, LIB_CUDA, 0)                      \
+    X(cuDeviceTotalMem, "cuDeviceTotalMem", 2000, LIB_CUDA, 0)                 \
+    X(cuDeviceTotalMem_v2, "cuDeviceTotalMem", 3020, LIB_CUDA, 0)              \
+    X(cuLaunchKernel, "cuLaunchKernel", 4000, LIB_CUDA, 0)                     \
+    X(cuLaunchKernel_ptsz, "cuLaunchKernel", 7000, LIB_CUDA, 1)                \
+    X(cuLaunchKernelEx, "cuLaunchKernelEx", 11060, LIB_CUDA, 0)                \
+    X(cuLaunchKernelEx_ptsz, "cuLaunchKernelEx", 11060, LIB_CUDA, 1)           \
+    X(cuLaunchCooperativeKernel, "cuLaunchCooperativeKernel", 9000, LIB_CUDA, 0) \
+    X(cuLaunchCooperativeKernel_ptsz, "cuLaunchCooperativeKernel", 9000, LIB_CUDA, 1) \
+    X(cuGraphLaunch, "cuGraphLaunch", 10000, LIB_CUDA, 0)                      \
+    X(cuGraphLaunch_ptsz, "cuGraphLaunch", 10000, LIB_CUDA, 1)                 \
+    X(nvmlDeviceGetMemoryInfo, "nvmlDeviceGetMemoryInfo", 0, LIB_NVML, 0)      \
+    X(nvmlDeviceGetMemoryInfo_v2, "nvmlDeviceGetMemoryInfo_v2", 0, LIB_NVML, 0)
+
+enum {
+#define MG_ENUM(sym, base, ver, lib, ptds) S_##sym,
+    MG_SYMBOLS(MG_ENUM)
+#undef MG_ENUM
+    S_COUNT
+};
+
+typedef struct {
+    const char *name;
+    const char *base;
+    int version;
+    unsigned char lib;
+    unsigned char ptds;
+    void *hook;
+} mg_sym_t;
+
+static const mg_sym_t g_syms[S_COUNT];        /* defined after the hooks */
+static void *_Atomic g_real[S_COUNT];          /* the driver's functions, resolved once */
+static void *_Atomic g_lib_handle[2];
+
+typedef void *(*dlsym_fn)(void *, const char *);
+static dlsym_fn _Atomic g_real_dlsym;
+
+/* ------------------------------------------------------------------------ */
+/* Process state.                                                            */
+
+enum { MODE_UNINIT = 0, MODE_INITING, MODE_OFF, MODE_ON, MODE_BROKEN, MODE_DONE };
+static _Atomic int g_mode;
+
+static const mg_config_t *g_cfg;
+static mg_usage_t *g_usage;
+static mg_proc_slot_t *_Atomic g_slot;
+static pthread_mutex_t g_claim_mu = PTHREAD_MUTEX_INITIALIZER;
+static char g_dir[PATH_MAX];
+static char g_sock_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+static int32_t g_pid;
+static _Atomic int g_warned_track, g_warned_slots, g_warned_config;
+
+static void mg_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void mg_log(const char *fmt, ...) {
+    char buf[512];
+    int n = snprintf(buf, sizeof buf, "memguard[%d]: ", (int)getpid());
+    va_list ap;
+    va_start(ap, fmt);
+    if (n > 0 && (size_t)n < sizeof buf) n += vsnprintf(buf + n, sizeof buf - (size_t)n, fmt, ap);
+    va_end(ap);
+    if (n < 0) return;
+    if ((size_t)n >= sizeof buf - 1) n = (int)sizeof buf - 2;
+    buf[n++] = '\n';
+    ssize_t w = write(STDERR_FILENO, buf, (size_t)n); /* one write: lines from many processes do not interleave */
+    (void)w;
+}
+
+#define MG_WARN_ONCE(flag, ...)                                      \
+    do {                                                             \
+        if (!atomic_exchange_explicit(&(flag), 1, memory_order_relaxed)) \
+            mg_log(__VA_ARGS__);                                     \
+    } while (0)
+
+/* Saturating atomic subtraction: a counter never wraps to "17 TB used". */
+static void mg_sat_sub(_Atomic uint64_t *a, uint64_t v) {
+    uint64_t cur = atomic_load_explicit(a, memory_order_relaxed);
+    uint64_t next;
+    do {
+        next = cur > v ? cur - v : 0;
+    } while (!atomic_compare_exchange_weak_explicit(a, &cur, next, memory_order_acq_rel, memory_order_relaxed));
+}
+
+static uint64_t mg_coarse_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts); /* vDSO: no system call */
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Lock-free pointer -> counted size tables (one per kind of handle).        */
+
+#define KEY_EMPTY 0ull
+#define KEY_TOMB UINT64_MAX
+#define MAX_PROBE 256
+
+typedef struct {
+    _Atomic uint64_t key;
+    _Atomic uint64_t size;
+} mg_ent_t;
+
+typedef struct {
+    mg_ent_t *_Atomic ents;
+    uint64_t mask;
+    unsigned shift;
+} mg_tab_t;
+
+static mg_tab_t g_ptrs, g_arrays, g_handles;
+
+static int mg_tab_init(mg_tab_t *t, unsigned bits) {
+    size_t bytes = sizeof(mg_ent_t) << bits;
+    /* Untouched pages cost nothing: only slots that are used get memory. */
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return -1;
+    t->mask = (1ull << bits) - 1;
+    t->shift = 64 - bits;
+    atomic_store_explicit(&t->ents, (mg_ent_t *)p, memory_order_release);
+    return 0;
+}
+
+static inline uint64_t mg_hash(const mg_tab_t *t, uint64_t key) {
+    return (key * 0x9E3779B97F4A7C15ull) >> t->shift;
+}
+
+/* Returns 0, or -1 if the key cannot be stored (then it stays counted). */
+static int mg_tab_put(mg_tab_t *t, uint64_t key, uint64_t size) {
+    mg_ent_t *e = atomic_load_explicit(&t->ents, memory_order_acquire);
+    if (!e || key == KEY_EMPTY || key == KEY_TOMB) return -1;
+    uint64_t h = mg_hash(t, key);
+    for (unsigned n = 0; n < MAX_PROBE; n++, h = (h + 1) & t->mask) {
+        uint64_t k = atomic_load_explicit(&e[h].key, memory_order_relaxed);
+        if (k != KEY_EMPTY && k != KEY_TOMB) continue;
+        if (atomic_compare_exchange_strong_explicit(&e[h].key, &k, key, memory_order_acq_rel, memory_order_relaxed)) {
+            atomic_store_explicit(&e[h].size, size, memory_order_release);
+            return 0;
+        }
+    }
+    return -1;
+}
+
+/* Removes `key`; returns 1 and its size if it was there. */
+static int mg_tab_take(mg_tab_t *t, uint64_t key, uint64_t *size) {
+    mg_ent_t *e = atomic_load_explicit(&t->ents, memory_order_acquire);
+    if (!e || key == KEY_EMPTY || key == KEY_TOMB) return 0;
+    uint64_t h = mg_hash(t, key);
+    for (unsigned n = 0; n < MAX_PROBE; n++, h = (h + 1) & t->mask) {
+        uint64_t k = atomic_load_explicit(&e[h].key, memory_order_acquire);
+        if (k == KEY_EMPTY) return 0;
+        if (k != key) continue;
+        uint64_t sz = atomic_load_explicit(&e[h].size, memory_order_acquire);
+        if (atomic_compare_exchange_strong_explicit(&e[h].key, &k, KEY_TOMB, memory_order_acq_rel,
+                                                    memory_order_relaxed)) {
+            *size = sz;
+            return 1;
+        }
+        return 0; /* another thread freed the same pointer first */
+    }
+    return 0;
+}
+
+static void mg_tab_reset(mg_tab_t *t) {
+    mg_ent_t *e = atomic_exchange_explicit(&t->ents, NULL, memory_order_acq_rel);
+    if (e) munmap(e, sizeof(mg_ent_t) * (t->mask + 1));
+    mg_tab_init(t, 64 - t->shift);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Real symbol resolution.                                                   */
+
+static dlsym_fn mg_init_real_dlsym(void) {
+    /* glibc >= 2.34 has dlsym in libc (GLIBC_2.34, plus the GLIBC_2.2.5 /
+     * GLIBC_2.17 compat versions); older glibc in libdl. We export dlsym
+     * ourselves, so the real one is reached only through dlvsym. */
+    static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", "GLIBC_2.0"};
+    dlsym_fn f = atomic_load_explicit(&g_real_dlsym, memory_order_acquire);
+    for (size_t i = 0; !f && i < sizeof versions / sizeof versions[0]; i++) {
+        void *p = dlvsym(RTLD_NEXT, "dlsym", versions[i]);
+        memcpy(&f, &p, sizeof f);
+    }
+    if (f) atomic_store_explicit(&g_real_dlsym, f, memory_order_release);
+    return f;
+}
+
+static inline dlsym_fn mg_real_dlsym(void) {
+    dlsym_fn f = atomic_load_explicit(&g_real_dlsym, memory_order_acquire);
+    return MG_LIKELY(f != NULL) ? f : mg_init_real_dlsym();
+}
+
+/* The loaded driver library (by soname, as the app itself loads it). */
+static void *mg_lib(int lib) {
+    void *h = atomic_load_explicit(&g_lib_handle[lib], memory_order_acquire);
+    if (h) return h;
+    h = dlopen(g_lib_names[lib], RTLD_LAZY | RTLD_NOLOAD);
+    if (!h) h = dlopen(g_lib_names[lib], RTLD_LAZY); /* direct call before the app loaded it */
+    if (!h) return NULL;
+    void *expected = NULL;
+    if (!atomic_compare_exchange_strong(&g_lib_handle[lib], &expected, h)) dlclose(h);
+    return atomic_load_explicit(&g_lib_handle[lib], memory_order_acquire);
+}
+
+static MG_COLD void *mg_resolve(int i) {
+    void *h = mg_lib(g_syms[i].lib);
+    dlsym_fn real_dlsym = mg_real_dlsym();
+    if (!h || !real_dlsym) return NULL;
+    void *p = real_dlsym(h, g_syms[i].name);
+    if (!p || p == g_syms[i].hook) return NULL;
+    void *expected = NULL;
+    atomic_compare_exchange_strong(&g_real[i], &expected, p);
+    return atomic_load_explicit(&g_real[i], memory_order_acquire);
+}
+
+static inline void *mg_real(int i) {
+    void *p = atomic_load_explicit(&g_real[i], memory_order_acquire);
+    return MG_LIKELY(p != NULL) ? p : mg_resolve(i);
+}
+
+/* The real function of hook `sym`, typed like the hook. */
+#define REAL(sym) ((__typeof__(&mg_h_##sym))mg_real(S_##sym))
+/* Call it, or report "not found" if the driver lacks it. */
+#define CALL_REAL(sym, ...)                                                         \
+    __extension__({                                                                 \
+        __typeof__(&mg_h_##sym) f_ = REAL(sym);                                     \
+        f_ ? f_(__VA_ARGS__) : (g_syms[S_##sym].lib == LIB_NVML ? NVML_ERROR_FUNCTION_NOT_FOUND \
+                                                                : CUDA_ERROR_NOT_FOUND); \
+    })
+
+/* ------------------------------------------------------------------------ */
+/* Files and init.                                                           */
+
+static int mg_map_file(const char *path, int writable, size_t want, void **out, char *err, size_t errlen) {
+    int fd = open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+    if (fd < 0) {
+        snprintf(err, errlen, "cannot open %s: %s", path, strerror(errno));
+        return errno == ENOENT ? -2 : -1;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || (size_t)st.st_size < want) {
+        snprintf(err, errlen, "%s is %lld bytes, want %zu (truncated or foreign file)", path,
+                 (long long)st.st_size, want);
+        close(fd);
+        return -1;
+    }
+    void *p = mmap(NULL, want, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) {
+        snprintf(err, errlen, "cannot map %s: %s", path, strerror(errno));
+        return -1;
+    }
+    *out = p;
+    return 0;
+}
+
+static int mg_check_header(const void *p, uint64_t magic, size_t size, const char *path, char *err, size_t errlen) {
+    const mg_config_t *h = p; /* magic, abi_version and file_size lead both structs */
+    if (h->magic != magic || h->abi_version != MG_ABI_VERSION || h->file_size != size) {
+        snprintf(err, errlen, "%s: bad magic %#llx, version %u or size %u (want version %u, size %zu)", path,
+                 (unsigned long long)h->magic, h->abi_version, h->file_size, MG_ABI_VERSION, size);
+        return -1;
+    }
+    return 0;
+}
+
+static unsigned mg_track_bits(void) {
+    /* Read once at init: how many live allocations per kind this process may
+     * track (power of two). Default 2^18. */
+    const char *s = getenv("MEMGUARD_TRACK_BITS");
+    long v = s ? strtol(s, NULL, 10) : 18;
+    return v < 10 ? 10 : v > 26 ? 26 : (unsigned)v;
+}
+
+static void mg_atfork_child(void);
+
+static int mg_do_init(void) {
+    char err[PATH_MAX + 200], path[PATH_MAX + 16];
+    mg_init_real_dlsym();
+    g_pid = (int32_t)getpid();
+    const char *dir = getenv("GPUFRAC_CONTAINER_DIR");
+    if (!dir || !*dir) dir = MG_DEFAULT_DIR;
+    snprintf(g_dir, sizeof g_dir, "%s", dir);
+    if ((size_t)snprintf(g_sock_path, sizeof g_sock_path, "%s/%s", g_dir, MG_SOCKET_FILE) >= sizeof g_sock_path)
+        g_sock_path[0] = 0; /* too long for a unix socket: no arbiter */
+
+    void *cfg = NULL, *usage = NULL;
+    snprintf(path, sizeof path, "%s/%s", g_dir, MG_CONFIG_FILE);
+    int rc = mg_map_file(path, 0, sizeof(mg_config_t), &cfg, err, sizeof err);
+    if (rc == -2) {
+        mg_log("no config at %s: GPU memory is not limited (pass-through)", path);
+        return MODE_OFF;
+    }
+    if (rc == 0 && mg_check_header(cfg, MG_CONFIG_MAGIC, sizeof(mg_config_t), path, err, sizeof err) != 0) rc = -1;
+    if (rc != 0) {
+        mg_log("%s; refusing GPU allocations until the agent repairs it", err);
+        return MODE_BROKEN;
+    }
+    g_cfg = cfg;
+    snprintf(path, sizeof path, "%s/%s", g_dir, MG_USAGE_FILE);
+    rc = mg_map_file(path, 1, sizeof(mg_usage_t), &usage, err, sizeof err);
+    if (rc == 0 && mg_check_header(usage, MG_USAGE_MAGIC, sizeof(mg_usage_t), path, err, sizeof err) != 0) rc = -1;
+    if (rc != 0) {
+        /* Without the shared counter the container's limit cannot be held
+         * across its processes: refuse rather than loosen it. */
+        mg_log("%s; refusing GPU allocations (container usage cannot be counted)", err);
+        return MODE_BROKEN;
+    }
+    g_usage = usage;
+    unsigned bits = mg_track_bits();
+    if (mg_tab_init(&g_ptrs, bits) || mg_tab_init(&g_arrays, bits > 16 ? 16 : bits) ||
+        mg_tab_init(&g_handles, bits)) {
+        mg_log("cannot map allocation tables: %s; refusing GPU allocations", strerror(errno));
+        return MODE_BROKEN;
+    }
+    pthread_atfork(NULL, NULL, mg_atfork_child);
+    return MODE_ON;
+}
+
+static MG_COLD int mg_init_slow(void) {
+    int m = atomic_load_explicit(&g_mode, memory_order_acquire);
+    while (m == MODE_UNINIT || m == MODE_INITING) {
+        int expected = MODE_UNINIT;
+        if (atomic_compare_exchange_strong(&g_mode, &expected, MODE_INITING)) {
+            m = mg_do_init();
+            atomic_store_explicit(&g_mode, m, memory_order_release);
+            return m;
+        }
+        sched_yield(); /* another thread of this process is initialising */
+        m = atomic_load_explicit(&g_mode, memory_order_acquire);
+    }
+    return m;
+}
+
+static inline int mg_mode(void) {
+    int m = atomic_load_explicit(&g_mode, memory_order_acquire);
+    return MG_LIKELY(m >= MODE_OFF) ? m : mg_init_slow();
+}
+
+__attribute__((constructor)) static void mg_constructor(void) { mg_mode(); }
+
+/* ------------------------------------------------------------------------ */
+/* Process slots.                                                            */
+
+/* starttime (field 22) and state (field 3) of /proc/<pid>/stat; 0 on failure. */
+static uint64_t mg_proc_start(int32_t pid, char *state) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    char *p = strrchr(buf, ')'); /* comm may hold spaces and parentheses */
+    if (!p || p[1] != ' ') return 0;
+    p += 2;
+    if (state) *state = *p;
+    for (int field = 3; field < 22; field++) {
+        p = strchr(p, ' ');
+        if (!p) return 0;
+        p++;
+    }
+    return strtoull(p, NULL, 10);
+}
+
+/* Is the owner of slot `s` (which showed `pid`) gone? `full` also catches pid
+ * reuse (start time differs) and zombies, at the price of reading /proc. */
+static int mg_owner_dead(const mg_proc_slot_t *s, int32_t pid, int full) {
+    if (kill(pid, 0) != 0 && errno == ESRCH) return 1;
+    if (!full) return 0;
+    char state = 0;
+    uint64_t st = mg_proc_start(pid, &state);
+    if (st == 0) return 0; /* unreadable: assume alive (never reclaim a live process's bytes) */
+    if (state == 'Z' || state == 'X') return 1;
+    uint64_t recorded = __atomic_load_n(&s->start_time, __ATOMIC_ACQUIRE);
+    return recorded != 0 && recorded != st;
+}
+
+/* Give back the slot's bytes exactly once: only the CAS winner subtracts. */
+static uint64_t mg_release_slot(mg_proc_slot_t *s, int32_t pid) {
+    int32_t expected = pid;
+    if (!atomic_compare_exchange_strong(&s->pid, &expected, -1)) return 0;
+    uint64_t used = atomic_exchange(&s->used_bytes, 0);
+    mg_sat_sub(&g_usage->total_used, used);
+    __atomic_store_n(&s->start_time, 0, __ATOMIC_RELAXED);
+    atomic_store_explicit(&s->peak_bytes, 0, memory_order_relaxed);
+    atomic_store_explicit(&s->launches, 0, memory_order_relaxed);
+    atomic_store_explicit(&s->last_activity_ns, 0, memory_order_relaxed);
+    atomic_store_explicit(&s->oom_refusals, 0, memory_order_relaxed);
+    atomic_store_explicit(&s->swapped, 0, memory_order_relaxed);
+    atomic_store_explicit(&s->pid, 0, memory_order_release);
+    return used + 1; /* non-zero: a slot was reclaimed even if it held no bytes */
+}
+
+/* Reclaim the slots of dead processes; returns how many. */
+static MG_COLD int mg_reap(int full) {
+    int reaped = 0;
+    for (int i = 0; i < MG_MAX_PROCS; i++) {
+        mg_proc_slot_t *s = &g_usage->slots[i];
+        int32_t pid = atomic_load_explicit(&s->pid, memory_order_acquire);
+        if (pid <= 0 || pid == g_pid) continue;
+        if (mg_owner_dead(s, pid, full) && mg_release_slot(s, pid)) reaped++;
+    }
+    return reaped;
+}
+
+static mg_proc_slot_t *mg_try_claim(uint64_t start) {
+    for (int i = 0; i < MG_MAX_PROCS; i++) {
+        mg_proc_slot_t *s = &g_usage->slots[i];
+        int32_t expected = 0;
+        if (atomic_load_explicit(&s->pid, memory_order_relaxed) != 0) continue;
+        if (!atomic_compare_exchange_strong(&s->pid, &expected, g_pid)) continue;
+        /* Fields were zeroed by whoever freed the slot. start_time goes last:
+         * a reaper treats 0 as "being claimed" and then only trusts kill(). */
+        atomic_store_explicit(&s->used_bytes, 0, memory_order_relaxed);
+        atomic_store_explicit(&s->peak_bytes, 0, memory_order_relaxed);
+        atomic_store_explicit(&s->launches, 0, memory_order_relaxed);
+        atomic_store_explicit(&s->oom_refusals, 0, memory_order_relaxed);
+        atomic_store_explicit(&s->swapped, 0, memory_order_relaxed);
+        atomic_store_explicit(&s->last_activity_ns, mg_coarse_now_ns(), memory_order_relaxed);
+        __atomic_store_n(&s->start_time, start, __ATOMIC_RELEASE);
+        return s;
+    }
+    return NULL;
+}
+
+static MG_COLD mg_proc_slot_t *mg_claim_slot(void) {
+    /* Process-local mutex: only this process's threads ever take it. */
+    pthread_mutex_lock(&g_claim_mu);
+    mg_proc_slot_t *s = atomic_load_explicit(&g_slot, memory_order_acquire);
+    if (!s) {
+        uint64_t start = mg_proc_start(g_pid, NULL);
+        mg_reap(0);
+        s = mg_try_claim(start);
+        if (!s && mg_reap(1) > 0) s = mg_try_claim(start);
+        if (s)
+            atomic_store_explicit(&g_slot, s, memory_order_release);
+        else
+            MG_WARN_ONCE(g_warned_slots, "%s/%s: all %d process slots are taken; refusing GPU allocations",
+                         g_dir, MG_USAGE_FILE, MG_MAX_PROCS);
+    }
+    pthread_mutex_unlock(&g_claim_mu);
+    return s;
+}
+
+static inline mg_proc_slot_t *mg_slot(void) {
+    mg_proc_slot_t *s = atomic_load_explicit(&g_slot, memory_order_acquire);
+    return MG_LIKELY(s != NULL) ? s : mg_claim_slot();
+}
+
+static void mg_atfork_child(void) {
+    /* The child owns none of the parent's allocations (CUDA contexts do not
+     * survive fork) and is another process: fresh slot, fresh tables. */
+    pthread_mutex_init(&g_claim_mu, NULL);
+    g_pid = (int32_t)getpid();
+    atomic_store(&g_slot, NULL);
+    if (atomic_load(&g_mode) == MODE_ON) {
+        mg_tab_reset(&g_ptrs);
+        mg_tab_reset(&g_arrays);
+        mg_tab_reset(&g_handles);
+    }
+}
+
+__attribute__((destructor)) static void mg_destructor(void) {
+    /* A clean exit gives the slot back at once (the driver frees the memory
+     * at exit); a killed process is reaped by the next one to notice. Later
+     * calls during teardown pass through uncounted. */
+    if (atomic_load(&g_mode) != MODE_ON) return;
+    atomic_store(&g_mode, MODE_DONE);
+    mg_proc_slot_t *s = atomic_exchange(&g_slot, NULL);
+    if (s && (int32_t)getpid() == g_pid) mg_release_slot(s, g_pid);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Limits.                                                                   */
+
+typedef struct {
+    uint64_t request, limit, grant, generation;
+    uint32_t flags, arbiter_timeout_ms, wait_timeout_ms;
+} mg_limits_t;
+
+#define LOAD_CFG(field) __atomic_load_n(&g_cfg->field, __ATOMIC_RELAXED)
+
+static MG_COLD int mg_config_stuck(void) {
+    MG_WARN_ONCE(g_warned_config, "%s/%s: an agent update never completed (seqlock stays odd)", g_dir,
+                 MG_CONFIG_FILE);
+    return -1;
+}
+
+/* A consistent snapshot of the config (seqlock reader). */
+static int mg_read_limits(mg_limits_t *l) {
+    for (unsigned spin = 0;; spin++) {
+        uint64_t s1 = atomic_load_explicit(&g_cfg->seq, memory_order_acquire);
+        if (MG_LIKELY(!(s1 & 1))) {
+            l->request = LOAD_CFG(request_bytes);
+            l->limit = LOAD_CFG(limit_bytes);
+            l->grant = LOAD_CFG(grant_bytes);
+            l->generation = LOAD_CFG(generation);
+            l->flags = LOAD_CFG(flags);
+            l->arbiter_timeout_ms = LOAD_CFG(arbiter_timeout_ms);
+            l->wait_timeout_ms = LOAD_CFG(wait_timeout_ms);
+            atomic_thread_fence(memory_order_acquire);
+            if (atomic_load_explicit(&g_cfg->seq, memory_order_relaxed) == s1) {
+                if (l->limit < l->request) l->limit = l->request; /* never a limit below the guarantee */
+                return 0;
+            }
+        }
+        /* A writer is mid-update (microseconds) or was descheduled: back off,
+         * and give up after about a second rather than hang the app. */
+        if (spin < 1000) {
+            __builtin_ia32_pause();
+        } else if (spin < 1000 + 100000) {
+            sched_yield();
+        } else {
+            return mg_config_stuck();
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Slow path: the arbiter (issue 5).                                         */
+
+/* Wait up to `ms` for `events` on fd. */
+static int mg_poll(int fd, short events, int ms) {
+    struct pollfd p = {.fd = fd, .events = events};
+    int r;
+    do {
+        r = poll(&p, 1, ms);
+    } while (r < 0 && errno == EINTR);
+    return r == 1 && (p.revents & events) ? 0 : -1;
+}
+
+/*
+ * THE single place the shim asks the agent for burst memory.
+ *
+ * Called when an allocation of `bytes` would take the container to
+ * `total_after`, past request + grant but within the limit. Returns 1 when the
+ * agent granted: it has already raised config.grant_bytes (new generation)
+ * before replying, so the caller re-reads the config and retries. Returns 0 to
+ * refuse: no socket, no agent, timeout, denial, garbage. Never grants blindly.
+ *
+ * Protocol (mg_burst_req_t / mg_burst_rep_t in memguard_abi.h): one request
+ * per connection on $GPUFRAC_CONTAINER_DIR/arbiter.sock; the agent identifies
+ * the caller by SO_PEERCRED, not by the message. Connect and send are bounded
+ * by arbiter_timeout_ms; the reply by arbiter_timeout_ms + wait_timeout_ms,
+ * since the agent's wait resolver may hold the request that long.
+ */
+static MG_COLD int mg_request_burst(uint64_t bytes, uint64_t total_after, const mg_limits_t *l) {
+    if (!g_sock_path[0]) return 0;
+    struct stat st;
+    if (stat(g_sock_path, &st) != 0 || !S_ISSOCK(st.st_mode)) return 0;
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) return 0;
+    int granted = 0;
+    int timeout = l->arbiter_timeout_ms ? (int)(l->arbiter_timeout_ms > 600000 ? 600000 : l->arbiter_timeout_ms) : 2000;
+    int reply_timeout = timeout + (int)(l->wait_timeout_ms > 600000 ? 600000 : l->wait_timeout_ms);
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    memcpy(addr.sun_path, g_sock_path, strlen(g_sock_path) + 1);
+    if (connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
+        if ((errno != EINPROGRESS && errno != EAGAIN) || mg_poll(fd, POLLOUT, timeout) != 0) goto out;
+        int soerr = 0;
+        socklen_t len = sizeof soerr;
+        if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len) != 0 || soerr != 0) goto out;
+    }
+    mg_burst_req_t req = {.magic = MG_BURST_MAGIC, .version = MG_ABI_VERSION, .op = MG_BURST_OP_BURST,
+                          .pid = g_pid, .bytes = bytes, .total_after = total_after, .generation = l->generation};
+    if (mg_poll(fd, POLLOUT, timeout) != 0 || send(fd, &req, sizeof req, MSG_NOSIGNAL) != (ssize_t)sizeof req)
+        goto out;
+    mg_burst_rep_t rep;
+    size_t got = 0;
+    while (got < sizeof rep) {
+        if (mg_poll(fd, POLLIN, reply_timeout) != 0) goto out;
+        ssize_t n = recv(fd, (char *)&rep + got, sizeof rep - got, 0);
+        if (n <= 0) {
+            if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+            goto out;
+        }
+        got += (size_t)n;
+    }
+    granted = rep.magic == MG_BURST_MAGIC && rep.status == MG_BURST_GRANTED;
+out:
+    close(fd);
+    return granted;
+}
+
+/* Swap-in hook point (issue 5): while the agent holds this process swapped
+ * out (slot->swapped), its next GPU work must wait for the memory to come
+ * back. The agent's swap resolver will be asked here; until then there is
+ * nothing to wait for and this returns at once. Only reached when swapped. */
+static MG_COLD void mg_swap_in(mg_proc_slot_t *s) { (void)s; }
+
+/* ------------------------------------------------------------------------ */
+/* Accounting.                                                               */
+
+static MG_COLD CUresult mg_refuse(mg_proc_slot_t *s) {
+    if (s) atomic_fetch_add_explicit(&s->oom_refusals, 1, memory_order_relaxed);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+/* Count `bytes` for this process before the real allocation. */
+static CUresult mg_charge(uint64_t bytes) {
+    mg_proc_slot_t *s = mg_slot();
+    if (MG_UNLIKELY(!s)) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (bytes == 0) return CUDA_SUCCESS;
+    _Atomic uint64_t *total = &g_usage->total_used;
+    int reaped = 0, asked = 0;
+    for (;;) {
+        mg_limits_t l;
+        if (MG_UNLIKELY(mg_read_limits(&l) != 0) || MG_UNLIKELY(l.flags & MG_FLAG_DISABLED)) return mg_refuse(s);
+        uint64_t fast = l.request + l.grant;
+        if (fast > l.limit || fast < l.request) fast = l.limit;
+        if (l.flags & MG_FLAG_WHOLE_GPU) fast = l.limit = UINT64_MAX; /* count, never limit */
+        uint64_t cur = atomic_load_explicit(total, memory_order_relaxed), want;
+        for (;;) {
+            want = cur + bytes;
+            if (want < cur) want = UINT64_MAX; /* overflow: certainly past the limit */
+            if (want > fast) break;
+            if (atomic_compare_exchange_weak_explicit(total, &cur, want, memory_order_acq_rel, memory_order_relaxed)) {
+                uint64_t mine = atomic_fetch_add_explicit(&s->used_bytes, bytes, memory_order_relaxed) + bytes;
+                uint64_t peak = atomic_load_explicit(&s->peak_bytes, memory_order_relaxed);
+                while (mine > peak && !atomic_compare_exchange_weak_explicit(&s->peak_bytes, &peak, mine,
+                                                                             memory_order_relaxed,
+                                                                             memory_order_relaxed)) {
+                }
+                return CUDA_SUCCESS;
+            }
+        }
+        /* Slow path: dead processes may still hold bytes; then the arbiter. */
+        if (!reaped) {
+            reaped = 1;
+            if (mg_reap(1) > 0) continue;
+        }
+        if (want > l.limit || asked) return mg_refuse(s);
+        asked = 1;
+        if (!mg_request_burst(bytes, want, &l)) return mg_refuse(s);
+    }
+}
+
+/* Give back `bytes` counted for this process (slot first, then total). */
+static void mg_uncharge(uint64_t bytes) {
+    mg_proc_slot_t *s = atomic_load_explicit(&g_slot, memory_order_acquire);
+    if (!s || bytes == 0) return;
+    mg_sat_sub(&s->used_bytes, bytes);
+    mg_sat_sub(&g_usage->total_used, bytes);
+}
+
+/* After the real allocation: remember the size, or give it back on failure. */
+static void mg_settle(mg_tab_t *t, CUresult rc, uint64_t key, uint64_t bytes) {
+    if (rc != CUDA_SUCCESS) {
+        mg_uncharge(bytes);
+    } else if (bytes && mg_tab_put(t, key, bytes) != 0) {
+        MG_WARN_ONCE(g_warned_track,
+                     "allocation table full (MEMGUARD_TRACK_BITS): some memory stays counted after free");
+    }
+}
+
+/* Before the real free: take the size (if this process counted it). */
+static inline int mg_forget(mg_tab_t *t, uint64_t key, uint64_t *bytes) { return mg_tab_take(t, key, bytes); }
+
+/* After the real free: uncount, or keep counting if the driver refused. */
+static void mg_freed(mg_tab_t *t, CUresult rc, uint64_t key, int found, uint64_t bytes) {
+    if (!found) return; /* double free or foreign pointer: nothing of ours to give back */
+    if (rc == CUDA_SUCCESS)
+        mg_uncharge(bytes);
+    else
+        mg_tab_put(t, key, bytes);
+}
+
+static inline int mg_on(void) { return mg_mode() == MODE_ON; }
+static inline int mg_refusing(void) { return mg_mode() == MODE_BROKEN; }
+
+/* The container's view of memory, given the driver's. Returns 0 to leave the
+ * driver's numbers as they are. */
+static int mg_view(uint64_t real_free, uint64_t real_total, uint64_t *vfree, uint64_t *vtotal) {
+    int m = mg_mode();
+    if (m == MODE_BROKEN) {
+        *vtotal = real_total;
+        *vfree = 0;
+        return 1;
+    }
+    if (m != MODE_ON) return 0;
+    mg_limits_t l;
+    if (mg_read_limits(&l) != 0) {
+        *vtotal = real_total;
+        *vfree = 0;
+        return 1;
+    }
+    if (l.flags & MG_FLAG_WHOLE_GPU) return 0;
+    uint64_t total = l.limit < real_total ? l.limit : real_total;
+    uint64_t used = atomic_load_explicit(&g_usage->total_used, memory_order_relaxed);
+    uint64_t free_ = used >= total ? 0 : total - used;
+    if (free_ > real_free) free_ = real_free; /* other containers' bursts may have taken the rest */
+    if (l.flags & MG_FLAG_DISABLED) free_ = 0;
+    *vtotal = total;
+    *vfree = free_;
+    return 1;
+}
+
+/* Bytes of a CUDA array, from its descriptor. Unknown formats count 16 bytes
+ * per element, the largest of any format (over-count rather than under). */
+static uint64_t mg_array_bytes(size_t w, size_t h, size_t d, int format, unsigned channels) {
+    uint64_t elem;
+    switch (format) {
+    case 0x01: case 0x08: elem = 1; break;            /* (UN)SIGNED_INT8 */
+    case 0x02: case 0x09: case 0x10: elem = 2; break; /* (UN)SIGNED_INT16, HALF */
+    case 0x03: case 0x0a: case 0x20: elem = 4; break; /* (UN)SIGNED_INT32, FLOAT */
+    default: elem = 16; channels = 1; break;
+    }
+    if (channels == 0) channels = 1;
+    uint64_t n = (uint64_t)w, r;
+    if (__builtin_mul_overflow(n, (uint64_t)(h ? h : 1), &r) || __builtin_mul_overflow(r, (uint64_t)(d ? d : 1), &r) ||
+        __builtin_mul_overflow(r, elem * channels, &r))
+        return UINT64_MAX;
+    return r;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Hooks. Each is exported under the driver's name (alias below).            */
+
+#define HOOK static
+
+/* --- allocation --- */
+
+HOOK CUresult mg_h_cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
+    if (!mg_on()) return mg_refusing() ? CUDA_ERROR_OUT_OF_MEMORY : CALL_REAL(cuMemAlloc_v2, dptr, bytesize);
+    CUresult rc = mg_charge(bytesize);
+    if (rc != CUDA_SUCCESS) return rc;
+    rc = CALL_REAL(cuMemAlloc_v2, dptr, bytesize);
+    mg_settle(&g_ptrs, rc, dptr ? *dptr : 0, bytesize);
+    return rc;
+}
+
+HOOK CUresult mg_h_cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize) {
+    if (!mg_on()) return mg_refusing() ? CUDA_ERROR_OUT_OF_MEMORY : CALL_REAL(cuMemAlloc, dptr, bytesize);
+    CUresult rc = mg_charge(bytesize);
+    if (rc != CUDA_SUCCESS) return rc;
+    rc = CALL_REAL(cuMemAlloc, dptr, bytesize);
+    mg_settle(&g_ptrs, rc, dptr ? *dptr : 0, bytesize);
+    return rc;
+}
+
+HOOK CUresult mg_h_cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
+    if (!mg_on()) return mg_refusing() ? CUDA_ERROR_OUT_OF_MEMORY : CALL_REAL(cuMemAllocManaged, dptr, bytesize, flags);
+    CUresult rc = mg_charge(bytesize);
+    if (rc != CUDA_SUCCESS) return rc;
+    rc = CALL_REAL(cuMemAllocManaged, dptr, bytesize, flags);
+    mg_settle(&g_ptrs, rc, dptr ? *dptr : 0, bytesize);
+    return rc;
+}
+
+/* Pitched: the driver picks the pitch, so charge width*height first and the
+ * padding once it is known; if the padding does not fit, undo the allocation. */
+static CUresult mg_pitch_settle(CUresult rc, uint64_t key, uint64_t pitch, uint64_t height, uint64_t charged,
+                                CUresult (*real_free)(CUdeviceptr)) {
+    if (rc != CUDA_SUCCESS) {
+        mg_uncharge(charged);
+        return rc;
+    }
+    uint64_t actual;
+    if (__builtin_mul_overflow(pitch, height, &actual)) actual = UINT64_MAX;
+    if (actual > charged) {
+        if (mg_charge(actual - charged) != CUDA_SUCCESS) {
+            if (real_free) real_free(key);
+            mg_uncharge(charged);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+    } else if (actual < charged) {
+        mg_uncharge(charged - actual);
+    }
+    mg_settle(&g_ptrs, CUDA_SUCCESS, key, actual);
+    return CUDA_SUCCESS;
+}
+
+HOOK CUresult mg_h_cuMemFree_v2(CUdeviceptr dptr);
+
+HOOK CUresult mg_h_cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
+                                      unsigned int ElementSizeBytes) {
+    if (!mg_on())
+        return mg_refusing() ? CUDA_ERROR_OUT_OF_MEMORY
+                             : CALL_REAL(cuMemAllocPitch_v2, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
+    uint64_t est;
+    if (__builtin_mul_overflow((uint64_t)WidthInBytes, (uint64_t)Height, &est)) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = mg_charge(est);
+    if (rc != CUDA_SUCCESS) return rc;
+    rc = CALL_REAL(cuMemAllocPitch_v2, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
+    rc = mg_pitch_settle(rc, rc == CUDA_SUCCESS ? *dptr : 0, rc == CUDA_SUCCESS ? *pPitch : 0, Height, est,
+                         REAL(cuMemFree_v2));
+    if (rc != CUDA_SUCCESS && dptr) *dptr = 0;
+    return rc;
+}
+
+static CUresult mg_free_v1_adapter(CUdeviceptr p);
+
+HOOK CUresult mg_h_cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pPitch, unsigned int WidthInBytes,
+                                   unsigned int Height, unsigned int ElementSizeBytes) {
+    if (!mg_on())
+        return mg_refusing() ? CUDA_ERROR_OUT_OF_MEMORY
+                             : CALL_REAL(cuMemAllocPitch, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
+    uint64_t est = (uint64_t)WidthInBytes * Height;
+    CUresult rc = mg_charge(est);
+    if (rc != CUDA_SUCCESS) return rc;
+    rc = CALL_REAL(cuMemAllocPitch, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
+    rc = mg_pitch_settle(rc, rc == CUDA_SUCCESS ? *dptr : 0, rc == CUDA_SUCCESS ? *pPitch : 0, Height, est,
+                         mg_free_v1_adapter);
+    if (rc != CUDA_SUCCESS && dptr) *dptr = 0;
+    return rc;
+}
+
+/* --- stream-ordered allocation: counted when enqueued, uncounted when the
+ * free is enqueued. What the pool keeps cached after a free is the driver's
+ * reserve, not the container's allocation (cudaMallocAsync's design). --- */
+
+#define ASYNC_ALLOC_HOOK(sym, params, args)                                         \
+    HOOK CUresult mg_h_##sym params {                                                \
+        if (!mg_on()) return mg_refusing() ? CUDA_ERROR_OUT_OF_MEMORY : CALL_REAL args; \
+        CUresult rc = mg_charge(bytesize);                                           \
+        if (rc != CUDA_SUCCESS) return rc;                                           \
+        rc = CALL_REAL args;                                                         \
+        mg_settle(&g_ptrs, rc, dptr ? *dptr : 0, bytesize);                          \
+        return rc;                                                                   \
+    }
+
+ASYNC_ALLOC_HOOK(cuMemAllocAsync, (CUdeviceptr * dptr, size_t bytesize, CUstream hStream),
+                 (cuMemAllocAsync, dptr, bytesize, hStream))
+ASYNC_ALLOC_HOOK(cuMemAllocAsync_ptsz, (CUdeviceptr * dptr, size_t bytesize, CUstream hStream),
+                 (cuMemAllocAsync_ptsz, dptr, bytesize, hStream))
+ASYNC_ALLOC_HOOK(cuMemAllocFromPoolAsync,
+                 (CUdeviceptr * dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream),
+                 (cuMemAllocFromPoolAsync, dptr, bytesize, pool, hStream))
+ASYNC_ALLOC_HOOK(cuMemAllocFromPoolAsync_ptsz,
+                 (CUdeviceptr * dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream),
+                 (cuMemAllocFromPoolAsync_ptsz, dptr, bytesize, pool, hStream))
+
+/* --- frees --- */
+
+#define FREE_HOOK(sym, tab, keytype, params, args)                \
+    HOOK CUresult mg_h_##sym params {                             \
+        if (!mg_on()) return CALL_REAL args;                      \
+        uint64_t bytes = 0;                                       \
+        uint64_t key = (uint64_t)(keytype);                       \
+        int found = mg_forget(&tab, key, &bytes);                 \
+        CUresult rc = CALL_REAL args;                             \
+        mg_freed(&tab, rc, key, found, bytes);                    \
+        return rc;                                                \
+    }
+
+FREE_HOOK(cuMemFree_v2, g_ptrs, dptr, (CUdeviceptr dptr), (cuMemFree_v2, dptr))
+FREE_HOOK(cuMemFree, g_ptrs, dptr, (CUdeviceptr_v1 dptr), (cuMemFree, dptr))
+FREE_HOOK(cuMemFreeAsync, g_ptrs, dptr, (CUdeviceptr dptr, CUstream hStream), (cuMemFreeAsync, dptr, hStream))
+FREE_HOOK(cuMemFreeAsync_ptsz, g_ptrs, dptr, (CUdeviceptr dptr, CUstream hStream),
+          (cuMemFreeAsync_ptsz, dptr, hStream))
+FREE_HOOK(cuMemRelease, g_handles, handle, (CUmemGenericAllocationHandle handle), (cuMemRelease, handle))
+FREE_HOOK(cuArrayDestroy, g_arrays, (uintptr_t)hArray, (CUarray hArray), (cuArrayDestroy, hArray))
+
+static CUresult mg_free_v1_adapter(CUdeviceptr p) {
+    __typeof__(&mg_h_cuMemFree) f = REAL(cuMemFree);
+    return f ? f((CUdeviceptr_v1)p) : CUDA_ERROR_NOT_FOUND;
+}
+
+/* --- virtual memory management: physical memory is cuMemCreate's; address
+ * reservations (cuMemAddressReserve) are not memory and are not hooked --- */
+
+HOOK CUresult mg_h_cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                               unsigned long long flags) {
+    if (!mg_on()) return mg_refusing() ? CUDA_ERROR_OUT_OF_MEMORY : CALL_REAL(cuMemCreate, handle, size, prop, flags);
+    CUresult rc = mg_charge(size);
+    if (rc != CUDA_SUCCESS) return rc;
+    rc = CALL_REAL(cuMemCreate, handle, size, prop, flags);
+    mg_settle(&g_handles, rc, handle ? *handle : 0, size);
+    return rc;
+}
+
+/* --- arrays --- */
+
+HOOK CUresult mg_h_cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *d) {
+    if (!mg_on() || !d) return mg_refusing() && d ? CUDA_ERROR_OUT_OF_MEMORY : CALL_REAL(cuArrayCreate_v2, pHandle, d);
+    uint64_t bytes = mg_array_bytes(d->Width, d->Height, 0, d->Format, d->NumChannels);
+    CUresult rc = mg_charge(bytes);
+    if (rc != CUDA_SUCCESS) return rc;
+    rc = CALL_REAL(cuArrayCreate_v2, pHandle, d);
+    mg_settle(&g_arrays, rc, pHandle ? (uint64_t)(uintptr_t)*pHandle : 0, bytes);
+    return rc;
+}
+
+HOOK CUresult mg_h_cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d) {
+    if (!mg_on() || !d)
+        return mg_refusing() && d ? CUDA_ERROR_OUT_OF_MEMORY : CALL_REAL(cuArray3DCreate_v2, pHandle, d);
+    uint64_t bytes = mg_array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels);
+    CUresult rc = mg_charge(bytes);
+    if (rc != CUDA_SUCCESS) return rc;
+    rc = CALL_REAL(cuArray3DCreate_v2, pHandle, d);
+    mg_settle(&g_arrays, rc, pHandle ? (uint64_t)(uintptr_t)*pHandle : 0, bytes);
+    return rc;
+}
+
+/* --- memory queries: total = limit, free = limit - container usage --- */
+
+HOOK CUresult mg_h_cuMemGetInfo_v2(size_t *free_, size_t *total) {
+    CUresult rc = CALL_REAL(cuMemGetInfo_v2, free_, total);
+    uint64_t vf, vt;
+    if (rc == CUDA_SUCCESS && free_ && total && mg_view(*free_, *total, &vf, &vt)) {
+        *free_ = (size_t)vf;
+        *total = (size_t)vt;
+    }
+    return rc;
+}
+
+HOOK CUresult mg_h_cuMemGetInfo(unsigned int *free_, unsigned int *total) {
+    CUresult rc = CALL_REAL(cuMemGetInfo, free_, total);
+    uint64_t vf, vt;
+    if (rc == CUDA_SUCCESS && free_ && total && mg_view(*free_, *total, &vf, &vt)) {
+        *free_ = (unsigned int)(vf > UINT_MAX ? UINT_MAX : vf);
+        *total = (unsigned int)(vt > UINT_MAX ? UINT_MAX : vt);
+    }
+    return rc;
+}
+
+HOOK CUresult mg_h_cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
+    CUresult rc = CALL_REAL(cuDeviceTotalMem_v2, bytes, dev);
+    uint64_t vf, vt;
+    if (rc == CUDA_SUCCESS && bytes && mg_view(*bytes, *bytes, &vf, &vt)) *bytes = (size_t)vt;
+    return rc;
+}
+
+HOOK CUresult mg_h_cuDeviceTotalMem(unsigned int *bytes, CUdevice dev) {
+    CUresult rc = CALL_REAL(cuDeviceTotalMem, bytes, dev);
+    uint64_t vf, vt;
+    if (rc == CUDA_SUCCESS && bytes && mg_view(*bytes, *bytes, &vf, &vt))
+        *bytes = (unsigned int)(vt > UINT_MAX ? UINT_MAX : vt);
+    return rc;
+}
+
+HOOK nvmlReturn_t mg_h_nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
+    nvmlReturn_t rc = CALL_REAL(nvmlDeviceGetMemoryInfo, device, memory);
+    uint64_t vf, vt;
+    if (rc == NVML_SUCCESS && memory && mg_view(memory->free, memory->total, &vf, &vt)) {
+        memory->total = vt;
+        memory->free = vf;
+        memory->used = vt - vf;
+    }
+    return rc;
+}
+
+HOOK nvmlReturn_t mg_h_nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
+    nvmlReturn_t rc = CALL_REAL(nvmlDeviceGetMemoryInfo_v2, device, memory);
+    uint64_t vf, vt;
+    if (rc == NVML_SUCCESS && memory && mg_view(memory->free, memory->total, &vf, &vt)) {
+        /* The container's total excludes the driver's reservation (the agent
+         * hands out allocatable = total - reserved), so reserved is 0 here and
+         * total = reserved + used + free still holds. */
+        memory->total = vt;
+        memory->reserved = 0;
+        memory->free = vf;
+        memory->used = vt - vf;
+    }
+    return rc;
+}
+
+/* --- launches: activity for the idle detector, and the swap-in gate --- */
+
+static inline void mg_activity(void) {
+    if (!mg_on()) return;
+    mg_proc_slot_t *s = mg_slot();
+    if (MG_UNLIKELY(!s)) return;
+    /* Only this process's threads write its slot; a lost increment between
+     * two of its threads is harmless, a locked add on every launch is not. */
+    atomic_store_explicit(&s->launches, atomic_load_explicit(&s->launches, memory_order_relaxed) + 1,
+                          memory_order_relaxed);
+    atomic_store_explicit(&s->last_activity_ns, mg_coarse_now_ns(), memory_order_relaxed);
+    if (MG_UNLIKELY(atomic_load_explicit(&s->swapped, memory_order_acquire))) mg_swap_in(s);
+}
+
+#define LAUNCH_PARAMS                                                                                     \
+    (CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ, unsigned int blockDimX, \
+     unsigned int blockDimY, unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,          \
+     void **kernelParams, void **extra)
+#define LAUNCH_ARGS \
+    f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, extra
+#define COOP_PARAMS                                                                                       \
+    (CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ, unsigned int blockDimX, \
+     unsigned int blockDimY, unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,          \
+     void **kernelParams)
+#define COOP_ARGS f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams
+
+#define LAUNCH_HOOK(sym, params, ...)             \
+    HOOK CUresult mg_h_##sym params {              \
+        mg_activity();                             \
+        return CALL_REAL(sym, __VA_ARGS__);        \
+    }
+
+LAUNCH_HOOK(cuLaunchKernel, LAUNCH_PARAMS, LAUNCH_ARGS)
+LAUNCH_HOOK(cuLaunchKernel_ptsz, LAUNCH_PARAMS, LAUNCH_ARGS)
+LAUNCH_HOOK(cuLaunchCooperativeKernel, COOP_PARAMS, COOP_ARGS)
+LAUNCH_HOOK(cuLaunchCooperativeKernel_ptsz, COOP_PARAMS, COOP_ARGS)
+LAUNCH_HOOK(cuLaunchKernelEx, (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra),
+            config, f, kernelParams, extra)
+LAUNCH_HOOK(cuLaunchKernelEx_ptsz, (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra),
+            config, f, kernelParams, extra)
+LAUNCH_HOOK(cuGraphLaunch, (CUgraphExec hGraphExec, CUstream hStream), hGraphExec, hStream)
+LAUNCH_HOOK(cuGraphLaunch_ptsz, (CUgraphExec hGraphExec, CUstream hStream), hGraphExec, hStream)
+
+/* --- symbol lookup --- */
+
+static int mg_find(const char *name) {
+    /* Not the fast path: runs once per function a program looks up. */
+    for (int i = 0; i < S_COUNT; i++)
+        if (strcmp(g_syms[i].name, name) == 0) return i;
+    return -1;
+}
+
+/* The hook to hand out instead of `p`, the driver's answer for cuGetProcAddress(symbol, version, flags). */
+static void *mg_proc_hook(const char *symbol, void *p, int version, cuuint64_t flags) {
+    int want_ptds = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
+    int best = -1, best_any = -1;
+    for (int i = 0; i < S_COUNT; i++) {
+        const mg_sym_t *e = &g_syms[i];
+        if (e->lib != LIB_CUDA || strcmp(e->base, symbol) != 0) continue;
+        if (p == e->hook) return p;
+        if (mg_real(i) == p) return e->hook; /* the driver's own choice, matched by address */
+        if (e->version > version) continue;
+        if (e->ptds == want_ptds && (best < 0 || e->version > g_syms[best].version)) best = i;
+        if (!e->ptds && (best_any < 0 || e->version > g_syms[best_any].version)) best_any = i;
+    }
+    if (best < 0) best = best_any; /* no per-thread variant of this function */
+    if (best < 0) return p;        /* older than anything hooked: the driver's legacy answer */
+    /* The driver answered with an address no export has (an internal entry):
+     * use it as the real function of the variant the table names. */
+    void *expected = NULL;
+    atomic_compare_exchange_strong(&g_real[best], &expected, p);
+    return g_syms[best].hook;
+}
+
+HOOK CUresult mg_h_cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                                       CUdriverProcAddressQueryResult *symbolStatus) {
+    CUresult rc = CALL_REAL(cuGetProcAddress_v2, symbol, pfn, cudaVersion, flags, symbolStatus);
+    if (rc == CUDA_SUCCESS && symbol && pfn && *pfn) *pfn = mg_proc_hook(symbol, *pfn, cudaVersion, flags);
+    return rc;
+}
+
+HOOK CUresult mg_h_cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags) {
+    CUresult rc = CALL_REAL(cuGetProcAddress, symbol, pfn, cudaVersion, flags);
+    if (rc == CUDA_SUCCESS && symbol && pfn && *pfn) *pfn = mg_proc_hook(symbol, *pfn, cudaVersion, flags);
+    return rc;
+}
+
+static MG_COLD void *mg_dlsym_hooked(void *handle, const char *name) {
+    dlsym_fn real = mg_real_dlsym();
+    void *p = real ? real(handle, name) : NULL;
+    if (!p) return p;
+    int i = mg_find(name);
+    if (i < 0 || p == g_syms[i].hook) return p;
+    /* Hand out the hook only for the driver library's own function. */
+    return mg_real(i) == p ? g_syms[i].hook : p;
+}
+
+/* dlsym itself: the way ctypes, pynvml and cudart's bootstrap find driver
+ * functions, which LD_PRELOAD alone does not reach (a handle-scoped lookup
+ * never sees the preloaded library). */
+/* optimize-sibling-calls: the ASan build is -O1, which would not make it one. */
+MG_EXPORT __attribute__((optimize("optimize-sibling-calls"))) void *dlsym(void *handle, const char *name) {
+    if (handle != RTLD_NEXT &&
+        ((name[0] == 'c' && name[1] == 'u') || (name[0] == 'n' && name[1] == 'v' && name[2] == 'm')))
+        return mg_dlsym_hooked(handle, name);
+    /* A sibling call, so glibc still sees the caller's return address and
+     * RTLD_NEXT means "after the caller", not "after memguard". */
+    return mg_real_dlsym()(handle, name);
+}
+
+/* ------------------------------------------------------------------------ */
+/* The table and the exports.                                                */
+
+static const mg_sym_t g_syms[S_COUNT] = {
+#define MG_ROW(sym, base, ver, lib, ptds) [S_##sym] = {#sym, base, ver, lib, ptds, (void *)mg_h_##sym},
+    MG_SYMBOLS(MG_ROW)
+#undef MG_ROW
+};
+
+/* Export each hook under the driver's name. The table holds the local
+ * address, so another library interposing the same name cannot redirect it. */
+#define MG_ALIAS(sym, base, ver, lib, ptds) \
+    extern __typeof__(mg_h_##sym) sym __attribute__((alias("mg_h_" #sym), visibility("default")));
+MG_SYMBOLS(MG_ALIAS)
+#undef MG_ALIAS

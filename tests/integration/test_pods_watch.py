@@ -1,0 +1,160 @@
+"""PodCache against the apiserver emulator through the real kubernetes client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from kube_fixtures import PODS, KubeServer, kube_server, pod_manifest  # noqa: F401
+
+from gpufrac.agent.kube import PodCache, PodInfo, make_api_client
+
+NODE = "node-a"
+
+
+async def until(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll (on the loop, so cache updates land) until cond() holds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def names(cache: PodCache) -> set[str]:
+    return {p.name for p in cache.pods()}
+
+
+def test_watch_delivers_this_nodes_pods_only(kube_server: KubeServer) -> None:
+    v1 = kube_server.core_v1()
+    v1.create_namespaced_pod("default", pod_manifest("a1", node=NODE, priority=100))
+    v1.create_namespaced_pod("default", pod_manifest("b1", node="node-b"))
+    seen: list[tuple[str, str]] = []
+
+    async def scenario() -> None:
+        cache = PodCache(make_api_client(host=kube_server.url), NODE)
+        cache.subscribe(lambda kind, pod: seen.append((kind, pod.name)))
+        cache.start()
+        try:
+            assert await cache.wait_synced(30)
+            assert names(cache) == {"a1"}
+            a1 = cache.get("default", "a1")
+            assert a1 is not None and a1.priority == 100 and a1.node_name == NODE
+            assert cache.by_uid(a1.uid) == a1
+
+            # Pods that arrive while watching: only this node's show up.
+            await asyncio.to_thread(
+                v1.create_namespaced_pod, "team", pod_manifest("b2", node="node-b", namespace="team")
+            )
+            await asyncio.to_thread(
+                v1.create_namespaced_pod,
+                "team",
+                pod_manifest("a2", node=NODE, namespace="team", containers=("x", "y")),
+            )
+            await until(lambda: "a2" in names(cache), what="a2 in the cache")
+            assert names(cache) == {"a1", "a2"}
+            a2 = cache.get("team", "a2")
+            assert a2 is not None and a2.containers == ("x", "y")
+
+            # An annotation change arrives as MODIFIED with the new annotations.
+            patch = {"metadata": {"annotations": {"gpufrac.dev/gpu-memory-limit": "24Gi"}}}
+            await asyncio.to_thread(v1.patch_namespaced_pod, "a1", "default", patch)
+            await until(
+                lambda: "gpufrac.dev/gpu-memory-limit" in (cache.get("default", "a1") or a1).annotations,
+                what="the new annotation",
+            )
+            assert ("MODIFIED", "a1") in seen
+
+            await asyncio.to_thread(v1.delete_namespaced_pod, "a1", "default")
+            await until(lambda: cache.get("default", "a1") is None, what="a1 deleted")
+            assert cache.by_uid(a1.uid) is None
+            assert ("DELETED", "a1") in seen
+            assert not any(name.startswith("b") for _, name in seen)
+        finally:
+            await cache.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+    # The apiserver does the filtering: every list and watch asked for this node only.
+    pod_reads = [q for m, path, q in kube_server.requests() if m == "GET" and path == "/api/v1/pods"]
+    assert pod_reads and all(q.get("fieldSelector") == f"spec.nodeName={NODE}" for q in pod_reads)
+
+
+def test_expired_watch_relists_and_sees_missed_deletions(kube_server: KubeServer) -> None:
+    v1 = kube_server.core_v1()
+    for name in ("p1", "p2"):
+        v1.create_namespaced_pod("default", pod_manifest(name, node=NODE))
+    seen: list[tuple[str, str]] = []
+
+    async def scenario() -> None:
+        cache = PodCache(make_api_client(host=kube_server.url), NODE)
+        cache.subscribe(lambda kind, pod: seen.append((kind, pod.name)))
+        cache.start()
+        try:
+            assert await cache.wait_synced(30)
+            await until(lambda: cache.watches >= 1, what="the watch to start")
+            assert names(cache) == {"p1", "p2"}
+            # p2 goes while the watch is "down" (no event), then the apiserver compacts.
+            await asyncio.to_thread(kube_server.delete_silently, PODS, "default", "p2")
+            await asyncio.to_thread(kube_server.expire_watches)
+            await until(lambda: names(cache) == {"p1"}, what="the relist to drop p2")
+            assert cache.relists >= 2
+            assert ("DELETED", "p2") in seen
+            # And it keeps watching after the relist.
+            await asyncio.to_thread(v1.create_namespaced_pod, "default", pod_manifest("p3", node=NODE))
+            await until(lambda: "p3" in names(cache), what="p3 after the relist")
+        finally:
+            await cache.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+
+
+def test_watch_resumes_after_the_server_ends_it(kube_server: KubeServer) -> None:
+    async def scenario() -> None:
+        cache = PodCache(make_api_client(host=kube_server.url), NODE, watch_timeout=1)
+        cache.start()
+        try:
+            assert await cache.wait_synced(30)
+            await until(lambda: cache.watches >= 3, what="the watch to be renewed")
+            v1 = kube_server.core_v1()
+            await asyncio.to_thread(v1.create_namespaced_pod, "default", pod_manifest("late", node=NODE))
+            await until(lambda: "late" in names(cache), what="a pod after renewals")
+            assert cache.errors == 0
+        finally:
+            await cache.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+
+
+def test_fetch_reads_a_pod_directly(kube_server: KubeServer) -> None:
+    v1 = kube_server.core_v1()
+    v1.create_namespaced_pod(
+        "ns1", pod_manifest("direct", node=NODE, namespace="ns1", annotations={"a": "b"})
+    )
+
+    async def scenario() -> None:
+        cache = PodCache(make_api_client(host=kube_server.url), NODE)
+        cache.start()  # the loop is needed; the watch may or may not have delivered yet
+        try:
+            pod = await cache.fetch("ns1", "direct")
+            assert isinstance(pod, PodInfo) and pod.annotations == {"a": "b"} and pod.uid
+            assert cache.get("ns1", "direct") == pod
+            assert await cache.fetch("ns1", "missing") is None
+        finally:
+            await cache.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_unreachable_apiserver_is_counted_not_fatal() -> None:
+    async def scenario() -> None:
+        # Port 9 on loopback: nothing listens, connections are refused at once.
+        cache = PodCache(make_api_client(host="http://127.0.0.1:9"), NODE, backoff=(0.05, 0.2))
+        cache.start()
+        try:
+            await until(lambda: cache.errors >= 3, what="retries with back-off")
+            assert not cache.synced
+            assert await cache.fetch("default", "x") is None
+        finally:
+            await cache.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

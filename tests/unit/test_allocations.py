@@ -1,0 +1,196 @@
+"""The allocation ledger: booking rules, capacity sync, container files, persistence."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gpufrac.agent.allocations import AllocationError, Ledger, container_key
+from gpufrac.agent.config import GiB, Config, PathsConfig
+from gpufrac.agent.gpus import Gpu, Inventory, Link, PcieLink
+from gpufrac.agent.state import StateStore, encode, restore
+from gpufrac.deviceplugin.slices import FRACTION, MEMORY, device_id
+from gpufrac.memguard import formats
+
+TOTAL = 17 * GiB  # allocatable 16 GiB with the default 1 GiB reserve
+
+
+def make_inventory(n: int = 2, numa: tuple[int, ...] | None = None) -> Inventory:
+    numa = numa or tuple(0 for _ in range(n))
+    gpus = [
+        Gpu(i, f"GPU-{i:08d}-0000-0000-0000-000000000000", "Sim", TOTAL, f"0000:{i:02x}:00.0", numa[i], (), i)
+        for i in range(n)
+    ]
+    links = {(a, b): Link(0, PcieLink.SYSTEM) for a in range(n) for b in range(n) if a != b}
+    return Inventory(gpus=gpus, links=links)
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Ledger:
+    cfg = Config(paths=PathsConfig(state_dir=str(tmp_path / "state"), kubelet_dir=str(tmp_path / "kubelet")))
+    return Ledger(cfg, make_inventory())
+
+
+def ids(ledger: Ledger, gpu: int, resource: str, numbers: range | list[int]) -> list[str]:
+    return [device_id(ledger.inventory.gpus[gpu].uuid, resource, n) for n in numbers]
+
+
+def healthy(ledger: Ledger, resource: str, gpu: int) -> set[str]:
+    uuid = ledger.inventory.gpus[gpu].uuid
+    return {d for d, ok, _ in ledger.devices(resource) if ok and d.startswith(uuid)}
+
+
+def refused(ledger: Ledger, resource: str, devices: list[str]) -> AllocationError:
+    with pytest.raises(AllocationError) as exc:
+        ledger.allocate(resource, devices)
+    return exc.value
+
+
+def test_fresh_node_reports_every_slice_healthy(ledger: Ledger) -> None:
+    assert len(healthy(ledger, FRACTION, 0)) == 100
+    assert len(healthy(ledger, MEMORY, 0)) == 16  # 16 GiB allocatable / 1 GiB unit
+    numa = {n for _, _, n in ledger.devices(MEMORY)}
+    assert numa == {0}
+
+
+def test_memory_taken_shrinks_fractions_on_that_gpu_only(ledger: Ledger) -> None:
+    ledger.allocate(MEMORY, ids(ledger, 0, MEMORY, range(8)))  # half of GPU 0
+    assert len(healthy(ledger, FRACTION, 0)) == 50
+    assert healthy(ledger, FRACTION, 0) == set(ids(ledger, 0, FRACTION, range(50)))  # lowest numbers first
+    assert len(healthy(ledger, FRACTION, 1)) == 100
+    # allocated memory slices stay Healthy; the other 8 still fit
+    assert len(healthy(ledger, MEMORY, 0)) == 16
+
+
+def test_fractions_taken_shrink_memory_and_allocated_stay_healthy(ledger: Ledger) -> None:
+    ledger.allocate(FRACTION, ids(ledger, 0, FRACTION, range(60, 85)))  # 25 % = 4 GiB
+    assert len(healthy(ledger, MEMORY, 0)) == 12
+    h = healthy(ledger, FRACTION, 0)
+    assert set(ids(ledger, 0, FRACTION, range(60, 85))) <= h and len(h) == 100
+    ledger.allocate(MEMORY, ids(ledger, 0, MEMORY, range(12)))  # the rest of GPU 0
+    h = healthy(ledger, FRACTION, 0)
+    assert h == set(ids(ledger, 0, FRACTION, range(60, 85)))  # nothing unallocated fits any more
+    assert healthy(ledger, MEMORY, 0) == set(ids(ledger, 0, MEMORY, range(12)))
+
+
+def test_allocate_writes_safe_config_and_usage(ledger: Ledger) -> None:
+    a = ledger.allocate(MEMORY, ids(ledger, 1, MEMORY, range(3)))
+    cfg = formats.read_config(a.directory)
+    assert cfg.gpu_uuid == ledger.inventory.gpus[1].uuid
+    assert cfg.request_bytes == cfg.limit_bytes == 3 * GiB  # limit = request until the pod is known
+    assert not cfg.flags & formats.FLAG_WHOLE_GPU
+    assert os.stat(Path(a.directory) / formats.CONFIG_FILE).st_mode & 0o777 == 0o644
+    assert (Path(a.directory) / formats.USAGE_FILE).exists()
+    assert a.key == container_key(MEMORY, reversed(a.device_ids))  # order-independent
+
+
+def test_whole_gpus_take_every_slice_and_flag(ledger: Ledger) -> None:
+    a = ledger.allocate(FRACTION, ids(ledger, 0, FRACTION, range(100)) + ids(ledger, 1, FRACTION, range(100)))
+    assert a.whole_gpu and a.gpus == tuple(g.uuid for g in ledger.inventory.gpus)
+    cfg = formats.read_config(a.directory)
+    assert cfg.flags & formats.FLAG_WHOLE_GPU and cfg.request_bytes == 16 * GiB
+    assert not healthy(ledger, MEMORY, 0) and not healthy(ledger, MEMORY, 1)
+
+
+@pytest.mark.parametrize(
+    ("resource", "make", "code", "words"),
+    [
+        (FRACTION, lambda L: ids(L, 0, FRACTION, range(5)) + ids(L, 1, FRACTION, range(5)), "INVALID_ARGUMENT",
+         "must come from one GPU"),
+        (MEMORY, lambda L: ids(L, 0, MEMORY, [0]) + ids(L, 1, MEMORY, [0]), "INVALID_ARGUMENT", "span GPUs"),
+        (FRACTION, lambda L: ids(L, 0, FRACTION, range(100)) + ids(L, 1, FRACTION, range(50)), "INVALID_ARGUMENT",
+         "150 is neither <= 100"),
+        (FRACTION, lambda L: ids(L, 0, FRACTION, [*range(10), 5]), "INVALID_ARGUMENT", "more than once"),
+        (FRACTION, lambda L: ["GPU-nope::f01"], "INVALID_ARGUMENT", "unknown device IDs [GPU-nope::f01]"),
+        (FRACTION, lambda L: ids(L, 0, MEMORY, [1]), "INVALID_ARGUMENT", "not gpufrac.dev/gpu-fraction devices"),
+        (MEMORY, lambda L: ids(L, 0, MEMORY, [16]), "INVALID_ARGUMENT", "unknown device IDs"),
+        (MEMORY, lambda L: [], "INVALID_ARGUMENT", "names no devices"),
+    ],
+)
+def test_refusals_name_ids_and_rule(ledger: Ledger, resource: str, make, code: str, words: str) -> None:
+    devices = make(ledger)
+    err = refused(ledger, resource, devices)
+    assert err.code == getattr(grpc.StatusCode, code)
+    assert words in err.message
+    assert not ledger.containers()
+    assert not os.path.exists(ledger.config.paths.containers_dir) or not os.listdir(ledger.config.paths.containers_dir)
+
+
+def test_whole_gpu_request_must_cover_each_gpu(ledger: Ledger) -> None:
+    devs = ids(ledger, 0, FRACTION, range(100)) + ids(ledger, 1, FRACTION, range(100))
+    ledger.allocate(FRACTION, ids(ledger, 1, FRACTION, [99]))
+    err = refused(ledger, FRACTION, devs)
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION and "already allocated" in err.message
+
+
+def test_double_booking_refused_names_owner(ledger: Ledger) -> None:
+    a = ledger.allocate(FRACTION, ids(ledger, 0, FRACTION, range(10)))
+    ledger.bind(a.key, "ns", "first", "main", "uid-1")
+    err = refused(ledger, FRACTION, ids(ledger, 0, FRACTION, range(5, 15)))
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "ns/first" in err.message and "::f05" in err.message
+
+
+def test_unhealthy_gpu_refused_and_all_slices_unhealthy(ledger: Ledger) -> None:
+    a = ledger.allocate(MEMORY, ids(ledger, 0, MEMORY, [0]))
+    assert ledger.set_health(ledger.inventory.gpus[0].uuid, False, "XID 79")
+    assert not healthy(ledger, MEMORY, 0) and not healthy(ledger, FRACTION, 0)
+    err = refused(ledger, MEMORY, ids(ledger, 0, MEMORY, [1]))
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION and "Unhealthy (XID 79)" in err.message
+    ledger.set_health(ledger.inventory.gpus[0].uuid, True)
+    assert a.device_ids[0] in healthy(ledger, MEMORY, 0) and len(healthy(ledger, MEMORY, 0)) == 16
+
+
+def test_request_beyond_unrequested_memory_refused(ledger: Ledger) -> None:
+    # The kubelet may act on a stale snapshot: Allocate itself never overbooks a GPU.
+    ledger.allocate(MEMORY, ids(ledger, 0, MEMORY, range(12)))
+    err = refused(ledger, FRACTION, ids(ledger, 0, FRACTION, range(30)))
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION and "unrequested" in err.message
+
+
+def test_release_frees_slices_and_directory(ledger: Ledger) -> None:
+    changes = []
+    ledger.add_listener(lambda: changes.append(1))
+    a = ledger.allocate(MEMORY, ids(ledger, 0, MEMORY, range(16)))
+    assert not healthy(ledger, FRACTION, 0)
+    ledger.release(a.key)
+    assert len(healthy(ledger, FRACTION, 0)) == 100 and not os.path.exists(a.directory)
+    assert len(changes) == 2
+    ledger.allocate(MEMORY, ids(ledger, 0, MEMORY, range(16)))  # free again: no double-booking error
+
+
+def test_update_config_never_below_request_nor_rebooks(ledger: Ledger) -> None:
+    a = ledger.allocate(MEMORY, ids(ledger, 0, MEMORY, range(2)))
+    ledger.update_config(a.key, limit_bytes=6 * GiB, priority=7)
+    assert formats.read_config(a.directory).limit_bytes == 6 * GiB
+    ledger.update_config(a.key, limit_bytes=1)
+    assert formats.read_config(a.directory).limit_bytes == 2 * GiB
+    with pytest.raises(ValueError, match="request_bytes"):
+        ledger.update_config(a.key, request_bytes=10 * GiB)
+    ledger.bind(a.key, "ns", "p", "c", "u")
+    cfg = formats.read_config(a.directory)
+    assert (cfg.namespace, cfg.pod, cfg.container, cfg.pod_uid, cfg.priority) == ("ns", "p", "c", "u", 7)
+
+
+def test_state_roundtrip_rebooks_the_same(ledger: Ledger, tmp_path: Path) -> None:
+    a = ledger.allocate(MEMORY, ids(ledger, 0, MEMORY, range(4)))
+    ledger.bind(a.key, "ns", "p", "c", None)
+    ledger.update_config(a.key, limit_bytes=9 * GiB)
+    data = json.loads(json.dumps(encode(ledger)))
+    fresh = Ledger(ledger.config, ledger.inventory)
+    (b,) = restore(fresh, data["allocations"])
+    assert (b.key, b.device_ids, b.pod, b.config.limit_bytes) == (a.key, a.device_ids, "p", 9 * GiB)
+    assert len(healthy(fresh, FRACTION, 0)) == 75
+
+
+def test_corrupt_state_is_reported_and_moved_aside(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = StateStore(str(tmp_path))
+    store.path.write_text('{"version": 1, "allocations": [')
+    assert store.load() is None
+    assert "state file corrupt" in caplog.text and "rebuilding allocations from pod-resources" in caplog.text
+    assert not store.path.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("state.json.corrupt-")]
