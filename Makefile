@@ -14,11 +14,13 @@ LDLIBS     := -ldl -lpthread
 SIM_SRC := gpufrac/simgpu/native
 MG_SRC  := gpufrac/memguard/native
 SIM_HDR := $(wildcard $(SIM_SRC)/*.h)
+# The fake libcuda is split by area: cuda.c (core, symbol table), cuda_*.c (the rest).
+CUDA_SRC := $(sort $(wildcard $(SIM_SRC)/cuda*.c))
 MG_HDR  := $(wildcard $(MG_SRC)/*.h)
 
 NATIVE_LIBS = libnvidia-ml.so.1 libcuda.so.1 libmemguard.so mg_ctest
 
-.PHONY: all setup native native-asan proto run test test-fast bench lint clean
+.PHONY: all setup native native-asan proto run test test-fast bench lint clean tools
 
 all: setup
 
@@ -38,9 +40,9 @@ define native_rules
 $(1)/libnvidia-ml.so.1: $(SIM_SRC)/nvml.c $(SIM_SRC)/simstate.c $(SIM_HDR)
 	@mkdir -p $(1)
 	$(CC) $(2) -shared -Wl,-soname,libnvidia-ml.so.1 -o $$@ $(SIM_SRC)/nvml.c $(SIM_SRC)/simstate.c $(LDLIBS)
-$(1)/libcuda.so.1: $(SIM_SRC)/cuda.c $(SIM_SRC)/simstate.c $(SIM_HDR)
+$(1)/libcuda.so.1: $(SIM_SRC)/cuda.c $(CUDA_SRC) $(SIM_SRC)/simstate.c $(SIM_HDR)
 	@mkdir -p $(1)
-	$(CC) $(2) -shared -Wl,-soname,libcuda.so.1 -o $$@ $(SIM_SRC)/cuda.c $(SIM_SRC)/simstate.c $(LDLIBS)
+	$(CC) $(2) -shared -Wl,-soname,libcuda.so.1 -o $$@ $(CUDA_SRC) $(SIM_SRC)/simstate.c $(LDLIBS)
 $(1)/libmemguard.so: $(MG_SRC)/memguard.c $(MG_HDR)
 	@mkdir -p $(1)
 	$(CC) $(2) -shared -o $$@ $(MG_SRC)/memguard.c $(LDLIBS)
@@ -63,10 +65,23 @@ $(PROTO_STAMP): $(PROTOS) $(VENV)/.installed
 run: setup
 	$(VENV)/bin/gpufrac run
 
-test: setup native-asan
+# Command-line tools the tests use besides the venv: kubectl (tests/integration/
+# test_deploy_manifests.py runs `kubectl kustomize`). An existing kubectl is kept;
+# otherwise Debian's package (kubernetes-client) is installed when we are root.
+tools:
+	@command -v kubectl >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing kubectl (Debian package kubernetes-client)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubernetes-client >/dev/null; \
+	  fi; \
+	  command -v kubectl >/dev/null 2>&1 || { \
+	    echo "error: kubectl is missing and could not be installed (needs root and apt-get);" \
+	         "install kubectl (Debian: apt-get install kubernetes-client) and re-run" >&2; exit 1; }; }
+
+test: setup native-asan tools
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
-test-fast: setup
+test-fast: setup tools
 	$(PY) -m pytest -q -x -p no:cacheprovider tests -m 'not slow'
 
 bench: setup

@@ -11,6 +11,9 @@ import pytest
 
 from gpufrac import native
 
+# kube_server: kmock's apiserver emulator for the real kubernetes client (tests/kube_fixtures.py).
+pytest_plugins = ["kube_fixtures"]
+
 
 @dataclass
 class SimNode:

@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sensitivity-seeds", type=int, default=5, help="seeds for the spread table (1 = off)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
     ap.add_argument("--docs", action="store_true", help=f"also rewrite the table in {DOC.name} and the plot")
-    args = ap.parse_args(argv)
+    # None means defaults (not sys.argv): `python -m bench` calls main() with its own argv.
+    args = ap.parse_args([] if argv is None else argv)
     if args.sensitivity_seeds < 1:
         ap.error(f"--sensitivity-seeds: {args.sensitivity_seeds} must be at least 1")
 

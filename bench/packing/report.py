@@ -25,13 +25,14 @@ TABLE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("swaps", "swaps"),
     ("idle_reaped", "idle reaped"),
     ("pods_disrupted", "pods disrupted"),
+    ("batch_completed", "batch jobs done"),
     ("mean_queue_delay_min", "mean queue (min)"),
 )
 SENSITIVITY_KEYS = ("pods_served", "memory_utilisation", "demand_met", "oom_crashes", "evictions")
 
 
 def _describe(s: Strategy) -> dict[str, Any]:
-    d: dict[str, Any] = {"model": (type(s).__doc__ or "").split("\n")[0]}
+    d: dict[str, Any] = {"model": " ".join((type(s).__doc__ or "").split("\n\n")[0].split())}
     if s.slots_per_gpu is not None:
         d["pods_per_gpu"] = s.slots_per_gpu
     if s.isolated and s.slots_per_gpu is None:
@@ -154,43 +155,36 @@ def plot(data: dict[str, Any], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.4, 1]})
     for name, r in results.items():
         hourly = r["hourly_used_gib"]
+        # The last hour's value is repeated so the step reaches the end of the day.
         ax1.step(
-            range(len(hourly)),
-            hourly,
+            range(len(hourly) + 1),
+            [*hourly, hourly[-1]],
             where="post",
             label=name,
             linestyle="--" if name == "time_slicing" else "-",
         )
     ax1.axhline(total, color="grey", linewidth=0.8)
-    ax1.text(0.2, total * 0.97, f"node: {total:.0f} GiB", va="top", fontsize=8, color="grey")
-    ax1.set(
-        xlabel="hour of day",
-        ylabel="GPU memory in use (GiB, hourly mean)",
-        xlim=(0, 24),
-        ylim=(0, total * 1.05),
-    )
+    ax1.text(23.8, total * 0.97, f"node: {total:.0f} GiB", ha="right", va="top", fontsize=8, color="grey")
+    ax1.set(xlabel="hour of day", ylabel="GPU memory in use (GiB, hourly mean)", xlim=(0, 24))
+    ax1.set_ylim(0, total * 1.05)
     ax1.set_title("Memory in use over the day", fontsize=10)
-    ax1.legend(fontsize=8, loc="lower center")
+    ax1.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0.0, 0.93))
 
     names = list(results)
-    x = range(len(names))
-    w = 0.27
-    ax2.bar([i - w for i in x], [results[n]["pods_served"] for n in names], w, label="pods served")
-    ax2.bar(list(x), [results[n]["pods_disrupted"] for n in names], w, label="pods disrupted (crash/evict)")
-    ax2.bar([i + w for i in x], [results[n]["oom_crashes"] for n in names], w, label="OOM crashes")
+    x = list(range(len(names)))
+    w = 0.38
+    ax2.bar([i - w / 2 for i in x], [results[n]["pods_served"] for n in names], w, label="pods served")
+    disrupted = [results[n]["pods_disrupted"] for n in names]
+    ax2.bar([i + w / 2 for i in x], disrupted, w, label="pods crashed or evicted")
+    # Crash and eviction counts dwarf pod counts: written on the bars, not drawn.
     for i, n in enumerate(names):
-        ax2.text(
-            i + w,
-            results[n]["oom_crashes"],
-            str(results[n]["oom_crashes"]),
-            ha="center",
-            va="bottom",
-            fontsize=7,
-        )
+        note = f"{results[n]['oom_crashes']} OOM\n{results[n]['evictions']} evict"
+        ax2.text(i + w / 2, disrupted[i] + 1, note, ha="center", va="bottom", fontsize=7)
     ax2.axhline(data["trace"]["pods"], color="grey", linewidth=0.8)
-    ax2.set_xticks(list(x), [n.replace("_", "\n") for n in names], fontsize=8)
+    ax2.set_xticks(x, [n.replace("_", "\n") for n in names], fontsize=8)
+    ax2.set_ylim(0, data["trace"]["pods"] * 1.2)
     ax2.set_title(f"Pods served of {data['trace']['pods']}, and harm done", fontsize=10)
-    ax2.legend(fontsize=8)
+    ax2.legend(fontsize=8, loc="upper left")
     fig.suptitle(f"Capacity study (model), seed {data['seed']}: 8 x 80 GiB, one day", fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -248,9 +248,9 @@ class Replay:
     @staticmethod
     def _admission_claim(p: Running) -> float:
         """What an admitted pod takes from a GPU's admittable memory. Burst memory of a pod
-        that can be neither evicted nor swapped cannot be reclaimed for a newcomer's
-        guarantee, so it counts as claimed until released."""
-        if p.spec.preemptible or p.spec.swappable:
+        that cannot be evicted (swap takes only idle pods) cannot be reclaimed for a
+        newcomer's guarantee, so it counts as claimed until released."""
+        if p.spec.preemptible:
             return p.reserved
         return p.claim
 
@@ -278,6 +278,10 @@ class Replay:
             )
             self.gpus[g].append(pod)
             self._event("admit", spec.name, f"gpu{g}")
+            # Bursts may not live on a newcomer's guarantee (lendUnusedRequests off): take it back now.
+            short = -self._burst_free(g)
+            if short > _EPS:
+                self._reclaim_for_guarantee(g, short, pod)
             if not spec.origin:
                 self.result.pods_served += 1
                 self.result.queue_delay_s.append(now - arrival)
@@ -415,9 +419,6 @@ class Replay:
     def _burst_free(self, g: int) -> float:
         return self.node.allocatable_gib - sum(q.claim for q in self.gpus[g])
 
-    def _phys_free(self, g: int) -> float:
-        return self.node.allocatable_gib - sum(q.held for q in self.gpus[g])
-
     def _swap_out(self, g: int, need: float, requester: Running) -> float:
         """Swap idle swappable burst holders to host RAM until `need` GiB of burst is freed."""
         freed = 0.0
@@ -440,7 +441,7 @@ class Replay:
         return freed
 
     def _evict(self, g: int, need: float, requester: Running, *, for_guarantee: bool) -> float:
-        """Kill burst holders until `need` GiB is freed. A burst may only take from
+        """Kill burst holders until `need` GiB of burst is freed. A burst may only take from
         lower-priority or long-idle pods; a guarantee outranks every burst."""
         freed = 0.0
         idle_ticks = self.strategy.evict_idle_threshold_s / self.tick
@@ -456,12 +457,20 @@ class Replay:
         for q in victims:
             if freed >= need - _EPS:
                 break
-            freed += q.held if for_guarantee else q.burst
+            freed += q.burst  # its request stays claimed: only the burst returns to the pool
             self.result.evictions += 1
             if for_guarantee:
                 self.result.evictions_for_guarantee += 1
             self._kill(q, "evicted_for_guarantee" if for_guarantee else "evicted", requester.spec.name)
         return freed
+
+    def _reclaim_for_guarantee(self, g: int, short: float, p: Running) -> None:
+        """Burst grants are reclaimable and a guarantee outranks every burst: swap (if
+        configured) and then evict burst holders, whatever their priority."""
+        if "swap" in self.strategy.resolvers:
+            short -= self._swap_out(g, short, p)
+        if short > _EPS:
+            self._evict(g, short, p, for_guarantee=True)
 
     def _allocate_isolated(self, g: int) -> None:
         """Accounted memory: guarantees always honoured, bursts only from unclaimed memory."""
@@ -475,15 +484,10 @@ class Replay:
         for p in growing:
             if p.down:
                 continue  # evicted earlier in this tick
-            guaranteed = min(p.target, p.reserved) - p.held
-            if guaranteed > _EPS:
-                short = guaranteed - self._phys_free(g)
-                # Burst grants are reclaimable: a guarantee takes its memory back from them.
-                if short > _EPS and "swap" in s.resolvers:
-                    short -= self._swap_out(g, short, p)
-                if short > _EPS:
-                    self._evict(g, short, p, for_guarantee=True)
-                p.held += guaranteed
+            # The guarantee needs no check: claims never exceed allocatable (admission
+            # reclaims, bursts come from unclaimed memory), so the GPU has room for every
+            # pod's request beside everyone's use. The tests assert it on every tick.
+            p.held = max(p.held, min(p.target, p.reserved))
             need = p.target - p.held
             if need <= _EPS:
                 p.waiting = p.starved = False

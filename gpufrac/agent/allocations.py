@@ -378,7 +378,12 @@ class Ledger:
     ) -> ContainerAlloc:
         """Record which pod/container owns an allocation (and write it to the config)."""
         alloc = self._require(key)
-        if (alloc.namespace, alloc.pod, alloc.container, alloc.pod_uid) == (namespace, pod, container, pod_uid):
+        if (alloc.namespace, alloc.pod, alloc.container, alloc.pod_uid) == (
+            namespace,
+            pod,
+            container,
+            pod_uid,
+        ):
             return alloc
         alloc.namespace, alloc.pod, alloc.container, alloc.pod_uid = namespace, pod, container, pod_uid
         self._write(

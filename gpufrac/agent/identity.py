@@ -83,7 +83,7 @@ class PodIdentity:
         self.annotation_problems = 0
         self.resolved = 0
         if pods is not None:
-            pass
+            pods.subscribe(self._on_pod)
 
     # -- lookups for other parts of the agent ---------------------------------------------------
 

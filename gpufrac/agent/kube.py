@@ -225,7 +225,11 @@ class PodCache:
                 rv = self._relist()
                 failures = 0
                 while not self._stopping.is_set():
+                    started = time.monotonic()
                     rv = self._watch_once(rv)
+                    if time.monotonic() - started < 1.0:
+                        # A server that ends watches at once must not spin this thread.
+                        self._stopping.wait(self._backoff[0])
             except ApiException as e:
                 if self._stopping.is_set():
                     break

@@ -83,6 +83,7 @@ class Agent:
         self._tasks: list[asyncio.Task[Any]] = []
         self._dirty = asyncio.Event()
         self._identity_task: asyncio.Task[None] | None = None
+        self.identity: Any | None = None  # set by gpufrac.agent.identity on first use
         self._identity_again = False
 
     # -- lifetime --------------------------------------------------------------------
@@ -97,7 +98,11 @@ class Agent:
         ledger = self.ledger = Ledger(cfg, self.inventory)
         log.info(
             "agent on %s: %d GPUs, policy %s, memory unit %d bytes, reserved %d bytes per GPU",
-            cfg.node_name, len(self.inventory.gpus), cfg.allocation_policy, cfg.memory_unit, cfg.reserved_per_gpu,
+            cfg.node_name,
+            len(self.inventory.gpus),
+            cfg.allocation_policy,
+            cfg.memory_unit,
+            cfg.reserved_per_gpu,
         )
         await self._recover()
         ledger.add_listener(self._on_change)
@@ -133,6 +138,14 @@ class Agent:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        if self._identity_task is not None:
+            self._identity_task.cancel()
+        close = getattr(self.identity, "close", None)
+        if close is not None:
+            with contextlib.suppress(Exception):
+                result = close()
+                if inspect.isawaitable(result):
+                    await result
         if self.ledger is not None:
             await self.state.save(self.ledger)
         if self.health is not None and hasattr(self.health, "close"):
@@ -161,8 +174,10 @@ class Agent:
             log.info("state: %d allocations restored from %s", len(restored), self.state.path)
         if not await self.reconcile(grace=0.0, materialize=False):
             log.warning(
-                "pod-resources (%s) not reachable at start: keeping %d persisted allocations until it answers",
-                self.config.paths.pod_resources_socket, len(self.ledger.containers()),
+                "pod-resources (%s) not reachable at start: keeping %d persisted allocations until it "
+                "answers",
+                self.config.paths.pod_resources_socket,
+                len(self.ledger.containers()),
             )
         await self._materialize_all()
         await asyncio.to_thread(self._clean_orphans, {a.key for a in self.ledger.containers()})
@@ -202,7 +217,9 @@ class Agent:
             try:
                 self.listing[container_key(c.resource, c.device_ids)] = c
             except ValueError:
-                log.warning("pod-resources lists unknown %s devices for %s/%s", c.resource, c.namespace, c.pod)
+                log.warning(
+                    "pod-resources lists unknown %s devices for %s/%s", c.resource, c.namespace, c.pod
+                )
         now = time.time()
         for alloc in self.ledger.containers():
             c = self.listing.get(alloc.key)
@@ -218,10 +235,14 @@ class Agent:
             try:
                 alloc = self.ledger.reserve(c.resource, list(c.device_ids), ignore_health=True)
             except AllocationError as e:
-                log.error("cannot rebuild allocation of %s/%s %s: %s", c.namespace, c.pod, c.container, e.message)
+                log.error(
+                    "cannot rebuild allocation of %s/%s %s: %s", c.namespace, c.pod, c.container, e.message
+                )
                 continue
             self.ledger.bind(alloc.key, c.namespace, c.pod, c.container, None)
-            log.info("rebuilt allocation %s of %s/%s %s from pod-resources", key, c.namespace, c.pod, c.container)
+            log.info(
+                "rebuilt allocation %s of %s/%s %s from pod-resources", key, c.namespace, c.pod, c.container
+            )
             if materialize:
                 handle = await asyncio.to_thread(write_container_dir, alloc.directory, alloc.config)
                 self.ledger.attach(alloc.key, handle)
@@ -261,8 +282,12 @@ class Agent:
         assert self.ledger is not None
         for uuid, h in health.items():
             if self.ledger.set_health(uuid, h.healthy, h.reason):
-                log.warning("GPU %s is now %s%s: its slices follow", uuid,
-                            "Healthy" if h.healthy else "Unhealthy", f" ({h.reason})" if h.reason else "")
+                log.warning(
+                    "GPU %s is now %s%s: its slices follow",
+                    uuid,
+                    "Healthy" if h.healthy else "Unhealthy",
+                    f" ({h.reason})" if h.reason else "",
+                )
 
     async def _health_loop(self) -> None:
         timeout_ms = max(10, int(self.config.health.poll_interval * 1000))
@@ -284,7 +309,13 @@ class Agent:
     def preferred(self, resource: str, available: Sequence[str], must: Sequence[str], size: int) -> list[str]:
         assert self.ledger is not None and self.inventory is not None
         return preferred_mod.preferred(
-            resource, available, must, size, self.ledger.geometry, self.inventory, self.config.allocation_policy
+            resource,
+            available,
+            must,
+            size,
+            self.ledger.geometry,
+            self.inventory,
+            self.config.allocation_policy,
         )
 
     async def allocate(self, resource: str, device_ids: Sequence[str]) -> ContainerAlloc:
@@ -297,7 +328,9 @@ class Agent:
             if await self.reconcile(grace=0.0):
                 existing = ledger.find(resource, device_ids)
                 if existing is not None and existing.key in self.listing:
-                    log.info("Allocate: %s again for %s (kubelet re-allocation)", existing.key, existing.who())
+                    log.info(
+                        "Allocate: %s again for %s (kubelet re-allocation)", existing.key, existing.who()
+                    )
                     return existing
             elif existing is not None:
                 # Cannot tell who holds them: start over with the safe config (limit = request).
@@ -314,7 +347,11 @@ class Agent:
         await self.state.save(ledger)  # on disk before the kubelet hears of it
         log.info(
             "allocated %s: %s x%d on %s (%d bytes per GPU)",
-            alloc.key, resource, alloc.slice_count, ",".join(alloc.gpus), alloc.request_bytes,
+            alloc.key,
+            resource,
+            alloc.slice_count,
+            ",".join(alloc.gpus),
+            alloc.request_bytes,
         )
         self._kick_identity()
         return alloc
@@ -343,6 +380,9 @@ class Agent:
 
     async def _identity_soon(self) -> None:
         while True:
+            # Coalesce a burst of admissions into one pass (and stay far below the
+            # kubelet's pod-resources rate limit).
+            await asyncio.sleep(0.2)
             self._identity_again = False
             await self.reconcile()  # the kubelet has recorded the new allocation by now
             await self._resolve_identity()
@@ -435,8 +475,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
         print(f"gpufrac agent: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg)
+    timing = {
+        "reconcile_interval": getattr(args, "reconcile_interval", None) or RECONCILE_INTERVAL,
+        "release_grace": RELEASE_GRACE
+        if getattr(args, "release_grace", None) is None
+        else args.release_grace,
+    }
     try:
-        asyncio.run(Agent(cfg).run())
+        asyncio.run(Agent(cfg, **timing).run())
     except Exception as e:
         from gpufrac.agent.inventory import NvmlError
 
@@ -450,6 +496,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpufrac.agent.main", description="gpufrac node agent")
     parser.add_argument("--config", help="node config YAML (default: built-in defaults)")
+    # Timing knobs for tests and the demo (the DaemonSet keeps the defaults).
+    parser.add_argument("--reconcile-interval", type=float, help=f"seconds (default {RECONCILE_INTERVAL})")
+    parser.add_argument("--release-grace", type=float, help=f"seconds (default {RELEASE_GRACE})")
     return cmd_agent(parser.parse_args(argv))
 
 

@@ -98,7 +98,11 @@ def restore(ledger: Ledger, entries: list[dict[str, Any]]) -> list[ContainerAllo
             cfg_fields = {f.name for f in dataclasses.fields(ContainerConfig)}
             cfg = ContainerConfig(**{k: v for k, v in e["config"].items() if k in cfg_fields})
             alloc = ledger.reserve(
-                e["resource"], list(e["device_ids"]), ignore_health=True, config=cfg, created=float(e["created"])
+                e["resource"],
+                list(e["device_ids"]),
+                ignore_health=True,
+                config=cfg,
+                created=float(e["created"]),
             )
         except (AllocationError, KeyError, TypeError, ValueError) as err:
             reason = err.message if isinstance(err, AllocationError) else f"malformed entry ({err!r})"

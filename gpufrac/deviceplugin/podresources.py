@@ -49,7 +49,9 @@ class PodResourcesClient:
                 for d in c.devices:
                     if resources is None or d.resource_name in resources:
                         out.append(
-                            ContainerDevices(pod.namespace, pod.name, c.name, d.resource_name, tuple(d.device_ids))
+                            ContainerDevices(
+                                pod.namespace, pod.name, c.name, d.resource_name, tuple(d.device_ids)
+                            )
                         )
         return out
 

@@ -46,14 +46,18 @@ class Backend(Protocol):
     config: Config
 
     def devices(self, resource: str) -> list[tuple[str, bool, int | None]]: ...
-    def preferred(self, resource: str, available: Sequence[str], must: Sequence[str], size: int) -> list[str]: ...
+    def preferred(
+        self, resource: str, available: Sequence[str], must: Sequence[str], size: int
+    ) -> list[str]: ...
     async def allocate(self, resource: str, device_ids: Sequence[str]) -> ContainerAlloc: ...
     async def prestart(self, resource: str, device_ids: Sequence[str]) -> None: ...
 
 
 def arbiter_socket(config: Config) -> str:
     """Host path of the arbiter's unix socket (one per node; peers are told apart by SO_PEERCRED)."""
-    return getattr(config.paths, "arbiter_socket", None) or os.path.join(config.paths.state_dir, "arbiter.sock")
+    return getattr(config.paths, "arbiter_socket", None) or os.path.join(
+        config.paths.state_dir, "arbiter.sock"
+    )
 
 
 def container_response(alloc: ContainerAlloc, config: Config) -> pb.ContainerAllocateResponse:
@@ -131,7 +135,9 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
             self._snapshot = (self._version, resp)
         return self._snapshot[1]
 
-    async def GetDevicePluginOptions(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.DevicePluginOptions:
+    async def GetDevicePluginOptions(
+        self, request: pb.Empty, context: grpc.aio.ServicerContext
+    ) -> pb.DevicePluginOptions:
         return pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
 
     async def ListAndWatch(
@@ -163,7 +169,9 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
             resp.container_responses.add(deviceIDs=ids)
         return resp
 
-    async def Allocate(self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext) -> pb.AllocateResponse:
+    async def Allocate(
+        self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AllocateResponse:
         resp = pb.AllocateResponse()
         for creq in request.container_requests:
             try:
@@ -245,7 +253,11 @@ class PluginServer:
         backoff = WATCH_INTERVAL
         while True:
             if _stat_id(self.socket_path) != self._socket_id:
-                log.info("%s: socket %s was removed (kubelet restart?): serving again", self.plugin.resource, self.socket_path)
+                log.info(
+                    "%s: socket %s was removed (kubelet restart?): serving again",
+                    self.plugin.resource,
+                    self.socket_path,
+                )
                 await self._serve()
             kubelet_id = _stat_id(self.kubelet_socket)
             if kubelet_id is None:
@@ -256,8 +268,13 @@ class PluginServer:
                 await self._register()
             except (grpc.aio.AioRpcError, OSError) as e:
                 detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-                log.warning("%s: Register on %s failed (%s); retrying in %.1fs", self.plugin.resource,
-                            self.kubelet_socket, detail, backoff)
+                log.warning(
+                    "%s: Register on %s failed (%s); retrying in %.1fs",
+                    self.plugin.resource,
+                    self.kubelet_socket,
+                    detail,
+                    backoff,
+                )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue

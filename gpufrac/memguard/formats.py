@@ -88,6 +88,36 @@ class UsageStruct(ctypes.Structure):
     ]
 
 
+# Slow-path wire format on arbiter.sock (memguard_abi.h mg_burst_req_t / mg_burst_rep_t):
+# one fixed-size request and reply per connection. On BURST_GRANTED the agent has
+# already published the larger grant_bytes in config before replying.
+BURST_MAGIC = 0x3142474D
+BURST_OP_BURST = 1
+BURST_GRANTED, BURST_DENIED = 0, 1
+
+
+class BurstRequest(ctypes.Structure):
+    _fields_ = [
+        ("magic", u32),
+        ("version", ctypes.c_uint16),
+        ("op", ctypes.c_uint16),
+        ("pid", i32),
+        ("pad0", u32),
+        ("bytes", u64),
+        ("total_after", u64),
+        ("generation", u64),
+    ]
+
+
+class BurstReply(ctypes.Structure):
+    _fields_ = [
+        ("magic", u32),
+        ("version", ctypes.c_uint16),
+        ("status", ctypes.c_uint16),
+        ("generation", u64),
+    ]
+
+
 class FormatError(Exception):
     """A config or usage file is missing, truncated, or of another version."""
 

@@ -10,7 +10,7 @@ It behaves as the real kubelet does towards device plugins
   GetDevicePluginOptions inside the call, then ListAndWatch in the background;
 * each ListAndWatch message is a full snapshot, only "Healthy" counts; when the
   stream ends every device of the resource turns unhealthy and nobody re-dials;
-* admission, per container and resource: available = healthy − allocated,
+* admission, per container and resource: available = healthy - allocated,
   GetPreferredAllocation (if advertised) with one container request, then
   Allocate with exactly one ContainerAllocateRequest, then PreStartContainer (if
   required) at each container start; errors read like the kubelet's;
@@ -157,7 +157,9 @@ class _Registration(pb_grpc.RegistrationServicer):
                 f"Supported version is {supported}",
             )
         if not is_extended_resource_name(request.resource_name):
-            await context.abort(grpc.StatusCode.UNKNOWN, f'the ResourceName "{request.resource_name}" is invalid')
+            await context.abort(
+                grpc.StatusCode.UNKNOWN, f'the ResourceName "{request.resource_name}" is invalid'
+            )
         try:
             await k._connect(request, self.generation)
         except Exception as e:
@@ -182,7 +184,9 @@ class _PodResources(pr_grpc.PodResourcesListerServicer):
 
     async def List(self, request: pr.ListPodResourcesRequest, context: grpc.aio.ServicerContext) -> Any:
         await self._limit(context)
-        return pr.ListPodResourcesResponse(pod_resources=[self.kubelet._pod_resources(r) for r in self.kubelet._pods.values()])
+        return pr.ListPodResourcesResponse(
+            pod_resources=[self.kubelet._pod_resources(r) for r in self.kubelet._pods.values()]
+        )
 
     async def GetAllocatableResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await self._limit(context)
@@ -331,7 +335,9 @@ class KubeletEmulator:
             try:
                 await asyncio.wait_for(channel.channel_ready(), DIAL_TIMEOUT)
             except asyncio.TimeoutError:
-                raise RuntimeError(f"failed to dial device plugin: context deadline exceeded ({socket})") from None
+                raise RuntimeError(
+                    f"failed to dial device plugin: context deadline exceeded ({socket})"
+                ) from None
             stub = pb_grpc.DevicePluginStub(channel)
             options = await stub.GetDevicePluginOptions(pb.Empty(), timeout=DIAL_TIMEOUT)
         except BaseException:
@@ -408,7 +414,9 @@ class KubeletEmulator:
 
     async def _allocate(self, rec: _PodRecord, container: str, resource: str, count: int) -> _Allocated:
         def fail(msg: str) -> AdmissionError:
-            return AdmissionError("UnexpectedAdmissionError", f"Allocate failed due to {msg}, which is unexpected")
+            return AdmissionError(
+                "UnexpectedAdmissionError", f"Allocate failed due to {msg}, which is unexpected"
+            )
 
         res = self._resources.get(resource)
         if res is None:
@@ -427,14 +435,18 @@ class KubeletEmulator:
             req = pb.PreferredAllocationRequest(
                 container_requests=[
                     pb.ContainerPreferredAllocationRequest(
-                        available_deviceIDs=sorted(available), must_include_deviceIDs=[], allocation_size=count
+                        available_deviceIDs=sorted(available),
+                        must_include_deviceIDs=[],
+                        allocation_size=count,
                     )
                 ]
             )
             try:
                 resp = await ep.stub.GetPreferredAllocation(req)
             except grpc.aio.AioRpcError as e:
-                raise fail(f"device plugin GetPreferredAllocation rpc failed with err: {_go_error(e)}") from None
+                raise fail(
+                    f"device plugin GetPreferredAllocation rpc failed with err: {_go_error(e)}"
+                ) from None
             if resp.container_responses:
                 chosen = [d for d in resp.container_responses[0].deviceIDs if d in available][:count]
         # The kubelet fills any shortfall itself.
@@ -460,7 +472,9 @@ class KubeletEmulator:
                     pb.PreStartContainerRequest(devices_ids=alloc.device_ids), timeout=PRESTART_TIMEOUT
                 )
             except grpc.aio.AioRpcError as e:
-                rec.start_errors[container] = f"device plugin PreStartContainer rpc failed with err: {_go_error(e)}"
+                rec.start_errors[container] = (
+                    f"device plugin PreStartContainer rpc failed with err: {_go_error(e)}"
+                )
 
     def restart_container(self, pod_uid: str, container: str) -> str | None:
         """Start a container again (PreStartContainer runs again); returns the start error, if any."""
@@ -498,7 +512,10 @@ class KubeletEmulator:
 
     def pod_devices(self, pod_uid: str) -> dict[str, dict[str, list[str]]]:
         return self._get(
-            lambda: {c: {r: list(a.device_ids) for r, a in per.items()} for c, per in self._pods[pod_uid].allocations.items()}
+            lambda: {
+                c: {r: list(a.device_ids) for r, a in per.items()}
+                for c, per in self._pods[pod_uid].allocations.items()
+            }
         )
 
     def allocate_response(self, pod_uid: str, container: str, resource: str) -> pb.ContainerAllocateResponse:
@@ -519,8 +536,10 @@ class KubeletEmulator:
         return len(self.devices(resource))
 
     def available(self, resource: str) -> int:
-        """What a new container could still get: healthy − allocated."""
-        return self._get(lambda: len(self._resources.get(resource, _Resource()).healthy - self._allocated(resource)))
+        """What a new container could still get: healthy - allocated."""
+        return self._get(
+            lambda: len(self._resources.get(resource, _Resource()).healthy - self._allocated(resource))
+        )
 
     def snapshots(self, resource: str) -> int:
         return self._get(lambda: self._resources.get(resource, _Resource()).snapshots)
@@ -532,7 +551,9 @@ class KubeletEmulator:
     def connected(self, resource: str) -> bool:
         def check() -> bool:
             res = self._resources.get(resource)
-            return bool(res and res.endpoint and res.endpoint.stopped_at is None and res.snapshots and res.devices)
+            return bool(
+                res and res.endpoint and res.endpoint.stopped_at is None and res.snapshots and res.devices
+            )
 
         return self._get(check)
 
@@ -575,3 +596,95 @@ class KubeletEmulator:
             mapped = root / v.lstrip("/")
             out[k] = str(mapped) if v.startswith("/") and os.path.lexists(mapped) else v
         return out
+
+
+class AgentProcess:
+    """The real agent as a subprocess on a simulated node, wired to a KubeletEmulator.
+
+    Writes <root>/agent.yaml (state under <root>/state, the emulator's directory as
+    kubelet dir) and runs `python -m gpufrac.agent.main` with the simgpu environment."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        node_state: str | os.PathLike[str],
+        kubelet_dir: str | os.PathLike[str],
+        config: dict[str, Any] | None = None,
+        reconcile_interval: float = 0.5,
+        release_grace: float = 2.0,
+    ) -> None:
+        import yaml
+
+        from gpufrac import native
+
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.node_state = Path(node_state)
+        self.state_dir = self.root / "state"
+        self.config_path = self.root / "agent.yaml"
+        self.log_path = self.root / "agent.log"
+        cfg: dict[str, Any] = {
+            "paths": {
+                "stateDir": str(self.state_dir),
+                "kubeletDir": str(kubelet_dir),
+                "shimHostPath": str(native.native_dir() / native.SHIM),
+            },
+            "health": {"pollInterval": "50ms"},
+        }
+        for k, v in (config or {}).items():
+            cfg[k] = {**cfg[k], **v} if isinstance(v, dict) and isinstance(cfg.get(k), dict) else v
+        self.config_path.write_text(yaml.safe_dump(cfg))
+        native.library(native.FAKE_NVML)
+        self.env = dict(os.environ)
+        self.env.update(SIMGPU_STATE=str(self.node_state), LD_LIBRARY_PATH=str(native.native_dir()))
+        self.args = [
+            "--config",
+            str(self.config_path),
+            "--reconcile-interval",
+            str(reconcile_interval),
+            "--release-grace",
+            str(release_grace),
+        ]
+        self.proc: Any = None
+
+    def start(self) -> AgentProcess:
+        import subprocess
+        import sys
+
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpufrac.agent.main", *self.args], env=self.env, stdout=log, stderr=log
+        )
+        log.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        return int(self.proc.pid)
+
+    def kill(self) -> None:
+        """kill -9: no cleanup of any kind."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait(30)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def state(self) -> dict[str, Any]:
+        import json
+
+        return json.loads((self.state_dir / "state.json").read_text())
+
+    def container_dirs(self) -> set[str]:
+        d = self.state_dir / "containers"
+        return set(os.listdir(d)) if d.exists() else set()

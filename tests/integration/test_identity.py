@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kube_fixtures import KubeServer, kube_server, pod_manifest  # noqa: F401
+from kube_fixtures import KubeServer, pod_manifest
 
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.config import Config, load
@@ -118,7 +118,9 @@ def test_limit_annotation_reaches_the_config_file(
         assert (cfg.workload_class, cfg.priority, cfg.wait_timeout_ms) == (CLASS_INTERACTIVE, 1000, 5000)
         assert (cfg.namespace, cfg.pod, cfg.container, cfg.pod_uid) == ("default", "server", "main", uid)
         policy = ident.policy(alloc.key)
-        assert policy is not None and policy.workload_class == "interactive" and policy.limit_bytes == 24 * GiB
+        assert (
+            policy is not None and policy.workload_class == "interactive" and policy.limit_bytes == 24 * GiB
+        )
         assert await ident.events.flush(30)  # type: ignore[union-attr]
 
         applied = events_on(kube_server, "server", REASON_APPLIED)
@@ -191,7 +193,11 @@ def test_unknown_pod_stays_safe_until_it_appears(
         assert await ident.resolve(s.listing) == 0
         cfg = read_config(alloc.directory)
         assert cfg.limit_bytes == 2 * GiB and not cfg.flags & FLAG_POD_KNOWN
-        assert (cfg.namespace, cfg.pod, cfg.container) == ("default", "late", "main")  # names from pod-resources
+        assert (cfg.namespace, cfg.pod, cfg.container) == (
+            "default",
+            "late",
+            "main",
+        )  # names from pod-resources
         safe = ident.policy(alloc.key)
         assert safe is not None and not safe.pod_known and safe.limit_bytes == 2 * GiB
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from kube_fixtures import PODS, KubeServer, kube_server, pod_manifest  # noqa: F401
+from kube_fixtures import PODS, KubeServer, pod_manifest
 
 from gpufrac.agent.kube import PodCache, PodInfo, make_api_client
 

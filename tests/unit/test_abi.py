@@ -31,6 +31,8 @@ STRUCTS: list[tuple[type[ctypes.Structure], str]] = [
     (formats.ConfigStruct, "mg_config_t"),
     (formats.ProcSlot, "mg_proc_slot_t"),
     (formats.UsageStruct, "mg_usage_t"),
+    (formats.BurstRequest, "mg_burst_req_t"),
+    (formats.BurstReply, "mg_burst_rep_t"),
 ]
 
 # Python constant -> C macro
@@ -70,6 +72,10 @@ CONSTANTS: list[tuple[int, str]] = [
     (formats.CLASS_BATCH, "MG_CLASS_BATCH"),
     (formats.CLASS_INTERACTIVE, "MG_CLASS_INTERACTIVE"),
     (formats.CLASS_INFERENCE, "MG_CLASS_INFERENCE"),
+    (formats.BURST_MAGIC, "MG_BURST_MAGIC"),
+    (formats.BURST_OP_BURST, "MG_BURST_OP_BURST"),
+    (formats.BURST_GRANTED, "MG_BURST_GRANTED"),
+    (formats.BURST_DENIED, "MG_BURST_DENIED"),
 ]
 
 

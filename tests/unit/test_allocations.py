@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from gpufrac.agent.allocations import AllocationError, Ledger, container_key
-from gpufrac.agent.config import GiB, Config, PathsConfig
+from gpufrac.agent.config import Config, GiB, PathsConfig
 from gpufrac.agent.gpus import Gpu, Inventory, Link, PcieLink
 from gpufrac.agent.state import StateStore, encode, restore
 from gpufrac.deviceplugin.slices import FRACTION, MEMORY, device_id
@@ -99,14 +99,27 @@ def test_whole_gpus_take_every_slice_and_flag(ledger: Ledger) -> None:
 @pytest.mark.parametrize(
     ("resource", "make", "code", "words"),
     [
-        (FRACTION, lambda L: ids(L, 0, FRACTION, range(5)) + ids(L, 1, FRACTION, range(5)), "INVALID_ARGUMENT",
-         "must come from one GPU"),
+        (
+            FRACTION,
+            lambda L: ids(L, 0, FRACTION, range(5)) + ids(L, 1, FRACTION, range(5)),
+            "INVALID_ARGUMENT",
+            "must come from one GPU",
+        ),
         (MEMORY, lambda L: ids(L, 0, MEMORY, [0]) + ids(L, 1, MEMORY, [0]), "INVALID_ARGUMENT", "span GPUs"),
-        (FRACTION, lambda L: ids(L, 0, FRACTION, range(100)) + ids(L, 1, FRACTION, range(50)), "INVALID_ARGUMENT",
-         "150 is neither <= 100"),
+        (
+            FRACTION,
+            lambda L: ids(L, 0, FRACTION, range(100)) + ids(L, 1, FRACTION, range(50)),
+            "INVALID_ARGUMENT",
+            "150 is neither <= 100",
+        ),
         (FRACTION, lambda L: ids(L, 0, FRACTION, [*range(10), 5]), "INVALID_ARGUMENT", "more than once"),
         (FRACTION, lambda L: ["GPU-nope::f01"], "INVALID_ARGUMENT", "unknown device IDs [GPU-nope::f01]"),
-        (FRACTION, lambda L: ids(L, 0, MEMORY, [1]), "INVALID_ARGUMENT", "not gpufrac.dev/gpu-fraction devices"),
+        (
+            FRACTION,
+            lambda L: ids(L, 0, MEMORY, [1]),
+            "INVALID_ARGUMENT",
+            "not gpufrac.dev/gpu-fraction devices",
+        ),
         (MEMORY, lambda L: ids(L, 0, MEMORY, [16]), "INVALID_ARGUMENT", "unknown device IDs"),
         (MEMORY, lambda L: [], "INVALID_ARGUMENT", "names no devices"),
     ],
@@ -117,7 +130,9 @@ def test_refusals_name_ids_and_rule(ledger: Ledger, resource: str, make, code: s
     assert err.code == getattr(grpc.StatusCode, code)
     assert words in err.message
     assert not ledger.containers()
-    assert not os.path.exists(ledger.config.paths.containers_dir) or not os.listdir(ledger.config.paths.containers_dir)
+    assert not os.path.exists(ledger.config.paths.containers_dir) or not os.listdir(
+        ledger.config.paths.containers_dir
+    )
 
 
 def test_whole_gpu_request_must_cover_each_gpu(ledger: Ledger) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpufrac.agent.config import GiB, Config
+from gpufrac.agent.config import Config, GiB
 from gpufrac.agent.gpus import Gpu, Inventory, Link, PcieLink
 from gpufrac.deviceplugin import slices
 from gpufrac.deviceplugin.preferred import preferred
@@ -29,7 +29,9 @@ def gpus_of(ids: list[str]) -> set[str]:
     return {slices.parse(d).gpu_uuid for d in ids}
 
 
-def pick(inv: Inventory, resource: str, avail: list[str], size: int, policy: str = "binpack", must=()) -> list[str]:
+def pick(
+    inv: Inventory, resource: str, avail: list[str], size: int, policy: str = "binpack", must=()
+) -> list[str]:
     geo = slices.geometry(Config(), inv)
     return preferred(resource, avail, list(must), size, geo, inv, policy)
 

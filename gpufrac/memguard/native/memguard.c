@@ -70,6 +70,9 @@
 #define MG_UNLIKELY(x) __builtin_expect(!!(x), 0)
 #define MG_EXPORT __attribute__((visibility("default")))
 #define MG_COLD __attribute__((cold, noinline))
+/* dlsym is called by the sanitizer runtimes while they start (before ASan is
+ * ready), so that path must not be instrumented. */
+#define MG_NOSAN __attribute__((no_sanitize("address", "undefined")))
 
 /* ------------------------------------------------------------------------ */
 /* The few CUDA driver / NVML types the hooks need (ABI of cuda.h / nvml.h).  */
@@ -325,7 +328,7 @@ static void mg_tab_reset(mg_tab_t *t) {
 /* ------------------------------------------------------------------------ */
 /* Real symbol resolution.                                                   */
 
-static dlsym_fn mg_init_real_dlsym(void) {
+static MG_NOSAN dlsym_fn mg_init_real_dlsym(void) {
     /* glibc >= 2.34 has dlsym in libc (GLIBC_2.34, plus the GLIBC_2.2.5 /
      * GLIBC_2.17 compat versions); older glibc in libdl. We export dlsym
      * ourselves, so the real one is reached only through dlvsym. */
@@ -339,7 +342,7 @@ static dlsym_fn mg_init_real_dlsym(void) {
     return f;
 }
 
-static inline dlsym_fn mg_real_dlsym(void) {
+static inline MG_NOSAN dlsym_fn mg_real_dlsym(void) {
     dlsym_fn f = atomic_load_explicit(&g_real_dlsym, memory_order_acquire);
     return MG_LIKELY(f != NULL) ? f : mg_init_real_dlsym();
 }
@@ -1212,7 +1215,7 @@ static MG_COLD void *mg_dlsym_hooked(void *handle, const char *name) {
  * functions, which LD_PRELOAD alone does not reach (a handle-scoped lookup
  * never sees the preloaded library). */
 /* optimize-sibling-calls: the ASan build is -O1, which would not make it one. */
-MG_EXPORT __attribute__((optimize("optimize-sibling-calls"))) void *dlsym(void *handle, const char *name) {
+MG_EXPORT MG_NOSAN __attribute__((optimize("optimize-sibling-calls"))) void *dlsym(void *handle, const char *name) {
     if (handle != RTLD_NEXT &&
         ((name[0] == 'c' && name[1] == 'u') || (name[0] == 'n' && name[1] == 'v' && name[2] == 'm')))
         return mg_dlsym_hooked(handle, name);

@@ -722,13 +722,13 @@ NVML_API nvmlReturn_t nvmlDeviceGetNvLinkCapability(nvmlDevice_t device, unsigne
 /* NVSwitches of the fabric get PCI ids of their own; link l lands on switch l*4/18
  * (4 switches, as on DGX/HGX H100). */
 static void nvswitch_pci(unsigned int link, nvmlPciInfo_t *pci) {
-    unsigned sw = link * 4 / SIMGPU_MAX_NVLINKS;
+    unsigned bus = (0xC1u + link * 4 / SIMGPU_MAX_NVLINKS) & 0xFFu;
     memset(pci, 0, sizeof *pci);
-    pci->bus = 0xC1 + sw;
+    pci->bus = bus;
     pci->pciDeviceId = 0x22A310DEu; /* NVSwitch (Hopper generation) */
     pci->pciSubSystemId = 0x179610DEu;
-    snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "0000:%02X:00.0", pci->bus);
-    snprintf(pci->busId, sizeof pci->busId, "00000000:%02X:00.0", pci->bus);
+    snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "0000:%02X:00.0", bus);
+    snprintf(pci->busId, sizeof pci->busId, "00000000:%02X:00.0", bus);
 }
 
 NVML_API nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device, unsigned int link,

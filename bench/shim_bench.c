@@ -1,0 +1,103 @@
+/*
+ * Tight loops for bench/shim.py, linked directly against libcuda.so.1 so the
+ * numbers are the driver call plus (under LD_PRELOAD) the memguard hook, with
+ * no interpreter in between.
+ *
+ *   shim_bench allocfree ROUNDS N BYTES  -> min over rounds of ns per alloc+free pair
+ *   shim_bench launch ROUNDS N           -> ns per cuLaunchKernel
+ *   shim_bench getinfo ROUNDS N          -> ns per cuMemGetInfo_v2
+ *   shim_bench start                     -> init, one alloc+free, exit (start-up cost)
+ *
+ * Output: one line "<op> wall_ns=<min wall ns/op> cpu_ns=<min thread-CPU ns/op>".
+ * The minimum over rounds filters out preemption on a shared machine; CPU time
+ * is what contention (cache-line ping-pong on the shared counter) costs.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef int CUdevice;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUfunc_st *CUfunction;
+typedef struct CUstream_st *CUstream;
+
+CUresult cuInit(unsigned int);
+CUresult cuDeviceGet(CUdevice *, int);
+CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
+CUresult cuCtxSetCurrent(CUcontext);
+CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
+CUresult cuMemFree_v2(CUdeviceptr);
+CUresult cuMemGetInfo_v2(size_t *, size_t *);
+CUresult cuModuleLoadData(CUmodule *, const void *);
+CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
+CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                        void **, void **);
+
+static uint64_t now(clockid_t c) {
+    struct timespec ts;
+    clock_gettime(c, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void die(const char *what, CUresult rc) {
+    fprintf(stderr, "shim_bench: %s failed: %d\n", what, rc);
+    exit(2);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) return 2;
+    const char *op = argv[1];
+    unsigned long rounds = argc > 2 ? strtoul(argv[2], NULL, 0) : 1;
+    unsigned long n = argc > 3 ? strtoul(argv[3], NULL, 0) : 1;
+    size_t bytes = argc > 4 ? strtoull(argv[4], NULL, 0) : 4096;
+    CUdevice dev;
+    CUcontext ctx;
+    CUresult rc = cuInit(0);
+    if (!rc) rc = cuDeviceGet(&dev, 0);
+    if (!rc) rc = cuDevicePrimaryCtxRetain(&ctx, dev);
+    if (!rc) rc = cuCtxSetCurrent(ctx);
+    if (rc) die("init", rc);
+    CUdeviceptr d;
+    if (!strcmp(op, "start")) {
+        if ((rc = cuMemAlloc_v2(&d, 4096)) != 0) die("cuMemAlloc_v2", rc);
+        if ((rc = cuMemFree_v2(d)) != 0) die("cuMemFree_v2", rc);
+        return 0;
+    }
+    CUfunction f = NULL;
+    unsigned us = 0;
+    void *params[] = {&us};
+    if (!strcmp(op, "launch")) {
+        CUmodule m;
+        if ((rc = cuModuleLoadData(&m, "simgpu:busy_us")) != 0) die("cuModuleLoadData", rc);
+        if ((rc = cuModuleGetFunction(&f, m, "busy_us")) != 0) die("cuModuleGetFunction", rc);
+    }
+    double best_wall = 1e300, best_cpu = 1e300;
+    for (unsigned long r = 0; r < rounds; r++) {
+        uint64_t w0 = now(CLOCK_MONOTONIC), c0 = now(CLOCK_THREAD_CPUTIME_ID);
+        for (unsigned long i = 0; i < n; i++) {
+            if (!strcmp(op, "allocfree")) {
+                if ((rc = cuMemAlloc_v2(&d, bytes)) != 0) die("cuMemAlloc_v2", rc);
+                if ((rc = cuMemFree_v2(d)) != 0) die("cuMemFree_v2", rc);
+            } else if (!strcmp(op, "launch")) {
+                if ((rc = cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL)) != 0) die("cuLaunchKernel", rc);
+            } else if (!strcmp(op, "getinfo")) {
+                size_t fr, t;
+                if ((rc = cuMemGetInfo_v2(&fr, &t)) != 0) die("cuMemGetInfo_v2", rc);
+            } else {
+                fprintf(stderr, "shim_bench: unknown op %s\n", op);
+                return 2;
+            }
+        }
+        double w = (double)(now(CLOCK_MONOTONIC) - w0) / (double)n;
+        double c = (double)(now(CLOCK_THREAD_CPUTIME_ID) - c0) / (double)n;
+        if (w < best_wall) best_wall = w;
+        if (c < best_cpu) best_cpu = c;
+    }
+    printf("%s wall_ns=%.2f cpu_ns=%.2f\n", op, best_wall, best_cpu);
+    return 0;
+}

@@ -1,0 +1,229 @@
+"""Who is on the other end of the arbiter socket: SO_PEERCRED -> cgroup -> pod/container.
+
+The arbiter's socket is bind-mounted into every sharing container, so anything a
+caller writes in its message (its pid, its pod) could be a lie. The only facts
+used are the kernel's:
+
+1. SO_PEERCRED: the host pid of the process that connected (the kernel fills it
+   in at connect(); a container cannot choose it).
+2. /proc/<pid>/cgroup: the cgroup the kubelet's container runtime placed that
+   process in, which names the pod UID and the container ID in every layout the
+   kubelet uses (cgroupfs and systemd drivers, cgroup v1 and v2, docker, containerd
+   and CRI-O prefixes).
+3. The pod's status.containerStatuses[].containerID (the apiserver, via the pod
+   cache) turns the container ID into the container name; the ledger knows which
+   allocation belongs to (pod UID, container name).
+
+A process that is not in a kubelet container cgroup, or whose container the
+ledger does not know, is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import struct
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpufrac.agent.allocations import ContainerAlloc, Ledger
+
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+# One path component each. The pod component: cgroupfs "pod<uid>" (dashes), systemd
+# "kubepods[-<qos>]-pod<uid with underscores>.slice".
+_POD_CGROUPFS = re.compile(r"^pod([0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12})$")
+_POD_SYSTEMD = re.compile(
+    r"^kubepods(?:-(?:besteffort|burstable|guaranteed))?-pod"
+    r"([0-9a-fA-F]{8}_[0-9a-fA-F]{4}_[0-9a-fA-F]{4}_[0-9a-fA-F]{4}_[0-9a-fA-F]{12})\.slice$"
+)
+# The container component: a bare 64-hex ID (cgroupfs), or "<runtime>-<id>.scope" (systemd).
+# "crio-conmon-<id>" is CRI-O's monitor process, not the container, and does not match.
+_CONTAINER = re.compile(r"^(?:(?:docker|cri-containerd|containerd|crio|cri-o)-)?([0-9a-f]{64})(?:\.scope)?$")
+
+
+class PeerError(Exception):
+    """The caller cannot be identified as a container this agent serves."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    pid: int
+    uid: int
+    gid: int
+
+
+@dataclass(frozen=True)
+class CgroupIdentity:
+    """A kubelet container, as its cgroup path names it."""
+
+    pod_uid: str
+    container_id: str
+    path: str  # the cgroup path it was read from (for logs)
+
+
+def peer_credentials(sock: socket.socket) -> Credentials:
+    """The connecting process as the kernel recorded it (host pid namespace of the agent)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    pid, uid, gid = _UCRED.unpack(raw)
+    if pid <= 0:
+        raise PeerError("the kernel reports no peer process (SO_PEERCRED pid 0)")
+    return Credentials(pid, uid, gid)
+
+
+def parse_cgroup_path(path: str) -> CgroupIdentity | None:
+    """Pod UID and container ID from one cgroup path; None if it is not a kubelet container's.
+
+    The last pod component wins (nested layouts, e.g. kind's kubelet.slice), and the
+    container must be the component right below it."""
+    parts = [p for p in path.split("/") if p]
+    for i in range(len(parts) - 2, -1, -1):
+        m = _POD_CGROUPFS.match(parts[i]) or _POD_SYSTEMD.match(parts[i])
+        if m is None:
+            continue
+        c = _CONTAINER.match(parts[i + 1])
+        if c is None:
+            return None
+        return CgroupIdentity(m.group(1).replace("_", "-").lower(), c.group(1), path)
+    return None
+
+
+def parse_cgroup(text: str) -> CgroupIdentity | None:
+    """The kubelet container in a /proc/<pid>/cgroup file (v1 "id:controllers:path" lines
+    and the v2 "0::path" line). All lines that name a container must agree; a process
+    whose hierarchies disagree is not trusted."""
+    found: set[tuple[str, str]] = set()
+    first: CgroupIdentity | None = None
+    for line in text.splitlines():
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        ident = parse_cgroup_path(fields[2])
+        if ident is not None:
+            found.add((ident.pod_uid, ident.container_id))
+            first = first or ident
+    if len(found) > 1:
+        raise PeerError(f"cgroup hierarchies name different containers: {sorted(found)}")
+    return first
+
+
+def read_cgroup(pid: int, proc: str = "/proc") -> CgroupIdentity | None:
+    try:
+        with open(f"{proc}/{pid}/cgroup") as f:
+            text = f.read(64 * 1024)
+    except (FileNotFoundError, ProcessLookupError):
+        raise PeerError(f"process {pid} is gone") from None
+    except OSError as e:
+        raise PeerError(f"cannot read /proc/{pid}/cgroup: {e.strerror}") from None
+    return parse_cgroup(text)
+
+
+def container_pids(pod_uid: str, container_id: str, proc: str = "/proc") -> list[int]:
+    """Host pids of every process in a container (blocking: a scan of /proc)."""
+    out = []
+    for name in os.listdir(proc):
+        if not name.isdigit():
+            continue
+        try:
+            ident = read_cgroup(int(name), proc)
+        except PeerError:
+            continue
+        if ident is not None and (ident.pod_uid, ident.container_id) == (pod_uid, container_id):
+            out.append(int(name))
+    return out
+
+
+def container_ids_from_status(status: Mapping[str, Any] | None) -> dict[str, str]:
+    """containerID -> container name from a pod's status ("containerd://<id>" etc.)."""
+    out: dict[str, str] = {}
+    for key in ("initContainerStatuses", "containerStatuses", "ephemeralContainerStatuses"):
+        for cs in (status or {}).get(key) or []:
+            cid, name = cs.get("containerID") or "", cs.get("name") or ""
+            cid = cid.split("://", 1)[-1]
+            if cid and name:
+                out[cid] = name
+    return out
+
+
+# Looks up a container's name from (pod UID, container ID); None when unknown.
+ContainerNamer = Callable[[str, str], "str | None"]
+
+
+def namer_from_pods(pods: Any) -> ContainerNamer:
+    """A ContainerNamer over the agent's pod cache (gpufrac.agent.kube.PodCache): its
+    PodInfo carries container_ids (containerID -> name) from the pod's status."""
+
+    def name(pod_uid: str, container_id: str) -> str | None:
+        pod = pods.by_uid(pod_uid) if pods is not None else None
+        ids: Mapping[str, str] = getattr(pod, "container_ids", None) or {}
+        return ids.get(container_id)
+
+    return name
+
+
+@dataclass(frozen=True)
+class Caller:
+    creds: Credentials
+    cgroup: CgroupIdentity
+    alloc: ContainerAlloc
+
+
+class PeerLookup:
+    """Identifies callers against the ledger. Runs on the agent's loop (one small
+    /proc read per connection)."""
+
+    def __init__(self, ledger: Ledger, namer: ContainerNamer, proc: str = "/proc") -> None:
+        self.ledger = ledger
+        self.namer = namer
+        self.proc = proc
+        # Container ID -> cgroup identity seen for a ledger key (eviction finds pids from it).
+        self.seen: dict[str, CgroupIdentity] = {}
+
+    def identify(self, sock: socket.socket) -> Caller:
+        creds = peer_credentials(sock)
+        ident = read_cgroup(creds.pid, self.proc)
+        if ident is None:
+            raise PeerError(f"process {creds.pid} is not in a kubelet container cgroup")
+        alloc = self.allocation(ident.pod_uid, ident.container_id)
+        self.seen[alloc.key] = ident
+        return Caller(creds, ident, alloc)
+
+    def allocation(self, pod_uid: str, container_id: str) -> ContainerAlloc:
+        name = self.namer(pod_uid, container_id)
+        if name is None:
+            raise PeerError(f"container {container_id[:12]} of pod {pod_uid} is not in the pod's status")
+        mine = _pick([a for a in self.ledger.containers() if a.pod_uid == pod_uid and a.container == name])
+        if mine is None:
+            raise PeerError(f"pod {pod_uid} container {name} holds no gpufrac allocation on this node")
+        return mine
+
+    def pids_of(self, alloc: ContainerAlloc) -> list[int]:
+        """Host pids of a container (blocking; run in a thread). Known from a caller's cgroup,
+        else found by scanning /proc for any container of the pod whose name matches."""
+        ident = self.seen.get(alloc.key)
+        if ident is not None:
+            return container_pids(ident.pod_uid, ident.container_id, self.proc)
+        if not alloc.pod_uid:
+            return []
+        out = []
+        for name in os.listdir(self.proc):
+            if not name.isdigit():
+                continue
+            try:
+                c = read_cgroup(int(name), self.proc)
+            except PeerError:
+                continue
+            if c is not None and c.pod_uid == alloc.pod_uid and self.namer(c.pod_uid, c.container_id) == (
+                alloc.container
+            ):
+                out.append(int(name))
+        return out
+
+
+def _pick(allocs: Iterable[ContainerAlloc]) -> ContainerAlloc | None:
+    # One container holds one allocation per resource; the shim serves one config, so a
+    # container with both resources is served by the fraction one (it was mounted last).
+    ordered = sorted(allocs, key=lambda a: (a.whole_gpu, a.resource))
+    return ordered[0] if ordered else None

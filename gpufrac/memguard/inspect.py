@@ -1,0 +1,140 @@
+"""`gpufrac memguard inspect <container-dir>`: what the shim of one container is
+held to (the agent's config) and what its processes use (the shim's usage file).
+
+Pids are as the shim recorded them, in the container's pid namespace; activity
+ages use CLOCK_MONOTONIC, which the host and its containers share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gpufrac.agent.units import format_bytes
+from gpufrac.memguard import formats
+
+FLAG_NAMES = {
+    formats.FLAG_POD_KNOWN: "pod-known",
+    formats.FLAG_PREEMPTIBLE: "preemptible",
+    formats.FLAG_SWAPPABLE: "swappable",
+    formats.FLAG_WHOLE_GPU: "whole-gpu",
+    formats.FLAG_DISABLED: "disabled",
+}
+CLASS_BY_NUMBER = {v: k for k, v in formats.CLASS_NAMES.items()}
+
+
+def flag_names(flags: int) -> list[str]:
+    names = [name for bit, name in FLAG_NAMES.items() if flags & bit]
+    unknown = flags & ~sum(FLAG_NAMES)
+    if unknown:
+        names.append(f"0x{unknown:x}")
+    return names
+
+
+def inspect_dir(directory: str | Path) -> dict[str, Any]:
+    """One container's memguard state as plain data. Raises FormatError if the
+    config cannot be read; a missing or damaged usage file is reported in
+    `usage_error` (the shim refuses allocations in that state)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise formats.FormatError(f"{directory}: not a directory")
+    cfg = formats.read_config(directory)
+    out: dict[str, Any] = {
+        "dir": str(directory),
+        "generation": formats.generation(directory),
+        "gpu_uuid": cfg.gpu_uuid,
+        "namespace": cfg.namespace,
+        "pod": cfg.pod,
+        "container": cfg.container,
+        "pod_uid": cfg.pod_uid,
+        "request_bytes": cfg.request_bytes,
+        "limit_bytes": cfg.limit_bytes,
+        "grant_bytes": cfg.grant_bytes,
+        "flags": flag_names(cfg.flags),
+        "workload_class": CLASS_BY_NUMBER.get(cfg.workload_class, str(cfg.workload_class)),
+        "priority": cfg.priority,
+        "arbiter_timeout_ms": cfg.arbiter_timeout_ms,
+        "wait_timeout_ms": cfg.wait_timeout_ms,
+        "usage_error": None,
+        "total_used_bytes": None,
+        "grant_returned_bytes": None,
+        "processes": [],
+    }
+    try:
+        usage = formats.read_usage(directory)
+    except formats.FormatError as e:
+        out["usage_error"] = str(e)
+        return out
+    now = time.monotonic_ns()
+    out["total_used_bytes"] = int(usage.total_used)
+    out["grant_returned_bytes"] = int(usage.grant_returned)
+    for slot in usage.slots:
+        if slot.pid == 0:
+            continue
+        last = int(slot.last_activity_ns)
+        out["processes"].append(
+            {
+                "pid": int(slot.pid),  # -1: being reclaimed right now
+                "used_bytes": int(slot.used_bytes),
+                "peak_bytes": int(slot.peak_bytes),
+                "launches": int(slot.launches),
+                "idle_seconds": round(max(0, now - last) / 1e9, 3) if last else None,
+                "oom_refusals": int(slot.oom_refusals),
+                "swapped": bool(slot.swapped),
+            }
+        )
+    return out
+
+
+def format_report(d: dict[str, Any]) -> str:
+    who = "/".join(x for x in (d["namespace"], d["pod"], d["container"]) if x) or "(pod not known yet)"
+    lines = [
+        f"container  {who}",
+        f"gpu        {d['gpu_uuid'] or '-'}",
+        f"request    {format_bytes(d['request_bytes'])}",
+        f"limit      {format_bytes(d['limit_bytes'])}",
+        f"grant      {format_bytes(d['grant_bytes'])}",
+        f"generation {d['generation']}",
+        f"flags      {','.join(d['flags']) or '-'}",
+        f"class      {d['workload_class']} (priority {d['priority']})",
+    ]
+    if d["usage_error"]:
+        lines.append(f"usage      UNREADABLE: {d['usage_error']}")
+        return "\n".join(lines)
+    lines.append(f"total      {format_bytes(d['total_used_bytes'])} used")
+    procs = d["processes"]
+    if not procs:
+        lines.append("processes  none")
+        return "\n".join(lines)
+    rows = [["PID", "USED", "PEAK", "LAUNCHES", "IDLE", "OOM", "SWAPPED"]]
+    for p in procs:
+        idle = "-" if p["idle_seconds"] is None else f"{p['idle_seconds']:.1f}s"
+        rows.append(
+            [
+                str(p["pid"]),
+                format_bytes(p["used_bytes"]),
+                format_bytes(p["peak_bytes"]),
+                str(p["launches"]),
+                idle,
+                str(p["oom_refusals"]),
+                "yes" if p["swapped"] else "no",
+            ]
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines.append("")
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def cmd_memguard(args: argparse.Namespace) -> int:
+    try:
+        d = inspect_dir(args.container_dir)
+    except formats.FormatError as e:
+        print(f"gpufrac: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(d, indent=2) if args.json else format_report(d))
+    return 0

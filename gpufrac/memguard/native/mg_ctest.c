@@ -1,0 +1,464 @@
+/*
+ * mg_ctest: a small program linked directly against libcuda.so.1, so the
+ * memguard hooks are reached the way a compiled CUDA application reaches them
+ * (direct symbol binding, LD_PRELOAD first). Tests drive it with a script of
+ * commands on the command line; each command prints one line:
+ *     <command> <CUresult> [key=value ...]
+ *
+ *   alloc N | alloc1 N | managed N | pitch W H | async N | asyncptsz N
+ *   pool N | poolptsz N                     -> push a device pointer
+ *   free | free1 | freeasync | freeasyncptsz -> pop and free the last pointer
+ *   refree                                   -> free the last freed pointer again
+ *   freeptr HEX                              -> free a pointer nobody allocated
+ *   create N | release                       -> cuMemCreate / cuMemRelease
+ *   vmm N | unvmm                            -> reserve+create+map+access / undo
+ *   reserve N | unreserve                    -> cuMemAddressReserve alone / free
+ *   array W H | array3d W H D | destroy      -> CUDA arrays (FLOAT, 1 channel)
+ *   info | info1 | total | total1            -> memory queries
+ *   launch | launchptsz | launchex | launchexptsz | coop | coopptsz
+ *   graph | graphptsz                        -> launches (fake kernel "busy_us")
+ *   hold                                     -> print "hold" and wait for stdin
+ *   stress THREADS ITERS MAXBYTES SEED       -> threads allocating/freeing at random
+ *   loop N BYTES                             -> N alloc+free pairs (kill target)
+ *   getproc NAME VER FLAGS WANT | getproc1 ... -> cuGetProcAddress_v2 / legacy: is the
+ *                                               answer the export WANT, and memguard's?
+ *   dlsym NAME                               -> dlsym on a libcuda handle: memguard's?
+ *   used                                     -> the container's usage file: total, this
+ *                                               process's bytes and launches
+ *
+ * Declarations follow cuda.h (ABI only); no CUDA headers needed.
+ */
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "memguard_abi.h"
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned int CUdeviceptr_v1;
+typedef int CUdevice;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUfunc_st *CUfunction;
+typedef struct CUstream_st *CUstream;
+typedef struct CUarray_st *CUarray;
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphNode_st *CUgraphNode;
+typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUmemPoolHandle_st *CUmemoryPool;
+typedef unsigned long long CUmemGenericAllocationHandle;
+
+typedef struct {
+    size_t Width, Height;
+    int Format;
+    unsigned int NumChannels;
+} CUDA_ARRAY_DESCRIPTOR;
+typedef struct {
+    size_t Width, Height, Depth;
+    int Format;
+    unsigned int NumChannels, Flags;
+} CUDA_ARRAY3D_DESCRIPTOR;
+typedef struct {
+    int type; /* CU_MEM_LOCATION_TYPE_DEVICE = 1 */
+    int id;
+} CUmemLocation;
+typedef struct {
+    int type;                 /* CU_MEM_ALLOCATION_TYPE_PINNED = 1 */
+    int requestedHandleTypes; /* CU_MEM_HANDLE_TYPE_NONE = 0 */
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    struct {
+        unsigned char compressionType, gpuDirectRDMACapable;
+        unsigned short usage;
+        unsigned char reserved[4];
+    } allocFlags;
+} CUmemAllocationProp;
+typedef struct {
+    CUmemLocation location;
+    int flags; /* CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3 */
+} CUmemAccessDesc;
+typedef struct {
+    unsigned int gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+    CUstream hStream;
+    void *attrs;
+    unsigned int numAttrs;
+} CUlaunchConfig;
+typedef struct {
+    CUfunction func;
+    unsigned int gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+    void **kernelParams;
+    void **extra;
+} CUDA_KERNEL_NODE_PARAMS; /* _v1 */
+
+CUresult cuInit(unsigned int);
+CUresult cuDeviceGet(CUdevice *, int);
+CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
+CUresult cuCtxSetCurrent(CUcontext);
+CUresult cuCtxSynchronize(void);
+CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
+CUresult cuMemAlloc(CUdeviceptr_v1 *, unsigned int);
+CUresult cuMemAllocManaged(CUdeviceptr *, size_t, unsigned int);
+CUresult cuMemAllocPitch_v2(CUdeviceptr *, size_t *, size_t, size_t, unsigned int);
+CUresult cuMemAllocAsync(CUdeviceptr *, size_t, CUstream);
+CUresult cuMemAllocAsync_ptsz(CUdeviceptr *, size_t, CUstream);
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
+CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
+CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *, CUdevice);
+CUresult cuMemFree_v2(CUdeviceptr);
+CUresult cuMemFree(CUdeviceptr_v1);
+CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr, CUstream);
+CUresult cuStreamSynchronize(CUstream);
+CUresult cuMemCreate(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+CUresult cuMemRelease(CUmemGenericAllocationHandle);
+CUresult cuMemAddressReserve(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+CUresult cuMemAddressFree(CUdeviceptr, size_t);
+CUresult cuMemMap(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+CUresult cuMemUnmap(CUdeviceptr, size_t);
+CUresult cuMemSetAccess(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+CUresult cuArrayCreate_v2(CUarray *, const CUDA_ARRAY_DESCRIPTOR *);
+CUresult cuArray3DCreate_v2(CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *);
+CUresult cuArrayDestroy(CUarray);
+CUresult cuMemGetInfo_v2(size_t *, size_t *);
+CUresult cuMemGetInfo(unsigned int *, unsigned int *);
+CUresult cuDeviceTotalMem_v2(size_t *, CUdevice);
+CUresult cuDeviceTotalMem(unsigned int *, CUdevice);
+CUresult cuModuleLoadData(CUmodule *, const void *);
+CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
+CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                        void **, void **);
+CUresult cuLaunchKernel_ptsz(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                             CUstream, void **, void **);
+CUresult cuLaunchKernelEx(const CUlaunchConfig *, CUfunction, void **, void **);
+CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *, CUfunction, void **, void **);
+CUresult cuLaunchCooperativeKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                   CUstream, void **);
+CUresult cuLaunchCooperativeKernel_ptsz(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                        unsigned, CUstream, void **);
+CUresult cuGraphCreate(CUgraph *, unsigned int);
+CUresult cuGraphAddKernelNode(CUgraphNode *, CUgraph, const CUgraphNode *, size_t, const CUDA_KERNEL_NODE_PARAMS *);
+CUresult cuGraphInstantiateWithFlags(CUgraphExec *, CUgraph, unsigned long long);
+CUresult cuGraphLaunch(CUgraphExec, CUstream);
+CUresult cuGraphLaunch_ptsz(CUgraphExec, CUstream);
+CUresult cuGetProcAddress_v2(const char *, void **, int, unsigned long long, int *);
+CUresult cuGetProcAddress(const char *, void **, int, unsigned long long);
+
+#define MAXP 4096
+static CUdeviceptr ptrs[MAXP];
+static int nptrs;
+static CUdeviceptr last_freed;
+static CUmemGenericAllocationHandle handles[MAXP];
+static int nhandles;
+static CUarray arrays[MAXP];
+static int narrays;
+static CUdevice dev;
+static CUdeviceptr vmm_va, reserve_va;
+static size_t vmm_size, reserve_size;
+static CUmemGenericAllocationHandle vmm_handle;
+
+static unsigned long long num(const char *s) { return strtoull(s, NULL, 0); }
+
+/* The usage file as the shim keeps it (read-only here). */
+static void print_usage(void) {
+    static const mg_usage_t *u;
+    if (!u) {
+        const char *dir = getenv("GPUFRAC_CONTAINER_DIR");
+        char path[4096];
+        snprintf(path, sizeof path, "%s/%s", dir ? dir : MG_DEFAULT_DIR, MG_USAGE_FILE);
+        int fd = open(path, O_RDONLY);
+        void *p = fd < 0 ? MAP_FAILED : mmap(NULL, sizeof *u, PROT_READ, MAP_SHARED, fd, 0);
+        if (fd >= 0) close(fd);
+        if (p == MAP_FAILED) {
+            printf("used 1\n");
+            return;
+        }
+        u = p;
+    }
+    unsigned long long mine = 0, launches = 0, refusals = 0;
+    for (int i = 0; i < MG_MAX_PROCS; i++) {
+        if (atomic_load(&u->slots[i].pid) == (int32_t)getpid()) {
+            mine = atomic_load(&u->slots[i].used_bytes);
+            launches = atomic_load(&u->slots[i].launches);
+            refusals = atomic_load(&u->slots[i].oom_refusals);
+        }
+    }
+    printf("used 0 total=%llu mine=%llu launches=%llu refusals=%llu\n",
+           (unsigned long long)atomic_load(&u->total_used), mine, launches, refusals);
+}
+
+/* 1 if p lies in the memguard shim. */
+static int in_shim(void *p) {
+    Dl_info info;
+    return p && dladdr(p, &info) && info.dli_fname && strstr(info.dli_fname, "libmemguard") != NULL;
+}
+
+static void push(CUresult rc, CUdeviceptr p, const char *cmd) {
+    if (rc == 0 && nptrs < MAXP) ptrs[nptrs++] = p;
+    printf("%s %d ptr=0x%llx\n", cmd, rc, rc == 0 ? p : 0ull);
+}
+
+static CUdeviceptr pop(void) { return nptrs ? ptrs[--nptrs] : 0; }
+
+static CUfunction kernel(void) {
+    static CUfunction f;
+    if (!f) {
+        CUmodule m;
+        /* simgpu's built-in kernels come from a module image naming them. */
+        if (cuModuleLoadData(&m, "simgpu:busy_us") != 0 || cuModuleGetFunction(&f, m, "busy_us") != 0) {
+            fprintf(stderr, "mg_ctest: cannot load the busy_us kernel\n");
+            exit(3);
+        }
+    }
+    return f;
+}
+
+static CUresult do_graph(int ptsz) {
+    unsigned us = 1;
+    void *params[] = {&us};
+    CUDA_KERNEL_NODE_PARAMS p = {kernel(), 1, 1, 1, 1, 1, 1, 0, params, NULL};
+    CUgraph g;
+    CUgraphNode n;
+    CUgraphExec e;
+    CUresult rc = cuGraphCreate(&g, 0);
+    if (!rc) rc = cuGraphAddKernelNode(&n, g, NULL, 0, &p);
+    if (!rc) rc = cuGraphInstantiateWithFlags(&e, g, 0);
+    if (!rc) rc = ptsz ? cuGraphLaunch_ptsz(e, NULL) : cuGraphLaunch(e, NULL);
+    return rc;
+}
+
+typedef struct {
+    unsigned iters, seed;
+    unsigned long long maxbytes;
+    unsigned long ok, oom, other;
+} stress_arg_t;
+
+static void *stress_thread(void *p) {
+    stress_arg_t *a = p;
+    CUdeviceptr mine[64];
+    int n = 0;
+    unsigned s = a->seed;
+    for (unsigned i = 0; i < a->iters; i++) {
+        s = s * 1103515245u + 12345u;
+        if (n == 64 || (n > 0 && (s >> 16) % 2)) {
+            int k = (int)((s >> 8) % (unsigned)n);
+            cuMemFree_v2(mine[k]);
+            mine[k] = mine[--n];
+            continue;
+        }
+        size_t bytes = 1 + (size_t)((((unsigned long long)s << 16) ^ (s >> 3)) % a->maxbytes);
+        CUdeviceptr d;
+        CUresult rc = cuMemAlloc_v2(&d, bytes);
+        if (rc == 0) {
+            mine[n++] = d;
+            a->ok++;
+        } else if (rc == 2) {
+            a->oom++;
+        } else {
+            a->other++;
+        }
+    }
+    while (n) cuMemFree_v2(mine[--n]);
+    return NULL;
+}
+
+int main(int argc, char **argv) {
+    CUcontext ctx;
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    CUresult rc = cuInit(0);
+    if (!rc) rc = cuDeviceGet(&dev, 0);
+    if (!rc) rc = cuDevicePrimaryCtxRetain(&ctx, dev);
+    if (!rc) rc = cuCtxSetCurrent(ctx);
+    printf("init %d\n", rc);
+    if (rc) return 2;
+    for (int i = 1; i < argc; i++) {
+        const char *c = argv[i];
+        const char *a1 = i + 1 < argc ? argv[i + 1] : "0";
+        const char *a2 = i + 2 < argc ? argv[i + 2] : "0";
+        const char *a3 = i + 3 < argc ? argv[i + 3] : "0";
+        const char *a4 = i + 4 < argc ? argv[i + 4] : "0";
+        CUdeviceptr d = 0;
+        if (!strcmp(c, "alloc")) {
+            push(cuMemAlloc_v2(&d, num(a1)), d, c), i++;
+        } else if (!strcmp(c, "alloc1")) {
+            CUdeviceptr_v1 d1 = 0;
+            push(cuMemAlloc(&d1, (unsigned)num(a1)), d1, c), i++;
+        } else if (!strcmp(c, "managed")) {
+            push(cuMemAllocManaged(&d, num(a1), 1), d, c), i++;
+        } else if (!strcmp(c, "pitch")) {
+            size_t pitch = 0;
+            rc = cuMemAllocPitch_v2(&d, &pitch, num(a1), num(a2), 4);
+            if (rc == 0 && nptrs < MAXP) ptrs[nptrs++] = d;
+            printf("pitch %d ptr=0x%llx pitch=%zu\n", rc, d, pitch);
+            i += 2;
+        } else if (!strcmp(c, "async") || !strcmp(c, "asyncptsz")) {
+            rc = c[5] ? cuMemAllocAsync_ptsz(&d, num(a1), NULL) : cuMemAllocAsync(&d, num(a1), NULL);
+            push(rc, d, c), i++;
+        } else if (!strcmp(c, "pool") || !strcmp(c, "poolptsz")) {
+            CUmemoryPool pool;
+            rc = cuDeviceGetDefaultMemPool(&pool, dev);
+            if (!rc)
+                rc = c[4] ? cuMemAllocFromPoolAsync_ptsz(&d, num(a1), pool, NULL)
+                          : cuMemAllocFromPoolAsync(&d, num(a1), pool, NULL);
+            push(rc, d, c), i++;
+        } else if (!strcmp(c, "free")) {
+            last_freed = pop();
+            printf("free %d\n", cuMemFree_v2(last_freed));
+        } else if (!strcmp(c, "free1")) {
+            last_freed = pop();
+            printf("free1 %d\n", cuMemFree((CUdeviceptr_v1)last_freed));
+        } else if (!strcmp(c, "freeasync") || !strcmp(c, "freeasyncptsz")) {
+            last_freed = pop();
+            rc = c[9] ? cuMemFreeAsync_ptsz(last_freed, NULL) : cuMemFreeAsync(last_freed, NULL);
+            if (!rc) rc = cuStreamSynchronize(NULL);
+            printf("%s %d\n", c, rc);
+        } else if (!strcmp(c, "refree")) {
+            printf("refree %d\n", cuMemFree_v2(last_freed));
+        } else if (!strcmp(c, "freeptr")) {
+            printf("freeptr %d\n", cuMemFree_v2(num(a1))), i++;
+        } else if (!strcmp(c, "create")) {
+            CUmemAllocationProp prop;
+            memset(&prop, 0, sizeof prop);
+            prop.type = 1;
+            prop.location.type = 1;
+            prop.location.id = dev;
+            CUmemGenericAllocationHandle h = 0;
+            rc = cuMemCreate(&h, num(a1), &prop, 0);
+            if (rc == 0 && nhandles < MAXP) handles[nhandles++] = h;
+            printf("create %d\n", rc), i++;
+        } else if (!strcmp(c, "release")) {
+            printf("release %d\n", cuMemRelease(nhandles ? handles[--nhandles] : 0));
+        } else if (!strcmp(c, "reserve")) {
+            reserve_size = num(a1);
+            printf("reserve %d\n", cuMemAddressReserve(&reserve_va, reserve_size, 0, 0, 0)), i++;
+        } else if (!strcmp(c, "unreserve")) {
+            printf("unreserve %d\n", cuMemAddressFree(reserve_va, reserve_size));
+        } else if (!strcmp(c, "vmm")) {
+            CUmemAllocationProp prop;
+            memset(&prop, 0, sizeof prop);
+            prop.type = 1;
+            prop.location.type = 1;
+            prop.location.id = dev;
+            CUmemAccessDesc acc = {{1, dev}, 3};
+            vmm_size = num(a1);
+            rc = cuMemAddressReserve(&vmm_va, vmm_size, 0, 0, 0);
+            printf("vmm.reserve %d\n", rc);
+            if (!rc) rc = cuMemCreate(&vmm_handle, vmm_size, &prop, 0);
+            printf("vmm.create %d\n", rc);
+            if (!rc) rc = cuMemMap(vmm_va, vmm_size, 0, vmm_handle, 0);
+            if (!rc) rc = cuMemSetAccess(vmm_va, vmm_size, &acc, 1);
+            printf("vmm %d\n", rc), i++;
+        } else if (!strcmp(c, "unvmm")) {
+            rc = cuMemUnmap(vmm_va, vmm_size);
+            if (!rc) rc = cuMemRelease(vmm_handle);
+            printf("unvmm.release %d\n", rc);
+            if (!rc) rc = cuMemAddressFree(vmm_va, vmm_size);
+            printf("unvmm %d\n", rc);
+        } else if (!strcmp(c, "array") || !strcmp(c, "array3d")) {
+            CUarray arr = NULL;
+            if (c[5]) {
+                CUDA_ARRAY3D_DESCRIPTOR desc = {num(a1), num(a2), num(a3), 0x20, 1, 0};
+                rc = cuArray3DCreate_v2(&arr, &desc);
+                i += 3;
+            } else {
+                CUDA_ARRAY_DESCRIPTOR desc = {num(a1), num(a2), 0x20, 1};
+                rc = cuArrayCreate_v2(&arr, &desc);
+                i += 2;
+            }
+            if (rc == 0 && narrays < MAXP) arrays[narrays++] = arr;
+            printf("%s %d\n", c, rc);
+        } else if (!strcmp(c, "destroy")) {
+            printf("destroy %d\n", cuArrayDestroy(narrays ? arrays[--narrays] : NULL));
+        } else if (!strcmp(c, "info")) {
+            size_t f = 0, t = 0;
+            rc = cuMemGetInfo_v2(&f, &t);
+            printf("info %d free=%zu total=%zu\n", rc, f, t);
+        } else if (!strcmp(c, "info1")) {
+            unsigned f = 0, t = 0;
+            rc = cuMemGetInfo(&f, &t);
+            printf("info1 %d free=%u total=%u\n", rc, f, t);
+        } else if (!strcmp(c, "total")) {
+            size_t t = 0;
+            rc = cuDeviceTotalMem_v2(&t, dev);
+            printf("total %d total=%zu\n", rc, t);
+        } else if (!strcmp(c, "total1")) {
+            unsigned t = 0;
+            rc = cuDeviceTotalMem(&t, dev);
+            printf("total1 %d total=%u\n", rc, t);
+        } else if (!strncmp(c, "launch", 6) || !strncmp(c, "coop", 4)) {
+            unsigned us = 1;
+            void *params[] = {&us};
+            CUlaunchConfig cfg = {1, 1, 1, 1, 1, 1, 0, NULL, NULL, 0};
+            if (!strcmp(c, "launch"))
+                rc = cuLaunchKernel(kernel(), 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL);
+            else if (!strcmp(c, "launchptsz"))
+                rc = cuLaunchKernel_ptsz(kernel(), 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL);
+            else if (!strcmp(c, "launchex"))
+                rc = cuLaunchKernelEx(&cfg, kernel(), params, NULL);
+            else if (!strcmp(c, "launchexptsz"))
+                rc = cuLaunchKernelEx_ptsz(&cfg, kernel(), params, NULL);
+            else if (!strcmp(c, "coop"))
+                rc = cuLaunchCooperativeKernel(kernel(), 1, 1, 1, 1, 1, 1, 0, NULL, params);
+            else
+                rc = cuLaunchCooperativeKernel_ptsz(kernel(), 1, 1, 1, 1, 1, 1, 0, NULL, params);
+            printf("%s %d\n", c, rc);
+        } else if (!strcmp(c, "graph") || !strcmp(c, "graphptsz")) {
+            printf("%s %d\n", c, do_graph(c[5] != 0));
+        } else if (!strcmp(c, "getproc") || !strcmp(c, "getproc1")) {
+            void *p = NULL;
+            int status = -1;
+            rc = c[7] ? cuGetProcAddress(a1, &p, (int)num(a2), num(a3))
+                      : cuGetProcAddress_v2(a1, &p, (int)num(a2), num(a3), &status);
+            void *want = dlsym(RTLD_DEFAULT, a4);
+            printf("%s %d match=%d shim=%d\n", c, rc, p != NULL && p == want, in_shim(p));
+            i += 4;
+        } else if (!strcmp(c, "dlsym")) {
+            void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+            void *p = h ? dlsym(h, a1) : NULL;
+            printf("dlsym %d found=%d shim=%d\n", h ? 0 : 1, p != NULL, in_shim(p));
+            i++;
+        } else if (!strcmp(c, "used")) {
+            print_usage();
+        } else if (!strcmp(c, "sync")) {
+            printf("sync %d\n", cuCtxSynchronize());
+        } else if (!strcmp(c, "hold")) {
+            char line[16];
+            printf("hold 0\n");
+            if (!fgets(line, sizeof line, stdin)) line[0] = 0;
+        } else if (!strcmp(c, "loop")) {
+            unsigned long n = num(a1), ok = 0;
+            for (unsigned long k = 0; k < n; k++)
+                if (cuMemAlloc_v2(&d, num(a2)) == 0 && cuMemFree_v2(d) == 0) ok++;
+            printf("loop 0 ok=%lu\n", ok);
+            i += 2;
+        } else if (!strcmp(c, "stress")) {
+            unsigned nt = (unsigned)num(a1);
+            if (nt < 1) nt = 1;
+            if (nt > 64) nt = 64;
+            pthread_t th[64];
+            stress_arg_t args[64];
+            unsigned long ok = 0, oom = 0, other = 0;
+            for (unsigned t = 0; t < nt; t++) {
+                args[t] = (stress_arg_t){(unsigned)num(a2), (unsigned)num(a4) * 977u + t, num(a3), 0, 0, 0};
+                if (args[t].maxbytes == 0) args[t].maxbytes = 1;
+                pthread_create(&th[t], NULL, stress_thread, &args[t]);
+            }
+            for (unsigned t = 0; t < nt; t++) {
+                pthread_join(th[t], NULL);
+                ok += args[t].ok, oom += args[t].oom, other += args[t].other;
+            }
+            printf("stress 0 ok=%lu oom=%lu other=%lu\n", ok, oom, other);
+            i += 4;
+        } else {
+            fprintf(stderr, "mg_ctest: unknown command %s\n", c);
+            return 2;
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,181 @@
+"""Running real workload processes under the memguard shim on a simulated node.
+
+A `Container` is a per-container directory as the agent writes it (config via
+formats.ConfigFile, usage via formats.create_usage). A `Shim` starts processes
+on the simulated node under LD_PRELOAD of the shim (release or ASan flavour):
+mg_ctest (a C program linked against libcuda: direct symbols), or Python
+snippets using cuda-python (cuGetProcAddress_v2), ctypes and pynvml (dlsym).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from gpufrac.memguard import build, formats
+
+MiB = 1 << 20
+CUDA_ERROR_OUT_OF_MEMORY = 2
+TIMEOUT = 180  # generous: a loaded 2-core box, ASan builds
+
+
+@dataclass
+class Container:
+    dir: Path
+    cfg: formats.ContainerConfig
+    file: formats.ConfigFile = field(repr=False)
+
+    def set(self, **changes: Any) -> int:
+        """The agent changes this container's config (in place, under the seqlock)."""
+        self.cfg = replace(self.cfg, **changes)
+        return self.file.write(self.cfg)
+
+    def usage(self) -> formats.UsageStruct:
+        return formats.read_usage(self.dir)
+
+    def total(self) -> int:
+        return int(self.usage().total_used)
+
+    def live_slots(self) -> list[formats.ProcSlot]:
+        return [s for s in self.usage().slots if s.pid != 0]
+
+
+def make_container(directory: Path, request: int, limit: int, **kw: Any) -> Container:
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = formats.ContainerConfig(gpu_uuid="", request_bytes=request, limit_bytes=limit, **kw)
+    f = formats.ConfigFile(directory)
+    f.write(cfg)
+    formats.create_usage(directory)
+    return Container(directory, cfg, f)
+
+
+@dataclass
+class Line:
+    cmd: str
+    rc: int
+    kv: dict[str, str]
+
+    def int(self, key: str) -> int:
+        return int(self.kv[key], 0)
+
+
+def parse_ctest(stdout: str) -> list[Line]:
+    out = []
+    for raw in stdout.splitlines():
+        parts = raw.split()
+        if len(parts) < 2 or not parts[1].lstrip("-").isdigit():
+            continue
+        kv = dict(p.split("=", 1) for p in parts[2:] if "=" in p)
+        out.append(Line(parts[0], int(parts[1]), kv))
+    return out
+
+
+# Prelude of every Python workload: a context through cuda-python, the usage
+# file at hand, and `out` printed as JSON at the end.
+PY_PRELUDE = """
+import ctypes, json, os, sys
+from cuda.bindings import driver as cu
+from gpufrac.memguard import formats
+DIR = os.environ["GPUFRAC_CONTAINER_DIR"]
+def rc(r):
+    return int(r[0] if isinstance(r, tuple) else r)
+def chk(r):
+    if rc(r) != 0:
+        raise SystemExit(f"CUDA error {r!r}")
+    return r[1] if len(r) == 2 else r[1:]
+def used():
+    return int(formats.read_usage(DIR).total_used)
+chk(cu.cuInit(0))
+dev = chk(cu.cuDeviceGet(0))
+ctx = chk(cu.cuDevicePrimaryCtxRetain(dev))
+chk(cu.cuCtxSetCurrent(ctx))
+out = {}
+"""
+
+
+class Shim:
+    def __init__(self, sim_env: dict[str, str], flavour: str) -> None:
+        self.sim_env = sim_env
+        self.flavour = flavour
+
+    def env(self, c: Container | Path | str, **extra: str) -> dict[str, str]:
+        base = dict(os.environ)
+        base.update(self.sim_env)
+        env = build.shim_env(c.dir if isinstance(c, Container) else c, self.flavour, base)
+        env.update(extra)
+        return env
+
+    def ctest_cmd(self, *cmds: object) -> list[str]:
+        return [str(build.ctest_path(self.flavour)), *map(str, cmds)]
+
+    def ctest(self, c: Container | Path | str, *cmds: object, env: dict[str, str] | None = None) -> list[Line]:
+        p = subprocess.run(
+            self.ctest_cmd(*cmds), env=env or self.env(c), capture_output=True, text=True, timeout=TIMEOUT
+        )
+        assert p.returncode == 0, f"mg_ctest {cmds} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
+        return parse_ctest(p.stdout)
+
+    def ctest_popen(self, c: Container, *cmds: object) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            self.ctest_cmd(*cmds),
+            env=self.env(c),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def python(self, c: Container | Path | str, body: str, **extra: str) -> dict[str, Any]:
+        """Run a cuda-python workload under the shim; returns its `out` dict."""
+        code = PY_PRELUDE + textwrap.dedent(body) + "\nprint(json.dumps(out))\n"
+        p = subprocess.run(
+            [sys.executable, "-c", code], env=self.env(c, **extra), capture_output=True, text=True, timeout=TIMEOUT
+        )
+        assert p.returncode == 0, f"workload failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    def python_popen(self, c: Container, body: str) -> subprocess.Popen[str]:
+        code = PY_PRELUDE + textwrap.dedent(body)
+        return subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=self.env(c),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = TIMEOUT, what: str = "condition") -> Any:
+    """Poll until cond() is truthy (no fixed sleeps as synchronisation)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def read_line(p: subprocess.Popen[str], timeout: float = TIMEOUT) -> str:
+    """The next stdout line of a workload (it prints when it reaches a point)."""
+    import selectors
+
+    assert p.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(p.stdout, selectors.EVENT_READ)
+    try:
+        if not sel.select(timeout):
+            raise AssertionError("workload printed nothing in time")
+        return p.stdout.readline()
+    finally:
+        sel.close()

@@ -1,0 +1,114 @@
+"""The kubelet emulator's contract and the agent's answers to kubelet events."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import Callable
+
+import grpc
+import pytest
+from agentsim_fixtures import Sim, make_sim_fixture, sim_fixture  # noqa: F401 (pytest fixtures)
+
+from gpufrac.deviceplugin.podresources import PodResourcesClient
+from gpufrac.deviceplugin.slices import FRACTION, MEMORY, SOCKETS
+from gpufrac.proto import deviceplugin_pb2 as pb
+from gpufrac.proto import deviceplugin_pb2_grpc as pb_grpc
+from gpufrac.simgpu.kubelet import AdmissionError, Container, KubeletEmulator, Pod
+
+
+def register(k: KubeletEmulator, **fields: str) -> grpc.RpcError:
+    req = pb.RegisterRequest(version="v1beta1", endpoint="nothing.sock", resource_name="example.com/x")
+    for name, value in fields.items():
+        setattr(req, name, value)
+    with grpc.insecure_channel(f"unix://{k.kubelet_socket}") as ch, pytest.raises(grpc.RpcError) as exc:
+        pb_grpc.RegistrationStub(ch).Register(req, timeout=30)
+    return exc.value
+
+
+def test_register_errors_read_like_the_kubelet() -> None:
+    with KubeletEmulator(tempfile.mkdtemp(prefix="gfk", dir="/tmp")) as k:
+        err = register(k, version="v1alpha")
+        assert err.details() == (
+            'requested API version "v1alpha" is not supported by kubelet. Supported version is ["v1beta1"]'
+        )
+        assert register(k, resource_name="kubernetes.io/gpu").details() == (
+            'the ResourceName "kubernetes.io/gpu" is invalid'
+        )
+        # nobody serves the endpoint: the dial-back inside Register fails the call
+        assert "failed to connect to new client" in register(k).details()
+
+
+def test_kubelet_restart_wipes_sockets_and_agent_registers_again(sim: Sim) -> None:
+    k = sim.kubelet
+    pod = sim.admit("keep", MEMORY, 10)
+    before = {r: len(k.registrations(r)) for r in (FRACTION, MEMORY)}
+    k.restart()
+    k.wait_for(lambda: all(len(k.registrations(r)) > before[r] for r in (FRACTION, MEMORY)), 30)
+    sim.wait_registered(30)
+    assert all((k.device_plugin_dir / s).exists() for s in SOCKETS.values())
+    # the allocation survived on both sides and capacity sync still accounts for it
+    (g,) = sim.gpus_of(pod)
+    k.wait_for(lambda: sim.healthy_on(FRACTION, g) < 100, 30)
+    assert sim.admit("after", FRACTION, 10)
+
+
+def test_stream_end_marks_unhealthy_and_agent_registers_again(sim: Sim) -> None:
+    k = sim.kubelet
+    before = len(k.registrations(FRACTION))
+    k.drop_stream(FRACTION)
+    k.wait_for(lambda: len(k.registrations(FRACTION)) > before, 30)
+    sim.wait_registered(30)
+    assert k.allocatable(FRACTION) == 800
+    assert sim.admit("after-drop", FRACTION, 30)
+
+
+def test_unregistered_resource_and_exhaustion_errors(sim: Sim) -> None:
+    with pytest.raises(AdmissionError) as exc:
+        sim.kubelet.admit(Pod("default", "x", [Container("main", {"example.com/none": 1})]))
+    assert exc.value.message == (
+        "Allocate failed due to cannot allocate unregistered device example.com/none, which is unexpected"
+    )
+    with pytest.raises(AdmissionError) as exc:
+        sim.admit("huge", MEMORY, 10_000)
+    assert "requested number of devices unavailable for gpufrac.dev/gpu-memory. Requested: 10000" in str(
+        exc.value
+    )
+
+
+def test_pod_resources_lists_pods_and_agent_releases_deleted_ones(sim: Sim) -> None:
+    a = sim.admit("a", FRACTION, 40)
+    b = sim.admit("b", MEMORY, 8)
+    client = PodResourcesClient(str(sim.kubelet.pod_resources_socket))
+    listed = asyncio.run(client.list())
+    assert {(c.pod, c.container, c.resource, len(c.device_ids)) for c in listed} == {
+        ("a", "main", FRACTION, 40),
+        ("b", "main", MEMORY, 8),
+    }
+    alloc = asyncio.run(client.allocatable())
+    assert len(alloc[FRACTION]) == sim.kubelet.allocatable(FRACTION)
+    k = sim.kubelet
+    k.wait_for(lambda: len(sim.agent.container_dirs()) == 2)
+    (g,) = sim.gpus_of(a)
+    k.delete(a)  # no RPC: the agent learns it from pod-resources
+    k.wait_for(lambda: len(sim.agent.container_dirs()) == 1, 30)
+    k.wait_for(lambda: sim.healthy_on(FRACTION, g) == 100 or g in sim.gpus_of(b), 30)
+    assert [x["pod"] for x in sim.agent.state()["allocations"]] == ["b"]
+
+
+def test_slices_of_a_deleted_pod_go_to_the_next_pod_at_once(make_sim: Callable[..., Sim]) -> None:
+    # No periodic release in this test: Allocate itself must notice the old holder is gone.
+    sim = make_sim(reconcile_interval=300, release_grace=300)
+    k = sim.kubelet
+    old = sim.admit("old", FRACTION, 100)
+    old_devices = k.pod_devices(old.uid)
+    k.delete(old)
+    new = sim.admit("new", FRACTION, 100)  # binpack: the very same 100 slices
+    assert k.pod_devices(new.uid) == old_devices
+    part = sim.admit("part", FRACTION, 30)
+    part_ids = set(k.pod_devices(part.uid)["main"][FRACTION])
+    k.delete(part)
+    again = sim.admit("again", FRACTION, 50)  # takes the deleted pod's 30 slices and 20 more
+    assert part_ids < set(k.pod_devices(again.uid)["main"][FRACTION])
+    k.wait_for(lambda: sorted(str(a["pod"]) for a in sim.agent.state()["allocations"]) == ["again", "new"])
+    assert len(sim.agent.container_dirs()) == 2

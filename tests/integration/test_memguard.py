@@ -1,0 +1,249 @@
+"""memguard, the CUDA allocation shim, holding real processes on a simulated node.
+
+Every workload here is a real process under the real shim (LD_PRELOAD) talking
+to simgpu's fake libcuda.so.1 / libnvidia-ml.so.1: mg_ctest (a C program linked
+against libcuda: direct symbols), cuda-python (every function through
+cuGetProcAddress_v2) and ctypes / pynvml (dlsym on the library handle).
+
+The core behaviours run twice: against the release builds and against the
+ASan+UBSan builds of the shim and the fake driver (`flavour`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from memguard_support import (
+    CUDA_ERROR_OUT_OF_MEMORY,
+    Container,
+    MiB,
+    Shim,
+    make_container,
+    read_line,
+    wait_for,
+)
+
+from gpufrac.simgpu.nodestate import NodeState
+
+REQUEST = 64 * MiB
+LIMIT = 96 * MiB
+
+
+@pytest.fixture(params=["release", "asan"])
+def flavour(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def shim(make_sim_node: Callable[..., object], flavour: str) -> Shim:
+    node = make_sim_node("dgx-h100", flavour=flavour)
+    return Shim(node.env, flavour)  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def container(tmp_path: Path) -> Callable[..., Container]:
+    n = iter(range(1000))
+
+    def make(request: int = REQUEST, limit: int = LIMIT, **kw: object) -> Container:
+        return make_container(tmp_path / f"ctr-{next(n)}", request, limit, **kw)
+
+    return make
+
+
+def by_cmd(lines: list, cmd: str) -> list:
+    return [ln for ln in lines if ln.cmd == cmd]
+
+
+# ----------------------------------------------------------------- every hook
+
+
+def test_every_hook_through_direct_symbols(shim: Shim, container: Callable[..., Container]) -> None:
+    """A program linked against libcuda: each allocation kind is counted at the
+    right size and uncounted at its free; memory queries show the container."""
+    c = container()
+    one = 1 * MiB
+    script = [
+        *("alloc", one, "used", "free", "used"),
+        *("managed", one, "used", "free", "used"),
+        *("pitch", 1000, 100, "used", "free", "used"),
+        *("async", one, "used", "freeasync", "used"),
+        *("asyncptsz", one, "used", "freeasyncptsz", "used"),
+        *("pool", one, "used", "freeasync", "used"),
+        *("poolptsz", one, "used", "freeasyncptsz", "used"),
+        *("create", 2 * MiB, "used", "release", "used"),
+        *("array", 256, 128, "used", "destroy", "used"),
+        *("array3d", 64, 32, 4, "used", "destroy", "used"),
+        *("alloc", 8 * MiB, "info", "total", "free"),
+    ]
+    lines = shim.ctest(c, *script)
+    assert all(ln.rc == 0 for ln in lines), lines
+    used = by_cmd(lines, "used")
+    pitch = by_cmd(lines, "pitch")[0].int("pitch")
+    expected_held = [one, one, pitch * 100, one, one, one, one, 2 * MiB, 256 * 128 * 4, 64 * 32 * 4 * 4]
+    held, after_free = used[0::2], used[1::2]
+    assert [u.int("mine") for u in held] == expected_held
+    assert [u.int("total") for u in held] == expected_held
+    assert all(u.int("mine") == 0 and u.int("total") == 0 for u in after_free)
+    info = by_cmd(lines, "info")[0]
+    assert info.int("total") == LIMIT
+    assert info.int("free") == LIMIT - 8 * MiB
+    assert by_cmd(lines, "total")[0].int("total") == LIMIT
+    assert c.total() == 0 and not c.live_slots()
+
+
+def test_launch_entry_points_record_activity(shim: Shim, container: Callable[..., Container]) -> None:
+    c = container()
+    launches = ["launch", "launchptsz", "launchex", "launchexptsz", "coop", "coopptsz", "graph", "graphptsz"]
+    script = [x for name in launches for x in (name, "used")]
+    lines = shim.ctest(c, *script)
+    assert all(ln.rc == 0 for ln in lines), lines
+    assert [u.int("launches") for u in by_cmd(lines, "used")] == list(range(1, len(launches) + 1))
+
+
+# (name, cudaVersion, flags, the export the driver means)
+PROC_CASES = [
+    ("cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2"),
+    ("cuGetProcAddress", 11030, 0, "cuGetProcAddress"),
+    ("cuMemAlloc", 12000, 0, "cuMemAlloc_v2"),
+    ("cuMemAllocPitch", 12000, 0, "cuMemAllocPitch_v2"),
+    ("cuMemAllocManaged", 12000, 0, "cuMemAllocManaged"),
+    ("cuMemAllocAsync", 12000, 0, "cuMemAllocAsync"),
+    ("cuMemAllocAsync", 12000, 2, "cuMemAllocAsync_ptsz"),
+    ("cuMemAllocFromPoolAsync", 12000, 0, "cuMemAllocFromPoolAsync"),
+    ("cuMemAllocFromPoolAsync", 12000, 2, "cuMemAllocFromPoolAsync_ptsz"),
+    ("cuMemFreeAsync", 12000, 0, "cuMemFreeAsync"),
+    ("cuMemFreeAsync", 12000, 2, "cuMemFreeAsync_ptsz"),
+    ("cuMemFree", 12000, 0, "cuMemFree_v2"),
+    ("cuMemCreate", 12000, 0, "cuMemCreate"),
+    ("cuMemRelease", 12000, 0, "cuMemRelease"),
+    ("cuArrayCreate", 12000, 0, "cuArrayCreate_v2"),
+    ("cuArray3DCreate", 12000, 0, "cuArray3DCreate_v2"),
+    ("cuArrayDestroy", 12000, 0, "cuArrayDestroy"),
+    ("cuMemGetInfo", 12000, 0, "cuMemGetInfo_v2"),
+    ("cuDeviceTotalMem", 12000, 0, "cuDeviceTotalMem_v2"),
+    ("cuLaunchKernel", 12000, 0, "cuLaunchKernel"),
+    ("cuLaunchKernel", 12000, 1, "cuLaunchKernel"),
+    ("cuLaunchKernel", 12000, 2, "cuLaunchKernel_ptsz"),
+    ("cuLaunchKernelEx", 12000, 2, "cuLaunchKernelEx_ptsz"),
+    ("cuLaunchCooperativeKernel", 12000, 2, "cuLaunchCooperativeKernel_ptsz"),
+    ("cuGraphLaunch", 12000, 0, "cuGraphLaunch"),
+    ("cuGraphLaunch", 12000, 2, "cuGraphLaunch_ptsz"),
+]
+
+
+def test_cu_get_proc_address_hands_out_the_right_hook(shim: Shim, container: Callable[..., Container]) -> None:
+    """(name, version, flags) -> the hook of exactly the variant the driver means,
+    through cuGetProcAddress_v2 and the CUDA 11 cuGetProcAddress; functions the
+    shim does not hook come back untouched."""
+    script: list[object] = []
+    for name, ver, flags, want in PROC_CASES:
+        script += ["getproc", name, ver, flags, want, "getproc1", name, ver, flags, want]
+    script += ["getproc", "cuCtxSynchronize", 12000, 0, "cuCtxSynchronize"]
+    lines = shim.ctest(container(), *script)
+    results = by_cmd(lines, "getproc") + by_cmd(lines, "getproc1")
+    assert len(results) == 2 * len(PROC_CASES) + 1
+    assert all(ln.rc == 0 and ln.kv["match"] == "1" for ln in results), results
+    hooked = [ln for ln in results if ln.kv["shim"] == "1"]
+    assert len(hooked) == 2 * len(PROC_CASES)  # all but cuCtxSynchronize
+
+
+def test_dlsym_on_the_driver_handle_returns_hooks(shim: Shim, container: Callable[..., Container]) -> None:
+    names = sorted({want for *_, want in PROC_CASES})
+    script = [x for n in [*names, "cuCtxSynchronize"] for x in ("dlsym", n)]
+    lines = by_cmd(shim.ctest(container(), *script), "dlsym")
+    assert [ln.kv["shim"] for ln in lines] == ["1"] * len(names) + ["0"]
+    assert all(ln.kv["found"] == "1" for ln in lines)
+
+
+CUDA_PYTHON_HOOKS = """
+MiB = 1 << 20
+ptr = chk(cu.cuMemAlloc(3 * MiB)); out["alloc"] = used(); chk(cu.cuMemFree(ptr)); out["alloc_freed"] = used()
+ptr, pitch = chk(cu.cuMemAllocPitch(1000, 100, 4)); out["pitch"] = [used(), int(pitch) * 100]; chk(cu.cuMemFree(ptr))
+ptr = chk(cu.cuMemAllocManaged(MiB, 1)); out["managed"] = used(); chk(cu.cuMemFree(ptr))
+stream = chk(cu.cuStreamCreate(0))
+ptr = chk(cu.cuMemAllocAsync(2 * MiB, stream)); out["async"] = used()
+chk(cu.cuMemFreeAsync(ptr, stream)); chk(cu.cuStreamSynchronize(stream)); out["async_freed"] = used()
+pool = chk(cu.cuDeviceGetDefaultMemPool(dev))
+ptr = chk(cu.cuMemAllocFromPoolAsync(MiB, pool, stream)); out["pool"] = used()
+chk(cu.cuMemFreeAsync(ptr, stream)); chk(cu.cuStreamSynchronize(stream)); out["pool_freed"] = used()
+prop = cu.CUmemAllocationProp()
+prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+prop.location.id = 0
+gran = chk(cu.cuMemGetAllocationGranularity(prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
+va = chk(cu.cuMemAddressReserve(64 * int(gran), 0, 0, 0)); out["reserve"] = used()
+h = chk(cu.cuMemCreate(2 * int(gran), prop, 0)); out["create"] = [used(), 2 * int(gran)]
+chk(cu.cuMemMap(va, 2 * int(gran), 0, h, 0))
+acc = cu.CUmemAccessDesc()
+acc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+acc.location.id = 0
+acc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+chk(cu.cuMemSetAccess(va, 2 * int(gran), [acc], 1))
+chk(cu.cuMemUnmap(va, 2 * int(gran))); chk(cu.cuMemRelease(h)); out["release"] = used()
+chk(cu.cuMemAddressFree(va, 64 * int(gran)))
+d = cu.CUDA_ARRAY_DESCRIPTOR()
+d.Width, d.Height, d.NumChannels = 128, 64, 2
+d.Format = cu.CUarray_format.CU_AD_FORMAT_HALF
+arr = chk(cu.cuArrayCreate(d)); out["array"] = used(); chk(cu.cuArrayDestroy(arr)); out["array_freed"] = used()
+d3 = cu.CUDA_ARRAY3D_DESCRIPTOR()
+d3.Width, d3.Height, d3.Depth, d3.NumChannels = 32, 16, 8, 4
+d3.Format = cu.CUarray_format.CU_AD_FORMAT_FLOAT
+arr = chk(cu.cuArray3DCreate(d3)); out["array3d"] = used(); chk(cu.cuArrayDestroy(arr))
+keep = chk(cu.cuMemAlloc(5 * MiB))
+out["info"] = [int(x) for x in chk(cu.cuMemGetInfo())]
+out["devtotal"] = int(chk(cu.cuDeviceTotalMem(dev)))
+chk(cu.cuMemFree(keep))
+mod = chk(cu.cuModuleLoadData(b"simgpu:busy_us"))
+fn = chk(cu.cuModuleGetFunction(mod, b"busy_us"))
+import ctypes as C
+arg = C.c_uint(1)
+params = (C.c_void_p * 1)(C.addressof(arg))
+chk(cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, stream, C.addressof(params), 0))
+cfg = cu.CUlaunchConfig()
+cfg.gridDimX = cfg.gridDimY = cfg.gridDimZ = cfg.blockDimX = cfg.blockDimY = cfg.blockDimZ = 1
+cfg.hStream = stream
+chk(cu.cuLaunchKernelEx(cfg, fn, C.addressof(params), 0))
+chk(cu.cuLaunchCooperativeKernel(fn, 1, 1, 1, 1, 1, 1, 0, stream, C.addressof(params)))
+graph = chk(cu.cuGraphCreate(0))
+np = cu.CUDA_KERNEL_NODE_PARAMS()
+np.func = fn
+np.gridDimX = np.gridDimY = np.gridDimZ = np.blockDimX = np.blockDimY = np.blockDimZ = 1
+np.kernelParams = C.addressof(params)
+chk(cu.cuGraphAddKernelNode(graph, None, 0, np))
+gexec = chk(cu.cuGraphInstantiate(graph, 0))
+chk(cu.cuGraphLaunch(gexec, stream))
+chk(cu.cuStreamSynchronize(stream))
+u = formats.read_usage(DIR)
+out["launches"] = [int(s.launches) for s in u.slots if s.pid == os.getpid()]
+"""
+
+
+# Per-thread-stream variants under ASan are covered by the direct-link tests.
+@pytest.mark.parametrize(
+    ("flavour", "ptds"),
+    [("release", "0"), ("release", "1"), ("asan", "0")],
+    ids=["release-legacy-stream", "release-per-thread-stream", "asan-legacy-stream"],
+)
+def test_every_hook_through_cuda_python(shim: Shim, container: Callable[..., Container], ptds: str) -> None:
+    """cuda-python resolves every function through cuGetProcAddress_v2 (with the
+    per-thread-stream flag when asked): each one lands on its hook."""
+    c = container()
+    out = shim.python(c, CUDA_PYTHON_HOOKS, CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM=ptds)
+    assert out["alloc"] == 3 * MiB and out["alloc_freed"] == 0
+    assert out["pitch"][0] == out["pitch"][1] >= 1000 * 100
+    assert out["managed"] == MiB
+    assert out["async"] == 2 * MiB and out["async_freed"] == 0
+    assert out["pool"] == MiB and out["pool_freed"] == 0
+    assert out["reserve"] == 0  # an address reservation is not memory
+    assert out["create"][0] == out["create"][1]
+    assert out["release"] == 0
+    assert out["array"] == 128 * 64 * 2 * 2 and out["array_freed"] == 0
+    assert out["array3d"] == 32 * 16 * 8 * 4 * 4
+    assert out["info"] == [LIMIT - 5 * MiB, LIMIT]
+    assert out["devtotal"] == LIMIT
+    assert out["launches"] == [4]
+    assert c.total() == 0
