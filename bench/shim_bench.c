@@ -69,11 +69,11 @@ int main(int argc, char **argv) {
         return 0;
     }
     CUfunction f = NULL;
-    unsigned us = 0;
+    unsigned long long us = 0; /* busy_us(uint64 microseconds): no simulated work */
     void *params[] = {&us};
     if (!strcmp(op, "launch")) {
         CUmodule m;
-        if ((rc = cuModuleLoadData(&m, "simgpu:busy_us")) != 0) die("cuModuleLoadData", rc);
+        if ((rc = cuModuleLoadData(&m, "SIMGPU-MODULE")) != 0) die("cuModuleLoadData", rc);
         if ((rc = cuModuleGetFunction(&f, m, "busy_us")) != 0) die("cuModuleGetFunction", rc);
     }
     double best_wall = 1e300, best_cpu = 1e300;

@@ -12,7 +12,8 @@ import pytest
 from gpufrac import native
 
 # kube_server: kmock's apiserver emulator for the real kubernetes client (tests/kube_fixtures.py).
-pytest_plugins = ["kube_fixtures"]
+# shim, container, flavour: processes under the memguard shim (tests/memguard_fixtures.py).
+pytest_plugins = ["kube_fixtures", "memguard_fixtures"]
 
 
 @dataclass

@@ -24,6 +24,7 @@ import asyncio
 import datetime
 import threading
 import uuid
+from asyncio import FIRST_COMPLETED
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -67,6 +68,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self.resource_version = 0
         self.expired_before = 0  # watches from an older resourceVersion get 410 Gone
+        self.closing = asyncio.Event()  # set when the server shuts down: open watches end
+        self.expiry = asyncio.Event()  # set (then replaced) to give every open watch 410 Gone
         self.resources["v1/pods"] = kmock.ResourceInfo(namespaced=True, kind="Pod", singular="pod")
         self.resources["v1/events"] = kmock.ResourceInfo(namespaced=True, kind="Event", singular="event")
         self.resources["v1/nodes"] = kmock.ResourceInfo(namespaced=False, kind="Node", singular="node")
@@ -108,16 +111,28 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             yield _gone()
             return
         timeout = request.params.get("timeoutSeconds")
-        deadline = None if timeout is None else asyncio.get_running_loop().time() + float(timeout)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + float(timeout)
         inner = super()._serve_watch(request)
+        closing = asyncio.ensure_future(self.closing.wait())
+        # Captured before any await, so an expiry can never slip between the check above and here.
+        expired = asyncio.ensure_future(self.expiry.wait())
+        step: asyncio.Future[Any] | None = None
         try:
             while True:
-                remaining = None if deadline is None else deadline - asyncio.get_running_loop().time()
-                if remaining is not None and remaining <= 0:
-                    return  # the apiserver ends a watch after timeoutSeconds
+                remaining = None if deadline is None else max(0.0, deadline - loop.time())
+                step = asyncio.ensure_future(inner.__anext__())
+                done, _ = await asyncio.wait(
+                    {step, closing, expired}, timeout=remaining, return_when=FIRST_COMPLETED
+                )
+                if expired in done:
+                    yield _gone()
+                    return
+                if step not in done:
+                    return  # timeoutSeconds passed or the server shuts down: end as the apiserver does
                 try:
-                    event = await asyncio.wait_for(inner.__anext__(), remaining)
-                except (TimeoutError, StopAsyncIteration):
+                    event = step.result()
+                except StopAsyncIteration:
                     return
                 if isinstance(event, dict) and event.get("type") == "ERROR":
                     yield event
@@ -125,6 +140,10 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                 if not isinstance(event, dict) or _selector_matches(event.get("object", {}), selector):
                     yield event
         finally:
+            pending = [f for f in (step, closing, expired) if f is not None and not f.done()]
+            for f in pending:
+                f.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
             await inner.aclose()
 
 
@@ -177,6 +196,10 @@ class KubeServer:
             self.url = str(server.url).rstrip("/")
             self._ready.set()
             await self._stop.wait()
+            # End open watch streams first: aiohttp's shutdown would otherwise wait for
+            # clients (an agent still watching) to hang up.
+            self.emulator.closing.set()
+            await asyncio.sleep(0.1)
 
     def close(self) -> None:
         if self._stop is not None and self._thread.is_alive():
@@ -225,12 +248,13 @@ class KubeServer:
 
     # -- apiserver behaviours tests trigger -------------------------------------------------------
 
-    def expire_watches(self, resource: Any = PODS) -> None:
+    def expire_watches(self) -> None:
         """Compaction: every open watch gets 410 Gone, and older resourceVersions stay expired."""
 
         async def expire(emu: ApiServerEmulator) -> None:
-            emu.expired_before = emu.resource_version + 1
-            await emu._buses[resource].put(_gone())
+            emu.expired_before = emu.resource_version  # a watch from the current version is still fine
+            emu.expiry.set()
+            emu.expiry = asyncio.Event()
 
         self.call(expire)
 

@@ -98,14 +98,23 @@ class ContainerAlloc:
 
 
 def write_container_dir(directory: str, cfg: ContainerConfig) -> ConfigFile:
-    """Create a container's host directory with its config (0644) and usage files.
+    """Create (or repair) a container's host directory: config (0644) and usage files.
 
-    Blocking file I/O: the agent runs it in a worker thread."""
+    Blocking file I/O: the agent runs it in a worker thread. No fsync: after a crash
+    the agent rewrites every booked container's files from its state and the
+    kubelet's record, so durability here would only add latency to Allocate."""
     Path(directory).mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o755)
-    handle = ConfigFile(directory)
+    for name, check in ((formats.CONFIG_FILE, formats.read_config), (formats.USAGE_FILE, formats.read_usage)):
+        if os.path.exists(os.path.join(directory, name)):
+            try:
+                check(directory)
+            except formats.FormatError as e:  # torn by a crash: start it afresh
+                log.warning("recreating %s: %s", os.path.join(directory, name), e)
+                os.unlink(os.path.join(directory, name))
+    handle = ConfigFile(directory, durable=False)
     handle.write(cfg)
-    formats.create_usage(directory)
+    formats.create_usage(directory, durable=False)
     return handle
 
 
@@ -124,6 +133,12 @@ class Ledger:
         self._unhealthy: dict[str, str] = {}  # GPU UUID -> reason
         self._files: dict[str, ConfigFile] = {}
         self._listeners: list[Callable[[], None]] = []
+        # Device ID strings per (GPU, resource), built once: capacity sync lists them after every change.
+        self._ids: dict[tuple[str, str], list[str]] = {
+            (g.uuid, r): [slices.device_id(g.uuid, r, n) for n in range(g.slices(r))]
+            for g in self.geometry.values()
+            for r in slices.RESOURCES
+        }
 
     # -- observation -----------------------------------------------------------------
 
@@ -176,8 +191,7 @@ class Ledger:
         for geo in self.geometry.values():
             gpu_ok = self.healthy(geo.uuid)
             room = geo.slices_fitting(resource, self.unrequested(geo.uuid))
-            for n in range(geo.slices(resource)):
-                dev = slices.device_id(geo.uuid, resource, n)
+            for dev in self._ids[(geo.uuid, resource)]:
                 if dev in self._owner:
                     ok = True
                 elif room > 0:

@@ -33,6 +33,7 @@ SWAPPABLE = PREFIX + "swappable"
 WORKLOAD_CLASS = PREFIX + "workload-class"
 IDLE_TIMEOUT = PREFIX + "idle-timeout"
 MAX_RUNTIME = PREFIX + "max-runtime"
+IDLE_EXEMPT = PREFIX + "idle-exempt"  # "true": never reaped for idleness or runtime (gpufrac.agent.idle)
 WAIT_TIMEOUT = PREFIX + "wait-timeout"
 
 LIMIT_KEYS = (MEMORY_LIMIT, FRACTION_LIMIT)
@@ -41,6 +42,7 @@ LIMIT_KEYS = (MEMORY_LIMIT, FRACTION_LIMIT)
 # Parts of gpufrac that write their own annotations add them to AGENT_OWNED.
 USER_KEYS = frozenset(
     {*LIMIT_KEYS, PREEMPTIBLE, SWAPPABLE, WORKLOAD_CLASS, IDLE_TIMEOUT, MAX_RUNTIME, WAIT_TIMEOUT}
+    | {IDLE_EXEMPT}
 )
 AGENT_OWNED: set[str] = set()
 
@@ -82,6 +84,7 @@ class ContainerPolicy:
     priority: int = 0
     idle_timeout: float = 0.0  # seconds
     max_runtime: float = 0.0  # seconds, 0 = none
+    idle_exempt: bool = False
     wait_timeout: float = 0.0  # seconds
     whole_gpu: bool = False
     pod_known: bool = True
@@ -219,6 +222,7 @@ def parse_policy(
     max_rt = setting(
         MAX_RUNTIME, _positive_duration, base.max_runtime, f"the node's max-runtime {base.max_runtime:g}s"
     )
+    idle_exempt = setting(IDLE_EXEMPT, _bool, False, "idle-exempt=false")
     wait = setting(
         WAIT_TIMEOUT, _wait_duration, base.wait_timeout, f"the node's wait-timeout {base.wait_timeout:g}s"
     )
@@ -234,6 +238,7 @@ def parse_policy(
         priority=prio,
         idle_timeout=idle,
         max_runtime=max_rt,
+        idle_exempt=idle_exempt,
         wait_timeout=wait,
         whole_gpu=whole_gpu,
         pod_known=True,

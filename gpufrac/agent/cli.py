@@ -45,6 +45,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     p = add("topo", "gpufrac.agent.report", "cmd_topo", "GPU interconnect matrix, NUMA and CPU affinity")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
+    p = add("status", "gpufrac.agent.status", "cmd_status", "the node at a glance, from the running agent")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--socket", help="the agent's status socket (default: statusSocket of --config)")
+
     p = add("memguard", "gpufrac.memguard.inspect", "cmd_memguard", "inspect a container's memguard files")
     p.add_argument("action", choices=["inspect"])
     p.add_argument("container_dir", help="the container's gpufrac directory (host path)")

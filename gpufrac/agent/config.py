@@ -93,6 +93,10 @@ class SwapConfig:
     host_ram_budget: int = _bytes(64 * GiB)
     # Pods that say nothing about swap may be swapped if this is true.
     default_swappable: bool = False
+    # A container is a swap victim only after this long without GPU work (0 = evictIdleThreshold).
+    idle_threshold: float = _seconds(0.0)
+    # How long a swap-out waits for the victim's CUDA calls in flight before giving up on it.
+    lock_timeout: float = _seconds(10.0)
 
 
 @dataclass
@@ -154,6 +158,13 @@ class Config:
             raise ConfigError(f"resolvers: {self.resolvers} names a resolver twice")
         if not 0 < self.metrics.port < 65536:
             raise ConfigError(f"metrics.port: {self.metrics.port} is not a TCP port")
+        from gpufrac.memguard.formats import CLASS_NAMES
+
+        bad = [c for c in self.idle.reap_classes if c not in CLASS_NAMES]
+        if bad:
+            raise ConfigError(
+                f"idle.reapClasses: unknown workload class(es) {bad}; choose from {sorted(CLASS_NAMES)}"
+            )
 
 
 def _convert(path: str, f: dataclasses.Field[Any], hint: Any, value: Any) -> Any:

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from gpufrac.agent import annotations
+from gpufrac.agent import annotations, events, metrics
 from gpufrac.agent.allocations import ContainerAlloc, Ledger, container_key
 from gpufrac.agent.annotations import ContainerPolicy
 from gpufrac.agent.config import Config
@@ -37,8 +37,9 @@ from gpufrac.deviceplugin.podresources import ContainerDevices
 
 log = logging.getLogger(__name__)
 
-REASON_INVALID = "InvalidAnnotation"
-REASON_APPLIED = "GpuLimitApplied"
+# Event reasons live in gpufrac.agent.events with all the others.
+REASON_INVALID = events.REASON_INVALID_ANNOTATION
+REASON_APPLIED = events.REASON_LIMIT_APPLIED
 # A pod neither in the cache nor found by a direct GET is asked for again only this often.
 FETCH_RETRY = 5.0
 
@@ -202,14 +203,16 @@ class PodIdentity:
         ref = ObjectRef.pod(pod, container)
         for problem in result.problems:
             self.annotation_problems += 1
+            metrics.count_annotation_error(problem.key)
             message = problem.message(container)
             log.warning("pod %s/%s: %s", pod.namespace, pod.name, message)
             self._event(ref, "Warning", REASON_INVALID, message)
-        if policy.burst and (before is None or before.limit_bytes != policy.limit_bytes):
+        # Tell the user when their burst limit takes effect, changes, or goes back to the request.
+        if policy.limit_bytes != (before.limit_bytes if before else policy.request_bytes):
+            source = f"from {policy.limit_key}" if policy.limit_key else "= the request, no burst"
             message = (
                 f"container {container}: GPU memory limit {format_bytes(policy.limit_bytes)} "
-                f"(request {format_bytes(policy.request_bytes)}) from {policy.limit_key} "
-                f"on GPU {alloc.gpus[0]}"
+                f"(request {format_bytes(policy.request_bytes)}) {source} on GPU {alloc.gpus[0]}"
             )
             log.info("pod %s/%s: %s", pod.namespace, pod.name, message)
             self._event(ref, "Normal", REASON_APPLIED, message)

@@ -74,6 +74,9 @@ class PodInfo:
     phase: str = ""
     deleting: bool = False
     resource_version: str = ""
+    # status.*ContainerStatuses[].containerID (runtime prefix stripped) -> container name:
+    # the arbiter turns a caller's cgroup container ID into its container with it.
+    container_ids: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> PodInfo:
@@ -92,6 +95,12 @@ class PodInfo:
             phase=(raw.get("status") or {}).get("phase") or "",
             deleting=bool(meta.get("deletionTimestamp")),
             resource_version=meta.get("resourceVersion") or "",
+            container_ids={
+                cs["containerID"].split("://", 1)[-1]: cs["name"]
+                for key in ("initContainerStatuses", "containerStatuses", "ephemeralContainerStatuses")
+                for cs in (raw.get("status") or {}).get(key) or []
+                if cs.get("containerID") and cs.get("name")
+            },
         )
 
 
@@ -219,34 +228,41 @@ class PodCache:
             self._stopping.set()
 
     def _run(self) -> None:
-        failures = 0
+        failures = 0  # consecutive; a watch that stayed up a while resets it
         while not self._stopping.is_set():
+            started = time.monotonic()
             try:
                 rv = self._relist()
-                failures = 0
                 while not self._stopping.is_set():
                     started = time.monotonic()
                     rv = self._watch_once(rv)
-                    if time.monotonic() - started < 1.0:
-                        # A server that ends watches at once must not spin this thread.
-                        self._stopping.wait(self._backoff[0])
+                    failures = 0 if time.monotonic() - started >= 1.0 else failures + 1
+                    if failures:  # a server that ends watches at once must not spin this thread
+                        self._stopping.wait(self._delay(failures))
+                continue
             except ApiException as e:
                 if self._stopping.is_set():
                     break
+                if time.monotonic() - started >= 1.0:
+                    failures = 0
+                failures += 1
                 if e.status == 410:
                     log.info("pod watch expired (410 Gone); relisting")
-                    continue
-                failures += 1
-                self.errors += 1
-                log.warning("pod watch failed: %s %s", e.status, e.reason)
+                    if failures == 1:
+                        continue  # relist at once, but never in a tight loop
+                else:
+                    self.errors += 1
+                    log.warning("pod watch failed: %s %s", e.status, e.reason)
             except Exception as e:  # urllib3 connection errors, timeouts, a socket shut by stop()
                 if self._stopping.is_set():
                     break
                 failures += 1
                 self.errors += 1
                 log.warning("pod watch failed: %s: %s", type(e).__name__, e)
-            delay = min(self._backoff[1], self._backoff[0] * 2 ** max(0, failures - 1))
-            self._stopping.wait(delay)
+            self._stopping.wait(self._delay(failures))
+
+    def _delay(self, failures: int) -> float:
+        return min(self._backoff[1], self._backoff[0] * 2 ** max(0, failures - 1))
 
     def _relist(self) -> str | None:
         resp = self._v1.list_pod_for_all_namespaces(

@@ -27,6 +27,9 @@ from typing import Any, TypeVar
 import grpc
 
 from gpufrac.agent import config as config_mod
+from gpufrac.agent import logs
+from gpufrac.agent import metrics as metrics_mod
+from gpufrac.agent import status as status_mod
 from gpufrac.agent.allocations import (
     AllocationError,
     ContainerAlloc,
@@ -85,11 +88,17 @@ class Agent:
         self._identity_task: asyncio.Task[None] | None = None
         self.identity: Any | None = None  # set by gpufrac.agent.identity on first use
         self._identity_again = False
+        # /metrics, /healthz, /readyz (gpufrac.agent.metrics) and the status socket (gpufrac.agent.status).
+        self.metrics = metrics_mod.Metrics()
+        self.status_server: status_mod.StatusServer | None = None
 
     # -- lifetime --------------------------------------------------------------------
 
     async def start(self) -> None:
         cfg = self.config
+        # First: the probes answer (not ready) while NVML and recovery take their time.
+        await self.metrics.start(self)
+        self.status_server = await status_mod.start(self)
         os.makedirs(cfg.paths.containers_dir, exist_ok=True)
         if self.inventory is None:
             from gpufrac.agent.inventory import read_inventory
@@ -146,10 +155,14 @@ class Agent:
                 result = close()
                 if inspect.isawaitable(result):
                     await result
+        await self.pod_resources.close()
         if self.ledger is not None:
             await self.state.save(self.ledger)
         if self.health is not None and hasattr(self.health, "close"):
             await asyncio.to_thread(self.health.close)
+        if self.status_server is not None:
+            await self.status_server.stop()
+        await self.metrics.stop()
 
     async def run(self) -> None:
         """Start, serve until stop() (or SIGTERM/SIGINT), then stop."""
@@ -227,8 +240,21 @@ class Agent:
                 if alloc.pod is None:
                     self.ledger.bind(alloc.key, c.namespace, c.pod, c.container, alloc.pod_uid)
             elif now - alloc.created >= grace:
-                log.info("releasing %s (%s): pod-resources no longer lists it", alloc.key, alloc.who())
+                logs.decision(
+                    log,
+                    "release",
+                    "releasing %s (%s): pod-resources no longer lists it",
+                    alloc.key,
+                    alloc.who(),
+                    container=alloc.key,
+                    resource=alloc.resource,
+                    gpus=",".join(alloc.gpus),
+                    request_bytes=alloc.request_bytes,
+                    namespace=alloc.namespace or "",
+                    pod=alloc.pod or "",
+                )
                 self.ledger.release(alloc.key)
+                self.metrics.forget(alloc.key)
         for key, c in self.listing.items():
             if self.ledger.get(key) is not None:
                 continue
@@ -255,7 +281,10 @@ class Agent:
                 if await self.reconcile():
                     await asyncio.to_thread(self._clean_orphans, {a.key for a in self.ledger.containers()})
                     await self._resolve_identity()
+                else:
+                    self.metrics.count_reconcile_error()  # pod-resources did not answer
             except Exception:
+                self.metrics.count_reconcile_error()
                 log.exception("reconcile failed")
 
     # -- persistence and change propagation ---------------------------------------------
@@ -344,14 +373,22 @@ class Agent:
                 grpc.StatusCode.INTERNAL, f"cannot create container directory {alloc.directory}: {e}"
             ) from e
         ledger.attach(alloc.key, handle)
-        await self.state.save(ledger)  # on disk before the kubelet hears of it
-        log.info(
+        # The state file follows through the persist loop, off the kubelet's critical path:
+        # if the agent dies before it lands, pod-resources (the kubelet's record) rebuilds it.
+        logs.decision(
+            log,
+            "allocate",
             "allocated %s: %s x%d on %s (%d bytes per GPU)",
             alloc.key,
             resource,
             alloc.slice_count,
             ",".join(alloc.gpus),
             alloc.request_bytes,
+            container=alloc.key,
+            resource=resource,
+            slices=alloc.slice_count,
+            gpus=",".join(alloc.gpus),
+            request_bytes=alloc.request_bytes,
         )
         self._kick_identity()
         return alloc
@@ -459,22 +496,13 @@ class AgentThread:
             self._thread.join(timeout)
 
 
-def setup_logging(cfg: Config) -> None:
-    fmt = (
-        '{"time":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}'
-        if cfg.log_json
-        else "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.basicConfig(level=cfg.log_level.upper(), format=fmt, stream=sys.stderr, force=True)
-
-
 def cmd_agent(args: argparse.Namespace) -> int:
     try:
         cfg = config_mod.load(args.config)
     except config_mod.ConfigError as e:
         print(f"gpufrac agent: {e}", file=sys.stderr)
         return 2
-    setup_logging(cfg)
+    logs.setup(cfg)
     timing = {
         "reconcile_interval": getattr(args, "reconcile_interval", None) or RECONCILE_INTERVAL,
         "release_grace": RELEASE_GRACE

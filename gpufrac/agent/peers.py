@@ -24,7 +24,7 @@ import os
 import re
 import socket
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,10 +34,10 @@ _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 # One path component each. The pod component: cgroupfs "pod<uid>" (dashes), systemd
 # "kubepods[-<qos>]-pod<uid with underscores>.slice".
-_POD_CGROUPFS = re.compile(r"^pod([0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12})$")
+_UID = r"([0-9a-fA-F]{8}{s}[0-9a-fA-F]{4}{s}[0-9a-fA-F]{4}{s}[0-9a-fA-F]{4}{s}[0-9a-fA-F]{12})"
+_POD_CGROUPFS = re.compile("^pod" + _UID.replace("{s}", "-") + "$")
 _POD_SYSTEMD = re.compile(
-    r"^kubepods(?:-(?:besteffort|burstable|guaranteed))?-pod"
-    r"([0-9a-fA-F]{8}_[0-9a-fA-F]{4}_[0-9a-fA-F]{4}_[0-9a-fA-F]{4}_[0-9a-fA-F]{12})\.slice$"
+    r"^kubepods(?:-(?:besteffort|burstable|guaranteed))?-pod" + _UID.replace("{s}", "_") + r"\.slice$"
 )
 # The container component: a bare 64-hex ID (cgroupfs), or "<runtime>-<id>.scope" (systemd).
 # "crio-conmon-<id>" is CRI-O's monitor process, not the container, and does not match.
@@ -135,25 +135,13 @@ def container_pids(pod_uid: str, container_id: str, proc: str = "/proc") -> list
     return out
 
 
-def container_ids_from_status(status: Mapping[str, Any] | None) -> dict[str, str]:
-    """containerID -> container name from a pod's status ("containerd://<id>" etc.)."""
-    out: dict[str, str] = {}
-    for key in ("initContainerStatuses", "containerStatuses", "ephemeralContainerStatuses"):
-        for cs in (status or {}).get(key) or []:
-            cid, name = cs.get("containerID") or "", cs.get("name") or ""
-            cid = cid.split("://", 1)[-1]
-            if cid and name:
-                out[cid] = name
-    return out
-
-
 # Looks up a container's name from (pod UID, container ID); None when unknown.
 ContainerNamer = Callable[[str, str], "str | None"]
 
 
 def namer_from_pods(pods: Any) -> ContainerNamer:
-    """A ContainerNamer over the agent's pod cache (gpufrac.agent.kube.PodCache): its
-    PodInfo carries container_ids (containerID -> name) from the pod's status."""
+    """A ContainerNamer over the agent's pod cache (gpufrac.agent.kube.PodCache), whose
+    PodInfo.container_ids comes from the pod's status.containerStatuses."""
 
     def name(pod_uid: str, container_id: str) -> str | None:
         pod = pods.by_uid(pod_uid) if pods is not None else None
@@ -215,15 +203,18 @@ class PeerLookup:
                 c = read_cgroup(int(name), self.proc)
             except PeerError:
                 continue
-            if c is not None and c.pod_uid == alloc.pod_uid and self.namer(c.pod_uid, c.container_id) == (
-                alloc.container
+            if (
+                c is not None
+                and c.pod_uid == alloc.pod_uid
+                and self.namer(c.pod_uid, c.container_id) == (alloc.container)
             ):
                 out.append(int(name))
         return out
 
 
-def _pick(allocs: Iterable[ContainerAlloc]) -> ContainerAlloc | None:
-    # One container holds one allocation per resource; the shim serves one config, so a
-    # container with both resources is served by the fraction one (it was mounted last).
-    ordered = sorted(allocs, key=lambda a: (a.whole_gpu, a.resource))
-    return ordered[0] if ordered else None
+def _pick(allocs: list[ContainerAlloc]) -> ContainerAlloc | None:
+    if len(allocs) > 1:
+        # The shim serves one config; with two, which one a burst is for is unknowable.
+        keys = ", ".join(a.key for a in allocs)
+        raise PeerError(f"the container holds several gpufrac allocations ({keys}); bursts need exactly one")
+    return allocs[0] if allocs else None

@@ -59,3 +59,13 @@ def format_bytes(n: int) -> str:
             v = n / scale
             return f"{v:.0f}{unit}" if v == int(v) else f"{v:.1f}{unit}"
     return f"{n}B"
+
+
+def format_duration(seconds: float) -> str:
+    """A duration the way parse_duration reads it: 3725 -> '1h2m5s', 0.25 -> '250ms'."""
+    if seconds < 1:
+        return f"{round(max(0.0, seconds) * 1000)}ms"
+    total = round(seconds)
+    h, rest = divmod(total, 3600)
+    m, s = divmod(rest, 60)
+    return "".join(f"{v}{u}" for v, u in ((h, "h"), (m, "m"), (s, "s")) if v) or "0s"

@@ -30,19 +30,36 @@ class PodResourcesClient:
     def __init__(self, socket_path: str, timeout: float = 5.0) -> None:
         self.socket_path = socket_path
         self.timeout = timeout
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pr_grpc.PodResourcesListerStub | None = None
 
-    def _channel(self) -> grpc.aio.Channel:
-        # A channel per call: the kubelet restarts and its socket is re-created;
-        # a fresh unix-socket connection costs little and never waits in a
-        # long reconnect backoff.
-        return grpc.aio.insecure_channel(f"unix://{self.socket_path}")
+    def _lister(self) -> pr_grpc.PodResourcesListerStub:
+        # One channel, reused (Allocate may ask on its critical path); its reconnect
+        # backoff is kept short because the kubelet restarts and re-creates the socket.
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(
+                f"unix://{self.socket_path}",
+                options=[("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)],
+            )
+            self._stub = pr_grpc.PodResourcesListerStub(self._channel)
+        return self._stub
+
+    async def _call(self, method: str, request: object) -> object:
+        try:
+            return await getattr(self._lister(), method)(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError:
+            await self.close()  # start over with a fresh connection next time
+            raise
+
+    async def close(self) -> None:
+        channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            await channel.close()
 
     async def list(self, resources: tuple[str, ...] | None = None) -> list[ContainerDevices]:
         """All containers' devices (optionally only of `resources`). Raises grpc.aio.AioRpcError."""
-        async with self._channel() as ch:
-            resp = await pr_grpc.PodResourcesListerStub(ch).List(
-                pr.ListPodResourcesRequest(), timeout=self.timeout
-            )
+        resp = await self._call("List", pr.ListPodResourcesRequest())
+        assert isinstance(resp, pr.ListPodResourcesResponse)
         out = []
         for pod in resp.pod_resources:
             for c in pod.containers:
@@ -57,10 +74,8 @@ class PodResourcesClient:
 
     async def allocatable(self) -> dict[str, list[str]]:
         """Healthy device IDs per resource, as the kubelet counts them allocatable."""
-        async with self._channel() as ch:
-            resp = await pr_grpc.PodResourcesListerStub(ch).GetAllocatableResources(
-                pr.AllocatableResourcesRequest(), timeout=self.timeout
-            )
+        resp = await self._call("GetAllocatableResources", pr.AllocatableResourcesRequest())
+        assert isinstance(resp, pr.AllocatableResourcesResponse)
         out: dict[str, list[str]] = {}
         for d in resp.devices:
             out.setdefault(d.resource_name, []).extend(d.device_ids)

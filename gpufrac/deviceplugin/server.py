@@ -36,7 +36,8 @@ API_VERSION = "v1beta1"
 HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
 # The kubelet's own dial-back inside Register may take up to 10 s.
 REGISTER_TIMEOUT = 15.0
-WATCH_INTERVAL = 0.1
+# kubelet.sock / own socket / stream checks: well inside 'a couple of seconds', cheap when idle.
+WATCH_INTERVAL = 0.2
 SHIM_NAME = "libmemguard.so"
 
 
@@ -115,6 +116,7 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         self._version = 0
         self._changed = asyncio.Event()
         self._snapshot: tuple[int, pb.ListAndWatchResponse] | None = None
+        self._encoding: dict[tuple[str, bool, int | None], bytes] = {}
         self.active_streams = 0
         self.stream_ended = asyncio.Event()
         self.snapshots_sent = 0
@@ -126,14 +128,27 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         ev.set()
 
     def snapshot(self) -> pb.ListAndWatchResponse:
+        """The full device list, rebuilt at most once per change.
+
+        A repeated field's encoding is the concatenation of its elements' encodings,
+        so each device is encoded once per (health, NUMA) and a snapshot is a join
+        plus one parse in C: ~10x cheaper than building 800 messages in Python on
+        the loop after every allocation."""
         if self._snapshot is None or self._snapshot[0] != self._version:
-            resp = pb.ListAndWatchResponse()
-            for dev, ok, numa in self.backend.devices(self.resource):
-                d = resp.devices.add(ID=dev, health=HEALTHY if ok else UNHEALTHY)
-                if numa is not None and numa >= 0:
-                    d.topology.nodes.add(ID=numa)
-            self._snapshot = (self._version, resp)
+            parts = [self._encoded(dev, ok, numa) for dev, ok, numa in self.backend.devices(self.resource)]
+            self._snapshot = (self._version, pb.ListAndWatchResponse.FromString(b"".join(parts)))
         return self._snapshot[1]
+
+    def _encoded(self, dev: str, ok: bool, numa: int | None) -> bytes:
+        key = (dev, ok, numa)
+        data = self._encoding.get(key)
+        if data is None:
+            one = pb.ListAndWatchResponse()
+            d = one.devices.add(ID=dev, health=HEALTHY if ok else UNHEALTHY)
+            if numa is not None and numa >= 0:
+                d.topology.nodes.add(ID=numa)
+            data = self._encoding[key] = one.SerializeToString()
+        return data
 
     async def GetDevicePluginOptions(
         self, request: pb.Empty, context: grpc.aio.ServicerContext

@@ -9,6 +9,7 @@ what the ledger books; the kubelet only ever sees slice counts.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from gpufrac.agent.config import Config
@@ -40,6 +41,9 @@ def device_id(gpu_uuid: str, resource: str, number: int) -> str:
     return str(SliceId(gpu_uuid, resource, number))
 
 
+# The kubelet sends every available ID with each GetPreferredAllocation (~1,400 on an
+# 8-GPU node); a node has few distinct IDs, so parsing each once keeps that call cheap.
+@functools.lru_cache(maxsize=16384)
 def parse(device: str) -> SliceId:
     """Parse a device ID; ValueError names the ID when it is not one of ours."""
     uuid, sep, tail = device.rpartition("::")

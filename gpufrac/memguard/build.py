@@ -28,7 +28,9 @@ def ctest_path(flavour: str = "release") -> Path:
 def preload(flavour: str = "release") -> str:
     """LD_PRELOAD value: the sanitizer runtimes must come first when the ASan
     build is loaded into an uninstrumented program."""
-    libs = [*native.asan_runtime(), str(shim_path(flavour))] if flavour == "asan" else [str(shim_path(flavour))]
+    libs = (
+        [*native.asan_runtime(), str(shim_path(flavour))] if flavour == "asan" else [str(shim_path(flavour))]
+    )
     return " ".join(libs)
 
 

@@ -94,6 +94,11 @@ class UsageStruct(ctypes.Structure):
 BURST_MAGIC = 0x3142474D
 BURST_OP_BURST = 1
 BURST_GRANTED, BURST_DENIED = 0, 1
+# Added with the arbiter (docs/arbiter-protocol.md): the shim gives back grant it no
+# longer uses; swap-in is reserved for the swap resolver. Statuses other than GRANTED
+# all mean "refused" to the shim; the extra ones say why.
+BURST_OP_RELEASE, BURST_OP_SWAP_IN = 2, 3
+BURST_REFUSED, BURST_INVALID, BURST_UNAVAILABLE = 2, 3, 4
 
 
 class BurstRequest(ctypes.Structure):
@@ -165,7 +170,7 @@ def _map(path: Path, struct: type[ctypes.Structure], magic: int, writable: bool)
     return mm, s
 
 
-def _create(path: Path, struct: type[ctypes.Structure], magic: int, mode: int) -> None:
+def _create(path: Path, struct: type[ctypes.Structure], magic: int, mode: int, durable: bool = True) -> None:
     """Create a zeroed file with its header, atomically (write tmp, rename)."""
     s = struct()
     s.magic, s.abi_version, s.file_size = magic, ABI_VERSION, ctypes.sizeof(struct)
@@ -173,7 +178,8 @@ def _create(path: Path, struct: type[ctypes.Structure], magic: int, mode: int) -
     with open(tmp, "wb") as f:
         f.write(bytes(s))
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
     os.chmod(tmp, mode)
     os.replace(tmp, path)
 
@@ -181,10 +187,14 @@ def _create(path: Path, struct: type[ctypes.Structure], magic: int, mode: int) -
 class ConfigFile:
     """The agent's handle on one container's config file (the only writer)."""
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(self, directory: str | os.PathLike[str], durable: bool = True) -> None:
+        # durable=False skips fsync/msync: for files the agent rebuilds after a crash anyway
+        # (the device plugin's Allocate path, where each sync is kubelet-visible latency).
+        # Readers map the same page cache, so they see every write either way.
+        self._durable = durable
         self.path = Path(directory) / CONFIG_FILE
         if not self.path.exists():
-            _create(self.path, ConfigStruct, CONFIG_MAGIC, 0o644)
+            _create(self.path, ConfigStruct, CONFIG_MAGIC, 0o644, durable)
         self._mm, self._s = _map(self.path, ConfigStruct, CONFIG_MAGIC, writable=True)
 
     def write(self, cfg: ContainerConfig) -> int:
@@ -206,7 +216,8 @@ class ConfigFile:
         s.container = cfg.container.encode()[:63]
         s.pod_uid = cfg.pod_uid.encode()[:39]
         s.seq += 1  # even: consistent
-        self._mm.flush()
+        if self._durable:
+            self._mm.flush()
         return int(s.generation)
 
     def read(self) -> ContainerConfig:
@@ -248,13 +259,13 @@ def generation(directory: str | os.PathLike[str]) -> int:
     return int(s.generation)
 
 
-def create_usage(directory: str | os.PathLike[str]) -> Path:
+def create_usage(directory: str | os.PathLike[str], durable: bool = True) -> Path:
     """Create an empty usage file (agent side, when the container is allocated)."""
     path = Path(directory) / USAGE_FILE
     if not path.exists():
         # World-writable: container processes may run as any uid; the file holds
         # only this container's own counters.
-        _create(path, UsageStruct, USAGE_MAGIC, 0o666)
+        _create(path, UsageStruct, USAGE_MAGIC, 0o666, durable)
     return path
 
 

@@ -115,15 +115,42 @@ class _Endpoint:
 
 @dataclass
 class _Resource:
-    devices: dict[str, str] = field(default_factory=dict)  # ID -> health
-    topology: dict[str, list[int]] = field(default_factory=dict)
     endpoint: _Endpoint | None = None
     snapshots: int = 0
     registrations: list[float] = field(default_factory=list)  # time.monotonic() of each
 
+    # The last snapshot, decoded lazily: a Go kubelet digests 800 devices in microseconds,
+    # Python would add milliseconds to the admissions the bench times.
+    _last: pb.ListAndWatchResponse | None = None
+    _decoded: tuple[dict[str, str], dict[str, list[int]], set[str]] | None = None
+    _override: dict[str, str] | None = None
+
+    def update(self, msg: pb.ListAndWatchResponse | None, devices: dict[str, str] | None = None) -> None:
+        self._last, self._decoded, self._override = msg, None, devices
+
+    def _decode(self) -> tuple[dict[str, str], dict[str, list[int]], set[str]]:
+        if self._decoded is None:
+            if self._override is not None:
+                devices, topo = self._override, {}
+            elif self._last is None:
+                devices, topo = {}, {}
+            else:
+                devices = {d.ID: d.health for d in self._last.devices}
+                topo = {d.ID: [n.ID for n in d.topology.nodes] for d in self._last.devices}
+            self._decoded = (devices, topo, {d for d, h in devices.items() if h == HEALTHY})
+        return self._decoded
+
+    @property
+    def devices(self) -> dict[str, str]:
+        return self._decode()[0]
+
+    @property
+    def topology(self) -> dict[str, list[int]]:
+        return self._decode()[1]
+
     @property
     def healthy(self) -> set[str]:
-        return {d for d, h in self.devices.items() if h == HEALTHY}
+        return self._decode()[2]
 
 
 @dataclass
@@ -131,6 +158,8 @@ class _Allocated:
     resource: str
     device_ids: list[str]
     response: pb.ContainerAllocateResponse
+    # Time spent in the plugin's RPCs for this allocation (preferred + Allocate + PreStart).
+    rpc_seconds: float = 0.0
 
 
 @dataclass
@@ -221,6 +250,7 @@ class KubeletEmulator:
         self._resources: dict[str, _Resource] = {}
         self._stale: list[_Endpoint] = []
         self._pods: dict[str, _PodRecord] = {}
+        self._rpc_times: list[float] = []
         self._server: grpc.aio.Server | None = None
         self._pr_server: grpc.aio.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -284,7 +314,8 @@ class KubeletEmulator:
         self.generation += 1
         # readCheckpoint: known resources come back with no devices until re-registration.
         for res in self._resources.values():
-            res.devices, res.topology, res.endpoint = {}, {}, None
+            res.update(None)
+            res.endpoint = None
         os.makedirs(self.device_plugin_dir, mode=0o750, exist_ok=True)
         os.makedirs(self.pod_resources_socket.parent, exist_ok=True)
         self._wipe_sockets()
@@ -357,15 +388,14 @@ class KubeletEmulator:
             async for msg in ep.stub.ListAndWatch(pb.Empty()):
                 if res.endpoint is not ep:
                     continue  # a stale connection: the current registration owns the resource
-                res.devices = {d.ID: d.health for d in msg.devices}
-                res.topology = {d.ID: [n.ID for n in d.topology.nodes] for d in msg.devices}
+                res.update(msg)
                 res.snapshots += 1
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass
         finally:
             # Stream end -> PluginDisconnected: everything unhealthy, stop time set; no re-dial.
             if res.endpoint is ep and ep.generation == self.generation:
-                res.devices = dict.fromkeys(res.devices, "Unhealthy")
+                res.update(None, dict.fromkeys(res.devices, "Unhealthy"))
                 ep.stopped_at = time.monotonic()
 
     def drop_stream(self, resource: str) -> None:
@@ -402,6 +432,7 @@ class KubeletEmulator:
             raise
         for c in pod.containers:
             await self._start_container(rec, c.name)
+        self._rpc_times += [a.rpc_seconds for per in rec.allocations.values() for a in per.values()]
         return {c: {r: list(a.device_ids) for r, a in per.items()} for c, per in rec.allocations.items()}
 
     def _allocated(self, resource: str) -> set[str]:
@@ -431,6 +462,7 @@ class KubeletEmulator:
                 f"Requested: {count}, Available: {len(available)}"
             )
         chosen: list[str] = []
+        t0 = time.perf_counter()
         if ep.options.get_preferred_allocation_available:
             req = pb.PreferredAllocationRequest(
                 container_requests=[
@@ -459,7 +491,7 @@ class KubeletEmulator:
             raise fail(_go_error(e)) from None
         if not aresp.container_responses:
             raise fail(f"no allocation response for {resource}")
-        return _Allocated(resource, chosen, aresp.container_responses[0])
+        return _Allocated(resource, chosen, aresp.container_responses[0], time.perf_counter() - t0)
 
     async def _start_container(self, rec: _PodRecord, container: str) -> None:
         rec.start_errors.pop(container, None)
@@ -467,10 +499,12 @@ class KubeletEmulator:
             ep = self._resources[resource].endpoint
             if ep is None or not ep.options.pre_start_required:
                 continue
+            t0 = time.perf_counter()
             try:
                 await ep.stub.PreStartContainer(
                     pb.PreStartContainerRequest(devices_ids=alloc.device_ids), timeout=PRESTART_TIMEOUT
                 )
+                alloc.rpc_seconds += time.perf_counter() - t0
             except grpc.aio.AioRpcError as e:
                 rec.start_errors[container] = (
                     f"device plugin PreStartContainer rpc failed with err: {_go_error(e)}"
@@ -485,6 +519,11 @@ class KubeletEmulator:
             return rec.start_errors.get(container)
 
         return self._call(run)
+
+    def rpc_times(self) -> list[float]:
+        """Per admitted (container, resource): seconds in GetPreferredAllocation + Allocate +
+        PreStartContainer, as the kubelet waits for them."""
+        return self._get(lambda: list(self._rpc_times))
 
     def start_errors(self, pod_uid: str) -> dict[str, str]:
         return self._get(lambda: dict(self._pods[pod_uid].start_errors))

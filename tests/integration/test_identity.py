@@ -142,6 +142,16 @@ def test_limit_annotation_reaches_the_config_file(
         await asyncio.to_thread(s.v1.patch_namespaced_pod, "server", "default", patch)
         await until(lambda: read_config(alloc.directory).limit_bytes == 16 * GiB, what="the 16Gi limit")
 
+        # The annotation goes away: back to no burst, and the user is told.
+        patch = {"metadata": {"annotations": {"gpufrac.dev/gpu-memory-limit": None}}}
+        await asyncio.to_thread(s.v1.patch_namespaced_pod, "server", "default", patch)
+        await until(lambda: read_config(alloc.directory).limit_bytes == 8 * GiB, what="limit = request")
+        assert await ident.events.flush(30)  # type: ignore[union-attr]
+        messages = [e["message"] for e in events_on(kube_server, "server", REASON_APPLIED)]
+        assert len(messages) == 3
+        assert any("16Gi" in m for m in messages)
+        assert any("8Gi (request 8Gi) = the request, no burst" in m for m in messages)
+
     asyncio.run(asyncio.wait_for(s.run(body), 120))
 
 

@@ -71,4 +71,3 @@ def test_annotated_limit_and_bad_annotation_through_the_kubelet(
     assert cfg.limit_bytes == 4 * GiB and cfg.flags & FLAG_POD_KNOWN  # known pod, safe limit
     # The good pod's limit is untouched by its neighbour's mistake.
     assert read_config(good).limit_bytes == 24 * GiB
-    print(sim.agent.log()[-6000:])

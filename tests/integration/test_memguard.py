@@ -11,50 +11,13 @@ ASan+UBSan builds of the shim and the fake driver (`flavour`).
 
 from __future__ import annotations
 
-import os
-import signal
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
-from memguard_support import (
-    CUDA_ERROR_OUT_OF_MEMORY,
-    Container,
-    MiB,
-    Shim,
-    make_container,
-    read_line,
-    wait_for,
-)
-
-from gpufrac.simgpu.nodestate import NodeState
-
-REQUEST = 64 * MiB
-LIMIT = 96 * MiB
+from memguard_fixtures import LIMIT, Container, Line, MiB, Shim
 
 
-@pytest.fixture(params=["release", "asan"])
-def flavour(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-def shim(make_sim_node: Callable[..., object], flavour: str) -> Shim:
-    node = make_sim_node("dgx-h100", flavour=flavour)
-    return Shim(node.env, flavour)  # type: ignore[attr-defined]
-
-
-@pytest.fixture
-def container(tmp_path: Path) -> Callable[..., Container]:
-    n = iter(range(1000))
-
-    def make(request: int = REQUEST, limit: int = LIMIT, **kw: object) -> Container:
-        return make_container(tmp_path / f"ctr-{next(n)}", request, limit, **kw)
-
-    return make
-
-
-def by_cmd(lines: list, cmd: str) -> list:
+def by_cmd(lines: list[Line], cmd: str) -> list[Line]:
     return [ln for ln in lines if ln.cmd == cmd]
 
 
@@ -77,7 +40,7 @@ def test_every_hook_through_direct_symbols(shim: Shim, container: Callable[..., 
         *("create", 2 * MiB, "used", "release", "used"),
         *("array", 256, 128, "used", "destroy", "used"),
         *("array3d", 64, 32, 4, "used", "destroy", "used"),
-        *("alloc", 8 * MiB, "info", "total", "free"),
+        *("alloc", 8 * MiB, "info", "total", "info1", "total1", "free"),
     ]
     lines = shim.ctest(c, *script)
     assert all(ln.rc == 0 for ln in lines), lines
@@ -92,6 +55,9 @@ def test_every_hook_through_direct_symbols(shim: Shim, container: Callable[..., 
     assert info.int("total") == LIMIT
     assert info.int("free") == LIMIT - 8 * MiB
     assert by_cmd(lines, "total")[0].int("total") == LIMIT
+    # The CUDA 2.x (32-bit) entry points tell the same story.
+    assert by_cmd(lines, "info1")[0].kv == info.kv
+    assert by_cmd(lines, "total1")[0].int("total") == LIMIT
     assert c.total() == 0 and not c.live_slots()
 
 
@@ -135,7 +101,9 @@ PROC_CASES = [
 ]
 
 
-def test_cu_get_proc_address_hands_out_the_right_hook(shim: Shim, container: Callable[..., Container]) -> None:
+def test_cu_get_proc_address_hands_out_the_right_hook(
+    shim: Shim, container: Callable[..., Container]
+) -> None:
     """(name, version, flags) -> the hook of exactly the variant the driver means,
     through cuGetProcAddress_v2 and the CUDA 11 cuGetProcAddress; functions the
     shim does not hook come back untouched."""
@@ -161,8 +129,10 @@ def test_dlsym_on_the_driver_handle_returns_hooks(shim: Shim, container: Callabl
 
 CUDA_PYTHON_HOOKS = """
 MiB = 1 << 20
-ptr = chk(cu.cuMemAlloc(3 * MiB)); out["alloc"] = used(); chk(cu.cuMemFree(ptr)); out["alloc_freed"] = used()
-ptr, pitch = chk(cu.cuMemAllocPitch(1000, 100, 4)); out["pitch"] = [used(), int(pitch) * 100]; chk(cu.cuMemFree(ptr))
+ptr = chk(cu.cuMemAlloc(3 * MiB)); out["alloc"] = used()
+chk(cu.cuMemFree(ptr)); out["alloc_freed"] = used()
+ptr, pitch = chk(cu.cuMemAllocPitch(1000, 100, 4)); out["pitch"] = [used(), int(pitch) * 100]
+chk(cu.cuMemFree(ptr))
 ptr = chk(cu.cuMemAllocManaged(MiB, 1)); out["managed"] = used(); chk(cu.cuMemFree(ptr))
 stream = chk(cu.cuStreamCreate(0))
 ptr = chk(cu.cuMemAllocAsync(2 * MiB, stream)); out["async"] = used()
@@ -174,7 +144,8 @@ prop = cu.CUmemAllocationProp()
 prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
 prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
 prop.location.id = 0
-gran = chk(cu.cuMemGetAllocationGranularity(prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
+MINIMUM = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+gran = chk(cu.cuMemGetAllocationGranularity(prop, MINIMUM))
 va = chk(cu.cuMemAddressReserve(64 * int(gran), 0, 0, 0)); out["reserve"] = used()
 h = chk(cu.cuMemCreate(2 * int(gran), prop, 0)); out["create"] = [used(), 2 * int(gran)]
 chk(cu.cuMemMap(va, 2 * int(gran), 0, h, 0))
@@ -188,7 +159,8 @@ chk(cu.cuMemAddressFree(va, 64 * int(gran)))
 d = cu.CUDA_ARRAY_DESCRIPTOR()
 d.Width, d.Height, d.NumChannels = 128, 64, 2
 d.Format = cu.CUarray_format.CU_AD_FORMAT_HALF
-arr = chk(cu.cuArrayCreate(d)); out["array"] = used(); chk(cu.cuArrayDestroy(arr)); out["array_freed"] = used()
+arr = chk(cu.cuArrayCreate(d)); out["array"] = used()
+chk(cu.cuArrayDestroy(arr)); out["array_freed"] = used()
 d3 = cu.CUDA_ARRAY3D_DESCRIPTOR()
 d3.Width, d3.Height, d3.Depth, d3.NumChannels = 32, 16, 8, 4
 d3.Format = cu.CUarray_format.CU_AD_FORMAT_FLOAT
@@ -197,10 +169,10 @@ keep = chk(cu.cuMemAlloc(5 * MiB))
 out["info"] = [int(x) for x in chk(cu.cuMemGetInfo())]
 out["devtotal"] = int(chk(cu.cuDeviceTotalMem(dev)))
 chk(cu.cuMemFree(keep))
-mod = chk(cu.cuModuleLoadData(b"simgpu:busy_us"))
+mod = chk(cu.cuModuleLoadData(b"SIMGPU-MODULE"))
 fn = chk(cu.cuModuleGetFunction(mod, b"busy_us"))
 import ctypes as C
-arg = C.c_uint(1)
+arg = C.c_uint64(1)
 params = (C.c_void_p * 1)(C.addressof(arg))
 chk(cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, stream, C.addressof(params), 0))
 cfg = cu.CUlaunchConfig()

@@ -210,6 +210,7 @@ static pthread_mutex_t g_claim_mu = PTHREAD_MUTEX_INITIALIZER;
 static char g_dir[PATH_MAX];
 static char g_sock_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 static int32_t g_pid;
+static uint64_t g_start; /* this process's /proc starttime, set when it claims a slot */
 static _Atomic int g_warned_track, g_warned_slots, g_warned_config;
 
 static void mg_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -556,7 +557,14 @@ static MG_COLD int mg_reap(int full) {
     for (int i = 0; i < MG_MAX_PROCS; i++) {
         mg_proc_slot_t *s = &g_usage->slots[i];
         int32_t pid = atomic_load_explicit(&s->pid, memory_order_acquire);
-        if (pid <= 0 || pid == g_pid) continue;
+        if (pid <= 0 || s == atomic_load_explicit(&g_slot, memory_order_relaxed)) continue;
+        if (pid == g_pid) {
+            /* Our pid, not our slot: a previous process with this pid died
+             * without giving it back (its start time differs from ours). */
+            uint64_t st = __atomic_load_n(&s->start_time, __ATOMIC_ACQUIRE);
+            if (full && st != 0 && g_start != 0 && st != g_start && mg_release_slot(s, pid)) reaped++;
+            continue;
+        }
         if (mg_owner_dead(s, pid, full) && mg_release_slot(s, pid)) reaped++;
     }
     return reaped;
@@ -588,6 +596,7 @@ static MG_COLD mg_proc_slot_t *mg_claim_slot(void) {
     mg_proc_slot_t *s = atomic_load_explicit(&g_slot, memory_order_acquire);
     if (!s) {
         uint64_t start = mg_proc_start(g_pid, NULL);
+        g_start = start;
         mg_reap(0);
         s = mg_try_claim(start);
         if (!s && mg_reap(1) > 0) s = mg_try_claim(start);
@@ -611,6 +620,7 @@ static void mg_atfork_child(void) {
      * survive fork) and is another process: fresh slot, fresh tables. */
     pthread_mutex_init(&g_claim_mu, NULL);
     g_pid = (int32_t)getpid();
+    g_start = 0;
     atomic_store(&g_slot, NULL);
     if (atomic_load(&g_mode) == MODE_ON) {
         mg_tab_reset(&g_ptrs);

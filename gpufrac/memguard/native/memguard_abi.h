@@ -104,6 +104,15 @@ typedef struct {
 #define MG_BURST_OP_BURST 1u
 #define MG_BURST_GRANTED 0u
 #define MG_BURST_DENIED 1u
+/* Added with the arbiter (docs/arbiter-protocol.md). RELEASE: the shim gives back
+ * grant it no longer uses (`bytes` informational; the agent re-reads usage), so
+ * waiters wake at once. SWAP_IN: reserved for the swap resolver. Every status but
+ * GRANTED means refused; the others only say why. */
+#define MG_BURST_OP_RELEASE 2u
+#define MG_BURST_OP_SWAP_IN 3u
+#define MG_BURST_REFUSED 2u     /* caller is not a container this agent serves */
+#define MG_BURST_INVALID 3u     /* malformed request (magic, version, op, size) */
+#define MG_BURST_UNAVAILABLE 4u /* op not available on this node */
 
 typedef struct {
     uint32_t magic;        /* MG_BURST_MAGIC */

@@ -5,9 +5,9 @@
  * commands on the command line; each command prints one line:
  *     <command> <CUresult> [key=value ...]
  *
- *   alloc N | alloc1 N | managed N | pitch W H | async N | asyncptsz N
+ *   alloc N | managed N | pitch W H | async N | asyncptsz N
  *   pool N | poolptsz N                     -> push a device pointer
- *   free | free1 | freeasync | freeasyncptsz -> pop and free the last pointer
+ *   free | freeasync | freeasyncptsz -> pop and free the last pointer
  *   refree                                   -> free the last freed pointer again
  *   freeptr HEX                              -> free a pointer nobody allocated
  *   create N | release                       -> cuMemCreate / cuMemRelease
@@ -42,7 +42,6 @@
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
-typedef unsigned int CUdeviceptr_v1;
 typedef int CUdevice;
 typedef struct CUctx_st *CUcontext;
 typedef struct CUmod_st *CUmodule;
@@ -103,7 +102,6 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
 CUresult cuCtxSetCurrent(CUcontext);
 CUresult cuCtxSynchronize(void);
 CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
-CUresult cuMemAlloc(CUdeviceptr_v1 *, unsigned int);
 CUresult cuMemAllocManaged(CUdeviceptr *, size_t, unsigned int);
 CUresult cuMemAllocPitch_v2(CUdeviceptr *, size_t *, size_t, size_t, unsigned int);
 CUresult cuMemAllocAsync(CUdeviceptr *, size_t, CUstream);
@@ -112,7 +110,6 @@ CUresult cuMemAllocFromPoolAsync(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
 CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
 CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *, CUdevice);
 CUresult cuMemFree_v2(CUdeviceptr);
-CUresult cuMemFree(CUdeviceptr_v1);
 CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
 CUresult cuMemFreeAsync_ptsz(CUdeviceptr, CUstream);
 CUresult cuStreamSynchronize(CUstream);
@@ -199,6 +196,7 @@ static int in_shim(void *p) {
     return p && dladdr(p, &info) && info.dli_fname && strstr(info.dli_fname, "libmemguard") != NULL;
 }
 
+/* Callers store the result first: argument evaluation order is unspecified. */
 static void push(CUresult rc, CUdeviceptr p, const char *cmd) {
     if (rc == 0 && nptrs < MAXP) ptrs[nptrs++] = p;
     printf("%s %d ptr=0x%llx\n", cmd, rc, rc == 0 ? p : 0ull);
@@ -211,7 +209,7 @@ static CUfunction kernel(void) {
     if (!f) {
         CUmodule m;
         /* simgpu's built-in kernels come from a module image naming them. */
-        if (cuModuleLoadData(&m, "simgpu:busy_us") != 0 || cuModuleGetFunction(&f, m, "busy_us") != 0) {
+        if (cuModuleLoadData(&m, "SIMGPU-MODULE") != 0 || cuModuleGetFunction(&f, m, "busy_us") != 0) {
             fprintf(stderr, "mg_ctest: cannot load the busy_us kernel\n");
             exit(3);
         }
@@ -220,7 +218,7 @@ static CUfunction kernel(void) {
 }
 
 static CUresult do_graph(int ptsz) {
-    unsigned us = 1;
+    unsigned long long us = 1;
     void *params[] = {&us};
     CUDA_KERNEL_NODE_PARAMS p = {kernel(), 1, 1, 1, 1, 1, 1, 0, params, NULL};
     CUgraph g;
@@ -285,12 +283,11 @@ int main(int argc, char **argv) {
         const char *a4 = i + 4 < argc ? argv[i + 4] : "0";
         CUdeviceptr d = 0;
         if (!strcmp(c, "alloc")) {
-            push(cuMemAlloc_v2(&d, num(a1)), d, c), i++;
-        } else if (!strcmp(c, "alloc1")) {
-            CUdeviceptr_v1 d1 = 0;
-            push(cuMemAlloc(&d1, (unsigned)num(a1)), d1, c), i++;
+            rc = cuMemAlloc_v2(&d, num(a1));
+            push(rc, d, c), i++;
         } else if (!strcmp(c, "managed")) {
-            push(cuMemAllocManaged(&d, num(a1), 1), d, c), i++;
+            rc = cuMemAllocManaged(&d, num(a1), 1);
+            push(rc, d, c), i++;
         } else if (!strcmp(c, "pitch")) {
             size_t pitch = 0;
             rc = cuMemAllocPitch_v2(&d, &pitch, num(a1), num(a2), 4);
@@ -310,9 +307,6 @@ int main(int argc, char **argv) {
         } else if (!strcmp(c, "free")) {
             last_freed = pop();
             printf("free %d\n", cuMemFree_v2(last_freed));
-        } else if (!strcmp(c, "free1")) {
-            last_freed = pop();
-            printf("free1 %d\n", cuMemFree((CUdeviceptr_v1)last_freed));
         } else if (!strcmp(c, "freeasync") || !strcmp(c, "freeasyncptsz")) {
             last_freed = pop();
             rc = c[9] ? cuMemFreeAsync_ptsz(last_freed, NULL) : cuMemFreeAsync(last_freed, NULL);
@@ -392,7 +386,7 @@ int main(int argc, char **argv) {
             rc = cuDeviceTotalMem(&t, dev);
             printf("total1 %d total=%u\n", rc, t);
         } else if (!strncmp(c, "launch", 6) || !strncmp(c, "coop", 4)) {
-            unsigned us = 1;
+            unsigned long long us = 1; /* busy_us(uint64 microseconds) */
             void *params[] = {&us};
             CUlaunchConfig cfg = {1, 1, 1, 1, 1, 1, 0, NULL, NULL, 0};
             if (!strcmp(c, "launch"))

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from gpufrac.memguard import build, formats
 
@@ -116,7 +120,9 @@ class Shim:
     def ctest_cmd(self, *cmds: object) -> list[str]:
         return [str(build.ctest_path(self.flavour)), *map(str, cmds)]
 
-    def ctest(self, c: Container | Path | str, *cmds: object, env: dict[str, str] | None = None) -> list[Line]:
+    def ctest(
+        self, c: Container | Path | str, *cmds: object, env: dict[str, str] | None = None
+    ) -> list[Line]:
         p = subprocess.run(
             self.ctest_cmd(*cmds), env=env or self.env(c), capture_output=True, text=True, timeout=TIMEOUT
         )
@@ -137,7 +143,11 @@ class Shim:
         """Run a cuda-python workload under the shim; returns its `out` dict."""
         code = PY_PRELUDE + textwrap.dedent(body) + "\nprint(json.dumps(out))\n"
         p = subprocess.run(
-            [sys.executable, "-c", code], env=self.env(c, **extra), capture_output=True, text=True, timeout=TIMEOUT
+            [sys.executable, "-c", code],
+            env=self.env(c, **extra),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
         )
         assert p.returncode == 0, f"workload failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
         return json.loads(p.stdout.strip().splitlines()[-1])
@@ -167,15 +177,52 @@ def wait_for(cond: Callable[[], Any], timeout: float = TIMEOUT, what: str = "con
 
 
 def read_line(p: subprocess.Popen[str], timeout: float = TIMEOUT) -> str:
-    """The next stdout line of a workload (it prints when it reaches a point)."""
-    import selectors
+    """The next stdout line of a workload ("" at EOF). A reader thread owns the
+    pipe, so lines that arrive together are not lost in a buffer."""
+    q: queue.Queue[str] | None = getattr(p, "_mg_lines", None)
+    if q is None:
+        q = queue.Queue()
+        p._mg_lines = q  # type: ignore[attr-defined]
+        lines = q
 
-    assert p.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(p.stdout, selectors.EVENT_READ)
+        def pump() -> None:
+            assert p.stdout is not None
+            for line in p.stdout:
+                lines.put(line)
+            lines.put("")
+
+        threading.Thread(target=pump, daemon=True).start()
     try:
-        if not sel.select(timeout):
-            raise AssertionError("workload printed nothing in time")
-        return p.stdout.readline()
-    finally:
-        sel.close()
+        return q.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError("workload printed nothing in time") from None
+
+
+# ---------------------------------------------------------------- fixtures
+# Imported by the test_memguard*.py modules.
+
+REQUEST = 64 * MiB
+LIMIT = 96 * MiB
+
+
+@pytest.fixture(params=["release", "asan"])
+def flavour(request: pytest.FixtureRequest) -> str:
+    """Release builds, and ASan+UBSan builds of both the shim and the fake driver."""
+    return str(request.param)
+
+
+@pytest.fixture
+def shim(make_sim_node: Callable[..., Any], flavour: str) -> Shim:
+    node = make_sim_node("dgx-h100", flavour=flavour)
+    return Shim(node.env, flavour)
+
+
+@pytest.fixture
+def container(tmp_path: Path) -> Callable[..., Container]:
+    """Factory: a container directory as the agent writes it (default request 64 MiB, limit 96 MiB)."""
+    n = iter(range(1000))
+
+    def make(request: int = REQUEST, limit: int = LIMIT, **kw: Any) -> Container:
+        return make_container(tmp_path / f"ctr-{next(n)}", request, limit, **kw)
+
+    return make

@@ -1,0 +1,1 @@
+"""gpufrac benchmarks: `python -m bench` (make bench) writes bench/results/*.json."""

@@ -1,0 +1,183 @@
+"""memguard shim overhead on the simulated node -> bench/results/shim.json.
+
+Run: `python -m bench.shim` (or `make bench`). The tight loops run in a small C
+driver (bench/shim_bench.c, compiled here into build/bench/) linked against the
+fake libcuda, once plainly and once under LD_PRELOAD of the shim, in the same
+run and interleaved, so "overhead" is the shim's own cost on top of the same
+driver call. Each figure is the minimum over rounds (what the code costs when
+nothing else interferes); contention uses thread CPU time, which the
+time-slicing of 8 processes on a small machine does not inflate but cache-line
+contention on the shared counter does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from gpufrac import native
+from gpufrac.memguard import build as mg_build
+from gpufrac.memguard import formats
+from gpufrac.simgpu.spec import create_node, load_preset
+
+ROOT = native.REPO_ROOT
+RESULTS = ROOT / "bench" / "results" / "shim.json"
+DRIVER_SRC = ROOT / "bench" / "shim_bench.c"
+DRIVER = ROOT / "build" / "bench" / "shim_bench"
+GiB = 1 << 30
+
+ROUNDS, LOOP_N = 15, 20000
+STARTUP_PROCS, STARTUP_CONTAINERS = 300, 3  # 100 processes per container: within its 256 slots
+CONTENTION_PROCS = 8
+
+
+def build_driver() -> Path:
+    libdir = native.native_dir()
+    native.library(native.FAKE_CUDA)
+    native.library(native.SHIM)
+    if not DRIVER.exists() or DRIVER.stat().st_mtime < DRIVER_SRC.stat().st_mtime:
+        DRIVER.parent.mkdir(parents=True, exist_ok=True)
+        cc = os.environ.get("CC", "cc")
+        cmd = [cc, "-std=c11", "-D_GNU_SOURCE", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(DRIVER)]
+        cmd += [str(DRIVER_SRC), f"-L{libdir}", "-l:libcuda.so.1", f"-Wl,-rpath,{libdir}"]
+        subprocess.run(cmd, check=True)
+    return DRIVER
+
+
+class Bench:
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.node = work / "node.state"
+        create_node(load_preset("dgx-h100"), self.node)
+        self.base = dict(os.environ)
+        self.base.update({"SIMGPU_STATE": str(self.node), "LD_LIBRARY_PATH": str(native.native_dir())})
+        self.base.pop("LD_PRELOAD", None)
+        self.containers = [self.container(f"ctr{i}") for i in range(max(STARTUP_CONTAINERS, 1))]
+
+    def container(self, name: str) -> Path:
+        d = self.work / name
+        d.mkdir()
+        formats.ConfigFile(d).write(
+            formats.ContainerConfig(gpu_uuid="", request_bytes=64 * GiB, limit_bytes=64 * GiB)
+        )
+        formats.create_usage(d)
+        return d
+
+    def env(self, shim: bool, container: Path | None = None) -> dict[str, str]:
+        if not shim:
+            return dict(self.base)
+        return mg_build.shim_env(container or self.containers[0], base=self.base)
+
+    def loop(self, op: str, shim: bool, *args: object) -> tuple[float, float]:
+        out = subprocess.run(
+            [str(DRIVER), op, str(ROUNDS), str(LOOP_N), *map(str, args)],
+            env=self.env(shim),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=600,
+        ).stdout
+        return parse(out)
+
+    def overhead(self, op: str, *args: object) -> dict[str, float]:
+        """Interleave plain and shim runs; keep the best of each."""
+        plain, shim = [], []
+        for _ in range(3):
+            plain.append(self.loop(op, False, *args)[0])
+            shim.append(self.loop(op, True, *args)[0])
+        p, s = min(plain), min(shim)
+        return {"plain_ns": round(p, 1), "shim_ns": round(s, 1), "overhead_ns": round(s - p, 1)}
+
+    def startup(self, shim: bool) -> float:
+        """Wall seconds for STARTUP_PROCS processes started at once to init, alloc, free and exit."""
+        t0 = time.monotonic()
+        procs = [
+            subprocess.Popen(
+                [str(DRIVER), "start"],
+                env=self.env(shim, self.containers[i % len(self.containers)]),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            for i in range(STARTUP_PROCS)
+        ]
+        errors = [p.stderr.read() for p in procs if p.wait(timeout=600) != 0 and p.stderr]
+        for p in procs:
+            if p.stderr:
+                p.stderr.close()
+        if errors:
+            raise RuntimeError(f"start-up processes failed: {errors[:3]}")
+        return time.monotonic() - t0
+
+    def contention(self) -> dict[str, float]:
+        alone = min(self.loop("allocfree", True, 4096)[1] for _ in range(3))
+        cmd = [str(DRIVER), "allocfree", str(ROUNDS), str(LOOP_N), "4096"]
+        procs = [
+            subprocess.Popen(cmd, env=self.env(True), stdout=subprocess.PIPE, text=True)
+            for _ in range(CONTENTION_PROCS)
+        ]
+        cpus = [parse(p.communicate(timeout=600)[0])[1] for p in procs]
+        together = statistics.median(cpus)
+        return {
+            "alone_cpu_ns": round(alone, 1),
+            "together_cpu_ns": round(together, 1),
+            "ratio": together / alone,
+        }
+
+
+def parse(line: str) -> tuple[float, float]:
+    kv = dict(p.split("=") for p in line.split()[1:])
+    return float(kv["wall_ns"]), float(kv["cpu_ns"])
+
+
+def main() -> int:
+    build_driver()
+    with tempfile.TemporaryDirectory(prefix="gpufrac-bench-shim-") as tmp:
+        b = Bench(Path(tmp))
+        alloc = b.overhead("allocfree", 4096)
+        launch = b.overhead("launch")
+        getinfo = b.overhead("getinfo")
+        plain_s = min(b.startup(False) for _ in range(2))
+        shim_s = min(b.startup(True) for _ in range(2))
+        cont = b.contention()
+    result: dict[str, Any] = {
+        "alloc_free_overhead_ns": alloc["overhead_ns"],
+        "alloc_free_ratio": round(alloc["shim_ns"] / alloc["plain_ns"], 3),
+        "launch_overhead_ns": launch["overhead_ns"],
+        "getinfo_overhead_ns": getinfo["overhead_ns"],
+        # Extra wall time per process when STARTUP_PROCS start at once (shim vs none).
+        "startup_ms_per_process": round((shim_s - plain_s) * 1000 / STARTUP_PROCS, 3),
+        "contention_8proc_ratio": round(cont["ratio"], 3),
+        "details": {
+            "alloc_free_pair": alloc,
+            "launch": launch,
+            "getinfo": getinfo,
+            "startup": {
+                "processes": STARTUP_PROCS,
+                "containers": STARTUP_CONTAINERS,
+                "plain_wall_s": round(plain_s, 3),
+                "shim_wall_s": round(shim_s, 3),
+                "plain_ms_per_process": round(plain_s * 1000 / STARTUP_PROCS, 3),
+                "shim_ms_per_process": round(shim_s * 1000 / STARTUP_PROCS, 3),
+            },
+            "contention": {**cont, "processes": CONTENTION_PROCS},
+            "method": "min over rounds of a C loop; same run; fake libcuda (simgpu) as the driver",
+            "cpus": os.cpu_count(),
+            "cc": shutil.which(os.environ.get("CC", "cc")),
+        },
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""GPU activity per container: how long since it last did GPU work.
+
+Two signals, combined (either one showing work makes the container active):
+
+1. The shim's usage slots (memguard_abi.h): every kernel/graph launch bumps the
+   process slot's `launches` and stamps `last_activity_ns` (CLOCK_MONOTONIC,
+   no system call). The slot of a process that exits is zeroed, so the tracker
+   remembers the last activity it saw rather than re-deriving it every poll.
+2. NVML per-process utilisation (nvmlDeviceGetProcessUtilization): catches GPU
+   work the launch hooks cannot see (a process outside the shim, copies). NVML
+   names host pids; the shim's slots name pids in the container's pid namespace,
+   so a host pid is matched to a slot by (innermost NSpid, start time), which
+   is the same process in both views.
+
+Idle = neither signal shows work. A container holding memory while its
+processes only use the CPU is idle from the GPU's point of view; WHEN that
+matters is the idle reaper's business (gpufrac.agent.idle), not this module's.
+
+The tracker is shared: the idle reaper polls it every `idle.interval`, and the
+arbiter may read `idle_seconds(key)` when it picks victims. Reading usage files
+and NVML blocks, so `poll()` does that in a worker thread and applies the
+result on the agent's loop (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gpufrac.memguard import formats
+
+log = logging.getLogger(__name__)
+
+NS = 1_000_000_000
+# NVML utilisation (percent) at or above which a process counts as doing GPU work.
+DEFAULT_UTIL_THRESHOLD = 1
+
+
+class Clock(Protocol):
+    """Time sources, injectable for tests. monotonic() is the tracker's own time
+    axis; monotonic_ns() is the clock the shim stamps (CLOCK_MONOTONIC); time() is
+    wall time (allocation times, NVML sample timestamps)."""
+
+    def monotonic(self) -> float: ...
+
+    def monotonic_ns(self) -> int: ...
+
+    def time(self) -> float: ...
+
+
+class SystemClock:
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def monotonic_ns(self) -> int:
+        return time.monotonic_ns()
+
+    def time(self) -> float:
+        return time.time()
+
+
+@dataclass(frozen=True)
+class Tracked:
+    """What the tracker needs of one container (a ledger ContainerAlloc fits)."""
+
+    key: str
+    directory: str
+    gpus: tuple[str, ...]
+    created: float  # wall time the container was allocated
+
+
+@dataclass(frozen=True)
+class ContainerActivity:
+    """One container's GPU activity as of the last poll."""
+
+    key: str
+    last_active: float  # tracker clock (monotonic s) of the last GPU work seen
+    why: str  # what showed it: "launch", "nvml", "start" (no work seen since the tracker met it)
+    launches: int  # launches counted by its live processes
+    processes: int  # live processes under the shim
+    used_bytes: int  # GPU memory its processes hold
+    polled: float  # tracker clock of the poll
+
+    def idle_seconds(self, now: float | None = None) -> float:
+        return max(0.0, (self.polled if now is None else now) - self.last_active)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    pid: int
+    start_time: int
+    launches: int
+    last_ns: int
+    used: int
+
+
+@dataclass
+class _Sample:
+    """The blocking part's result, applied on the loop."""
+
+    mono: float
+    mono_ns: int
+    wall: float
+    slots: dict[str, list[_Slot]] = field(default_factory=dict)
+    unreadable: dict[str, str] = field(default_factory=dict)
+    # Container key -> wall time of the newest NVML sample showing work.
+    nvml_active: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _State:
+    last_active: float
+    why: str
+    counts: dict[tuple[int, int], int]  # (pid, start time) -> launches seen
+    polled: float  # when these were seen
+
+
+def proc_identity(host_pid: int, proc: str = "/proc") -> tuple[int, int] | None:
+    """(pid in its innermost pid namespace, start time in ticks) of a host pid: how the
+    shim names the same process in its usage slot. None if the process is gone."""
+    try:
+        with open(f"{proc}/{host_pid}/status") as f:
+            status = f.read()
+        with open(f"{proc}/{host_pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    ns_pid = host_pid
+    for line in status.splitlines():
+        if line.startswith("NSpid:"):
+            parts = line.split()[1:]
+            if parts:
+                ns_pid = int(parts[-1])
+            break
+    # comm may hold spaces and parentheses: fields resume after the last ')';
+    # starttime is field 22, the 20th after it.
+    rest = stat[stat.rfind(")") + 2 :].split()
+    try:
+        start = int(rest[19])
+    except (IndexError, ValueError):
+        return None
+    return ns_pid, start
+
+
+class NvmlUtilisation:
+    """Per-process GPU utilisation from NVML, remembering each GPU's last sample time
+    so every call returns only what happened since the previous one."""
+
+    def __init__(self, threshold: int = DEFAULT_UTIL_THRESHOLD) -> None:
+        import pynvml
+
+        from gpufrac.agent.inventory import nvml_init
+
+        self._nvml = pynvml
+        self.threshold = threshold
+        nvml_init()  # counted: paired with close()
+        self._handles: dict[str, object] = {}
+        self._last_seen: dict[str, int] = {}
+        self._unsupported: set[str] = set()
+        self._closed = False
+
+    def busy_pids(self, gpu_uuid: str) -> dict[int, float]:
+        """Host pid -> wall time of its newest sample at or above the threshold."""
+        nv = self._nvml
+        if gpu_uuid in self._unsupported:
+            return {}
+        try:
+            handle = self._handles.get(gpu_uuid)
+            if handle is None:
+                handle = self._handles[gpu_uuid] = nv.nvmlDeviceGetHandleByUUID(gpu_uuid)
+            samples = nv.nvmlDeviceGetProcessUtilization(handle, self._last_seen.get(gpu_uuid, 0))
+        except nv.NVMLError as e:
+            if e.value == nv.NVML_ERROR_NOT_FOUND:
+                return {}  # no process sampled since the last call
+            if e.value == nv.NVML_ERROR_NOT_SUPPORTED:
+                # MIG, vGPU and some boards: the launch counters remain.
+                log.warning(
+                    "GPU %s: no per-process utilisation from NVML (%s); using launches only", gpu_uuid, e
+                )
+                self._unsupported.add(gpu_uuid)
+                return {}
+            log.warning("GPU %s: nvmlDeviceGetProcessUtilization: %s", gpu_uuid, e)
+            self._handles.pop(gpu_uuid, None)
+            return {}
+        out: dict[int, float] = {}
+        newest = self._last_seen.get(gpu_uuid, 0)
+        for s in samples:
+            newest = max(newest, int(s.timeStamp))
+            if max(s.smUtil, s.memUtil, s.encUtil, s.decUtil) >= self.threshold:
+                t = int(s.timeStamp) / 1e6
+                out[int(s.pid)] = max(out.get(int(s.pid), 0.0), t)
+        self._last_seen[gpu_uuid] = newest
+        return out
+
+    def close(self) -> None:
+        if not self._closed:
+            from gpufrac.agent.inventory import nvml_shutdown
+
+            self._closed = True
+            nvml_shutdown()
+
+
+class ActivityTracker:
+    """Seconds since each container's last GPU work. Owned by the agent's loop."""
+
+    def __init__(
+        self,
+        *,
+        nvml: NvmlUtilisation | None = None,
+        clock: Clock | None = None,
+        proc: str = "/proc",
+    ) -> None:
+        self.nvml = nvml
+        self.clock = clock or SystemClock()
+        self.proc = proc
+        self.started = self.clock.monotonic()
+        self._states: dict[str, _State] = {}
+        self._current: dict[str, ContainerActivity] = {}
+        self._warned: set[str] = set()
+        self.polls = 0
+
+    @classmethod
+    def with_nvml(
+        cls, clock: Clock | None = None, threshold: int = DEFAULT_UTIL_THRESHOLD
+    ) -> ActivityTracker:
+        """A tracker with NVML when it can be had; launches alone otherwise. Blocking."""
+        try:
+            nvml: NvmlUtilisation | None = NvmlUtilisation(threshold)
+        except Exception as e:  # no driver: the shim's counters still tell activity
+            log.warning("NVML unavailable for activity tracking (%s); using the shim's launch counters", e)
+            nvml = None
+        return cls(nvml=nvml, clock=clock)
+
+    # -- reading (on the loop) --------------------------------------------------------------------
+
+    def get(self, key: str) -> ContainerActivity | None:
+        return self._current.get(key)
+
+    def idle_seconds(self, key: str) -> float | None:
+        """Seconds without GPU work, as of now (None for a container never polled)."""
+        a = self._current.get(key)
+        return None if a is None else a.idle_seconds(self.clock.monotonic())
+
+    def snapshot(self) -> dict[str, ContainerActivity]:
+        return dict(self._current)
+
+    # -- polling ----------------------------------------------------------------------------------
+
+    async def poll(self, containers: Iterable[Tracked]) -> dict[str, ContainerActivity]:
+        """Read every container's usage file and NVML (in a worker thread), then update."""
+        tracked = [Tracked(c.key, c.directory, tuple(c.gpus), c.created) for c in containers]
+        sample = await asyncio.to_thread(self.sample, tracked)
+        return self.apply(tracked, sample)
+
+    def poll_now(self, containers: Iterable[Tracked]) -> dict[str, ContainerActivity]:
+        """poll() for synchronous callers (tests, tools): blocks."""
+        tracked = [Tracked(c.key, c.directory, tuple(c.gpus), c.created) for c in containers]
+        return self.apply(tracked, self.sample(tracked))
+
+    def sample(self, tracked: list[Tracked]) -> _Sample:
+        """The blocking part: usage files and NVML. Touches no tracker state but NVML's cursor."""
+        c = self.clock
+        out = _Sample(mono=c.monotonic(), mono_ns=c.monotonic_ns(), wall=c.time())
+        owner: dict[tuple[int, int], str] = {}
+        for t in tracked:
+            try:
+                usage = formats.read_usage(t.directory)
+            except formats.FormatError as e:
+                out.unreadable[t.key] = str(e)
+                continue
+            slots = [
+                _Slot(
+                    int(s.pid), int(s.start_time), int(s.launches), int(s.last_activity_ns), int(s.used_bytes)
+                )
+                for s in usage.slots
+                if s.pid > 0
+            ]
+            out.slots[t.key] = slots
+            for s in slots:
+                owner[(s.pid, s.start_time)] = t.key
+        if self.nvml is not None and owner:
+            gpus = sorted({g for t in tracked if t.key in out.slots for g in t.gpus})
+            for gpu in gpus:
+                for host_pid, when in self.nvml.busy_pids(gpu).items():
+                    key = self._owner_of(host_pid, owner)
+                    if key is not None:
+                        out.nvml_active[key] = max(out.nvml_active.get(key, 0.0), when)
+        return out
+
+    def _owner_of(self, host_pid: int, owner: dict[tuple[int, int], str]) -> str | None:
+        ident = proc_identity(host_pid, self.proc)
+        if ident is None:
+            return None
+        # A slot whose start time is not stamped yet (0) is matched by its pid alone.
+        return owner.get(ident) or owner.get((ident[0], 0))
+
+    def apply(self, tracked: list[Tracked], sample: _Sample) -> dict[str, ContainerActivity]:
+        """Fold a sample into the per-container state (on the loop)."""
+        now = sample.mono
+        self.polls += 1
+        current: dict[str, ContainerActivity] = {}
+        for t in tracked:
+            state = self._states.get(t.key)
+            if t.key in sample.unreadable:
+                if t.key not in self._warned:
+                    self._warned.add(t.key)
+                    log.warning("activity of %s unknown: %s", t.key, sample.unreadable[t.key])
+                if state is None:
+                    continue
+                slots: list[_Slot] = []
+            else:
+                self._warned.discard(t.key)
+                slots = sample.slots.get(t.key, [])
+            if state is None:
+                # First sight: nothing known before the later of its allocation and our start
+                # (after an agent restart, activity before the restart is unknown: the
+                # conservative answer is "active when we started").
+                since_alloc = now - max(0.0, sample.wall - t.created)
+                state = self._states[t.key] = _State(max(since_alloc, self.started), "start", {}, now)
+                first = True
+            else:
+                first = False
+            counts = {(s.pid, s.start_time): s.launches for s in slots}
+            for s in slots:
+                # The shim's CLOCK_MONOTONIC stamp, moved onto our time axis.
+                at = now - max(0, sample.mono_ns - s.last_ns) / NS if s.last_ns > 0 else 0.0
+                if (
+                    not first
+                    and s.launches > state.counts.get((s.pid, s.start_time), 0)
+                    and at < state.polled
+                ):
+                    # The counter moved since the last poll but the stamp says earlier (another
+                    # clock domain, a torn read): the work happened since then; say now.
+                    at = now
+                if at > state.last_active:
+                    state.last_active, state.why = at, "launch" if s.launches else "start"
+            state.counts, state.polled = counts, now
+            wall_at = sample.nvml_active.get(t.key)
+            if wall_at is not None:
+                at = min(now, now - (sample.wall - wall_at))
+                if at > state.last_active:
+                    state.last_active, state.why = at, "nvml"
+            current[t.key] = ContainerActivity(
+                key=t.key,
+                last_active=state.last_active,
+                why=state.why,
+                launches=sum(s.launches for s in slots),
+                processes=len(slots),
+                used_bytes=sum(s.used for s in slots),
+                polled=now,
+            )
+        gone = set(self._states) - {t.key for t in tracked}
+        for key in gone:
+            del self._states[key]
+            self._warned.discard(key)
+        self._current = current
+        return current
+
+    def close(self) -> None:
+        if self.nvml is not None:
+            self.nvml.close()
+            self.nvml = None

@@ -1,0 +1,616 @@
+"""The arbiter: burst grants for the memguard shim's slow path (docs/arbiter-protocol.md).
+
+One unix socket per node (gpufrac.deviceplugin.server.arbiter_socket), bind-mounted
+into every sharing container at $GPUFRAC_CONTAINER_DIR/arbiter.sock. A request acts
+only for the caller's own container, which comes from SO_PEERCRED -> cgroup -> pod
+(gpufrac.agent.peers), never from the message.
+
+Grants. Per GPU and container (u = used, r = request, g = grant):
+    burst     = max(g, u - r, 0)
+    committed = r + burst                 (lendUnusedRequests off)
+              = min(u, r) + burst         (on: unused guarantees may be lent)
+    pool      = allocatable - sum(committed)
+    physical  = NVML free - grantMargin - sum(max(0, committed - u))
+A burst of `extra` new bytes is granted only if extra <= min(pool, physical): the
+ledger's arithmetic never outruns what the GPU really has. The grant is published
+in the container's config (ledger.update_config) before the reply.
+
+Grants come back: the shim's release op, its grant_returned counter, and a sweep
+that lowers grants a container has not used for STALE_AFTER seconds. Every release
+wakes the waiters of that GPU at once (no polling period).
+
+Runs entirely on the agent's event loop; NVML reads go to a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpufrac.agent.allocations import ContainerAlloc, Ledger
+from gpufrac.agent.config import Config
+from gpufrac.agent.kube import ObjectRef
+from gpufrac.agent.peers import Caller, PeerError, PeerLookup
+from gpufrac.agent.resolvers import Chain, Holding, Need, build_chain, kill_and_wait
+from gpufrac.agent.units import format_bytes
+from gpufrac.memguard import formats
+from gpufrac.memguard.formats import (
+    FLAG_DISABLED,
+    BurstReply,
+    BurstRequest,
+    FormatError,
+    UsageFile,
+)
+
+log = logging.getLogger(__name__)
+
+REQUEST_SIZE = ctypes.sizeof(BurstRequest)
+REPLY_SIZE = ctypes.sizeof(BurstReply)
+MAX_CONNECTIONS = 1024  # beyond this, new connections are closed at once
+NVML_FRESH = 0.1  # an NVML reading younger than this is used as is
+NVML_STALE = 1.0  # older than this, a request waits for a new one
+RECLAIM_INTERVAL = 1.0
+STALE_AFTER = 10.0  # a grant unused this long is taken back
+STALE_SLACK = 64 << 20  # "well below": unused grant beyond this counts as stale
+
+
+@dataclass
+class Stats:
+    """Counters (metrics and tests read them)."""
+
+    connections: int = 0
+    granted: int = 0
+    denied: int = 0
+    refused: int = 0  # caller not identified
+    invalid: int = 0  # malformed requests
+    dropped: int = 0  # short reads, timeouts, early disconnects
+    released: int = 0
+    reclaimed_bytes: int = 0
+    waits: int = 0
+    wait_timeouts: int = 0
+
+
+@dataclass
+class _Waiter:
+    need: Need
+    done: asyncio.Future[bool] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (-self.need.priority, self.need.seq)
+
+
+class Arbiter:
+    def __init__(
+        self,
+        config: Config,
+        ledger: Ledger,
+        peers: PeerLookup,
+        socket_path: str,
+        *,
+        memory: Callable[[], dict[str, Any]] | None = None,
+        events: Any | None = None,
+        resolvers: Chain | None = None,
+        read_timeout: float | None = None,
+    ) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.peers = peers
+        self.socket_path = socket_path
+        self.events = events
+        self.evict_idle_threshold = config.evict_idle_threshold
+        self.read_timeout = read_timeout if read_timeout is not None else config.arbiter_timeout
+        if memory is None:
+            from gpufrac.agent.inventory import read_memory
+
+            memory = read_memory
+        self._read_memory = memory
+        self._nvml: dict[str, Any] | None = None
+        self._nvml_at = -1e9
+        self._nvml_task: asyncio.Task[None] | None = None
+        self._nvml_error_logged = False
+        self.chain = resolvers if resolvers is not None else build_chain(config.resolvers, self)
+        self.stats = Stats()
+        self._server: asyncio.base_events.Server | None = None
+        self._usage: dict[str, UsageFile] = {}
+        self._waiters: dict[str, list[_Waiter]] = {}
+        self._seq = itertools.count(1)
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self._returned: dict[str, int] = {}  # last grant_returned seen per container
+        self._unused_since: dict[str, float] = {}
+        self._notifying = False
+        self._renotify: set[str] = set()
+
+    # -- lifetime --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.reconcile()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)  # a previous agent's socket: nobody listens on it
+        os.makedirs(os.path.dirname(self.socket_path) or ".", exist_ok=True)
+        self._server = await asyncio.start_unix_server(self._serve, path=self.socket_path)
+        # Container processes may run as any uid; who they are comes from SO_PEERCRED.
+        os.chmod(self.socket_path, 0o666)
+        self.ledger.add_listener(self._on_ledger_change)
+        self._tasks.append(asyncio.create_task(self._reclaim_loop(), name="arbiter-reclaim"))
+        log.info("arbiter listening on %s (resolvers %s)", self.socket_path, self.chain.names)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for waiters in self._waiters.values():
+            for w in waiters:
+                if not w.done.done():
+                    w.done.set_result(False)  # a stopping agent grants nothing
+        self._waiters.clear()
+        for t in [*self._tasks, *self._handlers]:
+            t.cancel()
+        for t in [*self._tasks, *self._handlers]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 5)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        for u in self._usage.values():
+            u.close()
+        self._usage.clear()
+
+    def reconcile(self) -> None:
+        """After an agent restart: grants above what a container now uses are taken back
+        (its waiters died with the old agent; their shims have already given up)."""
+        for alloc in self.ledger.containers():
+            g = alloc.config.grant_bytes
+            if g <= 0:
+                continue
+            used = self._used(alloc)
+            keep = g if used is None else min(g, max(0, used - alloc.request_bytes))
+            if keep < g:
+                log.info("reconcile: %s grant %s -> %s", alloc.who(), format_bytes(g), format_bytes(keep))
+                self.ledger.update_config(alloc.key, grant_bytes=keep)
+                self.stats.reclaimed_bytes += g - keep
+
+    # -- the socket ------------------------------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+        self.stats.connections += 1
+        try:
+            if len(self._handlers) > MAX_CONNECTIONS:
+                self.stats.dropped += 1
+                return
+            try:
+                data = await asyncio.wait_for(reader.readexactly(REQUEST_SIZE), self.read_timeout)
+            except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
+                self.stats.dropped += 1
+                return
+            req = BurstRequest.from_buffer_copy(data)
+            status, generation = await self._dispatch(req, writer, reader)
+            if status is None:
+                return
+            rep = BurstReply(formats.BURST_MAGIC, formats.ABI_VERSION, status, generation)
+            writer.write(bytes(rep))
+            with contextlib.suppress(TimeoutError, ConnectionError):
+                await asyncio.wait_for(writer.drain(), self.read_timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("arbiter: request failed")
+        finally:
+            writer.close()
+            if task is not None:
+                self._handlers.discard(task)
+
+    async def _dispatch(
+        self, req: BurstRequest, writer: asyncio.StreamWriter, reader: asyncio.StreamReader
+    ) -> tuple[int | None, int]:
+        if req.magic != formats.BURST_MAGIC or req.version != formats.ABI_VERSION:
+            self.stats.invalid += 1
+            return formats.BURST_INVALID, 0
+        if req.op not in (formats.BURST_OP_BURST, formats.BURST_OP_RELEASE):
+            self.stats.invalid += 1
+            return formats.BURST_INVALID, 0
+        sock = writer.get_extra_info("socket")
+        try:
+            caller = self.peers.identify(sock)
+        except PeerError as e:
+            self.stats.refused += 1
+            log.warning("arbiter: refused a request: %s", e)
+            return formats.BURST_REFUSED, 0
+        if req.op == formats.BURST_OP_RELEASE:
+            return formats.BURST_GRANTED, self._release(caller.alloc, shim_returned=True)
+        # The request races the caller's disconnect: a caller that gave up gets nothing.
+        work = asyncio.ensure_future(self._burst(caller, int(req.bytes), int(req.total_after)))
+        gone = asyncio.ensure_future(reader.read(1))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                self.stats.dropped += 1
+        if work.cancelled():
+            return None, 0
+        return work.result()
+
+    # -- bursts ----------------------------------------------------------------------------------
+
+    async def _burst(self, caller: Caller, nbytes: int, total_after: int) -> tuple[int, int]:
+        alloc = caller.alloc
+        cfg = alloc.config
+        if nbytes <= 0 or alloc.whole_gpu or cfg.flags & FLAG_DISABLED:
+            self.stats.denied += 1
+            return formats.BURST_DENIED, 0
+        used = self._used(alloc)
+        if used is None:
+            self.stats.denied += 1
+            return formats.BURST_DENIED, 0
+        want = max(total_after, used + nbytes)
+        if want > cfg.limit_bytes:
+            self.stats.denied += 1
+            log.debug(
+                "%s: %s would pass the limit %s",
+                alloc.who(),
+                format_bytes(want),
+                format_bytes(cfg.limit_bytes),
+            )
+            return formats.BURST_DENIED, 0
+        target = want - alloc.request_bytes
+        if target <= cfg.grant_bytes:
+            self.stats.granted += 1  # already granted (the shim raced a config update)
+            return formats.BURST_GRANTED, self._generation(alloc)
+        gpu = alloc.gpus[0]
+        await self._fresh_nvml()
+        deadline = asyncio.get_running_loop().time() + cfg.wait_timeout_ms / 1000.0
+        need = Need(
+            requester=alloc,
+            gpu=gpu,
+            bytes=target - self._burst_held(alloc, used),
+            priority=cfg.priority,
+            deadline=deadline,
+            kind="burst",
+            try_grant=lambda: False,
+            shortfall=lambda: 0,
+            seq=next(self._seq),
+        )
+        need.try_grant = lambda: self._try_grant(need, target)
+        need.shortfall = lambda: max(0, target - self._burst_held(alloc) - self._free_for(alloc))
+        if not self._queued_ahead(need) and need.try_grant():
+            return formats.BURST_GRANTED, self._generation(alloc)
+        # The shim stops listening after its wait timeout: answer by then, whatever a resolver does.
+        left = deadline - asyncio.get_running_loop().time()
+        try:
+            ok = await asyncio.wait_for(self.chain.resolve(need), max(0.0, left) + 0.05)
+        except TimeoutError:
+            ok = need.granted
+        if ok:
+            return formats.BURST_GRANTED, self._generation(alloc)
+        self.stats.denied += 1
+        log.info(
+            "denied %s of burst to %s on GPU %s (%s)",
+            format_bytes(need.bytes),
+            alloc.who(),
+            gpu,
+            "; ".join(need.notes) or "no resolver freed enough",
+        )
+        return formats.BURST_DENIED, 0
+
+    def _try_grant(self, need: Need, target: int) -> bool:
+        """Grant `target` bytes above request to the requester if the GPU has them now."""
+        if need.granted:
+            return True
+        alloc = need.requester
+        if self.ledger.get(alloc.key) is not alloc:
+            return False  # released meanwhile
+        cur = alloc.config.grant_bytes
+        if target > cur:
+            extra = target - self._burst_held(alloc)
+            if extra > self._free_for(alloc):
+                return False
+            self.ledger.update_config(alloc.key, grant_bytes=target)
+        need.granted = True
+        self.stats.granted += 1
+        self._unused_since.pop(alloc.key, None)
+        return True
+
+    def _queued_ahead(self, need: Need) -> bool:
+        """Waiters of equal or higher priority on the GPU are served first."""
+        return any(w.need.priority >= need.priority for w in self._waiters.get(need.gpu, ()))
+
+    # -- accounting ------------------------------------------------------------------------------
+
+    def _usage_of(self, alloc: ContainerAlloc) -> UsageFile | None:
+        u = self._usage.get(alloc.key)
+        if u is None:
+            try:
+                u = self._usage[alloc.key] = UsageFile(alloc.directory)
+            except FormatError as e:
+                log.debug("usage of %s: %s", alloc.who(), e)
+                return None
+        return u
+
+    def _used(self, alloc: ContainerAlloc) -> int | None:
+        u = self._usage_of(alloc)
+        return None if u is None else int(u.usage.total_used)
+
+    def _burst_held(self, alloc: ContainerAlloc, used: int | None = None) -> int:
+        used = self._used(alloc) if used is None else used
+        if used is None:  # unknown usage: assume it uses everything it may
+            used = alloc.request_bytes + alloc.config.grant_bytes
+        return max(alloc.config.grant_bytes, used - alloc.request_bytes, 0)
+
+    def _on_gpu(self, gpu: str) -> list[ContainerAlloc]:
+        return [a for a in self.ledger.containers() if gpu in a.gpus]
+
+    def _free_for(self, alloc: ContainerAlloc) -> int:
+        """Bytes that may be newly granted on the requester's GPU: the ledger's pool and
+        NVML's physically free memory less the margin, whichever is smaller."""
+        gpu = alloc.gpus[0]
+        lend = self.config.lend_unused_requests
+        committed = unused = 0
+        for a in self._on_gpu(gpu):
+            used = self._used(a)
+            if used is None:
+                used = a.request_bytes + a.config.grant_bytes
+            burst = max(a.config.grant_bytes, used - a.request_bytes, 0)
+            c = (min(used, a.request_bytes) if lend else a.request_bytes) + burst
+            committed += c
+            unused += max(0, c - used)
+        pool = self.ledger.geometry[gpu].allocatable - committed
+        mem = (self._nvml or {}).get(gpu)
+        if mem is None:
+            return 0  # no physical reading: never grant blindly
+        physical = int(mem.free) - self.config.grant_margin - unused
+        return max(0, min(pool, physical))
+
+    async def grantable(self, alloc: ContainerAlloc) -> int:
+        """Bytes a burst of `alloc` could be granted right now (metrics, tests, the bench)."""
+        await self._fresh_nvml()
+        return self._free_for(alloc)
+
+    def holdings(self, gpu: str) -> list[Holding]:
+        now = time.monotonic_ns()
+        out = []
+        for a in self._on_gpu(gpu):
+            u = self._usage_of(a)
+            if u is None:
+                continue
+            used = int(u.usage.total_used)
+            last = max((int(s.last_activity_ns) for s in u.usage.slots if s.pid > 0), default=0)
+            out.append(
+                Holding(
+                    alloc=a,
+                    used=used,
+                    request=a.request_bytes,
+                    grant=a.config.grant_bytes,
+                    burst=max(a.config.grant_bytes, used - a.request_bytes, 0),
+                    priority=a.config.priority,
+                    flags=a.config.flags,
+                    idle_s=(now - last) / 1e9 if last else float("inf"),
+                )
+            )
+        return out
+
+    def _generation(self, alloc: ContainerAlloc) -> int:
+        try:
+            return formats.generation(alloc.directory)
+        except FormatError:
+            return 0
+
+    # -- NVML ------------------------------------------------------------------------------------
+
+    async def _fresh_nvml(self) -> None:
+        age = time.monotonic() - self._nvml_at
+        if age <= NVML_FRESH:
+            return
+        if self._nvml_task is None or self._nvml_task.done():
+            self._nvml_task = asyncio.create_task(self._refresh_nvml())
+        if age > NVML_STALE:
+            await asyncio.shield(self._nvml_task)
+
+    async def _refresh_nvml(self) -> None:
+        try:
+            self._nvml = await asyncio.to_thread(self._read_memory)
+            self._nvml_at = time.monotonic()
+            self._nvml_error_logged = False
+        except Exception as e:
+            self._nvml = None  # no reading, no grants
+            self._nvml_at = time.monotonic()
+            if not self._nvml_error_logged:
+                self._nvml_error_logged = True
+                log.error("arbiter: NVML memory reading failed, bursts are refused until it works: %s", e)
+        # A fresh reading may let waiters in that a stale one kept out.
+        for gpu in list(self._waiters):
+            self.notify(gpu)
+
+    # -- releases and waiters ----------------------------------------------------------------------
+
+    def _release(self, alloc: ContainerAlloc, *, shim_returned: bool = False) -> int:
+        """Take back the part of a container's grant it does not use; wakes waiters."""
+        used = self._used(alloc)
+        g = alloc.config.grant_bytes
+        if used is not None and g > 0:
+            keep = min(g, max(0, used - alloc.request_bytes))
+            if keep < g:
+                self.ledger.update_config(alloc.key, grant_bytes=keep)
+                self.stats.reclaimed_bytes += g - keep
+        if shim_returned:
+            self.stats.released += 1
+        self._unused_since.pop(alloc.key, None)
+        self.notify(alloc.gpus[0])
+        return self._generation(alloc)
+
+    def revoke_burst(self, alloc: ContainerAlloc) -> None:
+        """Evicted: the container keeps its guarantee, loses every burst byte."""
+        if self.ledger.get(alloc.key) is not None and alloc.config.grant_bytes:
+            self.stats.reclaimed_bytes += alloc.config.grant_bytes
+            self.ledger.update_config(alloc.key, grant_bytes=0)
+        self.notify(alloc.gpus[0])
+
+    def notify(self, gpu: str) -> None:
+        """Something was freed on `gpu`: grant waiters in order while they fit."""
+        if self._notifying:
+            self._renotify.add(gpu)
+            return
+        self._notifying = True
+        try:
+            pending = {gpu}
+            while pending:
+                g = pending.pop()
+                waiters = self._waiters.get(g)
+                while waiters:
+                    w = waiters[0]
+                    if w.done.done():
+                        waiters.pop(0)
+                        continue
+                    if not w.need.try_grant():
+                        break  # strict order: nobody overtakes the head
+                    waiters.pop(0)
+                    w.done.set_result(True)
+                pending |= self._renotify
+                self._renotify.clear()
+        finally:
+            self._notifying = False
+
+    async def wait_turn(self, need: Need) -> bool:
+        """Queue the need on its GPU until notify() grants it or its deadline passes."""
+        w = _Waiter(need)
+        waiters = self._waiters.setdefault(need.gpu, [])
+        waiters.append(w)
+        waiters.sort(key=lambda x: x.order)
+        self.stats.waits += 1
+        self.notify(need.gpu)  # it may fit already (something was freed since the first try)
+        timeout = need.deadline - asyncio.get_running_loop().time()
+        try:
+            return await asyncio.wait_for(asyncio.shield(w.done), max(0.0, timeout))
+        except TimeoutError:
+            self.stats.wait_timeouts += 1
+            return need.granted
+        finally:
+            if w in waiters:
+                waiters.remove(w)
+                self.notify(need.gpu)  # the head left: those behind may fit
+            if not waiters:
+                self._waiters.pop(need.gpu, None)
+
+    def _on_ledger_change(self) -> None:
+        live = {a.key for a in self.ledger.containers()}
+        for key in [k for k in self._usage if k not in live]:
+            self._usage.pop(key).close()
+            self._returned.pop(key, None)
+            self._unused_since.pop(key, None)
+        for gpu in list(self._waiters):
+            self.notify(gpu)
+
+    async def _reclaim_loop(self) -> None:
+        while True:
+            await asyncio.sleep(RECLAIM_INTERVAL)
+            try:
+                self.sweep()
+            except Exception:
+                log.exception("arbiter: grant sweep failed")
+
+    def sweep(self, now: float | None = None) -> None:
+        """Take back returned grants at once and stale ones after STALE_AFTER."""
+        now = time.monotonic() if now is None else now
+        for alloc in self.ledger.containers():
+            u = self._usage_of(alloc)
+            if u is None:
+                continue
+            returned = int(u.usage.grant_returned)
+            last = self._returned.setdefault(alloc.key, returned)
+            g = alloc.config.grant_bytes
+            if returned != last:
+                self._returned[alloc.key] = returned
+                if g > 0:
+                    self._release(alloc)
+                    continue
+            if g <= 0:
+                self._unused_since.pop(alloc.key, None)
+                continue
+            unused = alloc.request_bytes + g - int(u.usage.total_used)
+            if unused <= STALE_SLACK:
+                self._unused_since.pop(alloc.key, None)
+                continue
+            since = self._unused_since.setdefault(alloc.key, now)
+            if now - since >= STALE_AFTER:
+                log.info("taking back %s of unused grant from %s", format_bytes(unused), alloc.who())
+                self._release(alloc)
+
+    # -- eviction support ----------------------------------------------------------------------------
+
+    async def kill_container(self, alloc: ContainerAlloc) -> int:
+        """SIGKILL every process of the container (host pids from its cgroup); returns the
+        count once they are gone. Their dead usage slots are reaped here, since no shim
+        of that container may be left to do it."""
+        pids = await asyncio.to_thread(self.peers.pids_of, alloc)
+        killed = await asyncio.to_thread(kill_and_wait, pids)
+        if not await asyncio.to_thread(self.peers.pids_of, alloc):
+            self._reap_all(alloc)
+        return killed
+
+    def _reap_all(self, alloc: ContainerAlloc) -> None:
+        u = self._usage_of(alloc)
+        if u is None:
+            return
+        for s in u.usage.slots:
+            if s.pid > 0:
+                s.pid = -1  # being reaped (the shim's own convention)
+                mine = int(s.used_bytes)
+                u.usage.total_used = max(0, int(u.usage.total_used) - mine)
+                s.used_bytes = 0
+                s.pid = 0
+
+    def event(self, alloc: ContainerAlloc, type_: str, reason: str, message: str) -> None:
+        if self.events is None or not alloc.pod:
+            return
+        path = f"spec.containers{{{alloc.container}}}" if alloc.container else ""
+        ref = ObjectRef("Pod", alloc.pod, alloc.namespace or "", alloc.pod_uid or "", field_path=path)
+        self.events.record(ref, type_, reason, message)
+
+
+# -- a client (tests, the bench, the runtime emulator's stand-in workload) ------------------------
+
+
+def request(
+    path: str,
+    op: int,
+    nbytes: int = 0,
+    total_after: int = 0,
+    *,
+    generation: int = 0,
+    timeout: float = 5.0,
+) -> BurstReply | None:
+    """One request on the arbiter socket, as the shim sends it; the reply, or None when the
+    agent closed the connection or did not answer in time (the shim then refuses)."""
+    import socket
+
+    req = BurstRequest(
+        formats.BURST_MAGIC, formats.ABI_VERSION, op, os.getpid(), 0, nbytes, total_after, generation
+    )
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect(path)
+            s.sendall(bytes(req))
+            data = b""
+            while len(data) < REPLY_SIZE:
+                chunk = s.recv(REPLY_SIZE - len(data))
+                if not chunk:
+                    return None
+                data += chunk
+        except (TimeoutError, OSError):
+            return None
+    return BurstReply.from_buffer_copy(data)

@@ -1,0 +1,288 @@
+"""Collision resolvers: what the arbiter does when a burst needs more than is free.
+
+The node config orders them (`resolvers: [swap, evict, wait]`); each one in the
+list is on, each one left out is off. The chain asks them in order and stops as
+soon as the need is met: after each resolver (and before the first) the arbiter
+tries to grant, so memory freed by any means ends the chain.
+
+Interface (for every resolver, gpufrac/agent/swap.py included):
+
+    class Resolver(Protocol):
+        name: str
+        async def resolve(self, need: Need) -> Outcome
+
+`resolve` runs on the agent's event loop; blocking work goes to a thread. It
+returns when it has done what it can (freed bytes, or nothing); it never grants
+itself: the chain calls `need.try_grant()`, which grants only if the memory is
+really there (ledger and NVML). A resolver that cannot work on this node (no
+checkpoint API) returns Outcome(available=False, ...) and the chain moves on; it
+should log that once, not per request. A resolver that waits must honour
+`need.deadline` (loop time) and give up by then.
+
+What resolvers may ask of the arbiter is `ResolverContext` below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import select
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gpufrac.agent.allocations import ContainerAlloc
+from gpufrac.agent.units import format_bytes
+from gpufrac.memguard.formats import FLAG_PREEMPTIBLE
+
+log = logging.getLogger(__name__)
+
+REASON_EVICTED = "GpuMemoryEvicted"
+REASON_PREEMPTED = "GpuMemoryPreempted"
+# How long an evicted container's processes get to die after SIGKILL.
+KILL_WAIT = 10.0
+
+
+@dataclass
+class Need:
+    """A request the arbiter could not satisfy from free memory.
+
+    `try_grant()` re-checks free memory and, if it now suffices, publishes the grant
+    and returns True (idempotent once granted). `shortfall()` is how many more bytes
+    must be freed on `gpu` for that to happen (0 when it would fit now)."""
+
+    requester: ContainerAlloc
+    gpu: str
+    bytes: int  # bytes the requester asked for beyond what it holds
+    priority: int
+    deadline: float  # loop.time() by which the requester gets an answer
+    kind: str  # "burst", "reclaim" (an owner taking its lent guarantee back) or "swap-in"
+    try_grant: Callable[[], bool]
+    shortfall: Callable[[], int]
+    seq: int = 0  # arrival order (FIFO among equal priorities)
+    granted: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def who(self) -> str:
+        return self.requester.who()
+
+
+@dataclass
+class Outcome:
+    freed: int = 0  # bytes this resolver made free (estimate)
+    satisfied: bool = False  # the need was granted while (or because) it ran
+    available: bool = True  # False: the resolver cannot work here (chain moves on)
+    detail: str = ""
+
+
+class Resolver(Protocol):
+    name: str
+
+    async def resolve(self, need: Need) -> Outcome: ...
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A container's use of one GPU, as the arbiter sees it now."""
+
+    alloc: ContainerAlloc
+    used: int  # bytes the container's processes hold (usage file)
+    request: int
+    grant: int
+    burst: int  # bytes held above the request: max(grant, used - request, 0)
+    priority: int
+    flags: int
+    idle_s: float  # seconds since the container's last kernel launch
+
+    @property
+    def preemptible(self) -> bool:
+        return bool(self.flags & FLAG_PREEMPTIBLE)
+
+
+class ResolverContext(Protocol):
+    """What the arbiter offers resolvers (gpufrac.agent.arbiter.Arbiter implements it)."""
+
+    evict_idle_threshold: float
+
+    def holdings(self, gpu: str) -> list[Holding]: ...
+    async def wait_turn(self, need: Need) -> bool: ...
+    async def kill_container(self, alloc: ContainerAlloc) -> int: ...
+    def revoke_burst(self, alloc: ContainerAlloc) -> None: ...
+    def event(self, alloc: ContainerAlloc, type_: str, reason: str, message: str) -> None: ...
+
+
+class Chain:
+    """The configured resolvers, in order."""
+
+    def __init__(self, resolvers: Sequence[Resolver]) -> None:
+        self.resolvers = list(resolvers)
+        self._unavailable_logged: set[str] = set()
+
+    @property
+    def names(self) -> list[str]:
+        return [r.name for r in self.resolvers]
+
+    async def resolve(self, need: Need) -> bool:
+        """True once the need was granted (by any resolver's effect)."""
+        for r in self.resolvers:
+            if need.granted or need.try_grant():
+                return True
+            if asyncio.get_running_loop().time() >= need.deadline:
+                break
+            try:
+                out = await r.resolve(need)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("resolver %s failed on %s for %s", r.name, need.kind, need.who())
+                continue
+            if not out.available and r.name not in self._unavailable_logged:
+                self._unavailable_logged.add(r.name)
+                log.warning("resolver %s is unavailable on this node: %s", r.name, out.detail)
+            if out.detail:
+                need.notes.append(f"{r.name}: {out.detail}")
+        return need.granted or need.try_grant()
+
+
+class WaitResolver:
+    """Blocks the request until enough is freed (the arbiter wakes waiters on every
+    release, in priority then arrival order) or until its deadline."""
+
+    name = "wait"
+
+    def __init__(self, ctx: ResolverContext) -> None:
+        self.ctx = ctx
+
+    async def resolve(self, need: Need) -> Outcome:
+        ok = await self.ctx.wait_turn(need)
+        return Outcome(satisfied=ok, detail="" if ok else "timed out waiting for memory to be freed")
+
+
+class EvictResolver:
+    """Kills the processes of containers that hold burst memory on the GPU, are
+    preemptible and rank below the requester (lower priority; or equal priority and
+    idle longer than evictIdleThreshold). Guaranteed memory is never counted as won:
+    only the victims' burst bytes are."""
+
+    name = "evict"
+
+    def __init__(self, ctx: ResolverContext) -> None:
+        self.ctx = ctx
+
+    def victims(self, need: Need) -> list[Holding]:
+        out = []
+        for h in self.ctx.holdings(need.gpu):
+            if h.alloc.key == need.requester.key or not h.preemptible or h.burst <= 0 or h.grant <= 0:
+                continue
+            if h.used <= h.request:
+                continue  # holds a grant but uses only its guarantee: nothing to win by killing
+            lower = h.priority < need.priority
+            idle = h.priority == need.priority and h.idle_s >= self.ctx.evict_idle_threshold
+            if lower or idle:
+                out.append(h)
+        # Lowest priority first, then longest idle, then the largest burst.
+        out.sort(key=lambda h: (h.priority, -h.idle_s, -h.burst))
+        return out
+
+    async def resolve(self, need: Need) -> Outcome:
+        missing = need.shortfall()
+        if missing <= 0:
+            return Outcome()
+        chosen, won = [], 0
+        for h in self.victims(need):
+            if won >= missing:
+                break
+            chosen.append(h)
+            won += h.burst
+        if won < missing:
+            # Killing cannot free enough: kill nobody (a partial eviction helps no one).
+            return Outcome(detail=f"preemptible lower-priority bursts hold {format_bytes(won)} < "
+                                  f"{format_bytes(missing)} needed")  # fmt: skip
+        freed = 0
+        for h in chosen:
+            killed = await self.ctx.kill_container(h.alloc)
+            self.ctx.revoke_burst(h.alloc)
+            freed += h.burst
+            why = (
+                f"priority {h.priority} < {need.priority}"
+                if h.priority < need.priority
+                else f"idle {h.idle_s:.0f}s"
+            )
+            self.ctx.event(
+                h.alloc,
+                "Warning",
+                REASON_EVICTED,
+                f"{killed} process(es) of container {h.alloc.container or h.alloc.key} killed to reclaim "
+                f"{format_bytes(h.burst)} of burst GPU memory on GPU {need.gpu}: {need.who()} needed "
+                f"{format_bytes(need.bytes)} ({why})",
+            )
+            self.ctx.event(
+                need.requester,
+                "Normal",
+                REASON_PREEMPTED,
+                f"{format_bytes(h.burst)} of burst GPU memory on GPU {need.gpu} reclaimed from "
+                f"{h.alloc.who()} for {format_bytes(need.bytes)} needed by this container ({why})",
+            )
+            log.warning("evicted %s (burst %s) for %s", h.alloc.who(), format_bytes(h.burst), need.who())
+        return Outcome(freed=freed, detail=f"evicted {len(chosen)} container(s)")
+
+
+def kill_and_wait(pids: Sequence[int], timeout: float = KILL_WAIT) -> int:
+    """SIGKILL every pid and wait (pidfd, no polling) until they are gone. Blocking: run in
+    a thread. Returns how many were signalled."""
+    fds, killed = [], 0
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            continue  # already gone
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+            killed += 1
+            fds.append(fd)
+        except OSError:
+            os.close(fd)
+    try:
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        deadline = time.monotonic() + timeout
+        pending = set(fds)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.error("%d killed process(es) did not exit within %.0fs", len(pending), timeout)
+                break
+            for fd, _ in poller.poll(left * 1000):
+                pending.discard(fd)
+                with contextlib.suppress(KeyError):
+                    poller.unregister(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return killed
+
+
+def build_chain(names: Sequence[str], ctx: ResolverContext) -> Chain:
+    """The resolvers named in the config, in its order. `swap` comes from
+    gpufrac.agent.swap.SwapResolver(ctx) when that module exists."""
+    out: list[Resolver] = []
+    for name in names:
+        if name == "wait":
+            out.append(WaitResolver(ctx))
+        elif name == "evict":
+            out.append(EvictResolver(ctx))
+        elif name == "swap":
+            try:
+                from gpufrac.agent import swap  # type: ignore[attr-defined]
+            except ImportError as e:
+                log.warning("resolver swap is configured but unavailable: %s", e)
+                continue
+            out.append(swap.SwapResolver(ctx))
+        else:
+            raise ValueError(f"resolvers: unknown resolver {name!r}")
+    return Chain(out)

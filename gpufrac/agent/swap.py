@@ -1,0 +1,588 @@
+"""The swap resolver: idle, swappable containers moved to host RAM and back (DESIGN.md 2).
+
+Swap-out (a resolver in the arbiter's chain, gpufrac.agent.resolvers): when a burst
+needs more than is free on a GPU, pick idle containers (no kernel launch for
+`swap.idleThreshold`, default `evictIdleThreshold`) whose pods allow swapping
+(FLAG_SWAPPABLE) and that hold memory there; take the fewest, least important
+ones that free enough, within the host-RAM budget; for each, checkpoint every
+CUDA process of the container with the driver's checkpoint API (lock with a
+timeout, then checkpoint; gpufrac.agent.checkpoint) and set the `swapped` flag of
+their usage slots. The pod stays Running: its processes are merely blocked in
+the driver until they are restored.
+
+What a swap wins is what the arbiter's arithmetic wins: the victim's memory no
+longer counts as used on the GPU, its burst grant is taken back, and its
+guarantee stays reserved for it (lent to others only with lendUnusedRequests),
+so a guarantee is never lost by being swapped.
+
+Swap-in: the victim's next kernel launch or allocation sees the flag in the shim,
+which asks the arbiter (op SWAP_IN on its socket). The arbiter passes that to
+`SwapResolver.swap_in`, which arbitrates it like any other request - the memory
+must be free (the chain may wait or evict others; the swap resolver never picks
+the requester itself) - then restores and unlocks the processes, clears the
+flags and answers. A victim whose swap-in cannot be arbitrated in time is told
+"denied"; its shim asks again (its process cannot run until restored anyway).
+
+Everything here runs on the agent's loop; checkpoint calls, /proc scans and
+usage-file writes go to worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import psutil
+
+from gpufrac.agent import metrics
+from gpufrac.agent.activity import proc_identity
+from gpufrac.agent.allocations import ContainerAlloc, Ledger
+from gpufrac.agent.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    ProcessState,
+    Support,
+    process_state,
+)
+from gpufrac.agent.config import Config
+from gpufrac.agent.peers import PeerLookup
+from gpufrac.agent.resolvers import Chain, Holding, Need, Outcome
+from gpufrac.agent.units import format_bytes
+from gpufrac.memguard import formats
+from gpufrac.memguard.formats import FLAG_SWAPPABLE, FLAG_WHOLE_GPU, FormatError, UsageFile
+
+log = logging.getLogger(__name__)
+
+REASON_SWAPPED_OUT = "GpuMemorySwappedOut"
+REASON_SWAPPED_FOR = "GpuMemoryFreedBySwap"
+REASON_SWAPPED_IN = "GpuMemorySwappedIn"
+
+SlotId = tuple[int, int]  # (pid in the container's pid namespace, start time): how the shim names a process
+
+
+class SwapHost(Protocol):
+    """What the swap resolver needs of the arbiter (gpufrac.agent.arbiter.Arbiter)."""
+
+    config: Config
+    ledger: Ledger
+    peers: PeerLookup
+    chain: Chain
+
+    def holdings(self, gpu: str) -> list[Holding]: ...
+    def revoke_burst(self, alloc: ContainerAlloc) -> None: ...
+    def event(self, alloc: ContainerAlloc, type_: str, reason: str, message: str) -> None: ...
+    def free_for(self, alloc: ContainerAlloc) -> int: ...
+    def try_grant(self, need: Need, target: int) -> bool: ...
+    async def refresh_memory(self) -> None: ...
+    def next_seq(self) -> int: ...
+
+
+@dataclass
+class Swapped:
+    """A container whose GPU memory is in host RAM."""
+
+    alloc: ContainerAlloc
+    gpu: str
+    bytes: int  # GPU memory moved to host RAM (the container's usage when it went)
+    pids: tuple[int, ...]  # host pids checkpointed
+    slots: tuple[SlotId, ...]  # their usage slots
+    since: float = field(default_factory=time.monotonic)
+    needed_by: str = ""
+
+
+@dataclass
+class SwapStats:
+    """Counters (metrics and tests read them)."""
+
+    swapped_out: int = 0
+    swapped_in: int = 0
+    failed_out: int = 0
+    failed_in: int = 0
+    bytes_out: int = 0
+    reverted: int = 0  # victims that woke up during their swap-out and were restored at once
+
+
+class _Skip(Exception):
+    """This container cannot be swapped now (the message says why)."""
+
+
+# -- victim choice (pure) ------------------------------------------------------------------------
+
+
+def win(h: Holding, lend: bool) -> int:
+    """Bytes the arbiter may hand out once `h` is swapped: all it uses if unused guarantees
+    may be lent, else only what it uses above its guarantee (which stays reserved for it)."""
+    return h.used if lend else max(0, h.used - h.request)
+
+
+def pick(candidates: Sequence[Holding], missing: int, ram_left: int, lend: bool) -> list[Holding]:
+    """The victims to swap for `missing` bytes, least disruption first: one victim if any
+    single one suffices (lowest priority, longest idle, least to move), else the fewest
+    (largest wins first, lower priorities before higher), each within the host RAM left.
+    Empty when even all of them together would not free enough: swapping some would
+    disturb them for nothing."""
+    fits = [h for h in candidates if h.used <= ram_left and win(h, lend) > 0]
+    single = [h for h in fits if win(h, lend) >= missing]
+    if single:
+        return [min(single, key=lambda h: (h.priority, -h.idle_s, h.used))]
+    chosen: list[Holding] = []
+    won = ram = 0
+    for h in sorted(fits, key=lambda h: (h.priority, -win(h, lend), -h.idle_s)):
+        if ram + h.used > ram_left:
+            continue
+        chosen.append(h)
+        won += win(h, lend)
+        ram += h.used
+        if won >= missing:
+            return chosen
+    return []
+
+
+# -- blocking helpers (worker threads) ------------------------------------------------------------
+
+
+def set_swapped(directory: str, slots: Iterable[SlotId], value: int) -> int:
+    """Set the `swapped` flag of the given usage slots; returns the sum of their launch
+    counters (to notice a launch that raced the swap-out). Blocking file I/O."""
+    want = set(slots)
+    u = UsageFile(directory)
+    try:
+        launches = 0
+        for s in u.usage.slots:
+            if s.pid > 0 and (int(s.pid), int(s.start_time)) in want:
+                s.swapped = value
+                launches += int(s.launches)
+        return launches
+    finally:
+        u.close()
+
+
+def clear_all_flags(directory: str) -> int:
+    """Clear every slot's swapped flag (nothing of the container is swapped); returns how many."""
+    try:
+        u = UsageFile(directory)
+    except FormatError:
+        return 0
+    try:
+        n = 0
+        for s in u.usage.slots:
+            if s.swapped:
+                s.swapped = 0
+                n += 1
+        return n
+    finally:
+        u.close()
+
+
+def launches_of(directory: str, slots: Iterable[SlotId]) -> int:
+    want = set(slots)
+    usage = formats.read_usage(directory)
+    return sum(int(s.launches) for s in usage.slots if s.pid > 0 and (int(s.pid), int(s.start_time)) in want)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# -- the resolver ------------------------------------------------------------------------------------
+
+
+class SwapResolver:
+    name = "swap"
+
+    def __init__(self, ctx: SwapHost, checkpointer: Checkpointer | None = None) -> None:
+        self.ctx = ctx
+        self.config: Config = ctx.config
+        self.ckpt = checkpointer or Checkpointer()
+        self.swapped: dict[str, Swapped] = {}
+        self.stats = SwapStats()
+        self._busy: dict[str, asyncio.Future[None]] = {}  # container key -> swap-out/in in progress
+        self._inflight = 0  # bytes of swap-outs under way (host RAM they will take)
+        self._detect: asyncio.Future[Support] | None = None
+        self._said = False
+
+    # -- support --------------------------------------------------------------------------------
+
+    async def detect(self) -> Support:
+        """Detect the checkpoint API once (in a thread) and say what was found, once."""
+        if self._detect is None:
+            self._detect = asyncio.ensure_future(asyncio.to_thread(self.ckpt.detect))
+        support = await asyncio.shield(self._detect)
+        if not self._said:
+            self._said = True
+            if support.available:
+                log.info("swap: driver checkpoint API available (driver API %d)", support.driver_version)
+            else:
+                log.warning(
+                    "swap: unavailable on this node, the resolver chain goes on without it: %s",
+                    support.reason,
+                )
+        return support
+
+    async def start(self) -> None:
+        """At agent start: detect support; take over containers a previous agent swapped."""
+        if (await self.detect()).available:
+            for alloc in self.ctx.ledger.containers():
+                try:
+                    await self._rediscover(alloc)
+                except Exception:
+                    log.exception("swap: cannot recover the swap state of %s", alloc.who())
+
+    # -- state the arbiter reads ----------------------------------------------------------------
+
+    def is_swapped(self, key: str) -> bool:
+        return key in self.swapped
+
+    @property
+    def host_ram_used(self) -> int:
+        return sum(s.bytes for s in self.swapped.values())
+
+    def swapped_bytes(self, gpu: str | None = None) -> int:
+        return sum(s.bytes for s in self.swapped.values() if gpu is None or s.gpu == gpu)
+
+    @property
+    def idle_threshold(self) -> float:
+        return self.config.swap.idle_threshold or self.config.evict_idle_threshold
+
+    def _prune(self) -> None:
+        """Forget swapped containers that were released or whose processes all died (the
+        driver freed their host copy with them)."""
+        for key, s in list(self.swapped.items()):
+            if self.ctx.ledger.get(key) is not s.alloc or not any(alive(p) for p in s.pids):
+                log.info("swap: %s is gone while swapped out; forgetting it", s.alloc.who())
+                del self.swapped[key]
+
+    # -- swap-out (the resolver) ---------------------------------------------------------------
+
+    def candidates(self, need: Need) -> list[Holding]:
+        out = []
+        for h in self.ctx.holdings(need.gpu):
+            a = h.alloc
+            if a.key == need.requester.key or a.key in self.swapped or a.key in self._busy:
+                continue
+            if not h.flags & FLAG_SWAPPABLE or h.flags & FLAG_WHOLE_GPU or a.whole_gpu:
+                continue
+            if h.used <= 0 or h.idle_s < self.idle_threshold:
+                continue
+            out.append(h)
+        return out
+
+    def ram_left(self) -> int:
+        budget = self.config.swap.host_ram_budget - self.host_ram_used - self._inflight
+        # The checkpoint lands in host RAM: never more than the host has free (if psutil
+        # cannot tell, the configured budget alone).
+        with contextlib.suppress(Exception):
+            budget = min(budget, int(psutil.virtual_memory().available))
+        return max(0, budget)
+
+    async def resolve(self, need: Need) -> Outcome:
+        support = await self.detect()
+        if not support.available:
+            return Outcome(available=False, detail=support.reason)
+        self._prune()
+        missing = need.shortfall()
+        if missing <= 0:
+            return Outcome()
+        lend = self.config.lend_unused_requests
+        cands = self.candidates(need)
+        chosen = pick(cands, missing, self.ram_left(), lend)
+        if not chosen:
+            total = sum(win(h, lend) for h in cands)
+            return Outcome(
+                detail=f"{len(cands)} idle swappable container(s) would free {format_bytes(total)} of "
+                f"{format_bytes(missing)} needed within the host RAM left ({format_bytes(self.ram_left())})"
+            )
+        freed, moved, n = 0, 0, 0
+        for h in chosen:
+            if await self._swap_out(h, need):
+                freed += win(h, lend)
+                moved += h.used
+                n += 1
+        if not n:
+            return Outcome(detail="no victim could be swapped out")
+        await self.ctx.refresh_memory()  # NVML now shows the victims' memory free
+        return Outcome(
+            freed=freed,
+            satisfied=need.try_grant(),
+            detail=f"swapped {n} container(s), {format_bytes(moved)}, to host RAM",
+        )
+
+    async def _swap_out(self, h: Holding, need: Need) -> bool:
+        alloc = h.alloc
+        key = alloc.key
+        if key in self._busy or key in self.swapped:
+            return False
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._busy[key] = done
+        self._inflight += h.used
+        try:
+            return await self._swap_out_locked(h, need)
+        except _Skip as e:
+            self.stats.failed_out += 1
+            log.info("swap: not swapping %s: %s", alloc.who(), e)
+            return False
+        finally:
+            self._inflight -= h.used
+            del self._busy[key]
+            done.set_result(None)
+
+    def _prepare(self, alloc: ContainerAlloc) -> list[tuple[int, SlotId]]:
+        """The container's CUDA processes (host pid, usage slot). Every one must be RUNNING
+        and under the shim: a process that cannot ask to be swapped back in is never
+        swapped. Blocking: /proc scans and driver calls."""
+        pids = self.ctx.peers.pids_of(alloc)
+        usage = formats.read_usage(alloc.directory)
+        slots = {(int(s.pid), int(s.start_time)) for s in usage.slots if s.pid > 0}
+        out = []
+        for pid in pids:
+            state = process_state(pid, self.ckpt)
+            if state is None:
+                continue  # no CUDA in this process
+            ident = proc_identity(pid)
+            if ident is None:
+                continue  # exited
+            if state != ProcessState.RUNNING:
+                raise _Skip(f"process {pid} is {state.name}")
+            if ident not in slots:
+                raise _Skip(
+                    f"process {pid} uses CUDA outside the memguard shim and could not ask to come back"
+                )
+            out.append((pid, ident))
+        if not out:
+            raise _Skip("no CUDA process found in its cgroup")
+        return out
+
+    async def _swap_out_locked(self, h: Holding, need: Need) -> bool:
+        alloc = h.alloc
+        procs = await asyncio.to_thread(self._prepare, alloc)
+        pids = [p for p, _ in procs]
+        slots = [s for _, s in procs]
+        lock_ms = int(self.config.swap.lock_timeout * 1000)
+        t0 = time.monotonic()
+        # Flag first: a launch from now on asks for swap-in (and waits for this swap-out).
+        before = await asyncio.to_thread(set_swapped, alloc.directory, slots, 1)
+        try:
+            await asyncio.to_thread(self.ckpt.swap_out, pids, lock_ms)
+        except CheckpointError as e:
+            await asyncio.to_thread(set_swapped, alloc.directory, slots, 0)
+            raise _Skip(str(e)) from None
+        entry = Swapped(alloc, need.gpu, h.used, tuple(pids), tuple(slots), needed_by=need.who())
+        after = await asyncio.to_thread(launches_of, alloc.directory, slots)
+        if after != before:
+            # It launched work while being swapped; a launch that passed the flag check just
+            # before it was set is blocked in the driver with nobody to ask for it: restore now.
+            self.stats.reverted += 1
+            if await self._restore(entry):
+                raise _Skip("it became active during the swap-out")
+        self.swapped[alloc.key] = entry
+        self.ctx.revoke_burst(alloc)  # the burst goes with it; it is arbitrated again on the way back
+        self.stats.swapped_out += 1
+        self.stats.bytes_out += h.used
+        metrics.count_swap(alloc, "out")
+        secs = time.monotonic() - t0
+        log.warning(
+            "swap: %s (%s, idle %.0fs) moved to host RAM in %.2fs for %s needing %s on GPU %s",
+            alloc.who(),
+            format_bytes(h.used),
+            h.idle_s,
+            secs,
+            need.who(),
+            format_bytes(need.bytes),
+            need.gpu,
+        )
+        self.ctx.event(
+            alloc,
+            "Normal",
+            REASON_SWAPPED_OUT,
+            f"{format_bytes(h.used)} of GPU memory of container {alloc.container or alloc.key} moved to host "
+            f"RAM after {h.idle_s:.0f}s idle: {need.who()} needed {format_bytes(need.bytes)} on GPU "
+            f"{need.gpu}; it comes back on the container's next GPU work",
+        )
+        self.ctx.event(
+            need.requester,
+            "Normal",
+            REASON_SWAPPED_FOR,
+            f"{alloc.who()} ({format_bytes(h.used)} of GPU memory) was swapped to host RAM to make room "
+            f"for {format_bytes(need.bytes)} needed by this container on GPU {need.gpu}",
+        )
+        return True
+
+    # -- swap-in (the arbiter's SWAP_IN op) -------------------------------------------------------
+
+    async def swap_in(self, alloc: ContainerAlloc) -> bool:
+        """The container asks for its memory back. True once it is restored (or was never
+        swapped): the shim may go on. False: not now, the shim asks again."""
+        key = alloc.key
+        await self.detect()
+        while key in self._busy:  # a swap-out or another swap-in of it is under way
+            await asyncio.shield(self._busy[key])
+        entry = self.swapped.get(key)
+        if entry is None:
+            entry = await self._rediscover(alloc)
+            if entry is None:
+                return True
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._busy[key] = done
+        try:
+            return await self._swap_in(entry)
+        finally:
+            del self._busy[key]
+            done.set_result(None)
+
+    async def _rediscover(self, alloc: ContainerAlloc) -> Swapped | None:
+        """A container flagged swapped that this agent did not swap (a previous agent did):
+        its checkpointed processes become a Swapped entry again; stale flags are cleared."""
+        try:
+            usage = await asyncio.to_thread(formats.read_usage, alloc.directory)
+        except FormatError:
+            return None
+        flagged = [s for s in usage.slots if s.pid > 0 and s.swapped]
+        if not flagged:
+            return None
+
+        def find() -> list[tuple[int, SlotId]]:
+            want = {(int(s.pid), int(s.start_time)) for s in flagged}
+            out = []
+            for pid in self.ctx.peers.pids_of(alloc):
+                ident = proc_identity(pid)
+                state = process_state(pid, self.ckpt) if self.ckpt.available else None
+                if ident in want and state in (ProcessState.LOCKED, ProcessState.CHECKPOINTED):
+                    out.append((pid, ident))
+            return out
+
+        procs = await asyncio.to_thread(find) if self.ckpt.available else []
+        if not procs:
+            n = await asyncio.to_thread(clear_all_flags, alloc.directory)
+            log.info("swap: cleared %d stale swapped flag(s) of %s", n, alloc.who())
+            return None
+        entry = Swapped(
+            alloc,
+            alloc.gpus[0],
+            int(usage.total_used),
+            tuple(p for p, _ in procs),
+            tuple(s for _, s in procs),
+            needed_by="a previous agent",
+        )
+        self.swapped[alloc.key] = entry
+        log.info("swap: %s is swapped out (%s); taken over", alloc.who(), format_bytes(entry.bytes))
+        return entry
+
+    def _swap_in_need(self, entry: Swapped) -> tuple[Need, int]:
+        """The request a swap-in makes of the chain: its burst part re-granted, and all of
+        its memory physically free (its guarantee part is already held for it, unless lent)."""
+        alloc = entry.alloc
+        cfg = alloc.config
+        target = max(0, entry.bytes - alloc.request_bytes)
+        lend = self.config.lend_unused_requests
+        needed = entry.bytes if lend else target
+        loop = asyncio.get_running_loop()
+        need = Need(
+            requester=alloc,
+            gpu=entry.gpu,
+            bytes=needed,
+            priority=cfg.priority,
+            deadline=loop.time() + cfg.wait_timeout_ms / 1000.0,
+            kind="swap-in",
+            try_grant=lambda: False,
+            shortfall=lambda: 0,
+            seq=self.ctx.next_seq(),
+        )
+
+        def try_grant() -> bool:
+            if need.granted:
+                return True
+            if lend and self.ctx.free_for(alloc) < needed:
+                return False
+            return self.ctx.try_grant(need, target)
+
+        need.try_grant = try_grant
+        need.shortfall = lambda: max(0, needed - self.ctx.free_for(alloc))
+        return need, target
+
+    async def _swap_in(self, entry: Swapped) -> bool:
+        alloc = entry.alloc
+        if self.ctx.ledger.get(alloc.key) is not alloc:
+            self.swapped.pop(alloc.key, None)
+            return True
+        need, _ = self._swap_in_need(entry)
+        await self.ctx.refresh_memory()
+        ok = need.try_grant()
+        if not ok:
+            left = need.deadline - asyncio.get_running_loop().time()
+            try:
+                ok = await asyncio.wait_for(self.ctx.chain.resolve(need), max(0.0, left) + 0.05)
+            except TimeoutError:
+                ok = need.granted
+        if not ok:
+            self.stats.failed_in += 1
+            log.info(
+                "swap: %s cannot come back yet: %s needed on GPU %s (%s)",
+                alloc.who(),
+                format_bytes(entry.bytes),
+                entry.gpu,
+                "; ".join(need.notes) or "not free",
+            )
+            return False
+        if not await self._restore(entry):
+            self.ctx.revoke_burst(alloc)  # the grant made for it is not used
+            return False
+        return True
+
+    async def _restore(self, entry: Swapped) -> bool:
+        """Restore + unlock the processes, clear the flags, forget the entry."""
+        alloc = entry.alloc
+        t0 = time.monotonic()
+        pids = [p for p in entry.pids if alive(p)]
+        try:
+            await asyncio.to_thread(self.ckpt.swap_in, pids)
+        except CheckpointError as e:
+            self.stats.failed_in += 1
+            log.warning("swap: restoring %s failed, it stays in host RAM: %s", alloc.who(), e)
+            self.swapped[alloc.key] = entry
+            return False
+        self.swapped.pop(alloc.key, None)
+        await asyncio.to_thread(set_swapped, alloc.directory, entry.slots, 0)
+        await self.ctx.refresh_memory()
+        secs = time.monotonic() - t0
+        self.stats.swapped_in += 1
+        metrics.count_swap(alloc, "in")
+        away = time.monotonic() - entry.since
+        log.info(
+            "swap: %s back on GPU %s in %.2fs (%s)", alloc.who(), entry.gpu, secs, format_bytes(entry.bytes)
+        )
+        self.ctx.event(
+            alloc,
+            "Normal",
+            REASON_SWAPPED_IN,
+            f"{format_bytes(entry.bytes)} of GPU memory of container {alloc.container or alloc.key} restored "
+            f"to GPU {entry.gpu} from host RAM after {away:.0f}s swapped out",
+        )
+        return True
+
+
+def of(chain: Chain) -> SwapResolver | None:
+    """The swap resolver in an arbiter's chain, if the config names it."""
+    return next((r for r in chain.resolvers if isinstance(r, SwapResolver)), None)
+
+
+async def handle_swap_in(ctx: SwapHost, alloc: ContainerAlloc) -> int:
+    """The arbiter's handler of the shim's SWAP_IN op: the reply status."""
+    resolver = of(ctx.chain)
+    if resolver is None:
+        # No swap resolver here: nothing of ours can be swapped. Flags a container set on
+        # itself (its usage file is writable to it) are cleared so its shim goes on.
+        await asyncio.to_thread(clear_all_flags, alloc.directory)
+        return formats.BURST_GRANTED
+    return formats.BURST_GRANTED if await resolver.swap_in(alloc) else formats.BURST_DENIED

@@ -1,0 +1,356 @@
+"""The watchdog: GPU memory as NVML sees it, per container, against the container's limit.
+
+The memguard shim holds every process that loads it to its container's limit. A
+program that bypasses it (a static binary, LD_PRELOAD unset, its own dlopen of
+the driver by path) is invisible to the shim but not to NVML: every interval the
+watchdog reads NVML's per-process used memory, maps each process to its
+container through /proc/<pid>/cgroup (gpufrac.agent.peers), sums per container
+and GPU, and compares with the container's limit plus a tolerance (NVML also
+counts the CUDA context, which the shim does not).
+
+Modes (config.watchdog.mode):
+* off      - not started;
+* report   - a container over its limit gets a Warning Event, a log line and a
+             metric, once per episode (until it is back under);
+* enforce  - the same, and its offending processes are killed, largest first,
+             until the rest fits; each kill is an Event naming usage and limit.
+
+GPU processes that belong to no gpufrac container (another device plugin's pod,
+a process on the host) are reported in the log and a metric, never killed.
+
+Blocking work (NVML, /proc reads, kill and wait) runs in worker threads; the
+decisions are made on the agent's loop, which owns the ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import select
+import signal
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import pynvml
+
+from gpufrac.agent import metrics
+from gpufrac.agent.allocations import ContainerAlloc, Ledger
+from gpufrac.agent.config import WatchdogConfig
+from gpufrac.agent.inventory import NvmlError, nvml_call, nvml_session
+from gpufrac.agent.kube import ObjectRef
+from gpufrac.agent.peers import CgroupIdentity, PeerError, read_cgroup
+from gpufrac.agent.units import format_bytes
+from gpufrac.memguard.formats import FLAG_WHOLE_GPU
+
+log = logging.getLogger(__name__)
+
+REASON_OVER_LIMIT = "GpuMemoryOverLimit"
+REASON_KILLED = "GpuMemoryLimitEnforced"
+KILL_WAIT = 10.0
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """One process's memory on one GPU, as NVML reports it."""
+
+    pid: int
+    gpu: str  # GPU UUID
+    used: int  # bytes
+
+
+@dataclass(frozen=True)
+class Observed:
+    """A GPU process and the kubelet container its cgroup names (None: not in one)."""
+
+    proc: GpuProcess
+    cgroup: CgroupIdentity | None
+
+
+@dataclass
+class Verdict:
+    """A container over its limit on one GPU, and which of its processes must go."""
+
+    alloc: ContainerAlloc
+    gpu: str
+    usage: int  # bytes NVML shows for the container on that GPU
+    limit: int  # the container's limit there (0 on a GPU it was not given)
+    allowed: int  # limit + tolerance
+    procs: list[GpuProcess]  # the container's processes on that GPU, largest first
+    kill: list[GpuProcess] = field(default_factory=list)
+
+
+class Lookup(Protocol):
+    """Which gpufrac allocation a kubelet container holds (gpufrac.agent.peers.PeerLookup)."""
+
+    def allocation(self, pod_uid: str, container_id: str) -> ContainerAlloc: ...
+
+
+class EventSink(Protocol):
+    def record(self, ref: ObjectRef, type_: str, reason: str, message: str) -> None: ...
+
+
+# -- NVML and /proc (blocking) -------------------------------------------------------------------
+
+
+def read_gpu_processes() -> list[GpuProcess]:
+    """Compute processes and their used memory on every GPU (blocking NVML calls).
+    Processes whose memory NVML cannot attribute (usedGpuMemory unavailable) count as 0."""
+    out: list[GpuProcess] = []
+    with nvml_session():
+        count = nvml_call("nvmlDeviceGetCount", pynvml.nvmlDeviceGetCount)
+        for i in range(count):
+            try:
+                h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                uuid = pynvml.nvmlDeviceGetUUID(h)
+                procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+            except pynvml.NVMLError as e:
+                log.warning("watchdog: processes of GPU %d: %s", i, e)
+                continue
+            for p in procs:
+                used = p.usedGpuMemory
+                out.append(GpuProcess(int(p.pid), uuid, int(used) if isinstance(used, int) else 0))
+    return out
+
+
+def observe(proc_root: str = "/proc") -> list[Observed]:
+    """NVML's GPU processes, each with its container's cgroup identity (blocking)."""
+    out = []
+    for p in read_gpu_processes():
+        try:
+            ident = read_cgroup(p.pid, proc_root)
+        except PeerError:
+            continue  # exited since NVML listed it
+        out.append(Observed(p, ident))
+    return out
+
+
+def kill_if_same(
+    pid: int, ident: CgroupIdentity, proc_root: str = "/proc", timeout: float = KILL_WAIT
+) -> bool:
+    """SIGKILL `pid` only if it is still the process of that container (a pidfd pins it
+    against pid reuse between the check and the signal); wait for it to exit. Blocking."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return False  # already gone
+    try:
+        try:
+            now = read_cgroup(pid, proc_root)
+        except PeerError:
+            return False
+        if now is None or (now.pod_uid, now.container_id) != (ident.pod_uid, ident.container_id):
+            return False
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except OSError:
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(timeout * 1000):
+            log.error("watchdog: process %d did not exit within %.0fs of SIGKILL", pid, timeout)
+        return True
+    finally:
+        os.close(fd)
+
+
+# -- the decision (pure) -------------------------------------------------------------------------
+
+
+def plan(owned: Iterable[tuple[ContainerAlloc, GpuProcess]], tolerance: int, enforce: bool) -> list[Verdict]:
+    """Containers over limit + tolerance on some GPU, and (when enforcing) the processes to
+    kill: the largest first, until what is left fits. Whole-GPU containers are accounted,
+    never limited."""
+    per: dict[tuple[str, str], tuple[ContainerAlloc, list[GpuProcess]]] = {}
+    for alloc, proc in owned:
+        if alloc.config.flags & FLAG_WHOLE_GPU or alloc.whole_gpu:
+            continue
+        per.setdefault((alloc.key, proc.gpu), (alloc, []))[1].append(proc)
+    out = []
+    for (_, gpu), (alloc, procs) in per.items():
+        usage = sum(p.used for p in procs)
+        # On a GPU the container was not given, any memory is a breach.
+        limit = alloc.config.limit_bytes if gpu in alloc.gpus else 0
+        allowed = limit + tolerance
+        if usage <= allowed:
+            continue
+        procs = sorted(procs, key=lambda p: (-p.used, p.pid))
+        v = Verdict(alloc, gpu, usage, limit, allowed, procs)
+        if enforce:
+            left = usage
+            for p in procs:
+                if left <= allowed:
+                    break
+                v.kill.append(p)
+                left -= p.used
+        out.append(v)
+    return out
+
+
+# -- the watchdog --------------------------------------------------------------------------------
+
+
+def pod_ref(alloc: ContainerAlloc) -> ObjectRef | None:
+    """The Event target for an allocation's pod (None while the pod is unknown)."""
+    if not alloc.pod:
+        return None
+    path = f"spec.containers{{{alloc.container}}}" if alloc.container else ""
+    return ObjectRef("Pod", alloc.pod, alloc.namespace or "", alloc.pod_uid or "", field_path=path)
+
+
+class Watchdog:
+    """Runs on the agent's loop. `lookup` maps a cgroup identity to its allocation
+    (PeerLookup); `events()` gives the EventRecorder to post Kubernetes Events with (it
+    appears once pod identity is up; None = log only)."""
+
+    def __init__(
+        self,
+        config: WatchdogConfig,
+        ledger: Ledger,
+        lookup: Lookup,
+        events: Callable[[], EventSink | None] = lambda: None,
+        *,
+        observer: Callable[[], list[Observed]] = observe,
+        killer: Callable[[int, CgroupIdentity], bool] = kill_if_same,
+    ) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.lookup = lookup
+        self._events = events
+        self._observe = observer
+        self._kill = killer
+        self._over: set[tuple[str, str]] = set()  # (container key, GPU) over limit now: reported once
+        self.unowned: dict[int, GpuProcess] = {}  # GPU processes of no gpufrac container, last scan
+        # Counters (read by metrics and tests).
+        self.scans = 0
+        self.kills = 0
+        self.reports = 0
+        self.errors = 0
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def enforcing(self) -> bool:
+        return self.config.mode == "enforce"
+
+    def start(self) -> asyncio.Task[None] | None:
+        if self.config.mode == "off":
+            log.info("watchdog off")
+            return None
+        log.info(
+            "watchdog in %s mode: every %.1fs, tolerance %s",
+            self.config.mode,
+            self.config.interval,
+            format_bytes(self.config.tolerance),
+        )
+        self._task = asyncio.create_task(self._loop(), name="watchdog")
+        return self._task
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.scan()
+            except asyncio.CancelledError:
+                raise
+            except NvmlError as e:
+                self.errors += 1
+                log.error("watchdog: NVML: %s", e)
+            except Exception:
+                self.errors += 1
+                log.exception("watchdog scan failed")
+            await asyncio.sleep(self.config.interval)
+
+    async def scan(self) -> list[Verdict]:
+        """One pass: observe, decide, act. Returns the verdicts (tests, status)."""
+        seen = await asyncio.to_thread(self._observe)
+        owned: list[tuple[ContainerAlloc, GpuProcess]] = []
+        idents: dict[int, CgroupIdentity] = {}
+        unowned: dict[int, GpuProcess] = {}
+        me = os.getpid()
+        for o in seen:
+            alloc = self._owner(o.cgroup)
+            if alloc is None:
+                if o.proc.pid != me:
+                    unowned[o.proc.pid] = o.proc
+                continue
+            assert o.cgroup is not None
+            idents[o.proc.pid] = o.cgroup
+            owned.append((alloc, o.proc))
+        self._report_unowned(unowned)
+        verdicts = plan(owned, self.config.tolerance, self.enforcing)
+        now_over = {(v.alloc.key, v.gpu) for v in verdicts}
+        for v in verdicts:
+            if v.kill:
+                await self._enforce(v, idents)
+            elif (v.alloc.key, v.gpu) not in self._over:
+                self._report(v)
+        for key in self._over - now_over:
+            log.info("watchdog: container %s is back within its limit on GPU %s", key[0], key[1])
+        self._over = now_over
+        self.scans += 1
+        metrics.set_watchdog_unowned(len(unowned), sum(p.used for p in unowned.values()))
+        return verdicts
+
+    def _owner(self, ident: CgroupIdentity | None) -> ContainerAlloc | None:
+        if ident is None:
+            return None
+        try:
+            return self.lookup.allocation(ident.pod_uid, ident.container_id)
+        except PeerError:
+            return None
+
+    def _report_unowned(self, unowned: dict[int, GpuProcess]) -> None:
+        for pid, p in unowned.items():
+            if pid not in self.unowned:
+                log.warning(
+                    "watchdog: GPU process %d uses %s on GPU %s and belongs to no gpufrac container "
+                    "(reported, never killed)",
+                    pid,
+                    format_bytes(p.used),
+                    p.gpu,
+                )
+        self.unowned = unowned
+
+    def _describe(self, v: Verdict) -> str:
+        where = "" if v.limit or v.gpu in v.alloc.gpus else " (a GPU it was not given)"
+        return (
+            f"container {v.alloc.container or v.alloc.key} uses {format_bytes(v.usage)} of GPU memory on GPU "
+            f"{v.gpu}{where} as NVML counts it, over its limit {format_bytes(v.limit)} "
+            f"(+{format_bytes(self.config.tolerance)} tolerance)"
+        )
+
+    def _report(self, v: Verdict) -> None:
+        self.reports += 1
+        msg = (
+            f"{self._describe(v)}: processes "
+            + ", ".join(f"{p.pid} ({format_bytes(p.used)})" for p in v.procs)
+            + " bypass the memguard shim"
+            + ("" if self.enforcing else "; watchdog in report mode, nothing killed")
+        )
+        log.warning("watchdog: %s: %s", v.alloc.who(), msg)
+        self._event(v.alloc, REASON_OVER_LIMIT, msg)
+        metrics.count_watchdog("report")
+
+    async def _enforce(self, v: Verdict, idents: dict[int, CgroupIdentity]) -> None:
+        for p in v.kill:
+            killed = await asyncio.to_thread(self._kill, p.pid, idents[p.pid])
+            if not killed:
+                continue  # exited or changed container meanwhile
+            self.kills += 1
+            msg = f"{self._describe(v)}: killed process {p.pid} using {format_bytes(p.used)}"
+            log.warning("watchdog: %s: %s", v.alloc.who(), msg)
+            self._event(v.alloc, REASON_KILLED, msg)
+            metrics.count_watchdog("kill")
+
+    def _event(self, alloc: ContainerAlloc, reason: str, message: str) -> None:
+        sink = self._events()
+        ref = pod_ref(alloc)
+        if sink is not None and ref is not None:
+            sink.record(ref, "Warning", reason, message)

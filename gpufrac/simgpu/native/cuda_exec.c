@@ -1,0 +1,548 @@
+/*
+ * simgpu fake libcuda.so.1 — streams, events, context synchronize, the built-in
+ * fake module and kernel launches (cuLaunchKernel, ...Ex, cooperative).
+ *
+ * Time model: work runs on the host when it is submitted (kernels write real
+ * bytes at once), but each kernel also occupies its stream for a simulated
+ * duration. A stream's done_ns is when its last work completes; synchronize
+ * waits for it, query and events compare against it, and every launch updates
+ * the process's node-state slot (launches, last_launch_ns, busy_until_ns,
+ * busy_ns_total) so NVML shows utilisation.
+ *
+ * The fake module: any image starting with "SIMGPU-MODULE". Its kernels and
+ * their parameters are documented in docs/simgpu.md.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cuda_internal.h"
+
+#define MODULE_MAGIC "SIMGPU-MODULE"
+
+void cu_sleep_until(uint64_t t_ns) {
+    for (uint64_t now = sim_now_ns(); now < t_ns; now = sim_now_ns()) {
+        uint64_t d = t_ns - now;
+        struct timespec ts = {(time_t)(d / 1000000000u), (long)(d % 1000000000u)};
+        nanosleep(&ts, NULL);
+    }
+}
+
+static void atomic_max(_Atomic uint64_t *a, uint64_t v) {
+    uint64_t cur = atomic_load(a);
+    while (cur < v && !atomic_compare_exchange_weak(a, &cur, v)) {
+    }
+}
+
+/* ------------------------------------------------------------------ streams */
+
+CUresult cu_stream_get(CUstream h, struct CUctx_st **ctx, struct CUstream_st **s) {
+    if (h == NULL || h == CU_STREAM_LEGACY || h == CU_STREAM_PER_THREAD) {
+        CUresult r = cu_need_ctx(ctx);
+        if (r) return r;
+        *s = &(*ctx)->null_stream;
+        return CUDA_SUCCESS;
+    }
+    if (!cu_obj_ok(h, OBJ_STREAM)) return CUDA_ERROR_INVALID_HANDLE;
+    *s = h;
+    *ctx = h->hdr.ctx;
+    return CUDA_SUCCESS;
+}
+
+void cu_stream_work(struct CUctx_st *ctx, struct CUstream_st *s, uint64_t dur_ns, int launch) {
+    uint64_t now = sim_now_ns(), start = atomic_load(&s->done_ns);
+    if (start < now) start = now;
+    atomic_store(&s->done_ns, start + dur_ns);
+    atomic_max(&ctx->done_ns, start + dur_ns);
+    if (!launch) return;
+    simgpu_proc_t *slot = cu_slot(ctx->gpu);
+    if (!slot) return;
+    atomic_fetch_add(&slot->launches, 1);
+    atomic_store(&slot->last_launch_ns, now);
+    atomic_max(&slot->busy_until_ns, start + dur_ns);
+    atomic_fetch_add(&slot->busy_ns_total, dur_ns);
+}
+
+static _Atomic uint64_t g_stream_ids = 2; /* 0-2 read as the implicit streams */
+
+static CUresult stream_create(CUstream *ph, unsigned int flags, int priority) {
+    struct CUctx_st *c;
+    CUresult r = cu_need_ctx(&c);
+    if (r) return r;
+    if (!ph || (flags & ~1u)) return CUDA_ERROR_INVALID_VALUE;
+    struct CUstream_st *s = calloc(1, sizeof *s);
+    if (!s) return CUDA_ERROR_OUT_OF_MEMORY;
+    s->flags = flags;
+    s->priority = priority < -5 ? -5 : priority > 0 ? 0 : priority;
+    s->id = atomic_fetch_add(&g_stream_ids, 1) + 1;
+    cu_obj_add(s, OBJ_STREAM, c);
+    *ph = s;
+    return CUDA_SUCCESS;
+}
+
+CU_API CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags) {
+    CU_ENTER();
+    return stream_create(phStream, Flags, 0);
+}
+
+CU_API CUresult cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int priority) {
+    CU_ENTER();
+    return stream_create(phStream, flags, priority);
+}
+
+CU_API CUresult cuStreamDestroy_v2(CUstream hStream) {
+    CU_ENTER();
+    if (!cu_obj_del(hStream, OBJ_STREAM)) return CUDA_ERROR_INVALID_HANDLE;
+    free(hStream); /* pending work "completes" in the background, as on a GPU */
+    return CUDA_SUCCESS;
+}
+CU_API CUresult cuStreamDestroy(CUstream hStream) { return cuStreamDestroy_v2(hStream); }
+
+CU_API CUresult cuStreamSynchronize(CUstream hStream) {
+    CU_ENTER();
+    struct CUctx_st *c;
+    struct CUstream_st *s;
+    CUresult r = cu_stream_get(hStream, &c, &s);
+    if (r) return r;
+    if (s->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    cu_sleep_until(atomic_load(&s->done_ns));
+    cu_pools_release();
+    return c->sticky;
+}
+
+CU_API CUresult cuStreamQuery(CUstream hStream) {
+    CU_ENTER();
+    struct CUctx_st *c;
+    struct CUstream_st *s;
+    CUresult r = cu_stream_get(hStream, &c, &s);
+    if (r) return r;
+    if (s->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    if (c->sticky) return c->sticky;
+    return atomic_load(&s->done_ns) <= sim_now_ns() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
+CU_API CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags) {
+    CU_ENTER();
+    struct CUctx_st *c;
+    struct CUstream_st *s;
+    CUresult r = cu_stream_get(hStream, &c, &s);
+    if (r) return r;
+    if (!cu_obj_ok(hEvent, OBJ_EVENT)) return CUDA_ERROR_INVALID_HANDLE;
+    if (Flags & ~1u) return CUDA_ERROR_INVALID_VALUE;
+    if (hEvent->recorded) atomic_max(&s->done_ns, hEvent->at_ns);
+    return CUDA_SUCCESS;
+}
+
+CU_API CUresult cuStreamGetFlags(CUstream hStream, unsigned int *flags) {
+    CU_ENTER();
+    struct CUctx_st *c;
+    struct CUstream_st *s;
+    CUresult r = cu_stream_get(hStream, &c, &s);
+    if (r) return r;
+    if (!flags) return CUDA_ERROR_INVALID_VALUE;
+    *flags = s->flags;
+    return CUDA_SUCCESS;
+}
+
+CU_API CUresult cuStreamGetPriority(CUstream hStream, int *priority) {
+    CU_ENTER();
+    struct CUctx_st *c;
+    struct CUstream_st *s;
+    CUresult r = cu_stream_get(hStream, &c, &s);
+    if (r) return r;
+    if (!priority) return CUDA_ERROR_INVALID_VALUE;
+    *priority = s->priority;
+    return CUDA_SUCCESS;
+}
+
+CU_API CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx) {
+    CU_ENTER();
+    struct CUstream_st *s;
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    return cu_stream_get(hStream, pctx, &s);
+}
+
+CU_API CUresult cuStreamGetId(CUstream hStream, unsigned long long *streamId) {
+    CU_ENTER();
+    struct CUctx_st *c;
+    struct CUstream_st *s;
+    CUresult r = cu_stream_get(hStream, &c, &s);
+    if (r) return r;
+    if (!streamId) return CUDA_ERROR_INVALID_VALUE;
+    *streamId = s == &c->null_stream ? (hStream == CU_STREAM_PER_THREAD ? 2 : 1) : s->id;
+    return CUDA_SUCCESS;
+}
+
+void cu_ctx_streams_destroy(struct CUctx_st *ctx) {
+    void *objs[256];
+    size_t n;
+    while ((n = cu_obj_owned(OBJ_STREAM, ctx, objs, 256)) > 0)
+        for (size_t i = 0; i < n; i++)
+            if (cu_obj_del(objs[i], OBJ_STREAM)) free(objs[i]);
+    while ((n = cu_obj_owned(OBJ_EVENT, ctx, objs, 256)) > 0)
+        for (size_t i = 0; i < n; i++)
+            if (cu_obj_del(objs[i], OBJ_EVENT)) free(objs[i]);
+    while ((n = cu_obj_owned(OBJ_MODULE, ctx, objs, 256)) > 0)
+        for (size_t i = 0; i < n; i++) {
+            struct CUmod_st *m = objs[i];
+            for (int k = 0; k < 3; k++) cu_obj_del(&m->funcs[k], OBJ_FUNC);
+            if (cu_obj_del(m, OBJ_MODULE)) free(m);
+        }
+}
+
+/* ------------------------------------------------------------------ events */
+
+#define CU_EVENT_DISABLE_TIMING 0x2
+
+CU_API CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags) {
+    CU_ENTER();
+    struct CUctx_st *c;
+    CUresult r = cu_need_ctx(&c);
+    if (r) return r;
+    if (!phEvent || (Flags & ~0x7u)) return CUDA_ERROR_INVALID_VALUE;
+    struct CUevent_st *e = calloc(1, sizeof *e);
+    if (!e) return CUDA_ERROR_OUT_OF_MEMORY;
+    e->flags = Flags;
+    cu_obj_add(e, OBJ_EVENT, c);
+    *phEvent = e;
+    return CUDA_SUCCESS;
+}
+
+CU_API CUresult cuEventRecordWithFlags(CUevent hEvent, CUstream hStream, unsigned int flags) {
+    CU_ENTER();
+    struct CUctx_st *c;
+    struct CUstream_st *s;
+    CUresult r = cu_stream_get(hStream, &c, &s);
+    if (r) return r;
+    if (!cu_obj_ok(hEvent, OBJ_EVENT) || hEvent->hdr.ctx != c) return CUDA_ERROR_INVALID_HANDLE;
+    if (flags & ~1u) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t now = sim_now_ns(), done = atomic_load(&s->done_ns);
+    hEvent->at_ns = done > now ? done : now;
+    hEvent->recorded = 1;
+    return CUDA_SUCCESS;
+}
+
+CU_API CUresult cuEventRecord(CUevent hEvent, CUstream hStream) { return cuEventRecordWithFlags(hEvent, hStream, 0); }
+
+CU_API CUresult cuEventQuery(CUevent hEvent) {
+    CU_ENTER();
+    if (!cu_obj_ok(hEvent, OBJ_EVENT)) return CUDA_ERROR_INVALID_HANDLE;
+    return !hEvent->recorded || hEvent->at_ns <= sim_now_ns() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
+CU_API CUresult cuEventSynchronize(CUevent hEvent) {
+    CU_ENTER();
+    if (!cu_obj_ok(hEvent, OBJ_EVENT)) return CUDA_ERROR_INVALID_HANDLE;
+    if (hEvent->recorded) cu_sleep_until(hEvent->at_ns);
+    cu_pools_release();
+    return hEvent->hdr.ctx->sticky;
+}
+
+CU_API CUresult cuEventElapsedTime_v2(float *pMilliseconds, CUevent hStart, CUevent hEnd) {
+    CU_ENTER();
+    if (!pMilliseconds) return CUDA_ERROR_INVALID_VALUE;
+    if (!cu_obj_ok(hStart, OBJ_EVENT) || !cu_obj_ok(hEnd, OBJ_EVENT)) return CUDA_ERROR_INVALID_HANDLE;
+    if ((hStart->flags | hEnd->flags) & CU_EVENT_DISABLE_TIMING) return CUDA_ERROR_INVALID_HANDLE;
+    if (!hStart->recorded || !hEnd->recorded) return CUDA_ERROR_INVALID_HANDLE;
+    uint64_t now = sim_now_ns();
+    if (hStart->at_ns > now || hEnd->at_ns > now) return CUDA_ERROR_NOT_READY;
+    *pMilliseconds = (float)(((double)hEnd->at_ns - (double)hStart->at_ns) / 1e6);
+    return CUDA_SUCCESS;
+}
+CU_API CUresult cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd) {
+    return cuEventElapsedTime_v2(pMilliseconds, hStart, hEnd);
+}
+
+CU_API CUresult cuEventDestroy_v2(CUevent hEvent) {
+    CU_ENTER();
+    if (!cu_obj_del(hEvent, OBJ_EVENT)) return CUDA_ERROR_INVALID_HANDLE;
+    free(hEvent);
+    return CUDA_SUCCESS;
+}
+CU_API CUresult cuEventDestroy(CUevent hEvent) { return cuEventDestroy_v2(hEvent); }
+
+CU_API CUresult cuCtxSynchronize(void) {
+    CU_ENTER();
+    struct CUctx_st *c;
+    CUresult r = cu_need_ctx(&c);
+    if (r) return r;
+    cu_sleep_until(atomic_load(&c->done_ns));
+    cu_pools_release();
+    return c->sticky;
+}
+
+/* ------------------------------------------------------------------ the fake module */
+
+static const struct {
+    const char *name;
+    int kernel;
+    int nparams;
+    unsigned char size[4]; /* bytes per parameter; packed at 8-byte-aligned offsets */
+} k_kernels[3] = {
+    {"fill_u32", KERN_FILL_U32, 3, {8, 8, 4, 0}},
+    {"check_u32", KERN_CHECK_U32, 4, {8, 8, 4, 8}},
+    {"busy_us", KERN_BUSY_US, 1, {8, 0, 0, 0}},
+};
+
+static CUresult module_load(CUmodule *module, const void *image) {
+    struct CUctx_st *c;
+    CUresult r = cu_need_ctx(&c);
+    if (r) return r;
+    if (!module || !image) return CUDA_ERROR_INVALID_VALUE;
+    if (memcmp(image, MODULE_MAGIC, sizeof MODULE_MAGIC - 1) != 0) return CUDA_ERROR_INVALID_IMAGE;
+    struct CUmod_st *m = calloc(1, sizeof *m);
+    if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
+    for (int k = 0; k < 3; k++) {
+        m->funcs[k].kernel = k_kernels[k].kernel;
+        m->funcs[k].name = k_kernels[k].name;
+        m->funcs[k].mod = m;
+        cu_obj_add(&m->funcs[k], OBJ_FUNC, c);
+    }
+    cu_obj_add(m, OBJ_MODULE, c);
+    *module = m;
+    return CUDA_SUCCESS;
+}
+
+CU_API CUresult cuModuleLoadData(CUmodule *module, const void *image) {
+    CU_ENTER();
+    return module_load(module, image);
+}
+
+CU_API CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int numOptions, void *options,
+                                   void **optionValues) {
+    CU_ENTER();
+    if (numOptions && (!options || !optionValues)) return CUDA_ERROR_INVALID_VALUE;
+    return module_load(module, image);
+}
+
+CU_API CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin) {
+    CU_ENTER();
+    return module_load(module, fatCubin);
+}
+
+CU_API CUresult cuModuleLoad(CUmodule *module, const char *fname) {
+    CU_ENTER();
+    char head[sizeof MODULE_MAGIC] = {0};
+    if (!fname) return CUDA_ERROR_INVALID_VALUE;
+    int fd = open(fname, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return errno == ENOENT ? 301 /* CUDA_ERROR_FILE_NOT_FOUND */ : CUDA_ERROR_INVALID_VALUE;
+    ssize_t got = read(fd, head, sizeof head - 1);
+    close(fd);
+    if (got != (ssize_t)(sizeof head - 1)) return CUDA_ERROR_INVALID_IMAGE;
+    return module_load(module, head);
+}
+
+CU_API CUresult cuModuleUnload(CUmodule hmod) {
+    CU_ENTER();
+    if (!cu_obj_ok(hmod, OBJ_MODULE)) return CUDA_ERROR_INVALID_HANDLE;
+    for (int k = 0; k < 3; k++) cu_obj_del(&hmod->funcs[k], OBJ_FUNC);
+    if (cu_obj_del(hmod, OBJ_MODULE)) free(hmod);
+    return CUDA_SUCCESS;
+}
+
+CU_API CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name) {
+    CU_ENTER();
+    if (!hfunc || !name) return CUDA_ERROR_INVALID_VALUE;
+    if (!cu_obj_ok(hmod, OBJ_MODULE)) return CUDA_ERROR_INVALID_HANDLE;
+    for (int k = 0; k < 3; k++)
+        if (strcmp(hmod->funcs[k].name, name) == 0) {
+            *hfunc = &hmod->funcs[k];
+            return CUDA_SUCCESS;
+        }
+    return CUDA_ERROR_NOT_FOUND;
+}
+
+CU_API CUresult cuFuncGetName(const char **name, CUfunction hfunc) {
+    CU_ENTER();
+    if (!name) return CUDA_ERROR_INVALID_VALUE;
+    if (!cu_obj_ok(hfunc, OBJ_FUNC)) return CUDA_ERROR_INVALID_HANDLE;
+    *name = hfunc->name;
+    return CUDA_SUCCESS;
+}
+
+CU_API CUresult cuFuncGetAttribute(int *pi, int attrib, CUfunction hfunc) {
+    CU_ENTER();
+    if (!pi) return CUDA_ERROR_INVALID_VALUE;
+    if (!cu_obj_ok(hfunc, OBJ_FUNC)) return CUDA_ERROR_INVALID_HANDLE;
+    static const int vals[] = {1024, 0, 0, 0, 16, 80, 80, 0, 49152, -1};
+    if (attrib < 0 || attrib > 17) return CUDA_ERROR_INVALID_VALUE;
+    *pi = attrib < 10 ? vals[attrib] : 0;
+    return CUDA_SUCCESS;
+}
+
+/* ------------------------------------------------------------------ kernels and launches */
+
+static int kernel_index(int kernel) { return kernel - KERN_FILL_U32; }
+
+CUresult cu_kernel_pack(const struct CUfunc_st *f, void **params, void **extra,
+                        unsigned char buf[KERN_MAX_PARAM_BYTES]) {
+    int k = kernel_index(f->kernel), n = k_kernels[k].nparams;
+    size_t need = (size_t)(n - 1) * 8 + k_kernels[k].size[n - 1];
+    memset(buf, 0, KERN_MAX_PARAM_BYTES);
+    if (params) {
+        for (int i = 0; i < n; i++) {
+            if (!params[i]) return CUDA_ERROR_INVALID_VALUE;
+            memcpy(buf + 8 * i, params[i], k_kernels[k].size[i]);
+        }
+        return CUDA_SUCCESS;
+    }
+    const void *packed = NULL;
+    size_t packed_size = 0;
+    for (int i = 0; extra && extra[i] != CU_LAUNCH_PARAM_END && i < 16; i += 2) {
+        if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER) packed = extra[i + 1];
+        else if (extra[i] == CU_LAUNCH_PARAM_BUFFER_SIZE && extra[i + 1]) packed_size = *(size_t *)extra[i + 1];
+        else return CUDA_ERROR_INVALID_VALUE;
+    }
+    if (!packed || packed_size < need) return CUDA_ERROR_INVALID_VALUE;
+    memcpy(buf, packed, need);
+    return CUDA_SUCCESS;
+}
+
+void cu_kernel_exec(struct CUctx_st *ctx, struct CUstream_st *s, int kernel, const unsigned char *buf) {
+    uint64_t ptr, count, result, us;
+    uint32_t value;
+    uint64_t dur = 3000; /* launch latency */
+    memcpy(&ptr, buf, 8), memcpy(&count, buf + 8, 8), memcpy(&value, buf + 16, 4), memcpy(&result, buf + 24, 8);
+    if (kernel == KERN_BUSY_US) {
+        memcpy(&us, buf, 8);
+        dur = us > UINT64_MAX / 1000 ? UINT64_MAX / 2 : us * 1000;
+    } else if (count > SIZE_MAX / 4 || !cu_dev_range_ok((uintptr_t)ptr, count * 4, kernel == KERN_FILL_U32) ||
+               (kernel == KERN_CHECK_U32 && !cu_dev_range_ok((uintptr_t)result, 8, 1))) {
+        ctx->sticky = CUDA_ERROR_ILLEGAL_ADDRESS; /* a fault poisons the context, as on a GPU */
+    } else {
+        uint32_t *p = (uint32_t *)(uintptr_t)ptr;
+        if (kernel == KERN_FILL_U32) {
+            for (uint64_t i = 0; i < count; i++) p[i] = value;
+        } else {
+            uint64_t bad = 0;
+            for (uint64_t i = 0; i < count; i++) bad += p[i] != value;
+            memcpy((void *)(uintptr_t)result, &bad, 8);
+        }
+        dur += count * 4 / 2000; /* ~2 TB/s */
+    }
+    cu_stream_work(ctx, s, dur, 1);
+}
+
+static CUresult launch(CUfunction f, const unsigned int dims[6], CUstream h, void **params, void **extra,
+                       int cooperative) {
+    struct CUctx_st *c;
+    struct CUstream_st *s;
+    unsigned char buf[KERN_MAX_PARAM_BYTES];
+    if (!cu_obj_ok(f, OBJ_FUNC)) return CUDA_ERROR_INVALID_HANDLE;
+    CUresult r = cu_stream_get(h, &c, &s);
+    if (r) return r;
+    if (f->hdr.ctx != c) return CUDA_ERROR_INVALID_HANDLE;
+    if (c->sticky) return c->sticky;
+    for (int i = 0; i < 6; i++)
+        if (dims[i] == 0) return CUDA_ERROR_INVALID_VALUE;
+    if ((uint64_t)dims[3] * dims[4] * dims[5] > 1024 || dims[5] > 64) return CUDA_ERROR_INVALID_VALUE;
+    if (cooperative && (uint64_t)dims[0] * dims[1] * dims[2] > (uint64_t)cu_node()->gpus[c->gpu].sm_count * 32)
+        return 720; /* CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE */
+    if (params && extra) return CUDA_ERROR_INVALID_VALUE;
+    if ((r = cu_kernel_pack(f, params, extra, buf))) return r;
+    if (s->capture) return cu_graph_capture_kernel(s->capture, f, buf);
+    cu_kernel_exec(c, s, f->kernel, buf);
+    return CUDA_SUCCESS;
+}
+
+CU_API CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
+                               unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,
+                               unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra) {
+    CU_ENTER();
+    (void)sharedMemBytes;
+    const unsigned int dims[6] = {gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ};
+    return launch(f, dims, hStream, kernelParams, extra, 0);
+}
+
+CU_API CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra) {
+    CU_ENTER();
+    if (!config || (config->numAttrs && !config->attrs)) return CUDA_ERROR_INVALID_VALUE;
+    const unsigned int dims[6] = {config->gridDimX,  config->gridDimY,  config->gridDimZ,
+                                  config->blockDimX, config->blockDimY, config->blockDimZ};
+    return launch(f, dims, config->hStream, kernelParams, extra, 0);
+}
+
+CU_API CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                          unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                                          unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                                          void **kernelParams) {
+    CU_ENTER();
+    (void)sharedMemBytes;
+    const unsigned int dims[6] = {gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ};
+    return launch(f, dims, hStream, kernelParams, NULL, 1);
+}
+
+/* Per-thread default stream twins (see cuda_copy.c). */
+#define TWIN(twin, legacy, params, args) \
+    CU_API CUresult twin params;         \
+    CU_API CUresult twin params { return legacy args; }
+TWIN(cuStreamSynchronize_ptsz, cuStreamSynchronize, (CUstream h), (h))
+TWIN(cuStreamQuery_ptsz, cuStreamQuery, (CUstream h), (h))
+TWIN(cuStreamWaitEvent_ptsz, cuStreamWaitEvent, (CUstream h, CUevent e, unsigned int f), (h, e, f))
+TWIN(cuStreamGetFlags_ptsz, cuStreamGetFlags, (CUstream h, unsigned int *f), (h, f))
+TWIN(cuStreamGetPriority_ptsz, cuStreamGetPriority, (CUstream h, int *p), (h, p))
+TWIN(cuStreamGetCtx_ptsz, cuStreamGetCtx, (CUstream h, CUcontext *c), (h, c))
+TWIN(cuStreamGetId_ptsz, cuStreamGetId, (CUstream h, unsigned long long *i), (h, i))
+TWIN(cuEventRecord_ptsz, cuEventRecord, (CUevent e, CUstream h), (e, h))
+TWIN(cuEventRecordWithFlags_ptsz, cuEventRecordWithFlags, (CUevent e, CUstream h, unsigned int f), (e, h, f))
+TWIN(cuLaunchKernel_ptsz, cuLaunchKernel,
+     (CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, unsigned int by,
+      unsigned int bz, unsigned int sm, CUstream h, void **p, void **e),
+     (f, gx, gy, gz, bx, by, bz, sm, h, p, e))
+TWIN(cuLaunchKernelEx_ptsz, cuLaunchKernelEx, (const CUlaunchConfig *c, CUfunction f, void **p, void **e),
+     (c, f, p, e))
+TWIN(cuLaunchCooperativeKernel_ptsz, cuLaunchCooperativeKernel,
+     (CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, unsigned int by,
+      unsigned int bz, unsigned int sm, CUstream h, void **p),
+     (f, gx, gy, gz, bx, by, bz, sm, h, p))
+
+const cu_sym_t cu_syms_exec[] = {
+    CU_SYM("cuStreamCreate", 2000, cuStreamCreate),
+    CU_SYM("cuStreamCreateWithPriority", 5050, cuStreamCreateWithPriority),
+    CU_SYM("cuStreamDestroy", 2000, cuStreamDestroy),
+    CU_SYM("cuStreamDestroy", 4000, cuStreamDestroy_v2),
+    CU_SYM("cuStreamSynchronize", 2000, cuStreamSynchronize),
+    CU_SYM_PT("cuStreamSynchronize", 2000, cuStreamSynchronize_ptsz),
+    CU_SYM("cuStreamQuery", 2000, cuStreamQuery),
+    CU_SYM_PT("cuStreamQuery", 2000, cuStreamQuery_ptsz),
+    CU_SYM("cuStreamWaitEvent", 3020, cuStreamWaitEvent),
+    CU_SYM_PT("cuStreamWaitEvent", 3020, cuStreamWaitEvent_ptsz),
+    CU_SYM("cuStreamGetFlags", 5050, cuStreamGetFlags),
+    CU_SYM_PT("cuStreamGetFlags", 5050, cuStreamGetFlags_ptsz),
+    CU_SYM("cuStreamGetPriority", 5050, cuStreamGetPriority),
+    CU_SYM_PT("cuStreamGetPriority", 5050, cuStreamGetPriority_ptsz),
+    CU_SYM("cuStreamGetCtx", 9020, cuStreamGetCtx),
+    CU_SYM_PT("cuStreamGetCtx", 9020, cuStreamGetCtx_ptsz),
+    CU_SYM("cuStreamGetId", 12000, cuStreamGetId),
+    CU_SYM_PT("cuStreamGetId", 12000, cuStreamGetId_ptsz),
+    CU_SYM("cuEventCreate", 2000, cuEventCreate),
+    CU_SYM("cuEventRecord", 2000, cuEventRecord),
+    CU_SYM_PT("cuEventRecord", 2000, cuEventRecord_ptsz),
+    CU_SYM("cuEventRecordWithFlags", 11010, cuEventRecordWithFlags),
+    CU_SYM_PT("cuEventRecordWithFlags", 11010, cuEventRecordWithFlags_ptsz),
+    CU_SYM("cuEventQuery", 2000, cuEventQuery),
+    CU_SYM("cuEventSynchronize", 2000, cuEventSynchronize),
+    CU_SYM("cuEventElapsedTime", 2000, cuEventElapsedTime),
+    CU_SYM("cuEventElapsedTime", 12080, cuEventElapsedTime_v2),
+    CU_SYM("cuEventDestroy", 2000, cuEventDestroy),
+    CU_SYM("cuEventDestroy", 4000, cuEventDestroy_v2),
+    CU_SYM("cuCtxSynchronize", 2000, cuCtxSynchronize),
+    CU_SYM("cuModuleLoad", 2000, cuModuleLoad),
+    CU_SYM("cuModuleLoadData", 2000, cuModuleLoadData),
+    CU_SYM("cuModuleLoadDataEx", 2010, cuModuleLoadDataEx),
+    CU_SYM("cuModuleLoadFatBinary", 2000, cuModuleLoadFatBinary),
+    CU_SYM("cuModuleUnload", 2000, cuModuleUnload),
+    CU_SYM("cuModuleGetFunction", 2000, cuModuleGetFunction),
+    CU_SYM("cuFuncGetName", 12030, cuFuncGetName),
+    CU_SYM("cuFuncGetAttribute", 2020, cuFuncGetAttribute),
+    CU_SYM("cuLaunchKernel", 4000, cuLaunchKernel),
+    CU_SYM_PT("cuLaunchKernel", 4000, cuLaunchKernel_ptsz),
+    CU_SYM("cuLaunchKernelEx", 11060, cuLaunchKernelEx),
+    CU_SYM_PT("cuLaunchKernelEx", 11060, cuLaunchKernelEx_ptsz),
+    CU_SYM("cuLaunchCooperativeKernel", 9000, cuLaunchCooperativeKernel),
+    CU_SYM_PT("cuLaunchCooperativeKernel", 9000, cuLaunchCooperativeKernel_ptsz),
+};
+const size_t cu_syms_exec_n = sizeof cu_syms_exec / sizeof cu_syms_exec[0];

@@ -1,0 +1,339 @@
+/*
+ * simgpu fake libcuda.so.1 — stream-ordered allocation: memory pools,
+ * cuMemAllocAsync / cuMemAllocFromPoolAsync / cuMemFreeAsync and pool attributes.
+ *
+ * Behaviour modelled on the real driver:
+ *   - A pool reserves backing memory in blocks of whole 2 MiB granules, charged
+ *     to the GPU when reserved (so NVML counts a pool's reserved memory, not what
+ *     the application is using from it).
+ *   - Freed blocks stay reserved in the pool and are reused by later allocations.
+ *   - At every synchronize (stream, event, context) each pool releases free
+ *     blocks back to the GPU until its reserved memory is at or below its
+ *     CU_MEMPOOL_ATTR_RELEASE_THRESHOLD (default 0: everything free goes back).
+ *     cuMemPoolTrimTo releases immediately down to the given size.
+ *   - An allocation that does not fit first releases the pool's own free blocks
+ *     and tries again; then it fails with CUDA_ERROR_OUT_OF_MEMORY.
+ *   - USED_MEM counts the blocks handed out (whole granules), RESERVED_MEM the
+ *     blocks held; the *_HIGH watermarks can only be reset (set to 0).
+ */
+#include <stdlib.h>
+#include <sys/mman.h>
+
+#include "cuda_internal.h"
+
+typedef struct block {
+    uintptr_t base;
+    size_t size;
+    struct block *next;
+} block_t;
+
+struct CUmemPoolHandle_st {
+    cu_obj_t hdr;
+    int dev;
+    uint32_t gpu;
+    int is_default, destroyed;
+    size_t max_size;
+    uint64_t threshold, reserved, reserved_high, used, used_high;
+    int reuse[3];
+    block_t *free;
+    struct CUmemPoolHandle_st *next;
+};
+
+static pthread_mutex_t g_pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct CUmemPoolHandle_st *g_pools, *g_default[SIMGPU_MAX_GPUS], *g_current[SIMGPU_MAX_GPUS];
+
+static struct CUmemPoolHandle_st *pool_new(int dev, int is_default, size_t max_size) {
+    struct CUmemPoolHandle_st *p = calloc(1, sizeof *p);
+    if (!p) return NULL;
+    p->dev = dev, p->gpu = cu_g_devs[dev], p->is_default = is_default, p->max_size = max_size;
+    p->reuse[0] = p->reuse[1] = p->reuse[2] = 1;
+    p->next = g_pools;
+    g_pools = p;
+    cu_obj_add(p, OBJ_POOL, NULL);
+    return p;
+}
+
+/* Callers hold g_pool_lock. */
+static struct CUmemPoolHandle_st *default_pool(int dev) {
+    if (!g_default[dev]) g_default[dev] = pool_new(dev, 1, 0);
+    if (!g_current[dev]) g_current[dev] = g_default[dev];
+    return g_current[dev];
+}
+
+static void trim_locked(struct CUmemPoolHandle_st *p, uint64_t keep) {
+    while (p->reserved > keep && p->free) {
+        block_t *b = p->free;
+        p->free = b->next;
+        cu_unmap((void *)b->base, b->size);
+        cu_uncharge(p->gpu, b->size);
+        p->reserved -= b->size;
+        free(b);
+    }
+}
+
+static void unlink_locked(struct CUmemPoolHandle_st *p) {
+    for (struct CUmemPoolHandle_st **pp = &g_pools; *pp; pp = &(*pp)->next)
+        if (*pp == p) {
+            *pp = p->next;
+            break;
+        }
+    free(p);
+}
+
+void cu_pools_release(void) {
+    pthread_mutex_lock(&g_pool_lock);
+    for (struct CUmemPoolHandle_st *p = g_pools; p; p = p->next)
+        if (p->reserved > p->threshold) trim_locked(p, p->threshold);
+    pthread_mutex_unlock(&g_pool_lock);
+}
+
+static CUresult pool_alloc(CUdeviceptr *dptr, size_t size, struct CUmemPoolHandle_st *p, CUstream h) {
+    struct CUctx_st *c;
+    struct CUstream_st *s;
+    CUresult r = cu_stream_get(h, &c, &s);
+    if (r) return r;
+    if (!dptr || size == 0) return CUDA_ERROR_INVALID_VALUE;
+    if (s->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED; /* graph memory nodes: not simulated */
+    pthread_mutex_lock(&g_pool_lock);
+    if (!p) p = default_pool(c->dev);
+    if (!p || p->destroyed) {
+        pthread_mutex_unlock(&g_pool_lock);
+        return p ? CUDA_ERROR_INVALID_HANDLE : CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    size_t bsize = cu_round_up(size, CU_GRANULARITY);
+    block_t *b = NULL;
+    for (block_t **bp = &p->free; *bp; bp = &(*bp)->next) /* reuse a free block that fits */
+        if ((*bp)->size >= bsize) {
+            b = *bp;
+            *bp = b->next;
+            break;
+        }
+    if (!b) {
+        if (p->max_size && p->reserved + bsize > p->max_size) trim_locked(p, 0);
+        if ((p->max_size && p->reserved + bsize > p->max_size) ||
+            (cu_charge(p->gpu, bsize) != CUDA_SUCCESS &&
+             (trim_locked(p, 0), cu_charge(p->gpu, bsize) != CUDA_SUCCESS))) {
+            pthread_mutex_unlock(&g_pool_lock);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        void *mem = cu_map_anon(bsize, PROT_READ | PROT_WRITE);
+        b = mem ? calloc(1, sizeof *b) : NULL;
+        if (!b) {
+            if (mem) cu_unmap(mem, bsize);
+            cu_uncharge(p->gpu, bsize);
+            pthread_mutex_unlock(&g_pool_lock);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        b->base = (uintptr_t)mem, b->size = bsize;
+        p->reserved += bsize;
+        if (p->reserved > p->reserved_high) p->reserved_high = p->reserved;
+    }
+    /* For a pool block, `charged` is the block size (charged to the GPU by the pool). */
+    cu_alloc_t a = {.base = b->base, .size = size, .charged = b->size, .gpu = p->gpu, .kind = MEM_POOL,
+                    .ctx = c, .owner = p};
+    if (cu_reg_insert(&a) != 0) {
+        b->next = p->free, p->free = b;
+        pthread_mutex_unlock(&g_pool_lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    p->used += b->size;
+    if (p->used > p->used_high) p->used_high = p->used;
+    *dptr = b->base;
+    free(b);
+    pthread_mutex_unlock(&g_pool_lock);
+    return CUDA_SUCCESS;
+}
+
+CUresult cu_pool_free_block(const cu_alloc_t *a) {
+    cu_alloc_t got;
+    block_t *b = malloc(sizeof *b);
+    if (!b) return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&g_pool_lock);
+    if (cu_reg_remove(a->base, &got) != 0) { /* freed concurrently */
+        pthread_mutex_unlock(&g_pool_lock);
+        free(b);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    struct CUmemPoolHandle_st *p = got.owner;
+    b->base = got.base, b->size = got.charged, b->next = p->free;
+    p->free = b;
+    p->used = p->used >= got.charged ? p->used - got.charged : 0;
+    if (p->destroyed && p->used == 0) { /* the last outstanding block of a destroyed pool */
+        trim_locked(p, 0);
+        unlink_locked(p);
+    }
+    pthread_mutex_unlock(&g_pool_lock);
+    return CUDA_SUCCESS;
+}
+
+static int pool_ok(CUmemoryPool pool) { return cu_obj_ok(pool, OBJ_POOL); }
+
+CU_API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) {
+    CU_ENTER();
+    return pool_alloc(dptr, bytesize, NULL, hStream);
+}
+
+CU_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream) {
+    CU_ENTER();
+    if (!pool_ok(pool)) return CUDA_ERROR_INVALID_HANDLE;
+    return pool_alloc(dptr, bytesize, pool, hStream);
+}
+
+/* Stream-ordered free: pool blocks go back to their pool; other device memory
+ * (cuMemAlloc) is freed outright, as the real driver allows. */
+CU_API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
+    CU_ENTER();
+    struct CUctx_st *c;
+    struct CUstream_st *s;
+    CUresult r = cu_stream_get(hStream, &c, &s);
+    if (r) return r;
+    if (s->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    return cu_mem_free(dptr);
+}
+
+CU_API CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps) {
+    CU_ENTER();
+    if (!pool || !poolProps || poolProps->allocType != 1 || poolProps->location.type != 1)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (cu_check_dev(poolProps->location.id)) return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&g_pool_lock);
+    struct CUmemPoolHandle_st *p = pool_new(poolProps->location.id, 0, poolProps->maxSize);
+    pthread_mutex_unlock(&g_pool_lock);
+    if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
+    *pool = p;
+    return CUDA_SUCCESS;
+}
+
+CU_API CUresult cuMemPoolDestroy(CUmemoryPool pool) {
+    CU_ENTER();
+    if (!pool_ok(pool)) return CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&g_pool_lock);
+    CUresult r = CUDA_SUCCESS;
+    if (pool->is_default) {
+        r = CUDA_ERROR_INVALID_VALUE;
+    } else {
+        cu_obj_del(pool, OBJ_POOL);
+        for (int d = 0; d < SIMGPU_MAX_GPUS; d++)
+            if (g_current[d] == pool) g_current[d] = g_default[d];
+        pool->destroyed = 1;
+        trim_locked(pool, 0);
+        if (pool->used == 0) unlink_locked(pool); /* else: freed with its last block */
+    }
+    pthread_mutex_unlock(&g_pool_lock);
+    return r;
+}
+
+CU_API CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep) {
+    CU_ENTER();
+    if (!pool_ok(pool)) return CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&g_pool_lock);
+    trim_locked(pool, minBytesToKeep);
+    pthread_mutex_unlock(&g_pool_lock);
+    return CUDA_SUCCESS;
+}
+
+CU_API CUresult cuMemPoolSetAttribute(CUmemoryPool pool, int attr, void *value) {
+    CU_ENTER();
+    if (!pool_ok(pool)) return CUDA_ERROR_INVALID_HANDLE;
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = CUDA_SUCCESS;
+    pthread_mutex_lock(&g_pool_lock);
+    switch (attr) {
+    case 1: case 2: case 3: pool->reuse[attr - 1] = *(int *)value != 0; break;
+    case 4: pool->threshold = *(cuuint64_t *)value; break;
+    case 6: /* RESERVED_MEM_HIGH: may only be reset */
+        if (*(cuuint64_t *)value) r = CUDA_ERROR_INVALID_VALUE;
+        else pool->reserved_high = pool->reserved;
+        break;
+    case 8: /* USED_MEM_HIGH: may only be reset */
+        if (*(cuuint64_t *)value) r = CUDA_ERROR_INVALID_VALUE;
+        else pool->used_high = pool->used;
+        break;
+    default: r = CUDA_ERROR_INVALID_VALUE;
+    }
+    pthread_mutex_unlock(&g_pool_lock);
+    return r;
+}
+
+CU_API CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *value) {
+    CU_ENTER();
+    if (!pool_ok(pool)) return CUDA_ERROR_INVALID_HANDLE;
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = CUDA_SUCCESS;
+    pthread_mutex_lock(&g_pool_lock);
+    switch (attr) {
+    case 1: case 2: case 3: *(int *)value = pool->reuse[attr - 1]; break;
+    case 4: *(cuuint64_t *)value = pool->threshold; break;
+    case 5: *(cuuint64_t *)value = pool->reserved; break;
+    case 6: *(cuuint64_t *)value = pool->reserved_high; break;
+    case 7: *(cuuint64_t *)value = pool->used; break;
+    case 8: *(cuuint64_t *)value = pool->used_high; break;
+    default: r = CUDA_ERROR_INVALID_VALUE;
+    }
+    pthread_mutex_unlock(&g_pool_lock);
+    return r;
+}
+
+CU_API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev) {
+    CU_ENTER();
+    CUresult r = cu_check_dev(dev);
+    if (r) return r;
+    if (!pool_out) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_pool_lock);
+    default_pool(dev);
+    *pool_out = g_default[dev];
+    pthread_mutex_unlock(&g_pool_lock);
+    return *pool_out ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+CU_API CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev) {
+    CU_ENTER();
+    CUresult r = cu_check_dev(dev);
+    if (r) return r;
+    if (!pool) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_pool_lock);
+    *pool = default_pool(dev);
+    pthread_mutex_unlock(&g_pool_lock);
+    return *pool ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+CU_API CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool) {
+    CU_ENTER();
+    CUresult r = cu_check_dev(dev);
+    if (r) return r;
+    if (!pool_ok(pool)) return CUDA_ERROR_INVALID_HANDLE;
+    if (pool->dev != dev) return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&g_pool_lock);
+    g_current[dev] = pool;
+    pthread_mutex_unlock(&g_pool_lock);
+    return CUDA_SUCCESS;
+}
+
+CU_API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
+CU_API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) {
+    return cuMemAllocAsync(dptr, bytesize, hStream);
+}
+CU_API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream h);
+CU_API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream h) {
+    return cuMemAllocFromPoolAsync(dptr, bytesize, pool, h);
+}
+CU_API CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream);
+CU_API CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream) { return cuMemFreeAsync(dptr, hStream); }
+
+const cu_sym_t cu_syms_pool[] = {
+    CU_SYM("cuMemAllocAsync", 11020, cuMemAllocAsync),
+    CU_SYM_PT("cuMemAllocAsync", 11020, cuMemAllocAsync_ptsz),
+    CU_SYM("cuMemAllocFromPoolAsync", 11020, cuMemAllocFromPoolAsync),
+    CU_SYM_PT("cuMemAllocFromPoolAsync", 11020, cuMemAllocFromPoolAsync_ptsz),
+    CU_SYM("cuMemFreeAsync", 11020, cuMemFreeAsync),
+    CU_SYM_PT("cuMemFreeAsync", 11020, cuMemFreeAsync_ptsz),
+    CU_SYM("cuMemPoolCreate", 11020, cuMemPoolCreate),
+    CU_SYM("cuMemPoolDestroy", 11020, cuMemPoolDestroy),
+    CU_SYM("cuMemPoolTrimTo", 11020, cuMemPoolTrimTo),
+    CU_SYM("cuMemPoolSetAttribute", 11020, cuMemPoolSetAttribute),
+    CU_SYM("cuMemPoolGetAttribute", 11020, cuMemPoolGetAttribute),
+    CU_SYM("cuDeviceGetDefaultMemPool", 11020, cuDeviceGetDefaultMemPool),
+    CU_SYM("cuDeviceGetMemPool", 11020, cuDeviceGetMemPool),
+    CU_SYM("cuDeviceSetMemPool", 11020, cuDeviceSetMemPool),
+};
+const size_t cu_syms_pool_n = sizeof cu_syms_pool / sizeof cu_syms_pool[0];

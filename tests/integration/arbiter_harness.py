@@ -1,0 +1,300 @@
+"""A node for arbiter tests: the real ledger, pod identity on kmock's apiserver, the arbiter on
+its own event loop, and "containers" that are real processes in real cgroups
+(gpufrac.simgpu.runtime) speaking the shim's protocol on the real socket.
+
+Allocation goes as on a node: the ledger books slices, the device plugin's
+ContainerAllocateResponse gives the container its envs and mounts, the pod (with
+its annotations and priority) lives in the apiserver and its
+status.containerStatuses names the container ID the runtime chose, and
+PodIdentity applies the pod's policy to the config file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from kube_fixtures import KubeServer, pod_manifest
+
+from gpufrac.agent.allocations import ContainerAlloc, Ledger
+from gpufrac.agent.arbiter import Arbiter
+from gpufrac.agent.config import Config, load
+from gpufrac.agent.identity import PodIdentity
+from gpufrac.agent.inventory import read_inventory
+from gpufrac.agent.kube import EventRecorder, PodCache, make_api_client
+from gpufrac.agent.peers import PeerLookup, namer_from_pods
+from gpufrac.deviceplugin.podresources import ContainerDevices
+from gpufrac.deviceplugin.server import arbiter_socket, container_response
+from gpufrac.deviceplugin.slices import MEMORY, device_id
+from gpufrac.memguard import formats
+from gpufrac.simgpu.runtime import Container, ContainerRuntime, mounts_of
+
+T = TypeVar("T")
+NODE = "node-a"
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+class LoopThread:
+    """An event loop in a background thread: the agent's loop for these tests."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="arbiter-loop", daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[], Coroutine[Any, Any, T]] | Callable[[], T], timeout: float = 60.0) -> T:
+        async def run() -> T:
+            r = fn()
+            return await r if asyncio.iscoroutine(r) else r  # type: ignore[return-value]
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(30)
+        self.loop.close()
+
+
+class Workload:
+    """A container process running the stand-in workload; `do` sends one command."""
+
+    def __init__(self, box: Box, container: Container) -> None:
+        self.box = box
+        self.container = container
+        self._lines: queue.Queue[str] = queue.Queue()
+        assert container.proc.stdout is not None
+        threading.Thread(target=self._read, args=(container.proc.stdout,), daemon=True).start()
+        assert self.line(60) == "ready", "the workload did not start"
+
+    def _read(self, pipe: Any) -> None:
+        for raw in pipe:
+            self._lines.put(raw.decode().strip())
+        self._lines.put("<exited>")
+
+    def line(self, timeout: float = 60.0) -> str:
+        try:
+            return self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"{self.box.pod}: no answer within {timeout}s") from None
+
+    def send(self, cmd: str) -> None:
+        assert self.container.proc.stdin is not None
+        self.container.proc.stdin.write((cmd + "\n").encode())
+        self.container.proc.stdin.flush()
+
+    def do(self, cmd: str, timeout: float = 60.0) -> str:
+        self.send(cmd)
+        return self.line(timeout)
+
+
+@dataclass
+class Box:
+    """One pod with one GPU container on the node."""
+
+    pod: str
+    uid: str
+    alloc: ContainerAlloc
+    container: Container | None = None
+    workload: Workload | None = None
+
+    def config(self) -> formats.ContainerConfig:
+        return formats.read_config(self.alloc.directory)
+
+    def used(self) -> int:
+        return int(formats.read_usage(self.alloc.directory).total_used)
+
+
+class ArbiterNode:
+    def __init__(self, kube: KubeServer, overrides: dict[str, Any] | None = None) -> None:
+        self.kube = kube
+        self.v1 = kube.core_v1()
+        self.root = Path(tempfile.mkdtemp(prefix="gfa", dir="/tmp"))  # short: socket paths
+        base = {"nodeName": NODE, "paths": {"stateDir": str(self.root / "state")}, "resolvers": ["wait"]}
+        base.update(overrides or {})
+        self.cfg: Config = load(overrides=base)
+        self.lt = LoopThread()
+        self.runtime = ContainerRuntime(view_root=self.root / "v")
+        self.ledger = Ledger(self.cfg, read_inventory())
+        self.gpu = self.ledger.inventory.gpus[0].uuid
+        self.listing: dict[str, ContainerDevices] = {}
+        self.boxes: list[Box] = []
+        self.state_path: Path | None = None  # the sim node-state file (make_node sets it)
+        self._next_slice = 0
+
+        async def setup() -> tuple[PodIdentity, Arbiter]:
+            api = make_api_client(host=kube.url)
+            pods = PodCache(api, NODE)
+            pods.start()
+            assert await pods.wait_synced(30)
+            ident = PodIdentity(self.cfg, self.ledger, pods, EventRecorder(api, NODE))
+            arb = Arbiter(
+                self.cfg,
+                self.ledger,
+                PeerLookup(self.ledger, namer_from_pods(pods)),
+                arbiter_socket(self.cfg),
+                events=ident.events,
+            )
+            await arb.start()
+            return ident, arb
+
+        self.identity, self.arbiter = self.lt.call(setup)
+
+    @property
+    def socket(self) -> str:
+        return arbiter_socket(self.cfg)
+
+    def add(
+        self,
+        pod: str,
+        request_gib: int,
+        limit: str | None = None,
+        *,
+        priority: int = 0,
+        preemptible: bool = True,
+        wait_timeout: str | None = None,
+        start: bool = True,
+    ) -> Box:
+        """Book `request_gib` GiB for pod/main, create the pod, start its container."""
+        ids = [device_id(self.gpu, MEMORY, self._next_slice + i) for i in range(request_gib)]
+        self._next_slice += request_gib
+        alloc = self.lt.call(lambda: self.ledger.allocate(MEMORY, ids))
+        self.listing[alloc.key] = ContainerDevices("default", pod, "main", MEMORY, tuple(ids))
+        ann = {"gpufrac.dev/preemptible": str(preemptible).lower()}
+        if limit:
+            ann["gpufrac.dev/gpu-memory-limit"] = limit
+        if wait_timeout:
+            ann["gpufrac.dev/wait-timeout"] = wait_timeout
+        created = self.v1.create_namespaced_pod(
+            "default", pod_manifest(pod, node=NODE, annotations=ann, priority=priority)
+        )
+        box = Box(pod, created.metadata.uid, alloc)
+        self.boxes.append(box)
+        self.lt.call(lambda: self.identity.resolve(self.listing))
+        assert box.config().pod_uid == box.uid
+        if start:
+            self.start(box)
+        return box
+
+    def start(self, box: Box) -> Workload:
+        resp = container_response(box.alloc, self.cfg)
+        c = self.runtime.start(
+            box.uid,
+            "main",
+            [sys.executable, "-m", "gpufrac.simgpu.runtime"],
+            # The stand-in workload does the shim's part itself: no LD_PRELOAD.
+            envs={k: v for k, v in resp.envs.items() if k != "LD_PRELOAD"},
+            mounts=mounts_of(resp),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        box.container = c
+        self.set_container_id(box.pod, box.uid, c.runtime_id)
+        return self._attach(box, c)
+
+    def _attach(self, box: Box, c: Container) -> Workload:
+        box.workload = Workload(box, c)
+        return box.workload
+
+    def set_container_id(self, pod: str, uid: str, runtime_id: str, container: str = "main") -> None:
+        """What the kubelet reports once the container runs: status.containerStatuses."""
+        cs = {"name": container, "containerID": runtime_id, "image": "app", "imageID": "app", "ready": True}
+        status = {"phase": "Running", "containerStatuses": [{**cs, "restartCount": 0}]}
+        self.v1.patch_namespaced_pod(pod, "default", {"status": status})
+        cid = runtime_id.split("://", 1)[-1]
+
+        def seen() -> bool:
+            p = self.identity.pods.by_uid(uid)  # type: ignore[union-attr]
+            return p is not None and cid in p.container_ids
+
+        self.until(seen, what=f"{pod}'s container ID in the pod cache")
+
+    def until(self, cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+        """Poll cond() on the agent's loop until it holds."""
+
+        async def wait() -> None:
+            deadline = asyncio.get_running_loop().time() + timeout
+            while not cond():
+                if asyncio.get_running_loop().time() > deadline:
+                    raise AssertionError(f"timed out waiting for {what}")
+                await asyncio.sleep(0.01)
+
+        self.lt.call(wait, timeout + 5)
+
+    def on_loop(self, fn: Callable[[], Awaitable[T]] | Callable[[], T]) -> T:
+        return self.lt.call(fn)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self.runtime.close()
+
+        async def down() -> None:
+            await self.arbiter.stop()
+            await self.identity.close()
+
+        try:
+            self.lt.call(down)
+        finally:
+            self.lt.close()
+            for b in self.boxes:
+                self.ledger.release(b.alloc.key)
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def nvml_node(directory: Path, preset: str = "dgx-h100") -> Iterator[Path]:
+    """A simulated node seen by this process's nvidia-ml-py (the agent's NVML reads).
+
+    Like conftest's in_process_nvml, but needs only the fake libnvidia-ml (the arbiter
+    never loads libcuda), so these tests do not wait on the fake driver's build."""
+    import ctypes
+    import os
+
+    import pynvml
+
+    from gpufrac import native
+    from gpufrac.simgpu.spec import create_node, load_preset
+
+    path = directory / "node.state"
+    create_node(load_preset(preset), path)
+    ctypes.CDLL(str(native.library(native.FAKE_NVML)), mode=ctypes.RTLD_GLOBAL)
+    old = os.environ.get("SIMGPU_STATE")
+    os.environ["SIMGPU_STATE"] = str(path)
+    pynvml.nvmlInit()
+    try:
+        yield path
+    finally:
+        pynvml.nvmlShutdown()
+        if old is None:
+            os.environ.pop("SIMGPU_STATE", None)
+        else:
+            os.environ["SIMGPU_STATE"] = old
+
+
+@pytest.fixture
+def make_node(tmp_path: Path, kube_server: KubeServer) -> Iterator[Callable[..., ArbiterNode]]:
+    """make_node(resolvers=[...], **config overrides) -> an ArbiterNode on a fresh sim node."""
+    made: list[ArbiterNode] = []
+    with nvml_node(tmp_path) as path:
+
+        def make(**overrides: Any) -> ArbiterNode:
+            n = ArbiterNode(kube_server, overrides)
+            n.state_path = path
+            made.append(n)
+            return n
+
+        try:
+            yield make
+        finally:
+            for n in made:
+                n.close()

@@ -1,0 +1,154 @@
+"""The arbiter on a simulated node: real processes in real cgroups ask for bursts on the real
+socket; identity comes from SO_PEERCRED -> cgroup -> the pod's status in the apiserver."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+from arbiter_harness import NODE, ArbiterNode, GiB, MiB, make_node  # noqa: F401
+from kube_fixtures import KubeServer, kube_server, pod_manifest  # noqa: F401
+
+from gpufrac.agent import arbiter as arbiter_mod
+from gpufrac.memguard import formats
+from gpufrac.simgpu.nodestate import NodeState
+
+
+@pytest.fixture
+def node(make_node: Callable[..., ArbiterNode]) -> ArbiterNode:  # noqa: F811
+    return make_node()
+
+
+def test_burst_within_limit_is_granted_in_the_config_before_the_reply(node: ArbiterNode) -> None:
+    a = node.add("a", 4, "8Gi")
+    w = a.workload
+    assert w is not None
+    assert w.do(f"alloc {4 * GiB}") == "fast"  # the guarantee needs no agent
+    assert a.config().grant_bytes == 0
+    # The workload checks that the config already carries the grant when the reply comes.
+    assert w.do(f"alloc {2 * GiB}") == "granted"
+    assert a.config().grant_bytes == 2 * GiB
+    assert a.used() == 6 * GiB
+    assert node.arbiter.stats.granted == 1
+
+
+def test_burst_past_the_limit_is_denied(node: ArbiterNode) -> None:
+    a = node.add("a", 4, "8Gi")
+    w = a.workload
+    assert w is not None
+    assert w.do(f"alloc {4 * GiB}") == "fast"
+    # What the shim would never send; the agent still checks the limit itself.
+    assert w.do(f"burst {5 * GiB} {9 * GiB}") == "denied"
+    assert a.config().grant_bytes == 0
+    # A pod without a limit annotation has limit = request: no burst at all.
+    b = node.add("b", 2)
+    assert b.workload is not None and b.workload.do(f"burst {GiB} {3 * GiB}") == "denied"
+    assert b.config().grant_bytes == 0
+
+
+def test_grants_stay_within_nvml_free_minus_margin(node: ArbiterNode) -> None:
+    # Something outside gpufrac uses most of the GPU: the ledger thinks it is free, NVML knows.
+    with NodeState(node.state_path) as st:  # type: ignore[arg-type]
+        g = st.node.gpus[0]
+        g.used_bytes += g.total_bytes - g.reserved_bytes - g.used_bytes - 6 * GiB  # NVML: 6 GiB free
+        del g  # the mapping closes only without live views into it
+    a = node.add("a", 2, "40Gi")
+    w = a.workload
+    assert w is not None
+    assert w.do(f"alloc {2 * GiB}") == "fast"
+    # 6 GiB physically free, minus the 256 MiB margin: a 6 GiB burst cannot be granted ...
+    assert w.do(f"alloc {6 * GiB}") == "denied"
+    assert a.config().grant_bytes == 0
+    # ... one that fits under free - margin can.
+    assert w.do(f"alloc {5 * GiB}") == "granted"
+    assert a.config().grant_bytes == 5 * GiB
+    assert a.config().grant_bytes <= 6 * GiB - node.cfg.grant_margin
+
+
+def test_a_process_of_another_container_cannot_act_for_it(node: ArbiterNode) -> None:
+    a = node.add("a", 2, "8Gi")
+    assert a.container is not None
+    forged_env = dict(a.container.env)  # a's socket, a's config dir, a's everything
+
+    # b is a gpufrac pod without burst; its process uses a's environment and claims a's
+    # generation. The request acts for b (the caller's own container): denied, a untouched.
+    b = node.add("b", 2, start=False)
+    cb = node.runtime.start(
+        b.uid, "main", [sys.executable, "-c", PROBE], env=forged_env, stdout=subprocess.PIPE
+    )
+    node.set_container_id("b", b.uid, cb.runtime_id)
+    assert cb.proc.communicate(timeout=60)[0].decode().split() == ["denied"]
+
+    # c holds no gpufrac allocation at all: refused.
+    c_uid = node.v1.create_namespaced_pod("default", pod_manifest("c", node=NODE)).metadata.uid
+    cc = node.runtime.start(
+        c_uid, "main", [sys.executable, "-c", PROBE], env=forged_env, stdout=subprocess.PIPE
+    )
+    node.set_container_id("c", c_uid, cc.runtime_id)
+    assert cc.proc.communicate(timeout=60)[0].decode().split() == ["refused"]
+
+    # A process outside any kubelet container cgroup (this test process): refused.
+    rep = arbiter_mod.request(node.socket, formats.BURST_OP_BURST, GiB, 3 * GiB)
+    assert rep is not None and rep.status == formats.BURST_REFUSED
+
+    assert a.config().grant_bytes == 0 and b.config().grant_bytes == 0
+    assert node.arbiter.stats.refused == 2
+
+
+# A process that claims to be container "a" in every field the message has.
+PROBE = """
+import os
+from gpufrac.agent import arbiter
+from gpufrac.memguard import formats
+d = os.environ["GPUFRAC_CONTAINER_DIR"]
+rep = arbiter.request(os.path.join(d, formats.SOCKET_FILE), formats.BURST_OP_BURST, 1 << 30, 3 << 30,
+                      generation=formats.generation(d), timeout=30)
+names = {formats.BURST_REFUSED: "refused", formats.BURST_GRANTED: "granted", formats.BURST_DENIED: "denied"}
+print(names.get(rep.status, rep.status) if rep else "none")
+"""
+
+
+def test_socket_survives_garbage_and_answers_afterwards(node: ArbiterNode) -> None:
+    a = node.add("a", 2, "8Gi")
+    bad = [
+        b"",
+        b"\x00",
+        b"x" * 39,
+        b"\xff" * 40,
+        bytes(formats.BurstRequest(0xDEADBEEF, 1, 1, 0, 0, 1, 1, 0)),
+        bytes(formats.BurstRequest(formats.BURST_MAGIC, 99, 1, 0, 0, 1, 1, 0)),
+        bytes(formats.BurstRequest(formats.BURST_MAGIC, 1, 77, 0, 0, 1, 1, 0)),
+        os.urandom(4096),
+    ]
+    for payload in bad:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(30)
+            s.connect(node.socket)
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+            reply = s.recv(64)
+            # Either nothing, or a well-formed refusal; never a grant.
+            if reply:
+                rep = formats.BurstReply.from_buffer_copy(reply.ljust(16, b"\0"))
+                assert rep.magic == formats.BURST_MAGIC and rep.status != formats.BURST_GRANTED
+    w = a.workload
+    assert w is not None
+    assert w.do(f"alloc {2 * GiB}") == "fast"
+    assert w.do(f"alloc {GiB}") == "granted"
+
+
+def test_release_gives_the_grant_back(node: ArbiterNode) -> None:
+    a = node.add("a", 2, "8Gi")
+    w = a.workload
+    assert w is not None
+    assert w.do(f"alloc {2 * GiB}") == "fast"
+    assert w.do(f"alloc {3 * GiB}") == "granted"
+    assert a.config().grant_bytes == 3 * GiB
+    assert w.do(f"free {GiB}") == "granted"  # release op answered
+    assert a.config().grant_bytes == 2 * GiB
+    assert w.do(f"free {2 * GiB + 512 * MiB}") == "granted"
+    assert a.config().grant_bytes == 0

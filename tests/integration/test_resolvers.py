@@ -1,0 +1,133 @@
+"""Collisions on one GPU and how the wait and evict resolvers settle them: real processes in
+real cgroups on the real socket, pods and Events in the apiserver emulator."""
+# ruff: noqa: F811 - pytest fixtures imported from the harness are parameters here
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from arbiter_harness import ArbiterNode, Box, GiB, make_node  # noqa: F401
+from kube_fixtures import KubeServer, kube_server  # noqa: F401
+
+from gpufrac.agent.resolvers import REASON_EVICTED, REASON_PREEMPTED
+from gpufrac.agent.units import format_bytes
+
+Make = Callable[..., ArbiterNode]
+
+
+def fill(node: ArbiterNode, owner: Box, leave_gib: int = 0) -> int:
+    """`owner` bursts into everything grantable on the GPU but `leave_gib`; returns its burst."""
+    free = node.on_loop(lambda: node.arbiter.grantable(owner.alloc))
+    burst = free - leave_gib * GiB
+    assert burst > 0, "nothing to burst into"
+    w = owner.workload
+    assert w is not None
+    assert w.do(f"alloc {owner.alloc.request_bytes}") == "fast"
+    assert w.do(f"alloc {burst}") == "granted"
+    return burst
+
+
+def waiting(node: ArbiterNode, n: int) -> None:
+    node.until(lambda: sum(len(v) for v in node.arbiter._waiters.values()) == n, what=f"{n} waiter(s)")
+
+
+def test_wait_is_granted_when_the_other_side_frees(make_node: Make) -> None:
+    node = make_node(resolvers=["wait"])
+    a = node.add("a", 30, "78Gi")
+    b = node.add("b", 30, "60Gi", wait_timeout="120s")
+    burst = fill(node, a)
+    wb = b.workload
+    assert wb is not None and wb.do(f"alloc {30 * GiB}") == "fast"
+    wb.send(f"alloc {2 * GiB}")  # nothing is free: b waits
+    waiting(node, 1)
+    assert b.config().grant_bytes == 0
+    # a frees 3 GiB and gives its grant back: b's waiting allocation goes through. Nothing
+    # polls (the sweep only takes back grants unused for 10 s; b may wait 120 s): the
+    # release itself wakes the waiter.
+    assert a.workload is not None and a.workload.do(f"free {3 * GiB}") == "granted"
+    assert wb.line() == "granted"
+    assert b.config().grant_bytes == 2 * GiB
+    assert a.config().grant_bytes == burst - 3 * GiB
+    assert node.arbiter.stats.wait_timeouts == 0
+
+
+def test_wait_times_out_into_a_denial(make_node: Make) -> None:
+    node = make_node(resolvers=["wait"])
+    a = node.add("a", 30, "78Gi")
+    b = node.add("b", 30, "60Gi", wait_timeout="2s")
+    fill(node, a)
+    wb = b.workload
+    assert wb is not None and wb.do(f"alloc {30 * GiB}") == "fast"
+    assert wb.do(f"alloc {GiB}") == "denied"  # the shim then returns CUDA_ERROR_OUT_OF_MEMORY
+    assert node.arbiter.stats.wait_timeouts == 1
+    assert b.config().grant_bytes == 0
+    assert not node.arbiter._waiters
+
+
+def test_waiters_are_served_by_priority_then_arrival(make_node: Make) -> None:
+    node = make_node(resolvers=["wait"])
+    a = node.add("a", 20, "78Gi")
+    low1 = node.add("low1", 10, "30Gi", priority=0, wait_timeout="120s")
+    low2 = node.add("low2", 10, "30Gi", priority=0, wait_timeout="120s")
+    high = node.add("high", 10, "30Gi", priority=100, wait_timeout="120s")
+    fill(node, a)
+    order = [low1, low2, high]
+    for box in order:
+        assert box.workload is not None and box.workload.do(f"alloc {10 * GiB}") == "fast"
+    for i, box in enumerate(order):
+        assert box.workload is not None
+        box.workload.send(f"alloc {2 * GiB}")
+        waiting(node, i + 1)
+    aw = a.workload
+    assert aw is not None
+    # Room for one at a time: high first although it came last, then low1 before low2.
+    served: list[Box] = []
+    for n in range(1, len(order) + 1):
+        assert aw.do(f"free {2 * GiB}") == "granted"
+        node.until(lambda n=n: sum(b.config().grant_bytes > 0 for b in order) == n, what=f"{n} grants")
+        served += [b for b in order if b.config().grant_bytes > 0 and b not in served]
+    assert [b.pod for b in served] == ["high", "low1", "low2"]
+    for box in order:
+        assert box.workload is not None and box.workload.line() == "granted"
+
+
+def test_evict_kills_the_lower_priority_borrower(make_node: Make, kube_server: KubeServer) -> None:
+    node = make_node(resolvers=["evict", "wait"])
+    low = node.add("low", 30, "78Gi", priority=0)
+    high = node.add("high", 30, "60Gi", priority=1000, wait_timeout="30s")
+    burst = fill(node, low)
+    assert low.container is not None
+    wh = high.workload
+    assert wh is not None and wh.do(f"alloc {30 * GiB}") == "fast"
+    assert wh.do(f"alloc {4 * GiB}") == "granted"
+    assert high.config().grant_bytes == 4 * GiB
+    # low's processes were killed by host pid; its guarantee stays booked, its burst is gone.
+    assert low.container.proc.wait(30) == -9
+    assert low.config().grant_bytes == 0 and low.used() == 0
+    assert low.config().request_bytes == 30 * GiB
+    node.on_loop(lambda: node.identity.events.flush(30))  # type: ignore[union-attr]
+    evicted = [e for e in kube_server.events() if e["reason"] == REASON_EVICTED]
+    preempted = [e for e in kube_server.events() if e["reason"] == REASON_PREEMPTED]
+    assert [e["involvedObject"]["name"] for e in evicted] == ["low"]
+    assert [e["involvedObject"]["name"] for e in preempted] == ["high"]
+    # Who needed how much, on both pods.
+    assert f"pod default/high container main needed {format_bytes(4 * GiB)}" in evicted[0]["message"]
+    assert f"{format_bytes(burst)} of burst GPU memory" in preempted[0]["message"]
+    assert "pod default/low" in preempted[0]["message"]
+
+
+def test_evict_spares_non_preemptible_higher_priority_and_guaranteed(make_node: Make) -> None:
+    node = make_node(resolvers=["evict", "wait"])
+    keep = node.add("keep", 25, "78Gi", priority=0, preemptible=False)  # burst, but not preemptible
+    boss = node.add("boss", 25, "60Gi", priority=5000)  # burst, higher priority than the asker
+    calm = node.add("calm", 20, "30Gi", priority=0)  # lower priority, but only its guarantee
+    asker = node.add("asker", 5, "20Gi", priority=1000, wait_timeout="2s")
+    for box in (keep, boss, calm, asker):
+        assert box.workload is not None and box.workload.do(f"alloc {box.alloc.request_bytes}") == "fast"
+    free = node.on_loop(lambda: node.arbiter.grantable(keep.alloc))
+    assert keep.workload is not None and keep.workload.do(f"alloc {free // 2}") == "granted"
+    assert boss.workload is not None and boss.workload.do(f"alloc {free - free // 2}") == "granted"
+    assert asker.workload is not None and asker.workload.do(f"alloc {GiB}") == "denied"
+    for box in (keep, boss, calm):
+        assert box.container is not None and box.container.alive(), box.pod
+    assert keep.config().grant_bytes == free // 2 and boss.config().grant_bytes == free - free // 2

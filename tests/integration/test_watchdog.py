@@ -1,0 +1,196 @@
+"""The watchdog on a simulated node: real processes in real cgroups hold GPU memory that NVML
+shows; the watchdog maps them to their containers through /proc/<pid>/cgroup and the pod's
+status, and kills (enforce) or reports (report) the ones over their container's limit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from arbiter_harness import ArbiterNode, Box, GiB, MiB, nvml_node
+from kube_fixtures import KubeServer, kube_server  # noqa: F401
+
+from gpufrac.agent.config import WatchdogConfig
+from gpufrac.agent.watchdog import REASON_KILLED, REASON_OVER_LIMIT, Watchdog
+
+# A program that bypasses the shim: it records GPU memory for itself in the simulated
+# driver's node state, as a static binary talking to the driver would, and waits. With
+# several sizes it starts one such process per size (all in its container) and prints
+# their pids.
+HOG = textwrap.dedent(
+    """
+    import os, subprocess, sys
+    from gpufrac.agent.activity import proc_identity
+    from gpufrac.simgpu.nodestate import NodeState
+    if len(sys.argv) > 2:
+        pipe = subprocess.PIPE
+        argvs = [[sys.executable, "-c", CODE, s] for s in sys.argv[1:]]
+        kids = [subprocess.Popen(a, stdin=pipe, stdout=pipe) for a in argvs]
+        for k in kids:
+            assert k.stdout.readline().split()[0] == b"ready"
+        print("ready", *[k.pid for k in kids], flush=True)
+        sys.stdin.read()
+        raise SystemExit
+    st = NodeState(os.environ["SIMGPU_STATE"])
+    used = int(sys.argv[1])
+    for slot in st.node.procs:
+        if slot.pid == 0:
+            slot.gpu, slot.used_bytes = 0, used
+            slot.start_time = proc_identity(os.getpid())[1]
+            slot.pid = os.getpid()
+            break
+    st.node.gpus[0].used_bytes += used
+    print("ready", os.getpid(), flush=True)
+    sys.stdin.read()
+    """
+)
+HOG = HOG.replace("CODE", repr(HOG))
+
+
+@pytest.fixture
+def sim_state(tmp_path: Path) -> Iterator[Path]:
+    with nvml_node(tmp_path) as path:
+        yield path
+
+
+@pytest.fixture
+def node(sim_state: Path, kube_server: KubeServer) -> Iterator[ArbiterNode]:  # noqa: F811
+    n = ArbiterNode(kube_server)
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+def hog_env(sim_state: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)  # what a shim-less program looks like
+    env["SIMGPU_STATE"] = str(sim_state)
+    return env
+
+
+def start_hog(node: ArbiterNode, box: Box, sizes: list[int], sim_state: Path) -> list[int]:
+    """Shim-less processes in the container of `box`, one per size, holding memory on GPU 0."""
+    c = node.runtime.start(
+        box.uid,
+        "main",
+        [sys.executable, "-c", HOG, *map(str, sizes)],
+        env=hog_env(sim_state),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert c.proc.stdout is not None
+    line = c.proc.stdout.readline().split()
+    assert line[0] == b"ready", line
+    box.container = c
+    node.set_container_id(box.pod, box.uid, c.runtime_id)
+    return [int(p) for p in line[1:]]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def make_watchdog(node: ArbiterNode, mode: str) -> Watchdog:
+    cfg = WatchdogConfig(mode=mode, tolerance=256 * MiB, interval=0.05)
+    return Watchdog(cfg, node.ledger, node.arbiter.peers, lambda: node.identity.events)
+
+
+def events(kube: KubeServer, reason: str) -> list[dict[str, Any]]:
+    return [e for e in kube.events("default") if e.get("reason") == reason]
+
+
+def until(cond: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not (v := cond()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+    return v
+
+
+def test_enforce_kills_the_largest_shimless_process_over_the_limit(
+    node: ArbiterNode,
+    sim_state: Path,
+    kube_server: KubeServer,  # noqa: F811
+) -> None:
+    a = node.add("a", 1, "2Gi", start=False)
+    big, small = start_hog(node, a, [3 * GiB, 512 * MiB], sim_state)
+    wd = make_watchdog(node, "enforce")
+    node.on_loop(wd.start)
+    try:
+        until(lambda: not alive(big), "the watchdog to kill the 3 GiB process")
+        until(lambda: events(kube_server, REASON_KILLED), "the Warning Event")
+    finally:
+        node.on_loop(wd.stop)
+    # 3.5 GiB > 2 GiB + 256 MiB: the 3 GiB process went, the 512 MiB one fits and stays.
+    assert alive(small)
+    (ev,) = events(kube_server, REASON_KILLED)
+    assert ev["type"] == "Warning"
+    assert ev["involvedObject"]["name"] == "a"
+    assert "3.5Gi" in ev["message"] and "limit 2Gi" in ev["message"] and str(big) in ev["message"]
+    assert wd.kills == 1
+
+
+def test_report_mode_only_reports_once_per_episode(
+    node: ArbiterNode,
+    sim_state: Path,
+    kube_server: KubeServer,  # noqa: F811
+) -> None:
+    a = node.add("a", 1, "1Gi", start=False)
+    (hog,) = start_hog(node, a, [2 * GiB], sim_state)
+    wd = make_watchdog(node, "report")
+    (v,) = node.on_loop(wd.scan)
+    assert v.usage == 2 * GiB and v.limit == GiB and v.kill == []
+    assert node.on_loop(wd.scan)[0].kill == []  # still over: not reported twice
+    until(lambda: events(kube_server, REASON_OVER_LIMIT), "the Warning Event")
+    assert alive(hog)
+    assert wd.reports == 1 and wd.kills == 0
+    (ev,) = events(kube_server, REASON_OVER_LIMIT)
+    assert ev["type"] == "Warning" and "report mode" in ev["message"] and "2Gi" in ev["message"]
+
+
+def test_processes_of_no_gpufrac_container_are_reported_never_killed(
+    node: ArbiterNode,
+    sim_state: Path,
+    kube_server: KubeServer,  # noqa: F811
+) -> None:
+    # One on the host (no kubelet cgroup), one in a kubelet pod gpufrac does not serve.
+    host = subprocess.Popen(
+        [sys.executable, "-c", HOG, str(40 * GiB)],
+        env=hog_env(sim_state),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert host.stdout is not None and host.stdout.readline().split()[0] == b"ready"
+    other = node.runtime.start(
+        "0badc0de-0000-4000-8000-000000000001",
+        "main",
+        [sys.executable, "-c", HOG, str(20 * GiB)],
+        env=hog_env(sim_state),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert other.proc.stdout is not None and other.proc.stdout.readline().split()[0] == b"ready"
+        wd = make_watchdog(node, "enforce")
+        assert node.on_loop(wd.scan) == []
+        assert set(wd.unowned) == {host.pid, other.proc.pid}
+        assert wd.unowned[host.pid].used == 40 * GiB
+        assert host.poll() is None and other.proc.poll() is None
+        assert wd.kills == 0
+    finally:
+        host.kill()
+        host.wait()
