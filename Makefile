@@ -36,13 +36,15 @@ native: $(addprefix $(BUILD)/,$(NATIVE_LIBS))
 native-asan: $(addprefix $(ASAN_BUILD)/,$(NATIVE_LIBS))
 
 # One rule set, two flavours: release in build/native, ASan+UBSan in build/asan.
+# -Bsymbolic: like the real drivers, the fakes' calls between their own API
+# functions stay inside the library (an LD_PRELOAD shim sees only the app's calls).
 define native_rules
 $(1)/libnvidia-ml.so.1: $(SIM_SRC)/nvml.c $(SIM_SRC)/simstate.c $(SIM_HDR)
 	@mkdir -p $(1)
-	$(CC) $(2) -shared -Wl,-soname,libnvidia-ml.so.1 -o $$@ $(SIM_SRC)/nvml.c $(SIM_SRC)/simstate.c $(LDLIBS)
+	$(CC) $(2) -shared -Wl,-soname,libnvidia-ml.so.1 -Wl,-Bsymbolic -o $$@ $(SIM_SRC)/nvml.c $(SIM_SRC)/simstate.c $(LDLIBS)
 $(1)/libcuda.so.1: $(SIM_SRC)/cuda.c $(CUDA_SRC) $(SIM_SRC)/simstate.c $(SIM_HDR)
 	@mkdir -p $(1)
-	$(CC) $(2) -shared -Wl,-soname,libcuda.so.1 -o $$@ $(CUDA_SRC) $(SIM_SRC)/simstate.c $(LDLIBS)
+	$(CC) $(2) -shared -Wl,-soname,libcuda.so.1 -Wl,-Bsymbolic -o $$@ $(CUDA_SRC) $(SIM_SRC)/simstate.c $(LDLIBS)
 $(1)/libmemguard.so: $(MG_SRC)/memguard.c $(MG_HDR)
 	@mkdir -p $(1)
 	$(CC) $(2) -shared -o $$@ $(MG_SRC)/memguard.c $(LDLIBS)
@@ -66,17 +68,23 @@ run: setup
 	$(VENV)/bin/gpufrac run
 
 # Command-line tools the tests use besides the venv: kubectl (tests/integration/
-# test_deploy_manifests.py runs `kubectl kustomize`). An existing kubectl is kept;
-# otherwise Debian's package (kubernetes-client) is installed when we are root.
-tools:
-	@command -v kubectl >/dev/null 2>&1 || { \
+# test_deploy_manifests.py runs `kubectl kustomize`) and promtool (tests/integration/
+# test_metrics.py runs `promtool check metrics`). An existing one is kept; otherwise
+# its Debian package is installed when we are root. $(call need_tool,COMMAND,PACKAGE)
+define need_tool
+	@command -v $(1) >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing kubectl (Debian package kubernetes-client)"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubernetes-client >/dev/null; \
+	    echo "installing $(1) (Debian package $(2))"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(2) >/dev/null; \
 	  fi; \
-	  command -v kubectl >/dev/null 2>&1 || { \
-	    echo "error: kubectl is missing and could not be installed (needs root and apt-get);" \
-	         "install kubectl (Debian: apt-get install kubernetes-client) and re-run" >&2; exit 1; }; }
+	  command -v $(1) >/dev/null 2>&1 || { \
+	    echo "error: $(1) is missing and could not be installed (needs root and apt-get);" \
+	         "install $(1) (Debian: apt-get install $(2)) and re-run" >&2; exit 1; }; }
+endef
+
+tools:
+	$(call need_tool,kubectl,kubernetes-client)
+	$(call need_tool,promtool,prometheus)
 
 test: setup native-asan tools
 	$(PY) -m pytest -q -p no:cacheprovider tests

@@ -34,7 +34,7 @@ DRIVER_SRC = ROOT / "bench" / "shim_bench.c"
 DRIVER = ROOT / "build" / "bench" / "shim_bench"
 GiB = 1 << 30
 
-ROUNDS, LOOP_N = 15, 20000
+ROUNDS, LOOP_N, ALTERNATIONS = 20, 20000, 5
 STARTUP_PROCS, STARTUP_CONTAINERS = 300, 3  # 100 processes per container: within its 256 slots
 CONTENTION_PROCS = 8
 
@@ -90,7 +90,7 @@ class Bench:
     def overhead(self, op: str, *args: object) -> dict[str, float]:
         """Interleave plain and shim runs; keep the best of each."""
         plain, shim = [], []
-        for _ in range(3):
+        for _ in range(ALTERNATIONS):
             plain.append(self.loop(op, False, *args)[0])
             shim.append(self.loop(op, True, *args)[0])
         p, s = min(plain), min(shim)
@@ -141,7 +141,11 @@ def main() -> int:
     build_driver()
     with tempfile.TemporaryDirectory(prefix="gpufrac-bench-shim-") as tmp:
         b = Bench(Path(tmp))
-        alloc = b.overhead("allocfree", 4096)
+        # The shim's cost per pair is the same whatever the driver does; the
+        # fake's cuMemAlloc is an mmap (micro-seconds of syscall noise), its
+        # pool path is not, so the pool pair is where the shim's share shows.
+        alloc = b.overhead("asyncfree", 4096)
+        alloc_mmap = b.overhead("allocfree", 4096)
         launch = b.overhead("launch")
         getinfo = b.overhead("getinfo")
         plain_s = min(b.startup(False) for _ in range(2))
@@ -156,7 +160,11 @@ def main() -> int:
         "startup_ms_per_process": round((shim_s - plain_s) * 1000 / STARTUP_PROCS, 3),
         "contention_8proc_ratio": round(cont["ratio"], 3),
         "details": {
-            "alloc_free_pair": alloc,
+            "alloc_free_pair": {**alloc, "calls": "cuMemAllocAsync + cuMemFreeAsync (pool: no syscall)"},
+            "alloc_free_pair_mmap": {
+                **alloc_mmap,
+                "calls": "cuMemAlloc_v2 + cuMemFree_v2 (mmap/munmap in the fake: syscall noise dominates)",
+            },
             "launch": launch,
             "getinfo": getinfo,
             "startup": {

@@ -4,6 +4,8 @@
  * no interpreter in between.
  *
  *   shim_bench allocfree ROUNDS N BYTES  -> min over rounds of ns per alloc+free pair
+ *   shim_bench asyncfree ROUNDS N BYTES  -> the same through the stream-ordered pool (a cheap
+ *                                           driver path, so the shim's share shows)
  *   shim_bench launch ROUNDS N           -> ns per cuLaunchKernel
  *   shim_bench getinfo ROUNDS N          -> ns per cuMemGetInfo_v2
  *   shim_bench start                     -> init, one alloc+free, exit (start-up cost)
@@ -33,6 +35,8 @@ CUresult cuCtxSetCurrent(CUcontext);
 CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
 CUresult cuMemFree_v2(CUdeviceptr);
 CUresult cuMemGetInfo_v2(size_t *, size_t *);
+CUresult cuMemAllocAsync(CUdeviceptr *, size_t, CUstream);
+CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
 CUresult cuModuleLoadData(CUmodule *, const void *);
 CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
 CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
@@ -83,6 +87,9 @@ int main(int argc, char **argv) {
             if (!strcmp(op, "allocfree")) {
                 if ((rc = cuMemAlloc_v2(&d, bytes)) != 0) die("cuMemAlloc_v2", rc);
                 if ((rc = cuMemFree_v2(d)) != 0) die("cuMemFree_v2", rc);
+            } else if (!strcmp(op, "asyncfree")) {
+                if ((rc = cuMemAllocAsync(&d, bytes, NULL)) != 0) die("cuMemAllocAsync", rc);
+                if ((rc = cuMemFreeAsync(d, NULL)) != 0) die("cuMemFreeAsync", rc);
             } else if (!strcmp(op, "launch")) {
                 if ((rc = cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL)) != 0) die("cuLaunchKernel", rc);
             } else if (!strcmp(op, "getinfo")) {

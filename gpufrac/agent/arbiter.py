@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.config import Config
 from gpufrac.agent.kube import ObjectRef
@@ -118,6 +119,8 @@ class Arbiter:
         self._nvml_task: asyncio.Task[None] | None = None
         self._nvml_error_logged = False
         self.chain = resolvers if resolvers is not None else build_chain(config.resolvers, self)
+        # The swap resolver, if configured: its victims' memory is in host RAM, not on the GPU.
+        self.swap = swap_mod.of(self.chain)
         self.stats = Stats()
         self._server: asyncio.base_events.Server | None = None
         self._usage: dict[str, UsageFile] = {}
@@ -219,7 +222,7 @@ class Arbiter:
         if req.magic != formats.BURST_MAGIC or req.version != formats.ABI_VERSION:
             self.stats.invalid += 1
             return formats.BURST_INVALID, 0
-        if req.op not in (formats.BURST_OP_BURST, formats.BURST_OP_RELEASE):
+        if req.op not in (formats.BURST_OP_BURST, formats.BURST_OP_RELEASE, formats.BURST_OP_SWAP_IN):
             self.stats.invalid += 1
             return formats.BURST_INVALID, 0
         sock = writer.get_extra_info("socket")
@@ -232,7 +235,10 @@ class Arbiter:
         if req.op == formats.BURST_OP_RELEASE:
             return formats.BURST_GRANTED, self._release(caller.alloc, shim_returned=True)
         # The request races the caller's disconnect: a caller that gave up gets nothing.
-        work = asyncio.ensure_future(self._burst(caller, int(req.bytes), int(req.total_after)))
+        if req.op == formats.BURST_OP_SWAP_IN:
+            work = asyncio.ensure_future(self._swap_in(caller))
+        else:
+            work = asyncio.ensure_future(self._burst(caller, int(req.bytes), int(req.total_after)))
         gone = asyncio.ensure_future(reader.read(1))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -342,6 +348,9 @@ class Arbiter:
         return u
 
     def _used(self, alloc: ContainerAlloc) -> int | None:
+        """What the container holds on its GPU (a swapped-out container: nothing)."""
+        if self.swap is not None and self.swap.is_swapped(alloc.key):
+            return 0
         u = self._usage_of(alloc)
         return None if u is None else int(u.usage.total_used)
 
@@ -385,9 +394,9 @@ class Arbiter:
         out = []
         for a in self._on_gpu(gpu):
             u = self._usage_of(a)
-            if u is None:
+            used = self._used(a)
+            if u is None or used is None:
                 continue
-            used = int(u.usage.total_used)
             last = max((int(s.last_activity_ns) for s in u.usage.slots if s.pid > 0), default=0)
             out.append(
                 Holding(
@@ -402,6 +411,25 @@ class Arbiter:
                 )
             )
         return out
+
+    # -- swap (gpufrac.agent.swap: the SWAP_IN op and what the swap resolver asks) ----------------
+
+    async def _swap_in(self, caller: Caller) -> tuple[int, int]:
+        status = await swap_mod.handle_swap_in(self, caller.alloc)
+        return status, self._generation(caller.alloc)
+
+    def free_for(self, alloc: ContainerAlloc) -> int:
+        return self._free_for(alloc)
+
+    def try_grant(self, need: Need, target: int) -> bool:
+        return self._try_grant(need, target)
+
+    async def refresh_memory(self) -> None:
+        """A fresh NVML reading now (after a swap moved memory); waiters are re-checked."""
+        await self._refresh_nvml()
+
+    def next_seq(self) -> int:
+        return next(self._seq)
 
     def _generation(self, alloc: ContainerAlloc) -> int:
         try:
@@ -574,11 +602,13 @@ class Arbiter:
                 s.pid = 0
 
     def event(self, alloc: ContainerAlloc, type_: str, reason: str, message: str) -> None:
-        if self.events is None or not alloc.pod:
+        # `events` is an EventRecorder, or a callable returning the agent's (it may come later).
+        recorder = self.events() if callable(self.events) else self.events
+        if recorder is None or not alloc.pod:
             return
         path = f"spec.containers{{{alloc.container}}}" if alloc.container else ""
         ref = ObjectRef("Pod", alloc.pod, alloc.namespace or "", alloc.pod_uid or "", field_path=path)
-        self.events.record(ref, type_, reason, message)
+        recorder.record(ref, type_, reason, message)
 
 
 # -- a client (tests, the bench, the runtime emulator's stand-in workload) ------------------------

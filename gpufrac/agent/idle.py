@@ -45,11 +45,12 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from gpufrac.agent import annotations
+from gpufrac.agent import metrics as metrics_mod
 from gpufrac.agent.activity import ActivityTracker, Clock, SystemClock
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.annotations import ContainerPolicy
 from gpufrac.agent.config import Config
-from gpufrac.agent.kube import ObjectRef, PodInfo
+from gpufrac.agent.kube import KubeConfigError, ObjectRef, PodInfo, make_api_client
 from gpufrac.agent.units import format_duration, parse_duration
 
 log = logging.getLogger(__name__)
@@ -219,14 +220,18 @@ class Identity(Protocol):
     def policy(self, key: str) -> ContainerPolicy | None: ...
 
 
-# Swap: returns (done, what happened in words). Raises or returns False when it cannot.
+# Swap: returns (done, what happened in words); raises SwapUnavailable when it cannot be had.
 Swapper = Callable[[ContainerAlloc], Awaitable[tuple[bool, str]]]
 
 
-class ReapMetrics(Protocol):
-    def reaped(self, reason: str, action: str) -> None: ...
+class SwapUnavailable(Exception):
+    """Swapping to host RAM cannot be had on this node; the message says why."""
 
-    def eviction_blocked(self) -> None: ...
+
+class ReapCounter(Protocol):
+    """gpufrac.agent.metrics' counting API (a Metrics, or the module itself)."""
+
+    def count_reap(self, action: str, reason: str = "idle") -> None: ...
 
 
 # -- the reaper -------------------------------------------------------------------------------------------
@@ -276,7 +281,7 @@ class IdleReaper:
         *,
         evictor: Evictor | None = None,
         swapper: Swapper | None = None,
-        metrics: ReapMetrics | None = None,
+        metrics: ReapCounter | None = None,
         clock: Clock | None = None,
     ) -> None:
         self.cfg = cfg
@@ -285,11 +290,13 @@ class IdleReaper:
         self._identity = identity
         self.evictor = evictor
         self.swapper = swapper
-        self.metrics = metrics
+        # The running agent's Metrics through the module-level API unless one is given (tests).
+        self.metrics: ReapCounter = metrics if metrics is not None else metrics_mod
         self.clock = clock or tracker.clock or SystemClock()
         self.pending: dict[PodKey, Pending] = {}
         # Counters (tests, status): action records by Event reason.
         self.records: dict[str, int] = {}
+        self.blocked = 0  # evictions refused by a PodDisruptionBudget
 
     # -- loop -------------------------------------------------------------------------------------
 
@@ -458,17 +465,22 @@ class IdleReaper:
             why = "swap to host RAM is unavailable on this node (no swap resolver)"
         else:
             results = []
-            for alloc in view.allocs:
-                try:
-                    results.append(await self.swapper(alloc))
-                except Exception as e:  # the swap resolver failing must not stop the reaper
-                    results.append((False, f"{type(e).__name__}: {e}"))
-            if all(ok for ok, _ in results):
-                self._record(
-                    view, ident, pending.trigger, "swap", "Warning", f"{what}; GPU memory swapped to host RAM"
-                )
-                return
-            why = "swap to host RAM failed: " + "; ".join(msg for ok, msg in results if not ok)
+            try:
+                for alloc in view.allocs:
+                    try:
+                        results.append(await self.swapper(alloc))
+                    except SwapUnavailable:
+                        raise
+                    except Exception as e:  # the swap resolver failing must not stop the reaper
+                        results.append((False, f"{type(e).__name__}: {e}"))
+            except SwapUnavailable as e:
+                why = f"swap to host RAM is unavailable on this node ({e})"
+            else:
+                if all(ok for ok, _ in results):
+                    done = "; ".join(msg for _, msg in results if msg) or "GPU memory swapped to host RAM"
+                    self._record(view, ident, pending.trigger, "swap", "Warning", f"{what}; {done}")
+                    return
+                why = "swap to host RAM failed: " + "; ".join(msg for ok, msg in results if not ok)
         log.warning("pod %s: %s; notifying instead", view.who(), why)
         self._record(view, ident, pending.trigger, "notify", "Warning", f"{what}; {why}, notified only")
 
@@ -506,20 +518,21 @@ class IdleReaper:
         if out.retry_after:
             delay = max(delay, out.retry_after)
         pending.next_try = now + delay
+        # Stable messages (no running durations), so the recorder aggregates the retries
+        # into one Event's count.
+        policy = self._policy_words(view, pending.trigger)
         if out.result is EvictResult.BLOCKED:
-            if self.metrics is not None:
-                self.metrics.eviction_blocked()
-            # A stable message, so the recorder aggregates the retries into one Event's count.
+            self.blocked += 1
             text = (
                 f"eviction refused: {out.detail}; retrying with back-off, never forcing past a "
-                f"PodDisruptionBudget ({what})"
+                f"PodDisruptionBudget ({policy})"
             )
             reason = REASON_BLOCKED
         else:
             hint = (
                 "" if out.result is EvictResult.FAILED else "; set idle.allowDelete to delete pods directly"
             )
-            text = f"eviction failed: {out.detail}{hint}; retrying with back-off ({what})"
+            text = f"eviction failed: {out.detail}{hint}; retrying with back-off ({policy})"
             reason = REASON_FAILED
         log.warning(
             "pod %s: %s (attempt %d, next in %s)", view.who(), text, pending.attempts, format_duration(delay)
@@ -533,8 +546,7 @@ class IdleReaper:
     ) -> None:
         reason = action_reason(trigger, done)
         self.records[reason] = self.records.get(reason, 0) + 1
-        if self.metrics is not None:
-            self.metrics.reaped(trigger, done)
+        self.metrics.count_reap(done.replace("-", "_"), trigger.replace("-", "_"))
         self._event(view, ident, type_, reason, text)
 
     def _event(self, view: PodView, ident: Identity | None, type_: str, reason: str, message: str) -> None:
@@ -581,3 +593,65 @@ class IdleReaper:
             f"{head}: no GPU work for {format_duration(view.idle_s)}, "
             f"running {format_duration(view.runtime_s)}; {self._policy_words(view, trigger)}"
         )
+
+
+# -- wiring into the agent ---------------------------------------------------------------------------------
+
+
+async def swap_via_agent(agent: Any, alloc: ContainerAlloc) -> tuple[bool, str]:
+    """Swap one container out through the arbiter's swap resolver (gpufrac.agent.swap)."""
+    arbiter = getattr(agent, "arbiter", None)
+    if arbiter is None:
+        raise SwapUnavailable("the burst arbiter is not running")
+    from gpufrac.agent import swap
+
+    resolver = swap.of(arbiter.chain)
+    if resolver is None:
+        raise SwapUnavailable("the swap resolver is not in the resolvers list")
+    support = await resolver.detect()
+    if not support.available:
+        raise SwapUnavailable(support.reason)
+    swap_out = getattr(resolver, "swap_out", None)
+    if swap_out is None:
+        raise SwapUnavailable("the swap resolver cannot swap a container out on request")
+    result = await swap_out(alloc)
+    if isinstance(result, tuple):
+        return bool(result[0]), str(result[1])
+    return bool(result), "GPU memory swapped to host RAM" if result else "the swap resolver declined"
+
+
+async def run_for(agent: Any) -> None:
+    """The agent's idle task: the activity tracker (agent.activity, shared with the arbiter)
+    and the reaper (agent.reaper), until cancelled."""
+    cfg: Config = agent.config
+    tracker = await asyncio.to_thread(ActivityTracker.with_nvml)
+    agent.activity = tracker
+    evictor: PodEvictor | None = None
+    try:
+        evictor = PodEvictor(make_api_client(host=cfg.api_server or None), allow_delete=cfg.idle.allow_delete)
+    except KubeConfigError as e:
+        if cfg.idle.enabled and cfg.idle.action == "evict":
+            log.error("idle reaper cannot evict (it will only notify): %s", e)
+    reaper = IdleReaper(
+        cfg,
+        agent.ledger,
+        tracker,
+        lambda: getattr(agent, "identity", None),
+        evictor=evictor,
+        swapper=lambda alloc: swap_via_agent(agent, alloc),
+        metrics=getattr(agent, "metrics", None),
+    )
+    agent.reaper = reaper
+    if cfg.idle.enabled:
+        log.info(
+            "idle reaper: %s after idle-timeout %s + grace %s%s (classes interactive%s)",
+            cfg.idle.action,
+            format_duration(cfg.idle.idle_timeout) if cfg.idle.idle_timeout else "off",
+            format_duration(cfg.idle.grace_period),
+            ", dry run" if cfg.idle.dry_run else "",
+            "".join(f", {c}" for c in cfg.idle.reap_classes),
+        )
+    try:
+        await reaper.run()
+    finally:
+        await asyncio.to_thread(tracker.close)

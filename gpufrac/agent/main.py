@@ -87,6 +87,10 @@ class Agent:
         self._dirty = asyncio.Event()
         self._identity_task: asyncio.Task[None] | None = None
         self.identity: Any | None = None  # set by gpufrac.agent.identity on first use
+        self.arbiter: Any | None = None  # gpufrac.agent.arbiter.Arbiter: burst grants
+        # gpufrac.agent.idle: per-container GPU activity (ActivityTracker) and the IdleReaper.
+        self.activity: Any | None = None
+        self.reaper: Any | None = None
         self._identity_again = False
         # /metrics, /healthz, /readyz (gpufrac.agent.metrics) and the status socket (gpufrac.agent.status).
         self.metrics = metrics_mod.Metrics()
@@ -120,13 +124,52 @@ class Agent:
         if self.health is not None:
             self._apply_health(self.health.current())
             self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
+        await self._start_arbiter()  # before any container can start and ask
         for resource in slices.RESOURCES:
             plugin = self.plugins[resource] = DevicePlugin(resource, self)
             server = self.servers[resource] = PluginServer(plugin, cfg.paths.device_plugin_dir)
             await server.start()
         self._tasks.append(asyncio.create_task(self._persist_loop(), name="persist"))
         self._tasks.append(asyncio.create_task(self._reconcile_loop(), name="reconcile"))
+        self._tasks.append(asyncio.create_task(self._idle_loop(), name="idle"))
         self.started.set()
+
+    async def _idle_loop(self) -> None:
+        """Activity tracking and idle reaping, every idle.interval (gpufrac.agent.idle)."""
+        from gpufrac.agent import idle
+
+        try:
+            await idle.run_for(self)
+        except Exception:  # the rest of the agent goes on without it
+            log.exception("idle reaper stopped")
+
+    async def _start_arbiter(self) -> None:
+        """The burst arbiter on one node-wide socket (bind-mounted into each container).
+        Pod identity and Events come from gpufrac.agent.identity once it exists."""
+        from gpufrac.agent.arbiter import Arbiter
+        from gpufrac.agent.peers import PeerLookup, namer_from_pods
+        from gpufrac.deviceplugin.server import arbiter_socket
+
+        assert self.ledger is not None
+        path = arbiter_socket(self.config)
+
+        def namer(pod_uid: str, container_id: str) -> str | None:
+            return namer_from_pods(getattr(self.identity, "pods", None))(pod_uid, container_id)
+
+        arbiter = Arbiter(
+            self.config,
+            self.ledger,
+            PeerLookup(self.ledger, namer),
+            path,
+            events=lambda: getattr(self.identity, "events", None),
+        )
+        try:
+            await arbiter.start()
+        except OSError as e:  # the shim then refuses bursts: safe, and the rest still works
+            log.error("burst arbiter unavailable: cannot listen on %s: %s", path, e)
+            return
+        self.arbiter = arbiter
+        self._kick_identity()  # callers are identified through the pod cache: start it now
 
     def _open_health(self) -> Any | None:
         try:
@@ -142,6 +185,8 @@ class Agent:
         self._stopping.set()
         for server in self.servers.values():
             await server.stop()
+        if self.arbiter is not None:
+            await self.arbiter.stop()  # waiters are answered (denied), the socket removed
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

@@ -19,7 +19,7 @@ thread (a lock guards the counts):
     metrics.count_eviction(alloc)                # a victim container's processes were killed
     metrics.count_swap(alloc, "out" | "in")      # a swap-out to host RAM / swap-in back
     metrics.count_arbiter_request(kind, outcome) # a slow-path request of a shim was answered
-    metrics.count_reap(action)                   # the idle reaper acted (notify, swap, evict)
+    metrics.count_reap(action, reason)           # the idle reaper acted (evict…) on an idle|max_runtime pod
     metrics.count_watchdog(action)               # the watchdog reported a container or killed a process
     metrics.set_watchdog_unowned(n, bytes)       # GPU processes of no gpufrac container, last scan
     metrics.count_annotation_error(key)          # a pod annotation was refused
@@ -67,7 +67,9 @@ CONTAINER_LABELS = ("namespace", "pod", "container", "uuid")
 # Wait-resolver waits: from a free slot a moment later up to the longest wait timeouts.
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 SWAP_DIRECTIONS = ("out", "in")
-REAP_ACTIONS = ("notify", "swap", "evict")
+# dry_run: what the reaper would have done in idle.dryRun; delete: idle.allowDelete without the Eviction API.
+REAP_ACTIONS = ("notify", "swap", "evict", "delete", "dry_run")
+REAP_REASONS = ("idle", "max_runtime")
 WATCHDOG_ACTIONS = ("report", "kill")
 # Liveness: the loop's heartbeat task beats this often; older than STALE_AFTER = the loop is stuck.
 HEARTBEAT_INTERVAL = 1.0
@@ -179,7 +181,8 @@ class Metrics(Collector):
         self._containers: dict[str, _Counts] = {}
         self._arbiter: dict[tuple[str, str], int] = {}
         self._annotations: dict[str, int] = {}
-        self._reaps: dict[str, int] = dict.fromkeys(REAP_ACTIONS, 0)
+        # (action, reason); max_runtime series appear once counted.
+        self._reaps: dict[tuple[str, str], int] = {(a, "idle"): 0 for a in REAP_ACTIONS}
         self._watchdog: dict[str, int] = dict.fromkeys(WATCHDOG_ACTIONS, 0)
         self._unowned: tuple[int, int] | None = None  # GPU processes of no gpufrac container: count, bytes
         self.reconcile_errors = 0
@@ -215,11 +218,13 @@ class Metrics(Collector):
         with self._lock:
             self._arbiter[(kind, outcome)] = self._arbiter.get((kind, outcome), 0) + 1
 
-    def count_reap(self, action: str) -> None:
+    def count_reap(self, action: str, reason: str = "idle") -> None:
         if action not in REAP_ACTIONS:
             raise ValueError(f"reap action {action!r} is not one of {REAP_ACTIONS}")
+        if reason not in REAP_REASONS:
+            raise ValueError(f"reap reason {reason!r} is not one of {REAP_REASONS}")
         with self._lock:
-            self._reaps[action] += 1
+            self._reaps[(action, reason)] = self._reaps.get((action, reason), 0) + 1
 
     def count_watchdog(self, action: str) -> None:
         if action not in WATCHDOG_ACTIONS:
@@ -443,11 +448,11 @@ class Metrics(Collector):
         yield ann
         reaps = CounterMetricFamily(
             f"{NAMESPACE}_idle_reaps",
-            "Actions of the idle reaper on idle interactive pods.",
-            labels=["action"],
+            "Actions of the idle reaper on idle interactive pods, by what triggered them.",
+            labels=["action", "reason"],
         )
-        for action, n in self._reaps.items():
-            reaps.add_metric([action], n)
+        for (action, reason), n in self._reaps.items():
+            reaps.add_metric([action, reason], n)
         yield reaps
         wd = CounterMetricFamily(
             f"{NAMESPACE}_watchdog_actions",
@@ -606,9 +611,9 @@ def count_arbiter_request(kind: str, outcome: str) -> None:
         _active.count_arbiter_request(kind, outcome)
 
 
-def count_reap(action: str) -> None:
+def count_reap(action: str, reason: str = "idle") -> None:
     if _active is not None:
-        _active.count_reap(action)
+        _active.count_reap(action, reason)
 
 
 def count_watchdog(action: str) -> None:

@@ -34,7 +34,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -147,37 +147,47 @@ def pick(candidates: Sequence[Holding], missing: int, ram_left: int, lend: bool)
 # -- blocking helpers (worker threads) ------------------------------------------------------------
 
 
+def _with_usage(directory: str, fn: Callable[[formats.UsageStruct], int]) -> int:
+    """Run fn on a writable mapping of a container's usage file (fn's views of the mapping
+    must be gone by the time it returns, or the mapping cannot be closed)."""
+    u = UsageFile(directory)
+    try:
+        return fn(u.usage)
+    finally:
+        u.close()
+
+
 def set_swapped(directory: str, slots: Iterable[SlotId], value: int) -> int:
     """Set the `swapped` flag of the given usage slots; returns the sum of their launch
     counters (to notice a launch that raced the swap-out). Blocking file I/O."""
     want = set(slots)
-    u = UsageFile(directory)
-    try:
+
+    def apply(usage: formats.UsageStruct) -> int:
         launches = 0
-        for s in u.usage.slots:
+        for s in usage.slots:
             if s.pid > 0 and (int(s.pid), int(s.start_time)) in want:
                 s.swapped = value
                 launches += int(s.launches)
         return launches
-    finally:
-        u.close()
+
+    return _with_usage(directory, apply)
 
 
 def clear_all_flags(directory: str) -> int:
     """Clear every slot's swapped flag (nothing of the container is swapped); returns how many."""
-    try:
-        u = UsageFile(directory)
-    except FormatError:
-        return 0
-    try:
+
+    def apply(usage: formats.UsageStruct) -> int:
         n = 0
-        for s in u.usage.slots:
+        for s in usage.slots:
             if s.swapped:
                 s.swapped = 0
                 n += 1
         return n
-    finally:
-        u.close()
+
+    try:
+        return _with_usage(directory, apply)
+    except FormatError:
+        return 0
 
 
 def launches_of(directory: str, slots: Iterable[SlotId]) -> int:
@@ -585,4 +595,6 @@ async def handle_swap_in(ctx: SwapHost, alloc: ContainerAlloc) -> int:
         # itself (its usage file is writable to it) are cleared so its shim goes on.
         await asyncio.to_thread(clear_all_flags, alloc.directory)
         return formats.BURST_GRANTED
-    return formats.BURST_GRANTED if await resolver.swap_in(alloc) else formats.BURST_DENIED
+    # Shielded: a shim that stops listening (its timeout) must not cut a restore in half;
+    # it asks again and finds the work done.
+    return formats.BURST_GRANTED if await asyncio.shield(resolver.swap_in(alloc)) else formats.BURST_DENIED

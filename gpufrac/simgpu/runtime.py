@@ -256,6 +256,45 @@ def _remove_cgroup(cgroup: Path, hierarchy: Path) -> None:
 # -- a stand-in workload that speaks the shim's protocol -----------------------------------------
 
 
+class WorkloadDriver:
+    """Drives a container running `workload()` (started with stdin and stdout pipes)."""
+
+    def __init__(self, container: Container, name: str = "") -> None:
+        import queue
+        import threading
+
+        self.container = container
+        self.name = name or container.name
+        self._lines: queue.Queue[str] = queue.Queue()
+        assert container.proc.stdout is not None and container.proc.stdin is not None
+        threading.Thread(target=self._read, args=(container.proc.stdout,), daemon=True).start()
+        if self.line(60) != "ready":
+            raise RuntimeError(f"{self.name}: the workload did not start")
+
+    def _read(self, pipe: Any) -> None:
+        for raw in pipe:
+            self._lines.put(raw.decode().strip())
+        self._lines.put("<exited>")
+
+    def line(self, timeout: float = 60.0) -> str:
+        import queue
+
+        try:
+            return self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"{self.name}: no answer within {timeout}s") from None
+
+    def send(self, cmd: str) -> None:
+        stdin = self.container.proc.stdin
+        assert stdin is not None
+        stdin.write((cmd + "\n").encode())
+        stdin.flush()
+
+    def do(self, cmd: str, timeout: float = 60.0) -> str:
+        self.send(cmd)
+        return self.line(timeout)
+
+
 def workload(stdin: Any = None, stdout: Any = None) -> int:
     """`python -m gpufrac.simgpu.runtime`: a container process that does what the shim does
     with its usage file and the arbiter socket, driven by lines on stdin:
@@ -264,6 +303,7 @@ def workload(stdin: Any = None, stdout: Any = None) -> int:
         free N    uncount N bytes and give unused grant back (release op)
         burst N T a bare burst request (bytes N, total_after T); the usage stays
         touch     record a kernel launch now (last_activity_ns)
+        t CMD     CMD, answering "<status> <start_ns> <end_ns>" around its request
 
     Each command answers one line: its status (fast, granted, denied, refused, invalid,
     none = no answer). Used where the fake libcuda under the real shim is not needed."""
@@ -287,10 +327,14 @@ def workload(stdin: Any = None, stdout: Any = None) -> int:
         formats.BURST_UNAVAILABLE: "unavailable",
     }
 
+    span = [0, 0]  # CLOCK_MONOTONIC ns around the last request (the bench reads it)
+
     def ask(op: int, nbytes: int, total_after: int) -> str:
         cfg = formats.read_config(cdir)
         timeout = (cfg.arbiter_timeout_ms + cfg.wait_timeout_ms) / 1000.0 + 1.0
+        span[0] = time.monotonic_ns()
         rep = arbiter.request(sock, op, nbytes, total_after, timeout=timeout)
+        span[1] = time.monotonic_ns()
         return "none" if rep is None else names.get(rep.status, f"status{rep.status}")
 
     def count(n: int) -> None:
@@ -300,6 +344,10 @@ def workload(stdin: Any = None, stdout: Any = None) -> int:
     print("ready", flush=True, file=stdout)
     for line in stdin:
         cmd, *args = line.split()
+        timed = cmd == "t"  # "t <command>": also print the request's start and end (monotonic ns)
+        if timed:
+            cmd, *args = args
+            span[:] = [0, 0]
         if cmd == "alloc":
             n = int(args[0])
             cfg = formats.read_config(cdir)
@@ -325,7 +373,7 @@ def workload(stdin: Any = None, stdout: Any = None) -> int:
             status = "ok"
         else:
             status = f"unknown command {cmd}"
-        print(status, flush=True, file=stdout)
+        print(f"{status} {span[0]} {span[1]}" if timed else status, flush=True, file=stdout)
     return 0
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import queue
 import shutil
 import subprocess
 import sys
@@ -38,7 +37,7 @@ from gpufrac.deviceplugin.podresources import ContainerDevices
 from gpufrac.deviceplugin.server import arbiter_socket, container_response
 from gpufrac.deviceplugin.slices import MEMORY, device_id
 from gpufrac.memguard import formats
-from gpufrac.simgpu.runtime import Container, ContainerRuntime, mounts_of
+from gpufrac.simgpu.runtime import Container, ContainerRuntime, WorkloadDriver, mounts_of
 
 T = TypeVar("T")
 NODE = "node-a"
@@ -67,36 +66,12 @@ class LoopThread:
         self.loop.close()
 
 
-class Workload:
+class Workload(WorkloadDriver):
     """A container process running the stand-in workload; `do` sends one command."""
 
-    def __init__(self, box: Box, container: Container) -> None:
+    def __init__(self, box: Any, container: Container) -> None:
+        super().__init__(container, box.pod)
         self.box = box
-        self.container = container
-        self._lines: queue.Queue[str] = queue.Queue()
-        assert container.proc.stdout is not None
-        threading.Thread(target=self._read, args=(container.proc.stdout,), daemon=True).start()
-        assert self.line(60) == "ready", "the workload did not start"
-
-    def _read(self, pipe: Any) -> None:
-        for raw in pipe:
-            self._lines.put(raw.decode().strip())
-        self._lines.put("<exited>")
-
-    def line(self, timeout: float = 60.0) -> str:
-        try:
-            return self._lines.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"{self.box.pod}: no answer within {timeout}s") from None
-
-    def send(self, cmd: str) -> None:
-        assert self.container.proc.stdin is not None
-        self.container.proc.stdin.write((cmd + "\n").encode())
-        self.container.proc.stdin.flush()
-
-    def do(self, cmd: str, timeout: float = 60.0) -> str:
-        self.send(cmd)
-        return self.line(timeout)
 
 
 @dataclass

@@ -155,8 +155,9 @@ class InprocNode:
         assert alloc is not None, f"the agent holds no allocation {key} for pod {pod.name}"
         return alloc
 
-    def workload(self, pod: Pod, *cmds: object) -> subprocess.Popen[str]:
-        """mg_ctest in the pod's container: the envs its Allocate response gave (shim, config)."""
+    def workload(self, pod: Pod, *cmds: object) -> subprocess.Popen[bytes]:
+        """mg_ctest in the pod's container: the envs its Allocate response gave (shim, config).
+        Unbuffered, so that select() on its stdout sees every line not yet read."""
         env = dict(self.sim_env)
         env.update(self.kubelet.container_env(pod.uid, "main"))
         env.update(self.sim_env)  # the simulated driver: SIMGPU_STATE, LD_LIBRARY_PATH
@@ -166,11 +167,11 @@ class InprocNode:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            text=True,
+            bufsize=0,
         )
 
 
-def read_line(p: subprocess.Popen[str], timeout: float = TIMEOUT) -> str:
+def read_line(p: subprocess.Popen[bytes], timeout: float = TIMEOUT) -> str:
     import selectors
 
     assert p.stdout is not None
@@ -178,10 +179,10 @@ def read_line(p: subprocess.Popen[str], timeout: float = TIMEOUT) -> str:
         sel.register(p.stdout, selectors.EVENT_READ)
         if not sel.select(timeout):
             raise AssertionError("workload printed nothing in time")
-        return p.stdout.readline()
+        return p.stdout.readline().decode()
 
 
-def finish(p: subprocess.Popen[str]) -> None:
+def finish(p: subprocess.Popen[bytes]) -> None:
     if p.poll() is None:
         assert p.stdin is not None
         p.stdin.close()

@@ -11,7 +11,9 @@ from collections.abc import Callable
 
 import pytest
 from arbiter_harness import NODE, ArbiterNode, GiB, MiB, make_node  # noqa: F401
-from kube_fixtures import KubeServer, kube_server, pod_manifest  # noqa: F401
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kube_fixtures import pod_manifest
 
 from gpufrac.agent import arbiter as arbiter_mod
 from gpufrac.memguard import formats
@@ -56,7 +58,7 @@ def test_grants_stay_within_nvml_free_minus_margin(node: ArbiterNode) -> None:
         g = st.node.gpus[0]
         g.used_bytes += g.total_bytes - g.reserved_bytes - g.used_bytes - 6 * GiB  # NVML: 6 GiB free
         del g  # the mapping closes only without live views into it
-    a = node.add("a", 2, "40Gi")
+    a = node.add("a", 2, "40Gi", wait_timeout="0s")  # denials answer at once
     w = a.workload
     assert w is not None
     assert w.do(f"alloc {2 * GiB}") == "fast"
@@ -152,3 +154,45 @@ def test_release_gives_the_grant_back(node: ArbiterNode) -> None:
     assert a.config().grant_bytes == 2 * GiB
     assert w.do(f"free {2 * GiB + 512 * MiB}") == "granted"
     assert a.config().grant_bytes == 0
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    payload=st.one_of(
+        st.binary(max_size=200),
+        # Well-framed headers with random fields: the parser's edge cases, not just bad magic.
+        st.builds(
+            lambda v, op, n, t: bytes(formats.BurstRequest(formats.BURST_MAGIC, v, op, 0, 0, n, t, 0)),
+            st.integers(0, 0xFFFF),
+            st.integers(0, 0xFFFF),
+            st.integers(0, 2**64 - 1),
+            st.integers(0, 2**64 - 1),
+        ),
+    ),
+    hang_up=st.booleans(),
+)
+def test_random_bytes_never_crash_or_stall_the_agent(
+    fuzz_node: ArbiterNode, payload: bytes, hang_up: bool
+) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(fuzz_node.socket)
+        s.sendall(payload)
+        if not hang_up:  # else: an early disconnect, the reply (if any) goes nowhere
+            s.shutdown(socket.SHUT_WR)
+            reply = s.recv(64)
+            assert len(reply) in (0, arbiter_mod.REPLY_SIZE)
+            if reply:
+                assert formats.BurstReply.from_buffer_copy(reply).status != formats.BURST_GRANTED
+    # The agent still answers a real request at once (this test process is in no container).
+    rep = arbiter_mod.request(fuzz_node.socket, formats.BURST_OP_BURST, GiB, 2 * GiB, timeout=30)
+    assert rep is not None and rep.status == formats.BURST_REFUSED
+
+
+@pytest.fixture
+def fuzz_node(node: ArbiterNode) -> ArbiterNode:
+    return node

@@ -27,7 +27,7 @@ def register(k: KubeletEmulator, **fields: str) -> grpc.RpcError:
 
 
 def test_register_errors_read_like_the_kubelet() -> None:
-    with KubeletEmulator(tempfile.mkdtemp(prefix="gfk", dir="/tmp")) as k:
+    with tempfile.TemporaryDirectory(prefix="gfk", dir="/tmp") as root, KubeletEmulator(root) as k:
         err = register(k, version="v1alpha")
         assert err.details() == (
             'requested API version "v1alpha" is not supported by kubelet. Supported version is ["v1beta1"]'
@@ -79,13 +79,19 @@ def test_unregistered_resource_and_exhaustion_errors(sim: Sim) -> None:
 def test_pod_resources_lists_pods_and_agent_releases_deleted_ones(sim: Sim) -> None:
     a = sim.admit("a", FRACTION, 40)
     b = sim.admit("b", MEMORY, 8)
-    client = PodResourcesClient(str(sim.kubelet.pod_resources_socket))
-    listed = asyncio.run(client.list())
+
+    async def ask() -> tuple[list, dict]:
+        client = PodResourcesClient(str(sim.kubelet.pod_resources_socket))
+        try:
+            return await client.list(), await client.allocatable()
+        finally:
+            await client.close()
+
+    listed, alloc = asyncio.run(ask())
     assert {(c.pod, c.container, c.resource, len(c.device_ids)) for c in listed} == {
         ("a", "main", FRACTION, 40),
         ("b", "main", MEMORY, 8),
     }
-    alloc = asyncio.run(client.allocatable())
     assert len(alloc[FRACTION]) == sim.kubelet.allocatable(FRACTION)
     k = sim.kubelet
     k.wait_for(lambda: len(sim.agent.container_dirs()) == 2)

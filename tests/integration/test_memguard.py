@@ -219,3 +219,35 @@ def test_every_hook_through_cuda_python(shim: Shim, container: Callable[..., Con
     assert out["devtotal"] == LIMIT
     assert out["launches"] == [4]
     assert c.total() == 0
+
+
+CTYPES_HOOKS = """
+import ctypes as C
+lib = C.CDLL("libcuda.so.1")  # symbols come from dlsym on this handle
+MiB = 1 << 20
+p = C.c_ulonglong()
+out["rc"] = lib.cuMemAlloc_v2(C.byref(p), C.c_size_t(6 * MiB))
+out["held"] = used()
+f, t = C.c_size_t(), C.c_size_t()
+lib.cuMemGetInfo_v2(C.byref(f), C.byref(t))
+out["info"] = [f.value, t.value]
+out["free_rc"] = lib.cuMemFree_v2(p)
+out["freed"] = used()
+mod, fn = C.c_void_p(), C.c_void_p()
+lib.cuModuleLoadData(C.byref(mod), b"SIMGPU-MODULE")
+lib.cuModuleGetFunction(C.byref(fn), mod, b"busy_us")
+arg = C.c_uint64(1)
+params = (C.c_void_p * 1)(C.addressof(arg))
+u = C.c_uint
+out["launch_rc"] = lib.cuLaunchKernel(fn, u(1), u(1), u(1), u(1), u(1), u(1), u(0), None, params, None)
+out["launches"] = [int(s.launches) for s in formats.read_usage(DIR).slots if s.pid == os.getpid()]
+"""
+
+
+def test_every_hook_through_ctypes(shim: Shim, container: Callable[..., Container]) -> None:
+    """ctypes finds each function with dlsym on the libcuda handle."""
+    out = shim.python(container(), CTYPES_HOOKS)
+    assert (out["rc"], out["free_rc"], out["launch_rc"]) == (0, 0, 0)
+    assert out["held"] == 6 * MiB and out["freed"] == 0
+    assert out["info"] == [LIMIT - 6 * MiB, LIMIT]
+    assert out["launches"] == [1]

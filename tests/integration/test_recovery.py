@@ -66,22 +66,26 @@ def test_kill_9_mid_admission_then_restart(sim: Sim) -> None:
     stream.start()
     k.wait_for(lambda: len(stream.admitted) >= 15, 120)
     sim.agent.kill()  # at whatever point of an admission it happens to be
-    n_at_kill = len(stream.admitted)
     k.wait_for(lambda: stream.failed > 0, 60)  # admissions fail while it is down
-    gone_keys = set()
-    for pod in stream.admitted[:5]:
-        gone_keys |= {
-            container_key(r, ids) for per in k.pod_devices(pod.uid).values() for r, ids in per.items()
-        }
-        k.delete(pod)  # deleted while the agent was dead: their directories must go
-    sim.restart_agent()
-    k.wait_for(lambda: len(stream.admitted) >= n_at_kill + 10, 120)  # admitting again
     stream.halt.set()
     stream.join(60)
+    gone_keys = set()
+    for pod in stream.admitted[:5]:
+        per_container = k.pod_devices(pod.uid).values()
+        gone_keys |= {container_key(r, ids) for per in per_container for r, ids in per.items()}
+        k.delete(pod)  # deleted while the agent was dead: their directories must go
+    sim.restart_agent()
+    k.wait_for(lambda: agent_agrees(sim), 60)
+    assert len(gone_keys) == 5 and not gone_keys & sim.agent.container_dirs()
+    assert_no_double_booking(sim)
+    # and the node admits again, still without double booking
+    more = Admissions(sim)
+    more.start()
+    k.wait_for(lambda: len(more.admitted) >= 10, 120)
+    more.halt.set()
+    more.join(60)
     k.wait_for(lambda: agent_agrees(sim), 60)
     assert_no_double_booking(sim)
-    assert len(gone_keys) == 5 and not gone_keys & sim.agent.container_dirs()
-    # every live container's config is there, with the safe limit
     for a in sim.agent.state()["allocations"]:
         cfg = formats.read_config(sim.agent.state_dir / "containers" / a["key"])
         assert cfg.limit_bytes >= cfg.request_bytes > 0

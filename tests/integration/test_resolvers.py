@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from arbiter_harness import ArbiterNode, Box, GiB, make_node  # noqa: F401
-from kube_fixtures import KubeServer, kube_server  # noqa: F401
+from kube_fixtures import KubeServer
 
 from gpufrac.agent.resolvers import REASON_EVICTED, REASON_PREEMPTED
 from gpufrac.agent.units import format_bytes

@@ -26,6 +26,7 @@ from gpufrac.agent.config import Config, ConfigError, GiB, load
 from gpufrac.agent.gpus import Gpu, Inventory
 from gpufrac.agent.idle import EvictOutcome, EvictResult, IdleReaper, action_reason
 from gpufrac.agent.kube import ObjectRef, PodInfo
+from gpufrac.agent.metrics import Metrics
 from gpufrac.agent.units import format_duration, parse_duration
 from gpufrac.deviceplugin.slices import MEMORY, device_id
 from gpufrac.memguard import formats
@@ -119,6 +120,7 @@ class Node:
         if evictor is not None:
             evictor.clock = self.clock
         self.tracker = ActivityTracker(clock=self.clock)
+        self.metrics = Metrics()
         self.reaper = IdleReaper(
             self.cfg,
             self.ledger,
@@ -126,6 +128,7 @@ class Node:
             lambda: self.ident,
             evictor=evictor,
             swapper=swapper,
+            metrics=self.metrics,
             clock=self.clock,
         )
         self._slice = 0
@@ -261,6 +264,8 @@ def test_idle_interactive_pod_is_warned_then_evicted_after_the_grace_period(make
     record = n.ident.events.message("nb", "IdleEvicted")
     assert "no GPU work for 15s" in record and "evicted through the Eviction API" in record
     assert n.reaper.records == {"IdleEvicted": 1}
+    reaps = n.metrics.registry.get_sample_value
+    assert reaps("gpufrac_idle_reaps_total", {"action": "evict", "reason": "idle"}) == 1
     n.run(5)
     assert len(ev.calls) == 1  # once
 
@@ -344,6 +349,9 @@ def test_max_runtime_reaps_a_busy_pod_at_its_limit(make_node: Any) -> None:
     n.run(1)
     assert [c[1] for c in ev.calls] == ["nb"]
     assert n.ident.events.reasons("nb") == ["MaxRuntimeWarning", "MaxRuntimeEvicted"]
+    reaps = n.metrics.registry.get_sample_value
+    assert reaps("gpufrac_idle_reaps_total", {"action": "evict", "reason": "max_runtime"}) == 1
+    assert reaps("gpufrac_idle_reaps_total", {"action": "evict", "reason": "idle"}) == 0
 
 
 def test_dry_run_reports_and_changes_nothing(make_node: Any, caplog: pytest.LogCaptureFixture) -> None:
@@ -356,6 +364,9 @@ def test_dry_run_reports_and_changes_nothing(make_node: Any, caplog: pytest.LogC
     assert n.ident.events.reasons("nb") == ["IdleWarning", "IdleDryRun"]
     assert "dry run: would evict the pod" in n.ident.events.message("nb", "IdleDryRun")
     assert any("would evict" in r.getMessage() for r in caplog.records)
+    reaps = n.metrics.registry.get_sample_value
+    assert reaps("gpufrac_idle_reaps_total", {"action": "dry_run", "reason": "idle"}) == 1
+    assert reaps("gpufrac_idle_reaps_total", {"action": "evict", "reason": "idle"}) == 0
 
 
 def test_a_pdb_refusal_is_retried_with_back_off_and_never_forced(make_node: Any) -> None:

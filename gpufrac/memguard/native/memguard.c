@@ -713,7 +713,7 @@ static int mg_poll(int fd, short events, int ms) {
  * by arbiter_timeout_ms; the reply by arbiter_timeout_ms + wait_timeout_ms,
  * since the agent's wait resolver may hold the request that long.
  */
-static MG_COLD int mg_request_burst(uint64_t bytes, uint64_t total_after, const mg_limits_t *l) {
+static MG_COLD int mg_ask_arbiter(uint16_t op, uint64_t bytes, uint64_t total_after, const mg_limits_t *l) {
     if (!g_sock_path[0]) return 0;
     struct stat st;
     if (stat(g_sock_path, &st) != 0 || !S_ISSOCK(st.st_mode)) return 0;
@@ -730,7 +730,7 @@ static MG_COLD int mg_request_burst(uint64_t bytes, uint64_t total_after, const 
         socklen_t len = sizeof soerr;
         if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len) != 0 || soerr != 0) goto out;
     }
-    mg_burst_req_t req = {.magic = MG_BURST_MAGIC, .version = MG_ABI_VERSION, .op = MG_BURST_OP_BURST,
+    mg_burst_req_t req = {.magic = MG_BURST_MAGIC, .version = MG_ABI_VERSION, .op = op,
                           .pid = g_pid, .bytes = bytes, .total_after = total_after, .generation = l->generation};
     if (mg_poll(fd, POLLOUT, timeout) != 0 || send(fd, &req, sizeof req, MSG_NOSIGNAL) != (ssize_t)sizeof req)
         goto out;
@@ -751,11 +751,27 @@ out:
     return granted;
 }
 
-/* Swap-in hook point (issue 5): while the agent holds this process swapped
- * out (slot->swapped), its next GPU work must wait for the memory to come
- * back. The agent's swap resolver will be asked here; until then there is
- * nothing to wait for and this returns at once. Only reached when swapped. */
-static MG_COLD void mg_swap_in(mg_proc_slot_t *s) { (void)s; }
+#define mg_request_burst(bytes, total_after, l) mg_ask_arbiter(MG_BURST_OP_BURST, bytes, total_after, l)
+
+/* Swap-in (issue 5, gpufrac/agent/swap.py): the agent moved this process's GPU
+ * memory to host RAM (slot->swapped) and its CUDA calls block in the driver
+ * until it is restored. So before the next launch or allocation, ask the agent
+ * to bring it back (op SWAP_IN, arbitrated like a burst); the agent restores,
+ * clears the flag, then replies. Denied, timed out or agent away: ask again,
+ * backing off up to a second (the process cannot do GPU work meanwhile anyway). */
+static MG_COLD void mg_swap_in(mg_proc_slot_t *s) {
+    long delay_ms = 5;
+    while (atomic_load_explicit(&s->swapped, memory_order_acquire)) {
+        mg_limits_t l;
+        if (mg_read_limits(&l) != 0) memset(&l, 0, sizeof l);
+        if (mg_ask_arbiter(MG_BURST_OP_SWAP_IN, 0, 0, &l) && !atomic_load_explicit(&s->swapped, memory_order_acquire))
+            return;
+        struct timespec ts = {delay_ms / 1000, (delay_ms % 1000) * 1000000L};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+        }
+        if (delay_ms < 1000) delay_ms *= 2;
+    }
+}
 
 /* ------------------------------------------------------------------------ */
 /* Accounting.                                                               */
@@ -769,6 +785,7 @@ static MG_COLD CUresult mg_refuse(mg_proc_slot_t *s) {
 static CUresult mg_charge(uint64_t bytes) {
     mg_proc_slot_t *s = mg_slot();
     if (MG_UNLIKELY(!s)) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (MG_UNLIKELY(atomic_load_explicit(&s->swapped, memory_order_acquire))) mg_swap_in(s);
     if (bytes == 0) return CUDA_SUCCESS;
     _Atomic uint64_t *total = &g_usage->total_used;
     int reaped = 0, asked = 0;

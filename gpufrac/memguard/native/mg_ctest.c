@@ -156,6 +156,7 @@ static int nhandles;
 static CUarray arrays[MAXP];
 static int narrays;
 static CUdevice dev;
+static CUcontext ctx;
 static CUdeviceptr vmm_va, reserve_va;
 static size_t vmm_size, reserve_size;
 static CUmemGenericAllocationHandle vmm_handle;
@@ -242,6 +243,7 @@ static void *stress_thread(void *p) {
     CUdeviceptr mine[64];
     int n = 0;
     unsigned s = a->seed;
+    cuCtxSetCurrent(ctx); /* the current context is per thread */
     for (unsigned i = 0; i < a->iters; i++) {
         s = s * 1103515245u + 12345u;
         if (n == 64 || (n > 0 && (s >> 16) % 2)) {
@@ -267,7 +269,6 @@ static void *stress_thread(void *p) {
 }
 
 int main(int argc, char **argv) {
-    CUcontext ctx;
     setvbuf(stdout, NULL, _IOLBF, 0);
     CUresult rc = cuInit(0);
     if (!rc) rc = cuDeviceGet(&dev, 0);

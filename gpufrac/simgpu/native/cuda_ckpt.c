@@ -16,6 +16,7 @@
 #include <signal.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cuda_internal.h"
 
@@ -44,6 +45,24 @@ cu_gate_t cu_gate_enter(void) {
 /* A forked child is another process: it must not count itself in its parent's slot. */
 static void forget_gate(void) { atomic_store(&cu_g_gate_slot, NULL); }
 __attribute__((constructor)) static void gate_init(void) { pthread_atfork(NULL, NULL, forget_gate); }
+
+/* A process that exits gives its GPU memory back at once, as the driver does at
+ * teardown; one killed outright is reaped by the next process that notices
+ * (sim_reap_dead: an allocation that does not fit, an NVML process query). */
+__attribute__((destructor)) static void release_slots_at_exit(void) {
+    simgpu_node_t *n = cu_node();
+    if (!n) return;
+    int32_t me = (int32_t)getpid();
+    for (int i = 0; i < SIMGPU_MAX_PROCS; i++) {
+        simgpu_proc_t *s = &n->procs[i];
+        int32_t pid = me;
+        if (!atomic_compare_exchange_strong(&s->pid, &pid, SIMGPU_PID_REAPING)) continue;
+        uint64_t used = atomic_exchange(&s->used_bytes, 0);
+        if (used && s->gpu < n->gpu_count) sim_mem_give(n, s->gpu, used);
+        atomic_store(&s->swapped_bytes, 0);
+        atomic_store(&s->pid, SIMGPU_PID_FREE);
+    }
+}
 
 /* ------------------------------------------------------------------ agent side */
 
