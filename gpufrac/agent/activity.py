@@ -221,6 +221,9 @@ class ActivityTracker:
         self._states: dict[str, _State] = {}
         self._current: dict[str, ContainerActivity] = {}
         self._warned: set[str] = set()
+        # One poll at a time: the reaper and the arbiter may both ask, and NVML's
+        # "samples since" cursor must move forward once per sample.
+        self._poll_lock = asyncio.Lock()
         self.polls = 0
 
     @classmethod
@@ -253,8 +256,9 @@ class ActivityTracker:
     async def poll(self, containers: Iterable[Tracked]) -> dict[str, ContainerActivity]:
         """Read every container's usage file and NVML (in a worker thread), then update."""
         tracked = [Tracked(c.key, c.directory, tuple(c.gpus), c.created) for c in containers]
-        sample = await asyncio.to_thread(self.sample, tracked)
-        return self.apply(tracked, sample)
+        async with self._poll_lock:
+            sample = await asyncio.to_thread(self.sample, tracked)
+            return self.apply(tracked, sample)
 
     def poll_now(self, containers: Iterable[Tracked]) -> dict[str, ContainerActivity]:
         """poll() for synchronous callers (tests, tools): blocks."""

@@ -29,7 +29,9 @@ import contextlib
 import ctypes
 import itertools
 import logging
+import mmap
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,6 +55,7 @@ from gpufrac.memguard.formats import (
 
 log = logging.getLogger(__name__)
 
+_GEN_OFFSET = formats.ConfigStruct.generation.offset
 REQUEST_SIZE = ctypes.sizeof(BurstRequest)
 REPLY_SIZE = ctypes.sizeof(BurstReply)
 MAX_CONNECTIONS = 1024  # beyond this, new connections are closed at once
@@ -124,6 +127,7 @@ class Arbiter:
         self.stats = Stats()
         self._server: asyncio.base_events.Server | None = None
         self._usage: dict[str, UsageFile] = {}
+        self._config_maps: dict[str, mmap.mmap] = {}
         self._waiters: dict[str, list[_Waiter]] = {}
         self._seq = itertools.count(1)
         self._tasks: list[asyncio.Task[Any]] = []
@@ -168,6 +172,9 @@ class Arbiter:
         for u in self._usage.values():
             u.close()
         self._usage.clear()
+        for mm in self._config_maps.values():
+            mm.close()
+        self._config_maps.clear()
 
     def reconcile(self) -> None:
         """After an agent restart: grants above what a container now uses are taken back
@@ -432,10 +439,17 @@ class Arbiter:
         return next(self._seq)
 
     def _generation(self, alloc: ContainerAlloc) -> int:
-        try:
-            return formats.generation(alloc.directory)
-        except FormatError:
-            return 0
+        """The config generation the reply names (read from a kept mapping: per request)."""
+        mm = self._config_maps.get(alloc.key)
+        if mm is None:
+            try:
+                with open(os.path.join(alloc.directory, formats.CONFIG_FILE), "rb") as f:
+                    mm = self._config_maps[alloc.key] = mmap.mmap(
+                        f.fileno(), ctypes.sizeof(formats.ConfigStruct), access=mmap.ACCESS_READ
+                    )
+            except (OSError, ValueError):
+                return 0
+        return int.from_bytes(mm[_GEN_OFFSET : _GEN_OFFSET + 8], sys.byteorder)
 
     # -- NVML ------------------------------------------------------------------------------------
 
@@ -535,6 +549,8 @@ class Arbiter:
 
     def _on_ledger_change(self) -> None:
         live = {a.key for a in self.ledger.containers()}
+        for key in [k for k in self._config_maps if k not in live]:
+            self._config_maps.pop(key).close()
         for key in [k for k in self._usage if k not in live]:
             self._usage.pop(key).close()
             self._returned.pop(key, None)

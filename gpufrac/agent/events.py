@@ -1,27 +1,31 @@
-"""Kubernetes Event reasons of gpufrac, in one place, and a helper to post one on a container's pod.
+"""Kubernetes Event reasons of gpufrac, in one place, and helpers to post one.
 
 Reasons are CamelCase, as Kubernetes' own are. Each decision a user would want
-to know about gets an Event on the pod it concerns (type Warning where the user
-lost something or must act, Normal otherwise), a structured log line
+to know about gets an Event on the object it concerns (type Warning where the
+user lost something or must act, Normal otherwise), a structured log line
 (gpufrac.agent.logs.decision) and, where it is counted, a metric
-(gpufrac.agent.metrics).
+(gpufrac.agent.metrics). Modules that post Events take their reason from here.
 
-| reason | type | on | when |
-|---|---|---|---|
-| GpuLimitApplied | Normal | pod | a burst limit from the pod's annotations took effect |
-| InvalidAnnotation | Warning | pod | an annotation was refused; the safe default applies |
-| GpuMemoryEvicted | Warning | victim | its processes were killed to free burst memory (says for whom) |
-| GpuMemorySwappedOut | Normal | pod | its GPU memory was moved to host RAM (says for whom) |
-| GpuMemorySwappedIn | Normal | pod | its GPU memory came back on its next GPU work |
-| GpuSwapFailed | Warning | pod | a swap-out or swap-in failed |
-| GpuMemoryWaitTimeout | Warning | pod | an allocation waited for memory and got CUDA_ERROR_OUT_OF_MEMORY |
-| GpuBurstDenied | Warning | pod | a burst above the request was refused (nothing to free) |
-| GpuMemoryOverLimit | Warning | pod | the watchdog saw usage above the limit (report mode) |
-| GpuMemoryLimitEnforced | Warning | pod | the watchdog killed a process over the limit (enforce mode) |
-| GpuIdle | Warning | pod | an interactive pod is idle: reaped after the grace period |
-| GpuIdleReaped | Warning | pod | an idle interactive pod was swapped or evicted |
-| GpuMaxRuntimeExceeded | Warning | pod | an interactive pod ran past its max-runtime |
-| GpuUnhealthy / GpuHealthy | Warning / Normal | node | a GPU's health changed (its slices follow) |
+| reason | type | on | posted by | when |
+|---|---|---|---|---|
+| GpuLimitApplied | Normal | pod | identity | a burst limit from the annotations took effect or changed |
+| InvalidAnnotation | Warning | pod | identity | an annotation was refused; the safe default applies |
+| GpuMemoryEvicted | Warning | victim pod | resolvers | its processes were killed to reclaim burst memory |
+| GpuMemoryPreempted | Normal | requester | resolvers | burst memory was reclaimed from another pod for it |
+| GpuMemorySwappedOut | Normal | victim pod | swap | its GPU memory was moved to host RAM (says for whom) |
+| GpuMemoryFreedBySwap | Normal | requester | swap | another pod was swapped out to make room for it |
+| GpuMemorySwappedIn | Normal | pod | swap | its GPU memory came back on its next GPU work |
+| GpuSwapFailed | Warning | pod | swap | a swap-out or swap-in failed |
+| GpuMemoryWaitTimeout | Warning | pod | arbiter | an allocation waited for memory, then got an OOM error |
+| GpuBurstDenied | Warning | pod | arbiter | a burst above the request was refused (nothing could be freed) |
+| GpuMemoryOverLimit | Warning | pod | watchdog | NVML shows usage above the limit (report mode) |
+| GpuMemoryLimitEnforced | Warning | pod | watchdog | a process over the limit was killed (enforce mode) |
+| IdleWarning, MaxRuntimeWarning | Warning | pod | idle | the pod will be reaped after the grace period |
+| IdleCancelled | Normal | pod | idle | the pod became active again (or exempt): no reaping |
+| (Idle or MaxRuntime) + (Notify, Swapped, Evicted, Deleted, DryRun) | Warning | pod | idle | what was done |
+| IdleEvictionBlocked | Warning | pod | idle | a PodDisruptionBudget refused the eviction; retried |
+| IdleEvictionFailed | Warning | pod | idle | the eviction failed; retried |
+| GpuUnhealthy / GpuHealthy | Warning / Normal | node | agent | a GPU's health changed (its slices follow) |
 """
 
 from __future__ import annotations
@@ -38,20 +42,30 @@ NORMAL, WARNING = "Normal", "Warning"
 REASON_LIMIT_APPLIED = "GpuLimitApplied"
 REASON_INVALID_ANNOTATION = "InvalidAnnotation"
 REASON_EVICTED = "GpuMemoryEvicted"
+REASON_PREEMPTED = "GpuMemoryPreempted"
 REASON_SWAPPED_OUT = "GpuMemorySwappedOut"
+REASON_FREED_BY_SWAP = "GpuMemoryFreedBySwap"
 REASON_SWAPPED_IN = "GpuMemorySwappedIn"
 REASON_SWAP_FAILED = "GpuSwapFailed"
 REASON_WAIT_TIMEOUT = "GpuMemoryWaitTimeout"
 REASON_BURST_DENIED = "GpuBurstDenied"
 REASON_OVER_LIMIT = "GpuMemoryOverLimit"
 REASON_LIMIT_ENFORCED = "GpuMemoryLimitEnforced"
-REASON_IDLE = "GpuIdle"
-REASON_IDLE_REAPED = "GpuIdleReaped"
-REASON_MAX_RUNTIME = "GpuMaxRuntimeExceeded"
 REASON_GPU_UNHEALTHY = "GpuUnhealthy"
 REASON_GPU_HEALTHY = "GpuHealthy"
+# The idle reaper: a warning ahead of the action, then the action (trigger prefix + what was done).
+REASON_IDLE_WARNING = "IdleWarning"
+REASON_MAX_RUNTIME_WARNING = "MaxRuntimeWarning"
+REASON_IDLE_CANCELLED = "IdleCancelled"
+REASON_IDLE_BLOCKED = "IdleEvictionBlocked"
+REASON_IDLE_FAILED = "IdleEvictionFailed"
+IDLE_TRIGGERS = ("Idle", "MaxRuntime")
+IDLE_ACTIONS = ("Notify", "Swapped", "Evicted", "Deleted", "DryRun")
 
-REASONS = frozenset(v for k, v in dict(globals()).items() if k.startswith("REASON_"))
+REASONS = frozenset(
+    [v for k, v in dict(globals()).items() if k.startswith("REASON_")]
+    + [t + a for t in IDLE_TRIGGERS for a in IDLE_ACTIONS]
+)
 
 
 def container_ref(alloc: Any) -> ObjectRef | None:

@@ -46,7 +46,7 @@ from kubernetes.client.rest import ApiException
 
 from gpufrac.agent import annotations
 from gpufrac.agent import metrics as metrics_mod
-from gpufrac.agent.activity import ActivityTracker, Clock, SystemClock
+from gpufrac.agent.activity import ActivityTracker, Clock
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.annotations import ContainerPolicy
 from gpufrac.agent.config import Config
@@ -292,7 +292,7 @@ class IdleReaper:
         self.swapper = swapper
         # The running agent's Metrics through the module-level API unless one is given (tests).
         self.metrics: ReapCounter = metrics if metrics is not None else metrics_mod
-        self.clock = clock or tracker.clock or SystemClock()
+        self.clock = clock or tracker.clock
         self.pending: dict[PodKey, Pending] = {}
         # Counters (tests, status): action records by Event reason.
         self.records: dict[str, int] = {}

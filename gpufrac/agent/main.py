@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import grpc
 
 from gpufrac.agent import config as config_mod
-from gpufrac.agent import logs
+from gpufrac.agent import events, logs
 from gpufrac.agent import metrics as metrics_mod
 from gpufrac.agent import status as status_mod
 from gpufrac.agent.allocations import (
@@ -356,11 +356,14 @@ class Agent:
         assert self.ledger is not None
         for uuid, h in health.items():
             if self.ledger.set_health(uuid, h.healthy, h.reason):
-                log.warning(
-                    "GPU %s is now %s%s: its slices follow",
-                    uuid,
-                    "Healthy" if h.healthy else "Unhealthy",
-                    f" ({h.reason})" if h.reason else "",
+                state = "Healthy" if h.healthy else "Unhealthy"
+                text = f"GPU {uuid} is now {state}{f' ({h.reason})' if h.reason else ''}: its slices follow"
+                logs.decision(log, "gpu-health", text, level=logging.WARNING, gpu=uuid, healthy=h.healthy)
+                events.post_node(
+                    self,
+                    events.NORMAL if h.healthy else events.WARNING,
+                    events.REASON_GPU_HEALTHY if h.healthy else events.REASON_GPU_UNHEALTHY,
+                    text,
                 )
 
     async def _health_loop(self) -> None:

@@ -100,6 +100,8 @@ def parse_cgroup(text: str) -> CgroupIdentity | None:
         fields = line.split(":", 2)
         if len(fields) != 3:
             continue
+        if "kubepods" not in fields[2]:
+            continue  # cheap skip: every kubelet layout has it (this runs per request)
         ident = parse_cgroup_path(fields[2])
         if ident is not None:
             found.add((ident.pod_uid, ident.container_id))

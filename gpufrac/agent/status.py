@@ -194,6 +194,7 @@ def capture(agent: Any) -> NodeStatus:
                 xid_errors={x: n for (u, x), n in xids.items() if u == g.uuid},
             )
         )
+    activity = getattr(agent, "activity", None)  # gpufrac.agent.activity: launches + NVML, on the loop
     for a in allocs:
         c = a.config
         status.containers.append(
@@ -213,6 +214,7 @@ def capture(agent: Any) -> NodeStatus:
                 priority=c.priority,
                 created=a.created,
                 directory=a.directory,
+                idle_seconds=activity.idle_seconds(a.key) if activity is not None else None,
             )
         )
     return status
@@ -308,7 +310,9 @@ def enrich(status: NodeStatus) -> dict[str, UsageView]:
         if v is None:
             continue
         views[c.key] = v
-        c.used_bytes, c.processes, c.idle_seconds = v.used_bytes, v.processes, v.idle_seconds
+        c.used_bytes, c.processes = v.used_bytes, v.processes
+        # The activity tracker's figure (NVML too) unless the usage file shows a fresher launch.
+        c.idle_seconds = v.idle_seconds if c.idle_seconds is None else min(c.idle_seconds, v.idle_seconds)
         c.oom_refusals, c.swapped_bytes = v.oom_refusals, v.swapped_bytes
     return views
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from gpufrac.simgpu.nodestate import NodeState
 from tests.conftest import SimNode
 from tests.integration.test_fake_cuda import MIB, Workload, gpu_used, ok, run_py, slot_fields
@@ -55,8 +57,11 @@ say(step="unlocked", state=state(), unlock_ns=unlock_ns)
 """
 
 
-def test_lock_checkpoint_restore_unlock_from_another_process(make_sim_node: Callable[..., SimNode]) -> None:
-    node = make_sim_node("pcie-l4x4")
+@pytest.mark.parametrize("flavour", ["release", "asan"])
+def test_lock_checkpoint_restore_unlock_from_another_process(
+    make_sim_node: Callable[..., SimNode], flavour: str
+) -> None:
+    node = make_sim_node("pcie-l4x4", flavour=flavour)
     cap = (23034 - 318) * MIB
     target = Workload(node, TARGET)
     filler = ag = None

@@ -189,6 +189,7 @@ def addr(symbol):
 # (base name, cudaVersion, flags) -> the exported symbol real libcuda hands out.
 RESOLVES = [
     ("cuMemAlloc", 12000, 0, "cuMemAlloc_v2"),
+    ("cuMemAlloc", 3010, 0, "cuMemAlloc"),  # the legacy 32-bit entry point
     ("cuMemFree", 3020, 0, "cuMemFree_v2"),
     ("cuMemGetInfo", 12000, 0, "cuMemGetInfo_v2"),
     ("cuDeviceTotalMem", 12000, 0, "cuDeviceTotalMem_v2"),
@@ -233,7 +234,7 @@ def test_get_proc_address_maps_versions_and_stream_flavours(sim_node: SimNode) -
             res, fn, status = look(name, version, flags)
             out.append([name, version, flags, res, status, fn == addr(symbol)])
         say(resolved=out,
-            too_old=look("cuMemAlloc", 3000), unknown=look("cuNoSuchFunction", 12000),
+            too_old=look("cuMemAllocAsync", 11010), unknown=look("cuNoSuchFunction", 12000),
             too_new=look("cuCheckpointProcessLock", 12000), bad_flags=look("cuMemAlloc", 12000, 4)[0],
             legacy_api=lib.cuGetProcAddress(b"cuInit", ctypes.byref(ctypes.c_void_p()), 12000, 0))
         """,
@@ -268,3 +269,89 @@ def test_cuda_python_per_thread_default_stream_mode(make_sim_node: Callable[...,
         **env,
     )
     assert ok(r) == [{"bad": 1}]
+
+
+def test_ctypes_workload_with_legacy_and_current_entry_points(sim_node: SimNode) -> None:
+    """A ctypes program calling exported symbols directly, as old binaries do."""
+    r = run_py(
+        sim_node,
+        """
+        import ctypes
+        lib = ctypes.CDLL("libcuda.so.1")
+        c_u = ctypes.c_uint
+        def call(name, *args):
+            rc = getattr(lib, name)(*args)
+            if rc:
+                raise SystemExit(f"{name} -> {rc}")
+        call("cuInit", 0)
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        call("cuDeviceGet", ctypes.byref(dev), 0)
+        call("cuCtxCreate_v2", ctypes.byref(ctx), 0, dev)
+        free0, total = ctypes.c_size_t(), ctypes.c_size_t()
+        call("cuMemGetInfo_v2", ctypes.byref(free0), ctypes.byref(total))
+        p64, p32 = ctypes.c_uint64(), c_u()
+        call("cuMemAlloc_v2", ctypes.byref(p64), ctypes.c_size_t(1 << 20))
+        call("cuMemAlloc", ctypes.byref(p32), c_u(1 << 20))
+        src = (ctypes.c_char * 8).from_buffer_copy(b"simgpu!!")
+        dst = (ctypes.c_char * 8)()
+        call("cuMemcpyHtoD_v2", ctypes.c_uint64(p32.value), src, ctypes.c_size_t(8))
+        call("cuMemcpyDtoD_v2", p64, ctypes.c_uint64(p32.value), ctypes.c_size_t(8))
+        call("cuMemcpyDtoH_v2", dst, p64, ctypes.c_size_t(8))
+        free1 = ctypes.c_size_t()
+        call("cuMemGetInfo_v2", ctypes.byref(free1), ctypes.byref(total))
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        call("cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(p32.value))
+        call("cuMemFree", p32)
+        call("cuMemFree_v2", p64)
+        call("cuCtxDestroy_v2", ctx)
+        say(copied=bytes(dst).decode(), used=free0.value - free1.value,
+            legacy_range=[base.value == p32.value, size.value])
+        """,
+    )
+    assert ok(r) == [{"copied": "simgpu!!", "used": 2 * MIB, "legacy_range": [True, MIB]}]
+
+
+def test_pitch_managed_host_and_array_accounting(sim_node: SimNode) -> None:
+    """What each allocation kind draws from the GPU: pitch, managed and arrays do,
+    pinned host memory does not."""
+    r = run_py(
+        sim_node,
+        """
+        dev, ctx = setup(0)
+        def free():
+            return ck(d.cuMemGetInfo())[0]
+        f0 = free()
+        p, pitch = ck(d.cuMemAllocPitch(1000, 300, 4))
+        f1 = free()
+        m = ck(d.cuMemAllocManaged(3 << 20, d.CUmemAttach_flags.CU_MEM_ATTACH_GLOBAL))
+        f2 = free()
+        h = ck(d.cuMemAllocHost(8 << 20))
+        f3 = free()
+        desc = d.CUDA_ARRAY_DESCRIPTOR()
+        desc.Width, desc.Height = 1024, 256
+        desc.Format = d.CUarray_format.CU_AD_FORMAT_FLOAT
+        desc.NumChannels = 4
+        arr = ck(d.cuArrayCreate(desc))
+        f4 = free()
+        ck(d.cuArrayDestroy(arr))
+        ck(d.cuMemFreeHost(h))
+        ck(d.cuMemFree(m))
+        ck(d.cuMemFree(p))
+        say(pitch=pitch, pitched=f0 - f1, managed=f1 - f2, host=f2 - f3, array=f3 - f4, back=free() == f0,
+            bad_elem=err(d.cuMemAllocPitch(1000, 300, 3)), bad_flags=err(d.cuMemAllocManaged(4096, 0)),
+            host_as_device=err(d.cuMemFree(h)))
+        """,
+    )
+    assert ok(r) == [
+        {
+            "pitch": 1024,
+            "pitched": 1024 * 300,
+            "managed": 3 * MIB,
+            "host": 0,
+            "array": 1024 * 256 * 16,
+            "back": True,
+            "bad_elem": 1,
+            "bad_flags": 1,
+            "host_as_device": 1,
+        }
+    ]

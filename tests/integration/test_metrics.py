@@ -18,6 +18,7 @@ from typing import Any
 import pynvml
 from kube_fixtures import KubeServer
 from metrics_support import (
+    NODE,
     GiB,
     InprocNode,
     Scrape,
@@ -222,6 +223,7 @@ def test_departed_containers_series_disappear(node: InprocNode) -> None:
     assert node.scrape().get("gpufrac_container_evictions_total", pod="leaves") == 1
     uuid = gpu_uuid(node, leave)
 
+    node.kube.core_v1().delete_namespaced_pod("leaves", "default")
     node.kubelet.delete(leave)  # the kubelet forgets the pod; the agent notices through pod-resources
     s = node.wait_scrape(lambda s: not _series_of(s, "leaves"), "the departed pod's series to go")
     assert s.get("gpufrac_container_memory_request_bytes", pod="stays") == 10 * GiB
@@ -233,6 +235,34 @@ def test_departed_containers_series_disappear(node: InprocNode) -> None:
     )
     assert s.get("gpufrac_container_evictions_total", pod="leaves") == 0
     assert {stay.name, again.name} == {p.name for p in node.kubelet.pods()}
+
+
+def test_gpu_health_in_metrics_and_on_the_node(node: InprocNode) -> None:
+    pod = node.admit("server", MEMORY, 8)
+    node.wait_scrape(
+        lambda s: s.get("gpufrac_container_memory_request_bytes", pod="server") is not None, "pod"
+    )
+    used = gpu_uuid(node, pod)
+    index = next(
+        i for i in range(8) if pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)) != used
+    )
+    bad = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index))
+    faults.inject_xid(node.state, index, 48)  # double-bit ECC error: the GPU is Unhealthy
+    s = node.wait_scrape(lambda s: s.get("gpufrac_gpu_healthy", uuid=bad) == 0, "the GPU Unhealthy")
+    assert s.get("gpufrac_gpu_xid_errors_total", uuid=bad, xid="48") == 1
+    assert all(s.get("gpufrac_gpu_free_slices", uuid=bad, resource=r) == 0 for r in slices.RESOURCES)
+    assert s.get("gpufrac_gpu_healthy", uuid=used) == 1
+
+    def node_event() -> list[dict[str, Any]]:
+        return [
+            e
+            for e in node.kube.events("default")
+            if e["reason"] == "GpuUnhealthy"
+            and e["involvedObject"] == {"kind": "Node", "name": NODE, "uid": NODE}
+        ]
+
+    (event,) = node.wait(node_event, "the GpuUnhealthy Event on the Node")
+    assert event["type"] == "Warning" and bad in event["message"] and "XID 48" in event["message"]
 
 
 async def _count_eviction(alloc: Any) -> None:

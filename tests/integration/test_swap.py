@@ -126,15 +126,31 @@ class Gpu:
         return self.answer(timeout)
 
 
-@pytest.fixture
-def sim_state(tmp_path: Path) -> Iterator[Path]:
+@pytest.fixture(scope="module")
+def node_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     import ctypes
 
     # The agent's side of the checkpoint API is cuda-python in this process: the fake
-    # libcuda.so.1 loaded first is what it finds by soname.
+    # libcuda.so.1 loaded first is what it finds by soname. Its cuInit binds one node
+    # state per process, so the tests of this module share one node, reset for each.
     ctypes.CDLL(str(native.library(native.FAKE_CUDA)), mode=ctypes.RTLD_GLOBAL)
-    with nvml_node(tmp_path) as path:
+    with nvml_node(tmp_path_factory.mktemp("swap")) as path:
         yield path
+
+
+@pytest.fixture
+def sim_state(node_file: Path) -> Path:
+    """The module's node as new: no processes (the last test's are gone), nothing used,
+    the checkpoint API on."""
+    with NodeState(node_file) as st:
+        for slot in st.node.procs:
+            slot.used_bytes = slot.swapped_bytes = slot.ckpt_state = slot.api_inflight = 0
+            slot.pid = 0
+        for i in range(st.node.gpu_count):
+            st.node.gpus[i].used_bytes = 0
+        st.node.checkpoint_supported = 1
+        del slot
+    return node_file
 
 
 def make_node(kube: KubeServer, **extra: Any) -> ArbiterNode:
@@ -186,18 +202,24 @@ def gpu_pids() -> dict[int, int]:
 def idle(node: ArbiterNode, box: Box) -> None:
     threshold = node.cfg.swap.idle_threshold
     node.until(
-        lambda: any(h.alloc.key == box.alloc.key and h.idle_s >= threshold for h in node.arbiter.holdings(node.gpu)),
+        lambda: any(
+            h.alloc.key == box.alloc.key and h.idle_s >= threshold for h in node.arbiter.holdings(node.gpu)
+        ),
         timeout=TIMEOUT,
         what=f"{box.pod} idle for {threshold}s",
     )
 
 
 def events(kube: KubeServer, reason: str, pod: str) -> list[dict[str, Any]]:
-    return [e for e in kube.events("default") if e.get("reason") == reason and e["involvedObject"]["name"] == pod]
+    return [
+        e for e in kube.events("default") if e.get("reason") == reason and e["involvedObject"]["name"] == pod
+    ]
 
 
 def test_swap_frees_the_victim_and_it_resumes_with_its_bytes(
-    node: ArbiterNode, sim_state: Path, kube_server: KubeServer  # noqa: F811
+    node: ArbiterNode,
+    sim_state: Path,
+    kube_server: KubeServer,  # noqa: F811
 ) -> None:
     victim = node.add("victim", 2, "8Gi", start=False)
     swappable(node, victim)
@@ -233,7 +255,7 @@ def test_swap_frees_the_victim_and_it_resumes_with_its_bytes(
     assert v.answer() == "checked 0"  # every word of both buffers as it was written
     assert not swap.is_swapped(victim.alloc.key)
     assert gpu_pids()[v.pid] == 6 * GiB + RESULT
-    assert victim.config().grant_bytes == 4 * GiB
+    assert victim.config().grant_bytes == 4 * GiB + RESULT  # its burst, granted again
     assert all(s.swapped == 0 for s in formats.read_usage(victim.alloc.directory).slots)
     node.until(lambda: bool(events(kube_server, swap_mod.REASON_SWAPPED_IN, "victim")), what="Event")
     assert swap.stats.swapped_out == 1 and swap.stats.swapped_in == 1

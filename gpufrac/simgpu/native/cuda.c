@@ -191,22 +191,26 @@ size_t cu_obj_owned(uint32_t kind, struct CUctx_st *ctx, void **out, size_t max)
 
 /* ------------------------------------------------------------------ init and devices */
 
+/* Maps $SIMGPU_STATE and fixes the device list. A later cuInit that finds
+ * $SIMGPU_STATE naming another node switches to it (one test process may use
+ * several simulated nodes in turn, like nvmlInit); memory held on the previous
+ * node stays accounted there only if freed before the switch. */
 CU_API CUresult cuInit(unsigned int Flags) {
     if (Flags != 0) return CUDA_ERROR_INVALID_VALUE;
     CUresult r = CUDA_SUCCESS;
     pthread_mutex_lock(&g_init_lock);
-    if (!cu_initialized()) {
-        simgpu_node_t *n = sim_node_reload();
+    simgpu_node_t *n = sim_node_reload();
+    if (n && n != cu_node()) {
         uint32_t devs[SIMGPU_MAX_GPUS];
-        int count = n ? sim_visible_gpus(n, 1, devs) : 0;
-        if (count <= 0) {
-            r = CUDA_ERROR_NO_DEVICE;
-        } else {
+        int count = sim_visible_gpus(n, 1, devs);
+        if (count > 0) {
             memcpy(cu_g_devs, devs, sizeof devs);
             cu_g_ndev = count;
+            atomic_store(&cu_g_gate_slot, NULL); /* the gate slot lives in the old node */
             atomic_store_explicit(&cu_g_node, n, memory_order_release);
         }
     }
+    if (!cu_initialized()) r = CUDA_ERROR_NO_DEVICE;
     pthread_mutex_unlock(&g_init_lock);
     return r;
 }

@@ -149,13 +149,20 @@ int cu_dev_range_ok(uintptr_t p, size_t len, int write) {
 
 /* ------------------------------------------------------------------ alloc / free */
 
-CUresult cu_mem_alloc(CUdeviceptr *dptr, size_t size, uint8_t kind, unsigned int flags) {
+/* low32: the legacy (CUDA < 3.2) ABI has 32-bit device pointers, so such memory
+ * must sit below 4 GiB (MAP_32BIT: the first 2 GiB); none left there = OOM. */
+static CUresult mem_alloc(CUdeviceptr *dptr, size_t size, uint8_t kind, unsigned int flags, int low32) {
     struct CUctx_st *c;
     CUresult r = cu_need_ctx(&c);
     if (r) return r;
     if (!dptr || size == 0) return CUDA_ERROR_INVALID_VALUE;
     if ((r = cu_charge(c->gpu, size))) return r;
     void *p = cu_map_anon(size, PROT_READ | PROT_WRITE);
+    if (low32 && p) {
+        cu_unmap(p, size);
+        p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_32BIT, -1, 0);
+        p = p == MAP_FAILED ? NULL : p;
+    }
     cu_alloc_t a = {.base = (uintptr_t)p, .size = size, .charged = size, .gpu = c->gpu, .kind = kind,
                     .ctx = c, .flags = flags};
     if (!p || cu_reg_insert(&a) != 0) {
@@ -165,6 +172,10 @@ CUresult cu_mem_alloc(CUdeviceptr *dptr, size_t size, uint8_t kind, unsigned int
     }
     *dptr = (CUdeviceptr)(uintptr_t)p;
     return CUDA_SUCCESS;
+}
+
+CUresult cu_mem_alloc(CUdeviceptr *dptr, size_t size, uint8_t kind, unsigned int flags) {
+    return mem_alloc(dptr, size, kind, flags, 0);
 }
 
 /* Give an allocation's memory back (already removed from the registry). */
@@ -218,6 +229,21 @@ CU_API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
 }
 
 CU_API CUresult cuMemFree_v2(CUdeviceptr dptr) {
+    CU_ENTER();
+    return cu_mem_free(dptr);
+}
+
+/* Legacy 32-bit entry points, still exported by real libcuda for old binaries. */
+CU_API CUresult cuMemAlloc(unsigned int *dptr, unsigned int bytesize) {
+    CU_ENTER();
+    CUdeviceptr p;
+    if (!dptr) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = mem_alloc(&p, bytesize, MEM_DEVICE, 0, 1);
+    if (!r) *dptr = (unsigned int)p;
+    return r;
+}
+
+CU_API CUresult cuMemFree(unsigned int dptr) {
     CU_ENTER();
     return cu_mem_free(dptr);
 }
@@ -445,7 +471,9 @@ CU_API CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr
 }
 
 const cu_sym_t cu_syms_mem[] = {
+    CU_SYM("cuMemAlloc", 2000, cuMemAlloc),
     CU_SYM("cuMemAlloc", 3020, cuMemAlloc_v2),
+    CU_SYM("cuMemFree", 2000, cuMemFree),
     CU_SYM("cuMemFree", 3020, cuMemFree_v2),
     CU_SYM("cuMemAllocPitch", 3020, cuMemAllocPitch_v2),
     CU_SYM("cuMemAllocManaged", 6000, cuMemAllocManaged),

@@ -108,7 +108,9 @@ simgpu_proc_t *sim_my_slot(simgpu_node_t *n, uint32_t gpu) {
     }
     if (gpu >= SIMGPU_MAX_GPUS) return NULL;
     simgpu_proc_t *s = t_slot[gpu];
-    if (s && atomic_load(&s->pid) == pid && s->gpu == gpu) return s;
+    /* The cached slot must belong to this node: a process may switch nodes (cuInit re-reads $SIMGPU_STATE). */
+    int in_node = s >= &n->procs[0] && s < &n->procs[SIMGPU_MAX_PROCS];
+    if (s && in_node && atomic_load(&s->pid) == pid && s->gpu == gpu) return s;
     for (int i = 0; i < SIMGPU_MAX_PROCS; i++) {
         s = &n->procs[i];
         if (atomic_load(&s->pid) == pid && s->gpu == gpu) return t_slot[gpu] = s;

@@ -4,7 +4,7 @@ Real parts: the allocation ledger writing real container directories, usage slot
 written through gpufrac.memguard.formats.UsageFile as the shim writes them, pod
 policies from the real annotation parser. The apiserver side (Events, the
 Eviction API) is recorded here and exercised for real in
-tests/integration/test_idle.py against kmock's emulator."""
+tests/integration/test_idle_reaping.py against kmock's emulator."""
 
 from __future__ import annotations
 

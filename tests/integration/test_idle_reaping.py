@@ -28,6 +28,7 @@ from typing import Any
 
 import kmock
 import pytest
+from agentsim_fixtures import Sim, make_sim_fixture  # noqa: F401 (pytest fixture)
 from kube_fixtures import PODS, KubeServer, pod_manifest
 from memguard_fixtures import Shim, read_line
 
@@ -42,6 +43,8 @@ from gpufrac.agent.kube import EventRecorder, PodCache, make_api_client
 from gpufrac.deviceplugin.podresources import ContainerDevices
 from gpufrac.deviceplugin.slices import MEMORY, device_id
 from gpufrac.memguard import formats
+from gpufrac.simgpu.kubelet import Container as KContainer
+from gpufrac.simgpu.kubelet import Pod as KPod
 
 NODE = "node-a"
 MiB = 1 << 20
@@ -174,10 +177,10 @@ class Workload:
 
 
 class Scenario:
-    def __init__(self, kube: KubeServer, ledger: Ledger, cfg: Config, shim: Shim) -> None:
+    def __init__(self, kube: KubeServer, ledger: Ledger, cfg: Config, shim: Shim, eviction_api: bool) -> None:
         self.kube, self.ledger, self.cfg, self.shim = kube, ledger, cfg, shim
         self.v1 = kube.core_v1()
-        self.evictions = EvictionApi(kube)
+        self.evictions = EvictionApi(kube) if eviction_api else None
         self.listing: dict[str, ContainerDevices] = {}
         self.workloads: list[Workload] = []
         self.reaper: IdleReaper | None = None
@@ -302,7 +305,7 @@ async def until(cond: Callable[[], Any], timeout: float = DEADLINE, what: str = 
 def make_scenario(kube_server: KubeServer, in_process_nvml: Any, tmp_path: Path) -> Iterator[Any]:
     made: list[Ledger] = []
 
-    def make(**idle: Any) -> Scenario:
+    def make(eviction_api: bool = True, **idle: Any) -> Scenario:
         base = {"interval": "100ms", "action": "evict"}
         cfg = load(
             overrides={
@@ -313,7 +316,7 @@ def make_scenario(kube_server: KubeServer, in_process_nvml: Any, tmp_path: Path)
         )
         ledger = Ledger(cfg, read_inventory())
         made.append(ledger)
-        return Scenario(kube_server, ledger, cfg, Shim(in_process_nvml.env, "release"))
+        return Scenario(kube_server, ledger, cfg, Shim(in_process_nvml.env, "release"), eviction_api)
 
     yield make
     for led in made:
@@ -373,7 +376,6 @@ def test_gpu_work_in_the_grace_period_spares_the_pod(make_scenario: Any) -> None
     assert cancelled["type"] == "Normal" and "GPU work resumed" in cancelled["message"]
     assert s.exists("nb")
     assert s.writes_to("nb") == []
-    assert s.evictions.attempts == {}
 
 
 def test_max_runtime_reaps_a_busy_interactive_pod_at_its_limit(make_scenario: Any) -> None:
@@ -431,13 +433,14 @@ def test_pdb_refusal_is_retried_and_reported_never_forced(make_scenario: Any) ->
     s = make_scenario(idleTimeout="1s", gracePeriod="500ms", allowDelete=True)
     nb = s.pod("nb", INTERACTIVE)
     s.workload(nb)
+    assert s.evictions is not None
     s.evictions.blocked.add("nb")
 
     async def body(reaper: IdleReaper) -> None:
-        await until(lambda: s.evictions.attempts.get("nb", 0) >= 3, what="three eviction attempts")
+        await until(lambda: s.evictions.attempts.get("nb", 0) >= 3, what="three eviction attempts")  # type: ignore[union-attr]
         await until(lambda: sum(e.get("count", 1) for e in s.events("nb", "IdleEvictionBlocked")) >= 3)
         assert s.exists("nb")
-        s.evictions.blocked.discard("nb")  # the budget allows it again
+        s.evictions.blocked.discard("nb")  # type: ignore[union-attr]  # the budget allows it again
         await until(lambda: not s.exists("nb"), what="the pod evicted once the budget allows")
 
     s.run(body)
@@ -446,6 +449,33 @@ def test_pdb_refusal_is_retried_and_reported_never_forced(make_scenario: Any) ->
     assert "disruption budget" in blocked[0]["message"] and "never forcing" in blocked[0]["message"]
     assert not [w for w in s.writes_to("nb") if w[0] == "DELETE"]
     assert len(s.events("nb", "IdleEvicted")) == 1
+
+
+@pytest.mark.parametrize("allow_delete", [False, True])
+def test_without_the_eviction_api_a_pod_is_deleted_only_when_configured(
+    make_scenario: Any, allow_delete: bool
+) -> None:
+    # No Eviction subresource here: kmock answers 404 for it while the pod exists.
+    s = make_scenario(eviction_api=False, idleTimeout="1s", gracePeriod="500ms", allowDelete=allow_delete)
+    nb = s.pod("nb", INTERACTIVE)
+    s.workload(nb)
+
+    async def body(reaper: IdleReaper) -> None:
+        if allow_delete:
+            await until(lambda: not s.exists("nb"), what="the pod deleted")
+        else:
+            await until(lambda: s.events("nb", "IdleEvictionFailed"), what="IdleEvictionFailed")
+            await s.passes_later(20)
+            assert s.exists("nb")
+
+    s.run(body)
+    deletes = [w for w in s.writes_to("nb") if w[0] == "DELETE"]
+    if allow_delete:
+        assert len(deletes) == 1
+        assert "Eviction API not served" in s.events("nb", "IdleDeleted")[0]["message"]
+    else:
+        assert deletes == []
+        assert "set idle.allowDelete" in s.events("nb", "IdleEvictionFailed")[0]["message"]
 
 
 def test_cpu_only_phase_is_not_reaped_before_the_pods_own_timeout(make_scenario: Any) -> None:
@@ -502,3 +532,32 @@ def test_nvml_utilisation_keeps_a_long_kernel_active(make_scenario: Any) -> None
             p.wait(30)
 
     s.run(body, reaping=False)
+
+
+def test_the_agent_reaps_through_its_idle_task(make_sim: Callable[..., Sim], kube_server: KubeServer) -> None:
+    """The whole chain: the kubelet emulator admits pods, the real agent (a subprocess) finds
+    them through pod-resources and the apiserver, and its idle task evicts the idle interactive
+    one (its container never touched the GPU) while the idle batch one stays."""
+    evictions = EvictionApi(kube_server)
+    node = "sim-node-1"
+    idle = {"idleTimeout": "2s", "gracePeriod": "1s", "interval": "200ms", "action": "evict"}
+    sim = make_sim(config={"nodeName": node, "apiServer": kube_server.url, "idle": idle})
+    v1 = kube_server.core_v1()
+    for name, ann in (("nb", INTERACTIVE), ("train", {})):
+        pod = KPod("default", name, [KContainer("main", {MEMORY: 1})], annotations=ann)
+        v1.create_namespaced_pod("default", pod_manifest(name, node=node, uid=pod.uid, annotations=ann))
+        sim.kubelet.admit(pod)
+
+    def gone() -> bool:
+        return not any(p["metadata"]["name"] == "nb" for p in kube_server.objects(PODS, "default"))
+
+    try:
+        sim.kubelet.wait_for(gone, DEADLINE)
+    except TimeoutError:
+        raise AssertionError(
+            f"the idle pod was never evicted; agent log:\n{sim.agent.log()[-4000:]}"
+        ) from None
+    reasons = {(e["involvedObject"]["name"], e["reason"]) for e in kube_server.events("default")}
+    assert {("nb", "IdleWarning"), ("nb", "IdleEvicted")} <= reasons
+    assert not [r for p, r in reasons if p == "train" and r.startswith("Idle")]
+    assert evictions.attempts == {"nb": 1}

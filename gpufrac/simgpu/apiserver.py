@@ -1,0 +1,292 @@
+"""A Kubernetes apiserver for tests and the demo: kmock's KubernetesEmulator on localhost,
+in its own thread.
+
+kmock is aiohttp-based; the kubernetes client is synchronous. So the emulator
+runs on an event loop in a background thread and tests (and the agent's worker
+threads) reach it over real HTTP on 127.0.0.1 with the real kubernetes client.
+
+The emulator is extended where the agent depends on apiserver behaviour that
+kmock 0.8 leaves out: field selectors on list/watch (spec.nodeName), uid,
+resourceVersion and creationTimestamp on objects, watch timeoutSeconds, and
+410 Gone for expired resource versions (`KubeServer.expire_watches`).
+
+Tests get one per test from the `kube_server` fixture (tests/kube_fixtures.py);
+the demo (`gpufrac run`) starts one itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import threading
+import uuid
+from asyncio import FIRST_COMPLETED
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+import kmock
+from kmock._internal import rendering
+from kubernetes import client
+
+T = TypeVar("T")
+PODS = kmock.resource("v1/pods")
+EVENTS = kmock.resource("v1/events")
+
+
+def _get_path(obj: Mapping[str, Any], dotted: str) -> str:
+    cur: Any = obj
+    for part in dotted.split("."):
+        cur = cur.get(part) if isinstance(cur, Mapping) else None
+    return "" if cur is None else str(cur)
+
+
+def _selector_matches(obj: Mapping[str, Any], selector: str | None) -> bool:
+    """Field selectors as the apiserver applies them: comma-joined field=value / field!=value."""
+    if not selector:
+        return True
+    for term in selector.split(","):
+        if "!=" in term:
+            path, value = term.split("!=", 1)
+            if _get_path(obj, path.strip()) == value.strip():
+                return False
+        else:
+            path, value = term.replace("==", "=").split("=", 1)
+            if _get_path(obj, path.strip()) != value.strip():
+                return False
+    return True
+
+
+class ApiServerEmulator(kmock.KubernetesEmulator):
+    """kmock's emulator plus the apiserver behaviours the agent relies on."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.resource_version = 0
+        self.expired_before = 0  # watches from an older resourceVersion get 410 Gone
+        self.closing = asyncio.Event()  # set when the server shuts down: open watches end
+        self.expiry = asyncio.Event()  # set (then replaced) to give every open watch 410 Gone
+        self.resources["v1/pods"] = kmock.ResourceInfo(namespaced=True, kind="Pod", singular="pod")
+        self.resources["v1/events"] = kmock.ResourceInfo(namespaced=True, kind="Event", singular="event")
+        self.resources["v1/nodes"] = kmock.ResourceInfo(namespaced=False, kind="Node", singular="node")
+
+    async def _handle(self, request: rendering.Request) -> Any:
+        # Stamp what the apiserver sets on every write before kmock stores the object.
+        if request.resource is not None and isinstance(request.data, dict):
+            if request.action in (kmock.action.CREATE, kmock.action.UPDATE):
+                self.resource_version += 1
+                meta = request.data.setdefault("metadata", {})
+                meta["resourceVersion"] = str(self.resource_version)
+                if request.action == kmock.action.CREATE:
+                    if (
+                        request.namespace
+                        and meta.setdefault("namespace", request.namespace) != request.namespace
+                    ):
+                        raise kmock.KubernetesError(
+                            400, "BadRequest", "the namespace of the object does not match the request's"
+                        )
+                    meta.setdefault("uid", str(uuid.uuid4()))
+                    now = datetime.datetime.now(tz=datetime.timezone.utc)
+                    meta.setdefault("creationTimestamp", now.strftime("%Y-%m-%dT%H:%M:%SZ"))
+        elif request.action == kmock.action.DELETE:
+            self.resource_version += 1
+        return await super()._handle(request)
+
+    async def _serve_list(self, request: rendering.Request) -> Any:
+        result = await super()._serve_list(request)
+        selector = request.params.get("fieldSelector")
+        result["items"] = [o for o in result["items"] if _selector_matches(o, selector)]
+        result["metadata"] = {"resourceVersion": str(self.resource_version)}
+        return result
+
+    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[Any]:
+        selector = request.params.get("fieldSelector")
+        rv = request.params.get("resourceVersion", "")
+        if rv.isdigit() and int(rv) < self.expired_before:
+            yield b""
+            yield _gone()
+            return
+        timeout = request.params.get("timeoutSeconds")
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + float(timeout)
+        inner = super()._serve_watch(request)
+        closing = asyncio.ensure_future(self.closing.wait())
+        # Captured before any await, so an expiry can never slip between the check above and here.
+        expired = asyncio.ensure_future(self.expiry.wait())
+        step: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                remaining = None if deadline is None else max(0.0, deadline - loop.time())
+                step = asyncio.ensure_future(inner.__anext__())
+                done, _ = await asyncio.wait(
+                    {step, closing, expired}, timeout=remaining, return_when=FIRST_COMPLETED
+                )
+                if expired in done:
+                    yield _gone()
+                    return
+                if step not in done:
+                    return  # timeoutSeconds passed or the server shuts down: end as the apiserver does
+                try:
+                    event = step.result()
+                except StopAsyncIteration:
+                    return
+                if isinstance(event, dict) and event.get("type") == "ERROR":
+                    yield event
+                    return
+                if not isinstance(event, dict) or _selector_matches(event.get("object", {}), selector):
+                    yield event
+        finally:
+            pending = [f for f in (step, closing, expired) if f is not None and not f.done()]
+            for f in pending:
+                f.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            await inner.aclose()
+
+
+def _gone() -> dict[str, Any]:
+    return {
+        "type": "ERROR",
+        "object": {
+            "apiVersion": "v1",
+            "kind": "Status",
+            "metadata": {},
+            "status": "Failure",
+            "message": "too old resource version",
+            "reason": "Expired",
+            "code": 410,
+        },
+    }
+
+
+class KubeServer:
+    """A running ApiServerEmulator in a background thread, and clients for it."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self.emulator: ApiServerEmulator
+        self.url = ""
+        self._thread = threading.Thread(target=self._run, name="kube-emulator", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("the Kubernetes emulator did not start within 30 s")
+        if self._error is not None:
+            raise RuntimeError("the Kubernetes emulator failed to start") from self._error
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._serve())
+        except BaseException as e:  # surfaced by __init__
+            self._error = e
+            self._ready.set()
+        finally:
+            self._loop.close()
+
+    async def _serve(self) -> None:
+        self._stop = asyncio.Event()
+        self.emulator = ApiServerEmulator()
+        async with self.emulator, kmock.Server(self.emulator) as server:
+            self.url = str(server.url).rstrip("/")
+            self._ready.set()
+            await self._stop.wait()
+            # End open watch streams first: aiohttp's shutdown would otherwise wait for
+            # clients (an agent still watching) to hang up.
+            self.emulator.closing.set()
+            await asyncio.sleep(0.1)
+
+    def close(self) -> None:
+        if self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+    def call(self, fn: Callable[[ApiServerEmulator], Awaitable[T]]) -> T:
+        """Run a coroutine against the emulator on its own loop (thread-safe)."""
+        return asyncio.run_coroutine_threadsafe(fn(self.emulator), self._loop).result(30)
+
+    # -- clients ---------------------------------------------------------------------------------
+
+    def configuration(self) -> client.Configuration:
+        return client.Configuration(host=self.url)
+
+    def api_client(self) -> client.ApiClient:
+        return client.ApiClient(self.configuration())
+
+    def core_v1(self) -> client.CoreV1Api:
+        return client.CoreV1Api(self.api_client())
+
+    # -- what the apiserver holds (thread-safe snapshots) -----------------------------------------
+
+    def objects(self, resource: Any, namespace: str | None = None) -> list[dict[str, Any]]:
+        async def snap(emu: ApiServerEmulator) -> list[dict[str, Any]]:
+            return [
+                _plain(obj.raw)
+                for (res, ns, _name), obj in list(emu.objects.items())
+                if res == resource and (namespace is None or ns == namespace) and not obj.deleted
+            ]
+
+        return self.call(snap)
+
+    def events(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        return self.objects(EVENTS, namespace)
+
+    def requests(self) -> list[tuple[str, str, dict[str, str]]]:
+        """(method, path, query params) of every request served so far."""
+
+        async def snap(emu: ApiServerEmulator) -> list[tuple[str, str, dict[str, str]]]:
+            return [
+                (str(getattr(r.method, "value", r.method)), r.url.path, dict(r.params)) for r in list(emu)
+            ]
+
+        return self.call(snap)
+
+    # -- apiserver behaviours tests trigger -------------------------------------------------------
+
+    def expire_watches(self) -> None:
+        """Compaction: every open watch gets 410 Gone, and older resourceVersions stay expired."""
+
+        async def expire(emu: ApiServerEmulator) -> None:
+            emu.expired_before = emu.resource_version  # a watch from the current version is still fine
+            emu.expiry.set()
+            emu.expiry = asyncio.Event()
+
+        self.call(expire)
+
+    def delete_silently(self, resource: Any, namespace: str, name: str) -> None:
+        """Remove an object without a watch event, as if it went while a watcher was disconnected."""
+
+        async def drop(emu: ApiServerEmulator) -> None:
+            async with emu._lock:
+                emu.resource_version += 1
+                emu.objects[resource, namespace, name].delete()
+
+        self.call(drop)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def pod_manifest(
+    name: str,
+    *,
+    node: str,
+    namespace: str = "default",
+    annotations: Mapping[str, str] | None = None,
+    containers: tuple[str, ...] = ("main",),
+    priority: int | None = None,
+    uid: str | None = None,
+) -> dict[str, Any]:
+    """A minimal Pod as a scheduler would have bound it to `node`."""
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "annotations": dict(annotations or {})}
+    if uid:
+        meta["uid"] = uid
+    spec: dict[str, Any] = {"nodeName": node, "containers": [{"name": c, "image": "app"} for c in containers]}
+    if priority is not None:
+        spec["priority"] = priority
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec, "status": {"phase": "Running"}}
