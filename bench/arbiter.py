@@ -9,8 +9,8 @@ the measured path. Times are CLOCK_MONOTONIC, shared by all processes on the nod
   written to the config file), with free memory available.
 * wait_handoff_*_ms: one container's release sent -> the waiting container's GRANTED reply
   received (DESIGN.md: wake-up follows a release, no polling period).
-* swap_roundtrip_ms_per_gib_sim: only if gpufrac.agent.swap exists (it did not when this
-  bench was written; then the key is left out and `notes` says so).
+* swap_roundtrip_ms_per_gib_sim is not measured here: bench/swap.py (the swap resolver's
+  bench) reports it; `notes` says which applies.
 """
 
 from __future__ import annotations
@@ -180,7 +180,9 @@ def run(bursts: int = 300, handoffs: int = 100) -> dict[str, Any]:
     except ImportError:
         out["notes"].append("swap_roundtrip_ms_per_gib_sim omitted: gpufrac.agent.swap does not exist yet")
     else:
-        out["notes"].append("swap_roundtrip_ms_per_gib_sim: measured by the swap resolver's own bench")
+        out["notes"].append(
+            "swap_roundtrip_ms_per_gib_sim: measured by bench/swap.py (the swap resolver's bench)"
+        )
     return out
 
 

@@ -627,6 +627,30 @@ class Arbiter:
         recorder.record(ref, type_, reason, message)
 
 
+def published_grants(containers: list[tuple[str, str, str, int]]) -> dict[str, int]:
+    """Grants the config files carry, for (key, directory, GPU, request) of booked containers
+    (blocking reads: recovery runs it in a thread). A grant is published to the file before
+    the shim is told, the state file is saved later: after a crash the files are the truth."""
+    out = {}
+    for key, directory, gpu, request in containers:
+        try:
+            cfg = formats.read_config(directory)
+        except FormatError:
+            continue
+        if cfg.gpu_uuid == gpu and cfg.request_bytes == request:
+            out[key] = cfg.grant_bytes
+    return out
+
+
+def adopt_grants(ledger: Ledger, grants: dict[str, int]) -> None:
+    """Put published grants (published_grants) back into the restored ledger; the arbiter's
+    reconcile() then takes back what the containers no longer use."""
+    for key, grant in grants.items():
+        alloc = ledger.get(key)
+        if alloc is not None and alloc.config.grant_bytes != grant:
+            ledger.update_config(key, grant_bytes=grant)
+
+
 # -- a client (tests, the bench, the runtime emulator's stand-in workload) ------------------------
 
 

@@ -88,6 +88,7 @@ class Agent:
         self._identity_task: asyncio.Task[None] | None = None
         self.identity: Any | None = None  # set by gpufrac.agent.identity on first use
         self.arbiter: Any | None = None  # gpufrac.agent.arbiter.Arbiter: burst grants
+        self.watchdog: Any | None = None  # gpufrac.agent.watchdog.Watchdog (started with the arbiter)
         # gpufrac.agent.idle: per-container GPU activity (ActivityTracker) and the IdleReaper.
         self.activity: Any | None = None
         self.reaper: Any | None = None
@@ -125,6 +126,7 @@ class Agent:
             self._apply_health(self.health.current())
             self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
         await self._start_arbiter()  # before any container can start and ask
+        self._start_watchdog()
         for resource in slices.RESOURCES:
             plugin = self.plugins[resource] = DevicePlugin(resource, self)
             server = self.servers[resource] = PluginServer(plugin, cfg.paths.device_plugin_dir)
@@ -170,6 +172,27 @@ class Agent:
             return
         self.arbiter = arbiter
         self._kick_identity()  # callers are identified through the pod cache: start it now
+        if arbiter.swap is not None:
+            # Checkpoint API detection (blocking, in a thread) and takeover of containers a
+            # previous agent swapped out; bursts do not wait for it.
+            self._tasks.append(asyncio.create_task(arbiter.swap.start(), name="swap-start"))
+
+    def _start_watchdog(self) -> None:
+        """NVML's per-process memory against each container's limit (gpufrac.agent.watchdog).
+        Containers are told apart as the arbiter tells its callers apart."""
+        from gpufrac.agent.peers import PeerLookup, namer_from_pods
+        from gpufrac.agent.watchdog import Watchdog
+
+        assert self.ledger is not None
+        peers = getattr(self.arbiter, "peers", None) or PeerLookup(
+            self.ledger, lambda uid, cid: namer_from_pods(getattr(self.identity, "pods", None))(uid, cid)
+        )
+        self.watchdog = Watchdog(
+            self.config.watchdog, self.ledger, peers, lambda: getattr(self.identity, "events", None)
+        )
+        task = self.watchdog.start()
+        if task is not None:
+            self._tasks.append(task)
 
     def _open_health(self) -> Any | None:
         try:
@@ -237,6 +260,11 @@ class Agent:
                 self.config.paths.pod_resources_socket,
                 len(self.ledger.containers()),
             )
+        # Grants published after the last state save must survive rewriting the config files.
+        from gpufrac.agent.arbiter import adopt_grants, published_grants
+
+        booked = [(a.key, a.directory, a.config.gpu_uuid, a.request_bytes) for a in self.ledger.containers()]
+        adopt_grants(self.ledger, await asyncio.to_thread(published_grants, booked))
         await self._materialize_all()
         await asyncio.to_thread(self._clean_orphans, {a.key for a in self.ledger.containers()})
         await self.state.save(self.ledger)

@@ -258,7 +258,8 @@ def test_gpu_health_in_metrics_and_on_the_node(node: InprocNode) -> None:
             e
             for e in node.kube.events("default")
             if e["reason"] == "GpuUnhealthy"
-            and e["involvedObject"] == {"kind": "Node", "name": NODE, "uid": NODE}
+            and {k: e["involvedObject"].get(k) for k in ("kind", "name", "uid")}
+            == {"kind": "Node", "name": NODE, "uid": NODE}
         ]
 
     (event,) = node.wait(node_event, "the GpuUnhealthy Event on the Node")

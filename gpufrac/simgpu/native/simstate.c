@@ -196,11 +196,12 @@ void sim_post_event(simgpu_node_t *n, uint32_t gpu, uint64_t type, uint64_t data
 
 static int parse_list(simgpu_node_t *n, const char *spec, const uint32_t *in, int in_count,
                       uint32_t out[SIMGPU_MAX_GPUS]) {
-    if (!spec || !*spec || strcmp(spec, "all") == 0) {
+    /* Unset or "all": every GPU. Set but empty hides every GPU, as CUDA does. */
+    if (!spec || strcmp(spec, "all") == 0) {
         memcpy(out, in, sizeof(uint32_t) * (size_t)in_count);
         return in_count;
     }
-    if (strcmp(spec, "none") == 0 || strcmp(spec, "void") == 0) return 0;
+    if (!*spec || strcmp(spec, "none") == 0 || strcmp(spec, "void") == 0) return 0;
     char buf[1024];
     snprintf(buf, sizeof buf, "%s", spec);
     int count = 0;
