@@ -364,8 +364,9 @@ class Metrics(Collector):
                 row.primary = True
                 if view is not None:
                     row.used = (row.used or 0) + view.used_bytes
-                    row.idle = view.idle_seconds if row.idle is None else min(row.idle, view.idle_seconds)
                     row.swapped += view.swapped_bytes
+                if c.idle_seconds is not None:  # enrich: the activity tracker's or the usage file's
+                    row.idle = c.idle_seconds if row.idle is None else min(row.idle, c.idle_seconds)
                 row.oom += counts.oom_total(view.slot_refusals if view is not None else {})
                 row.evictions += counts.evictions
                 for d in SWAP_DIRECTIONS:
@@ -387,7 +388,7 @@ class Metrics(Collector):
         )
         burst = gauge("memory_burst_granted_bytes", "The container's current burst grant above its request.")
         swapped = gauge("swapped_bytes", "The container's GPU memory currently held in host RAM.")
-        idle = gauge("idle_seconds", "Seconds since the container's last GPU work (a kernel launch).")
+        idle = gauge("idle_seconds", "Seconds since the container's last GPU work (a launch, or NVML activity).")
         evictions = counter("evictions", "Times the container's processes were evicted to free GPU memory.")
         swaps = counter(
             "swaps", "Swaps of the container's GPU memory to host RAM (out) and back (in).", ("direction",)

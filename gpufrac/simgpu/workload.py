@@ -1,0 +1,157 @@
+"""A GPU workload for the simulated node: a real CUDA program (cuda-python over the fake
+libcuda, under the memguard shim when LD_PRELOAD says so), driven line by line on stdin.
+
+    python -m gpufrac.simgpu.workload
+
+Commands, one per line; each answers exactly one line:
+
+    alloc N [V]   cuMemAlloc N bytes, fill them with the u32 value V (default 1) on the GPU
+                  -> "ok <id>" or "oom" (CUDA_ERROR_OUT_OF_MEMORY) or "error <name>"
+    free ID       cuMemFree buffer ID                      -> "ok"
+    check ID      check_u32 kernel: do the buffer's bytes still hold their value?
+                  -> "ok" or "corrupt <mismatches>"
+    busy US       launch the busy kernel for US microseconds and synchronize -> "ok"
+    info          cuMemGetInfo as the app sees it          -> "free <bytes> total <bytes>"
+    exit          free everything and exit                 -> "bye"
+
+It prints "ready" once CUDA is initialised. Tests and the demo use it through
+WorkloadProcess (below) so every scenario runs the same real driver calls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from queue import Empty, Queue
+from typing import Any
+
+MODULE_IMAGE = b"SIMGPU-MODULE"  # the fake driver's built-in module (docs/simgpu.md)
+
+
+def _serve() -> int:
+    from cuda.bindings import driver as cu
+
+    def chk(result: Any) -> Any:
+        err, *rest = result if isinstance(result, tuple) else (result,)
+        if int(err) != 0:
+            raise RuntimeError(cu.cuGetErrorName(err)[1].decode())
+        return rest[0] if len(rest) == 1 else rest
+
+    chk(cu.cuInit(0))
+    dev = chk(cu.cuDeviceGet(0))
+    ctx = chk(cu.cuDevicePrimaryCtxRetain(dev))
+    chk(cu.cuCtxSetCurrent(ctx))
+    mod = chk(cu.cuModuleLoadData(MODULE_IMAGE))
+    fill, check, busy = (chk(cu.cuModuleGetFunction(mod, k)) for k in (b"fill_u32", b"check_u32", b"busy_us"))
+    result = chk(cu.cuMemAlloc(8))  # check_u32 writes its mismatch count here
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    buffers: dict[int, tuple[Any, int, int]] = {}  # id -> (device ptr, bytes, value)
+
+    def launch(func: Any, *args: Any) -> None:
+        values = tuple(a for a, _ in args)
+        types = tuple(t for _, t in args)
+        chk(cu.cuLaunchKernel(func, 1, 1, 1, 1, 1, 1, 0, 0, (values, types), 0))
+        chk(cu.cuCtxSynchronize())
+
+    print("ready", flush=True)
+    next_id = 0
+    for line in sys.stdin:
+        cmd, *a = line.split() or [""]
+        try:
+            if cmd == "alloc":
+                n, v = int(a[0]), int(a[1]) if len(a) > 1 else 1
+                err, ptr = cu.cuMemAlloc(n)
+                if err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+                    print("oom", flush=True)
+                    continue
+                chk((err,))
+                launch(fill, (int(ptr), u64), (n // 4, u64), (v, u32))
+                next_id += 1
+                buffers[next_id] = (ptr, n, v)
+                print(f"ok {next_id}", flush=True)
+            elif cmd == "free":
+                ptr, _, _ = buffers.pop(int(a[0]))
+                chk(cu.cuMemFree(ptr))
+                print("ok", flush=True)
+            elif cmd == "check":
+                ptr, n, v = buffers[int(a[0])]
+                launch(check, (int(ptr), u64), (n // 4, u64), (v, u32), (int(result), u64))
+                out = (ctypes.c_uint64 * 1)()
+                chk(cu.cuMemcpyDtoH(out, result, 8))
+                print("ok" if out[0] == 0 else f"corrupt {out[0]}", flush=True)
+            elif cmd == "busy":
+                launch(busy, (int(a[0]), u64))
+                print("ok", flush=True)
+            elif cmd == "info":
+                free, total = chk(cu.cuMemGetInfo())
+                print(f"free {free} total {total}", flush=True)
+            elif cmd == "exit":
+                for ptr, _, _ in buffers.values():
+                    chk(cu.cuMemFree(ptr))
+                print("bye", flush=True)
+                return 0
+            else:
+                print(f"error unknown command {cmd!r}", flush=True)
+        except (RuntimeError, KeyError, IndexError, ValueError) as e:
+            print(f"error {e}", flush=True)
+    return 0
+
+
+class WorkloadProcess:
+    """Drives a running `python -m gpufrac.simgpu.workload` over its stdin/stdout."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], name: str = "workload", timeout: float = 60.0) -> None:
+        self.proc = proc
+        self.name = name
+        self._lines: Queue[str] = Queue()
+        assert proc.stdout is not None
+        threading.Thread(target=self._read, args=(proc.stdout,), daemon=True).start()
+        first = self.line(timeout)
+        if first != "ready":
+            raise RuntimeError(f"{name}: the workload did not start (said {first!r})")
+
+    @staticmethod
+    def argv() -> list[str]:
+        return [sys.executable, "-m", "gpufrac.simgpu.workload"]
+
+    @classmethod
+    def spawn(cls, env: Mapping[str, str], name: str = "workload", timeout: float = 60.0) -> WorkloadProcess:
+        """Start one as a plain subprocess (no container runtime) with `env`."""
+        proc = subprocess.Popen(cls.argv(), env=dict(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        return cls(proc, name, timeout)
+
+    def _read(self, pipe: Any) -> None:
+        for raw in pipe:
+            self._lines.put(raw.decode(errors="replace").strip())
+        self._lines.put("<exited>")
+
+    def line(self, timeout: float = 60.0) -> str:
+        try:
+            return self._lines.get(timeout=timeout)
+        except Empty:
+            raise TimeoutError(f"{self.name}: no answer within {timeout:.0f}s") from None
+
+    def do(self, cmd: str, timeout: float = 60.0) -> str:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((cmd + "\n").encode())
+        self.proc.stdin.flush()
+        return self.line(timeout)
+
+    def do_all(self, cmds: Sequence[str], timeout: float = 60.0) -> list[str]:
+        return [self.do(c, timeout) for c in cmds]
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.do("exit", timeout)
+                self.proc.wait(timeout)
+            except (TimeoutError, BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(timeout)
+
+
+if __name__ == "__main__":
+    raise SystemExit(_serve())
