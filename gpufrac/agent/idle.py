@@ -50,7 +50,7 @@ from gpufrac.agent.activity import ActivityTracker, Clock
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.annotations import ContainerPolicy
 from gpufrac.agent.config import Config
-from gpufrac.agent.kube import KubeConfigError, ObjectRef, PodInfo, make_api_client
+from gpufrac.agent.kube import ObjectRef, PodInfo, make_api_client
 from gpufrac.agent.units import format_duration, parse_duration
 
 log = logging.getLogger(__name__)
@@ -629,7 +629,7 @@ async def run_for(agent: Any) -> None:
     evictor: PodEvictor | None = None
     try:
         evictor = PodEvictor(make_api_client(host=cfg.api_server or None), allow_delete=cfg.idle.allow_delete)
-    except KubeConfigError as e:
+    except Exception as e:  # KubeConfigError, or a kubeconfig the client cannot parse
         if cfg.idle.enabled and cfg.idle.action == "evict":
             log.error("idle reaper cannot evict (it will only notify): %s", e)
     reaper = IdleReaper(

@@ -388,7 +388,9 @@ class Metrics(Collector):
         )
         burst = gauge("memory_burst_granted_bytes", "The container's current burst grant above its request.")
         swapped = gauge("swapped_bytes", "The container's GPU memory currently held in host RAM.")
-        idle = gauge("idle_seconds", "Seconds since the container's last GPU work (a launch, or NVML activity).")
+        idle = gauge(
+            "idle_seconds", "Seconds since the container's last GPU work (a launch, or NVML activity)."
+        )
         evictions = counter("evictions", "Times the container's processes were evicted to free GPU memory.")
         swaps = counter(
             "swaps", "Swaps of the container's GPU memory to host RAM (out) and back (in).", ("direction",)

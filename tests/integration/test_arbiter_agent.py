@@ -123,7 +123,8 @@ def test_agent_kill_while_waiting_then_restart_reconciles(node: Node, kube_serve
     try:
         until(lambda: _grant(a_dir) == a_grant - 8 * GiB, what="a's unused grant reclaimed")
     except AssertionError as e:
-        raise AssertionError(f"{e}; grant {_grant(a_dir)}; agent log:\n{node.sim.agent.log()[-3000:]}") from None
+        log = node.sim.agent.log()[-3000:]
+        raise AssertionError(f"{e}; grant {_grant(a_dir)}; agent log:\n{log}") from None
     # Once the new agent knows b again (its pod cache synced; a release is harmless) ...
     until(lambda: b.do("free 0") == "granted", what="b identified by the restarted agent")
     # ... the freed memory is there for b.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -161,7 +162,17 @@ def make_node(kube: KubeServer, **extra: Any) -> ArbiterNode:
         "swap": {"idleThreshold": "1s"},
     }
     overrides.update(extra)
-    return ArbiterNode(kube, overrides)
+    node = ArbiterNode(kube, overrides)
+    close = node.close
+
+    def close_all() -> None:
+        try:
+            close()
+        finally:
+            shutil.rmtree(state, ignore_errors=True)
+
+    node.close = close_all  # type: ignore[method-assign]
+    return node
 
 
 @pytest.fixture
