@@ -1,22 +1,37 @@
 """`gpufrac run`: the agent on this node, or a simulated GPU node with a short demo.
 
 On a real node (an NVIDIA driver and a kubelet present) this is the agent itself.
-Elsewhere it builds a simulated node (simgpu), runs the real agent against the
-kubelet emulator, and walks through what gpufrac does, printing each step.
+Elsewhere it builds a simulated node and runs every real part against it: the
+agent as its own process, the kubelet emulator driving it over the device-plugin
+gRPC API, kmock's apiserver emulator holding the pods, and "containers" that are
+real processes in real cgroups running CUDA (cuda-python over simgpu's fake
+libcuda) under the memguard shim. It then walks through sharing, bursting and
+collisions, printing each step, and serves the agent's metrics on localhost.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpufrac import native
 
 KUBELET_SOCKET = "/var/lib/kubelet/device-plugins/kubelet.sock"
+NODE = "sim-node"
+GiB = 1 << 30
+FRACTION = "gpufrac.dev/gpu-fraction"
+MEMORY = "gpufrac.dev/gpu-memory"
 
 
 def real_node_present() -> bool:
@@ -25,27 +40,92 @@ def real_node_present() -> bool:
 
 
 def banner(title: str) -> None:
-    print(f"\n=== {title} " + "=" * max(0, 72 - len(title)), flush=True)
+    print(f"\n=== {title} " + "=" * max(0, 74 - len(title)), flush=True)
 
 
-class SimEnv:
-    """A simulated node in a temporary directory and the environment that sees it."""
+def say(text: str) -> None:
+    print(text, flush=True)
 
-    def __init__(self, preset: str, root: Path) -> None:
+
+def free_port(preferred: int) -> int:
+    """`preferred` if nothing listens there, else any free port (the demo must not fail
+    because something else on the machine already serves 9410)."""
+    for port in (preferred, 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise RuntimeError("no free TCP port on 127.0.0.1")
+
+
+def until(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"demo: {what} did not happen within {timeout:.0f}s")
+        time.sleep(0.05)
+
+
+@dataclass
+class DemoPod:
+    namespace: str
+    name: str
+    resource: str
+    count: int
+    annotations: dict[str, str]
+    priority: int = 0
+    uid: str = ""
+    gpu: str = ""
+    workload: Any = None  # gpufrac.simgpu.workload.WorkloadProcess once started
+
+
+class SimNode:
+    """Every part of a simulated node, started in order and stopped in reverse."""
+
+    def __init__(self, preset: str, root: Path, stack: contextlib.ExitStack) -> None:
+        from gpufrac.simgpu.apiserver import KubeServer
+        from gpufrac.simgpu.kubelet import AgentProcess, KubeletEmulator
+        from gpufrac.simgpu.runtime import ContainerRuntime
         from gpufrac.simgpu.spec import create_node, load_preset
 
         self.root = root
         self.state = root / "node.state"
-        create_node(load_preset(preset), self.state)
+        create_node(load_preset(preset, node_name=NODE), self.state)
         self.libdir = native.native_dir()
-        native.library(native.FAKE_NVML)
-        native.library(native.FAKE_CUDA)
+        for lib in (native.FAKE_NVML, native.FAKE_CUDA, native.SHIM):
+            native.library(lib)
         self.env = dict(os.environ)
         self.env["SIMGPU_STATE"] = str(self.state)
         self.env["LD_LIBRARY_PATH"] = f"{self.libdir}:{self.env.get('LD_LIBRARY_PATH', '')}".rstrip(":")
+        self.api = KubeServer()
+        stack.callback(self.api.close)
+        self.v1 = self.api.core_v1()
+        self.kubelet = KubeletEmulator(root / "k").start()
+        stack.callback(self.kubelet.stop)
+        self.metrics_port = free_port(9410)
+        self.status_socket = root / "status.sock"
+        self.agent = AgentProcess(
+            root / "a",
+            self.state,
+            root / "k",
+            {
+                "nodeName": NODE,
+                "apiServer": self.api.url,
+                "statusSocket": str(self.status_socket),
+                "metrics": {"port": self.metrics_port, "bindAddress": "127.0.0.1"},
+                "waitTimeout": "20s",
+                "evictIdleThreshold": "10m",
+                "swap": {"idleThreshold": "2s"},
+            },
+        ).start()
+        stack.callback(self.agent.stop)
+        self.runtime = ContainerRuntime(view_root=root / "v")
+        stack.callback(self.runtime.close)
 
     def gpufrac(self, *args: str) -> str:
-        """Run a gpufrac CLI command on the simulated node (a fresh process, as a user would)."""
+        """A gpufrac CLI command on the simulated node, as a user would run it."""
         r = subprocess.run(
             [sys.executable, "-m", "gpufrac.agent.cli", *args],
             env=self.env,
@@ -57,16 +137,195 @@ class SimEnv:
             raise RuntimeError(f"gpufrac {' '.join(args)} failed: {r.stderr.strip()}")
         return r.stdout
 
+    def admit(self, p: DemoPod) -> None:
+        """The scheduler binds the pod to this node; the kubelet admits it through the plugin."""
+        from gpufrac.simgpu.apiserver import pod_manifest
+        from gpufrac.simgpu.kubelet import Container, Pod
+
+        created = self.v1.create_namespaced_pod(
+            p.namespace,
+            pod_manifest(
+                p.name, node=NODE, namespace=p.namespace, annotations=p.annotations, priority=p.priority
+            ),
+        )
+        p.uid = created.metadata.uid
+        pod = Pod(
+            p.namespace, p.name, [Container("main", {p.resource: p.count})], p.uid, p.annotations, p.priority
+        )
+        devices = self.kubelet.admit(pod)["main"][p.resource]
+        p.gpu = devices[0].split("::")[0]
+
+    def start(self, p: DemoPod) -> None:
+        """The container runtime starts the pod's container with what Allocate returned."""
+        from gpufrac.simgpu.runtime import mounts_of
+        from gpufrac.simgpu.workload import WorkloadProcess
+
+        resp = self.kubelet.allocate_response(p.uid, "main", p.resource)
+        c = self.runtime.start(
+            p.uid,
+            "main",
+            WorkloadProcess.argv(),
+            env=self.env,
+            envs=dict(resp.envs),
+            mounts=mounts_of(resp),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        cs = {"name": "main", "containerID": c.runtime_id, "image": "app", "imageID": "app", "ready": True}
+        self.v1.patch_namespaced_pod(
+            p.name,
+            p.namespace,
+            {"status": {"phase": "Running", "containerStatuses": [{**cs, "restartCount": 0}]}},
+        )
+        p.workload = WorkloadProcess(c.proc, p.name)
+
+    def status(self) -> dict[str, Any]:
+        from gpufrac.agent import status
+
+        return status.fetch(str(self.status_socket))
+
+    def container(self, p: DemoPod) -> dict[str, Any] | None:
+        for c in self.status().get("containers", []):
+            if c.get("pod") == p.name and c.get("namespace") == p.namespace:
+                return c
+        return None
+
+    def events(self, since: int = 0) -> list[dict[str, Any]]:
+        evs = sorted(self.api.events(), key=lambda e: e.get("metadata", {}).get("creationTimestamp", ""))
+        return evs[since:]
+
+
+def show_events(node: SimNode, seen: list[int]) -> None:
+    """Print the Kubernetes Events posted since the last call."""
+    evs = node.events()
+    for e in evs[seen[0] :]:
+        obj = e.get("involvedObject", {})
+        say(
+            f"  event  {e.get('type', ''):7} {e.get('reason', ''):22} {obj.get('kind', '')}/{obj.get('name', '')}: "
+            f"{e.get('message', '')}"
+        )
+    seen[0] = len(evs)
+
+
+def gib(n: float) -> int:
+    return int(n * GiB)
+
+
+@contextlib.contextmanager
+def simulated_node(preset: str) -> Iterator[SimNode]:
+    # Short root: unix socket paths must stay under 108 bytes.
+    with tempfile.TemporaryDirectory(prefix="gfdemo", dir="/tmp") as tmp, contextlib.ExitStack() as stack:
+        yield SimNode(preset, Path(tmp), stack)
+
 
 def run_demo(args: argparse.Namespace) -> int:
-    with tempfile.TemporaryDirectory(prefix="gpufrac-demo-") as tmp:
-        sim = SimEnv(args.preset, Path(tmp))
-        banner(f"Simulated node: preset {args.preset}")
-        print(f"node state: {sim.state}\nfake driver libraries: {sim.libdir}")
+    from gpufrac.agent import status as status_mod
+
+    with simulated_node(args.preset) as node:
+        banner(f"A simulated GPU node: preset {args.preset}")
+        say(f"node state {node.state}; fake NVML and CUDA driver libraries in {node.libdir}")
         banner("GPU inventory (gpufrac gpus)")
-        print(sim.gpufrac("gpus"), end="")
+        say(node.gpufrac("gpus").rstrip())
         banner("Topology (gpufrac topo)")
-        print(sim.gpufrac("topo"), end="")
+        say(node.gpufrac("topo").rstrip())
+
+        banner("The agent registers two resources with the kubelet")
+        until(lambda: node.kubelet.connected(FRACTION) and node.kubelet.connected(MEMORY), "registration")
+        for r in (FRACTION, MEMORY):
+            say(f"  {r:26} allocatable {node.kubelet.allocatable(r)} slices")
+
+        pods = [
+            DemoPod(
+                "inference",
+                "llm-server",
+                MEMORY,
+                16,
+                {"gpufrac.dev/gpu-memory-limit": "40Gi", "gpufrac.dev/workload-class": "inference"},
+                1000,
+            ),
+            DemoPod(
+                "batch",
+                "embedder",
+                MEMORY,
+                16,
+                {"gpufrac.dev/gpu-memory-limit": "60Gi", "gpufrac.dev/preemptible": "true"},
+                0,
+            ),
+            DemoPod(
+                "research",
+                "notebook",
+                MEMORY,
+                8,
+                {
+                    "gpufrac.dev/workload-class": "interactive",
+                    "gpufrac.dev/swappable": "true",
+                    "gpufrac.dev/gpu-memory-limit": "12Gi",
+                },
+                0,
+            ),
+            DemoPod("training", "trainer", FRACTION, 200, {}, 500),
+            DemoPod("research", "sandbox", FRACTION, 25, {"gpufrac.dev/gpu-memory-limit": "nonsense"}, 0),
+        ]
+        banner("Pods arrive; the kubelet admits them through the device plugin")
+        inv = {g["uuid"]: g for g in node.status().get("gpus", [])}
+        for p in pods:
+            node.admit(p)
+            idx = inv.get(p.gpu, {}).get("index", "?")
+            say(f"  {p.namespace + '/' + p.name:22} {p.resource.split('/')[1]}={p.count:<4} -> GPU {idx}")
+        seen = [0]
+        until(lambda: all(node.container(p) for p in pods), "pod identity for every container")
+        show_events(node, seen)
+
+        server, embedder, notebook = pods[0], pods[1], pods[2]
+        banner("Sharing one GPU: real CUDA processes under the memguard shim")
+        for p in (server, embedder, notebook):
+            node.start(p)
+        say(f"  llm-server sees {server.workload.do('info')}  (total = its 40 GiB limit)")
+        say(
+            f"  llm-server allocates 12 GiB within its 16 GiB request: {server.workload.do(f'alloc {gib(12)}')}"
+        )
+        say(f"  notebook allocates 6 GiB within its request: {notebook.workload.do(f'alloc {gib(6)}')}")
+        say(f"  embedder fills its request (16 GiB): {embedder.workload.do(f'alloc {gib(16)}')}")
+        say(f"  embedder bursts 30 GiB past its request: {embedder.workload.do(f'alloc {gib(30)}')}")
+        say(
+            f"  embedder asks past its 60 GiB limit: {embedder.workload.do(f'alloc {gib(20)}')} (never above limit)"
+        )
+        show_events(node, seen)
+
+        banner("Collision: llm-server bursts while the GPU's free memory is lent out")
+        say("  resolver chain [swap, evict, wait]; the notebook has been idle and is swappable")
+        time.sleep(2.5)  # the notebook's idle window (swap.idleThreshold in this demo's config)
+        say(f"  llm-server allocates 24 GiB more: {server.workload.do(f'alloc {gib(24)}', timeout=90)}")
+        show_events(node, seen)
+        say(
+            f"  notebook touches the GPU again (swap-in), its bytes intact: {notebook.workload.do('check 1', 90)}"
+        )
+        show_events(node, seen)
+
+        banner("gpufrac status")
+        say(status_mod.format_status(node.status()).rstrip())
+
+        url = f"http://127.0.0.1:{node.metrics_port}/metrics"
+        banner(f"Prometheus metrics at {url}")
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        for line in text.splitlines():
+            if line.startswith(
+                (
+                    "gpufrac_container_memory_limit_bytes",
+                    "gpufrac_gpu_memory_burst_granted_bytes",
+                    "gpufrac_container_evictions_total",
+                    "gpufrac_container_swaps_total",
+                )
+            ):
+                say("  " + line)
+        if args.keep:
+            say(f"\nserving until Ctrl-C: metrics {url}, status socket {node.status_socket}")
+            with contextlib.suppress(KeyboardInterrupt):
+                while True:
+                    time.sleep(3600)
+        for p in pods:
+            if p.workload is not None:
+                p.workload.close()
     return 0
 
 

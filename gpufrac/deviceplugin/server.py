@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
@@ -31,6 +32,9 @@ from gpufrac.proto import deviceplugin_pb2 as pb
 from gpufrac.proto import deviceplugin_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+# One DEBUG line per kubelet call with the time spent inside the handler (bench/agent.py reads
+# them to tell the agent's own latency from gRPC and the kubelet's).
+rpc_log = logging.getLogger("gpufrac.deviceplugin.rpc")
 
 API_VERSION = "v1beta1"
 HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
@@ -120,6 +124,13 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         self.active_streams = 0
         self.stream_ended = asyncio.Event()
         self.snapshots_sent = 0
+        # Seconds spent inside the last handler calls, per RPC name (newest last).
+        self.handler_seconds: dict[str, deque[float]] = {}
+
+    def _handled(self, rpc: str, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        self.handler_seconds.setdefault(rpc, deque(maxlen=1024)).append(dt)
+        rpc_log.debug("%s %s handled in %.3f ms", self.resource, rpc, dt * 1000)
 
     def notify(self) -> None:
         """Devices changed: every open ListAndWatch stream sends a fresh full list."""
@@ -173,6 +184,7 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
     async def GetPreferredAllocation(
         self, request: pb.PreferredAllocationRequest, context: grpc.aio.ServicerContext
     ) -> pb.PreferredAllocationResponse:
+        t0 = time.perf_counter()
         resp = pb.PreferredAllocationResponse()
         for creq in request.container_requests:
             ids = self.backend.preferred(
@@ -182,11 +194,13 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
                 int(creq.allocation_size),
             )
             resp.container_responses.add(deviceIDs=ids)
+        self._handled("GetPreferredAllocation", t0)
         return resp
 
     async def Allocate(
         self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext
     ) -> pb.AllocateResponse:
+        t0 = time.perf_counter()
         resp = pb.AllocateResponse()
         for creq in request.container_requests:
             try:
@@ -195,16 +209,19 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
                 log.warning("Allocate %s refused: %s", self.resource, e.message)
                 await context.abort(e.code, e.message)
             resp.container_responses.append(container_response(alloc, self.backend.config))
+        self._handled("Allocate", t0)
         return resp
 
     async def PreStartContainer(
         self, request: pb.PreStartContainerRequest, context: grpc.aio.ServicerContext
     ) -> pb.PreStartContainerResponse:
+        t0 = time.perf_counter()
         try:
             await self.backend.prestart(self.resource, list(request.devices_ids))
         except AllocationError as e:
             log.warning("PreStartContainer %s refused: %s", self.resource, e.message)
             await context.abort(e.code, e.message)
+        self._handled("PreStartContainer", t0)
         return pb.PreStartContainerResponse()
 
 

@@ -669,6 +669,8 @@ class AgentProcess:
                 "shimHostPath": str(native.native_dir() / native.SHIM),
             },
             "health": {"pollInterval": "50ms"},
+            # Under the root, so agents of concurrent tests never share one status socket.
+            "statusSocket": str(self.root / "status.sock"),
         }
         for k, v in (config or {}).items():
             cfg[k] = {**cfg[k], **v} if isinstance(v, dict) and isinstance(cfg.get(k), dict) else v

@@ -103,7 +103,7 @@ class Node(ctypes.Structure):
         ("nvml_version", ctypes.c_char * 32),
         ("node_name", ctypes.c_char * 64),
         ("checkpoint_supported", u32),
-        ("pad0", u32),
+        ("event_wake", u32),  # futex word: bumped after every posted event
         ("gpus", Gpu * MAX_GPUS),
         ("procs", Proc * MAX_PROCS),
     ]

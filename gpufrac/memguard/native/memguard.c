@@ -629,6 +629,8 @@ static void mg_atfork_child(void) {
     }
 }
 
+static void mg_exit_return_grant(void);
+
 __attribute__((destructor)) static void mg_destructor(void) {
     /* A clean exit gives the slot back at once (the driver frees the memory
      * at exit); a killed process is reaped by the next one to notice. Later
@@ -636,7 +638,7 @@ __attribute__((destructor)) static void mg_destructor(void) {
     if (atomic_load(&g_mode) != MODE_ON) return;
     atomic_store(&g_mode, MODE_DONE);
     mg_proc_slot_t *s = atomic_exchange(&g_slot, NULL);
-    if (s && (int32_t)getpid() == g_pid) mg_release_slot(s, g_pid);
+    if (s && (int32_t)getpid() == g_pid && mg_release_slot(s, g_pid) > 1) mg_exit_return_grant();
 }
 
 /* ------------------------------------------------------------------------ */
@@ -713,7 +715,8 @@ static int mg_poll(int fd, short events, int ms) {
  * by arbiter_timeout_ms; the reply by arbiter_timeout_ms + wait_timeout_ms,
  * since the agent's wait resolver may hold the request that long.
  */
-static MG_COLD int mg_ask_arbiter(uint16_t op, uint64_t bytes, uint64_t total_after, const mg_limits_t *l) {
+static MG_COLD int mg_arbiter_io(uint16_t op, uint64_t bytes, uint64_t total_after, const mg_limits_t *l,
+                                 int await_reply) {
     if (!g_sock_path[0]) return 0;
     struct stat st;
     if (stat(g_sock_path, &st) != 0 || !S_ISSOCK(st.st_mode)) return 0;
@@ -734,6 +737,10 @@ static MG_COLD int mg_ask_arbiter(uint16_t op, uint64_t bytes, uint64_t total_af
                           .pid = g_pid, .bytes = bytes, .total_after = total_after, .generation = l->generation};
     if (mg_poll(fd, POLLOUT, timeout) != 0 || send(fd, &req, sizeof req, MSG_NOSIGNAL) != (ssize_t)sizeof req)
         goto out;
+    if (!await_reply) {
+        granted = 1; /* sent: the agent reads it after we close (a unix socket keeps queued bytes) */
+        goto out;
+    }
     mg_burst_rep_t rep;
     size_t got = 0;
     while (got < sizeof rep) {
@@ -751,7 +758,58 @@ out:
     return granted;
 }
 
+static MG_COLD int mg_ask_arbiter(uint16_t op, uint64_t bytes, uint64_t total_after, const mg_limits_t *l) {
+    return mg_arbiter_io(op, bytes, total_after, l, 1);
+}
+
 #define mg_request_burst(bytes, total_after, l) mg_ask_arbiter(MG_BURST_OP_BURST, bytes, total_after, l)
+
+/* Grants flow back (docs/arbiter-protocol.md, RELEASE). When a free leaves the
+ * container using less than request + grant by more than max(64 MiB, grant/8),
+ * the agent is told at once, so a burst waiting elsewhere on the GPU gets the
+ * memory within milliseconds instead of after the agent's 10 s stale-grant sweep.
+ *
+ * Why op RELEASE, sent without waiting for the reply, rather than only the
+ * grant_returned counter: the agent reads the counter in its once-a-second sweep,
+ * too slow for a waiter; the op wakes it now. Not awaiting the reply keeps the
+ * free's cost at one non-blocking connect and one 40-byte send on a unix socket
+ * (tens of microseconds; a full backlog fails at once with EAGAIN), never a wait
+ * on a busy agent. Nothing is held meanwhile. If the send fails (agent away), the
+ * counter is bumped instead, and the agent's sweep (or, after a restart, its
+ * reconcile) takes the grant back. Identity is SO_PEERCRED as for a burst.
+ *
+ * At most one RELEASE per process and config generation: the agent's lowered
+ * grant comes with a new generation; until then further frees do not resend. */
+#define MG_RETURN_MIN (64ull << 20)
+static _Atomic uint64_t g_returned_gen = UINT64_MAX;
+
+static void mg_maybe_return_grant(void) {
+    mg_limits_t l;
+    if (!g_usage || !g_cfg || mg_read_limits(&l) != 0 || l.grant == 0 || (l.flags & MG_FLAG_WHOLE_GPU)) return;
+    uint64_t held = l.request + l.grant;
+    if (held < l.request || held > l.limit) held = l.limit;
+    uint64_t used = atomic_load_explicit(&g_usage->total_used, memory_order_relaxed);
+    uint64_t unused = used >= held ? 0 : held - used;
+    if (unused > l.grant) unused = l.grant; /* only grant goes back, never the guarantee */
+    uint64_t slack = l.grant / 8 > MG_RETURN_MIN ? l.grant / 8 : MG_RETURN_MIN;
+    if (MG_LIKELY(unused <= slack)) return;
+    uint64_t gen = atomic_load_explicit(&g_returned_gen, memory_order_relaxed);
+    if (gen == l.generation ||
+        !atomic_compare_exchange_strong_explicit(&g_returned_gen, &gen, l.generation, memory_order_relaxed,
+                                                 memory_order_relaxed))
+        return; /* sent for this generation already, or another thread is sending now */
+    if (!mg_arbiter_io(MG_BURST_OP_RELEASE, unused, used, &l, 0))
+        atomic_fetch_add_explicit(&g_usage->grant_returned, unused, memory_order_relaxed);
+}
+
+/* At exit the op would reach the agent after this process is gone (it could not be
+ * identified), so the exit only bumps the counter: the agent's sweep takes the
+ * grant back within a second. */
+static void mg_exit_return_grant(void) {
+    mg_limits_t l;
+    if (!g_usage || !g_cfg || mg_read_limits(&l) != 0 || l.grant == 0) return;
+    atomic_fetch_add_explicit(&g_usage->grant_returned, 1, memory_order_relaxed);
+}
 
 /* Swap-in (issue 5, gpufrac/agent/swap.py): the agent moved this process's GPU
  * memory to host RAM (slot->swapped) and its CUDA calls block in the driver
@@ -845,10 +903,12 @@ static inline int mg_forget(mg_tab_t *t, uint64_t key, uint64_t *bytes) { return
 /* After the real free: uncount, or keep counting if the driver refused. */
 static void mg_freed(mg_tab_t *t, CUresult rc, uint64_t key, int found, uint64_t bytes) {
     if (!found) return; /* double free or foreign pointer: nothing of ours to give back */
-    if (rc == CUDA_SUCCESS)
+    if (rc == CUDA_SUCCESS) {
         mg_uncharge(bytes);
-    else
+        mg_maybe_return_grant();
+    } else {
         mg_tab_put(t, key, bytes);
+    }
 }
 
 static inline int mg_on(void) { return mg_mode() == MODE_ON; }

@@ -117,7 +117,8 @@ typedef struct {
     char nvml_version[32];              /* e.g. "12.570.124.06" */
     char node_name[64];
     uint32_t checkpoint_supported;      /* 1: cuCheckpointProcess* work */
-    uint32_t pad0;
+    _Atomic uint32_t event_wake;        /* bumped after every posted event: the shared futex word
+                                           nvmlEventSetWait sleeps on (was padding: same layout) */
     simgpu_gpu_t gpus[SIMGPU_MAX_GPUS];
     simgpu_proc_t procs[SIMGPU_MAX_PROCS];
 } simgpu_node_t;

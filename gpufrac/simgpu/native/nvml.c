@@ -1092,6 +1092,9 @@ NVML_API nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *d
     simgpu_node_t *n = node_if_init();
     uint64_t deadline = sim_now_ns() + (uint64_t)timeoutms * 1000000ull;
     for (;;) {
+        /* Loaded before the scan: an event posted after it changes the word, so the
+         * futex wait below returns at once instead of sleeping through it. */
+        uint32_t seen = atomic_load(&n->event_wake);
         for (int i = 0; i < set->nregs; i++) {
             sim_reg_t *reg = &set->regs[i];
             simgpu_gpu_t *g = &n->gpus[reg->gpu];
@@ -1115,10 +1118,11 @@ NVML_API nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *d
         }
         uint64_t now = sim_now_ns();
         if (now >= deadline) return NVML_ERROR_TIMEOUT;
-        uint64_t left = deadline - now, step = left < 2000000ull ? left : 2000000ull; /* poll every 2 ms */
-        struct timespec ts = {0, (long)step};
-        while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
-        }
+        /* Block like the real driver does. Loss is a plain flag nobody wakes us for,
+         * and a poster killed between its event and its wake leaves the word as is:
+         * look again at least every 50 ms for those. */
+        uint64_t left = deadline - now;
+        sim_event_sleep(n, seen, left < 50000000ull ? left : 50000000ull);
     }
 }
 

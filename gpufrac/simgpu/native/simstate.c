@@ -3,6 +3,8 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -10,6 +12,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -192,6 +195,15 @@ void sim_post_event(simgpu_node_t *n, uint32_t gpu, uint64_t type, uint64_t data
     e->data = data;
     e->time_us = sim_now_ns() / 1000;
     __atomic_store_n(&e->seq, seq, __ATOMIC_RELEASE);
+    /* After the event is readable: a waiter that loaded the old word rescans and finds it. */
+    atomic_fetch_add(&n->event_wake, 1);
+    syscall(SYS_futex, (uint32_t *)&n->event_wake, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+void sim_event_sleep(simgpu_node_t *n, uint32_t seen, uint64_t timeout_ns) {
+    struct timespec ts = {(time_t)(timeout_ns / 1000000000ull), (long)(timeout_ns % 1000000000ull)};
+    /* Not FUTEX_PRIVATE: the word lives in a file mapping shared between processes. */
+    syscall(SYS_futex, (uint32_t *)&n->event_wake, FUTEX_WAIT, seen, &ts, NULL, 0);
 }
 
 static int parse_list(simgpu_node_t *n, const char *spec, const uint32_t *in, int in_count,

@@ -34,8 +34,13 @@ SIM_HIDDEN uint64_t sim_reap_dead(simgpu_node_t *n);
 SIM_HIDDEN int sim_mem_take(simgpu_node_t *n, uint32_t gpu, uint64_t bytes);
 SIM_HIDDEN void sim_mem_give(simgpu_node_t *n, uint32_t gpu, uint64_t bytes);
 
-/* Append an event (e.g. XID) to a GPU's ring. */
+/* Append an event (e.g. XID) to a GPU's ring and wake every nvmlEventSetWait. */
 SIM_HIDDEN void sim_post_event(simgpu_node_t *n, uint32_t gpu, uint64_t type, uint64_t data);
+
+/* Sleep while the node's event_wake word still equals `seen`, at most timeout_ns
+ * (a shared futex on the MAP_SHARED file: posters in any process wake it). May
+ * return early (spuriously, on a signal); callers re-check their condition. */
+SIM_HIDDEN void sim_event_sleep(simgpu_node_t *n, uint32_t seen, uint64_t timeout_ns);
 
 /* Indices of GPUs visible to this process, after NVIDIA_VISIBLE_DEVICES
  * (container runtime) and, if `cuda` is set, CUDA_VISIBLE_DEVICES. Entries are
