@@ -33,6 +33,7 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Mapping, Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,9 @@ TITLES = {
 # -- measurements (the tests call summarize; the report reads what they recorded) -------------
 
 
-def summarize(name: str, unit: str, none: Sequence[float], shim: Sequence[float], **extra: Any) -> dict[str, Any]:
+def summarize(
+    name: str, unit: str, none: Sequence[float], shim: Sequence[float], **extra: Any
+) -> dict[str, Any]:
     """Shim vs. none for one loop: per-iteration times of interleaved runs of each. The
     median run is compared (robust to one disturbed run); the minimum is kept too."""
     if not none or not shim:
@@ -125,7 +128,11 @@ def parse_gpus(text: str) -> list[dict[str, Any]]:
 
 def collect_env() -> dict[str, Any]:
     """Versions of what the suite ran on (run with the suite's interpreter and environment)."""
-    env: dict[str, Any] = {"python": platform.python_version(), "host": platform.node(), "kernel": platform.release()}
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "kernel": platform.release(),
+    }
     try:
         import torch
 
@@ -134,14 +141,15 @@ def collect_env() -> dict[str, Any]:
     except ImportError:
         env["torch"] = None
     try:
+        env["cuda_python"] = metadata.version("cuda-python")
+    except metadata.PackageNotFoundError:
+        env["cuda_python"] = None
+    try:
         from cuda.bindings import driver
 
         driver.cuInit(0)
         err, version = driver.cuDriverGetVersion()
         env["cuda_driver_api"] = int(version) if int(err) == 0 else None
-        from importlib.metadata import version as dist_version
-
-        env["cuda_python"] = dist_version("cuda-python")
     except Exception as e:  # no driver: the report says so
         env["cuda_driver_api"] = None
         env["cuda_error"] = str(e)
@@ -239,9 +247,12 @@ def markdown(report: Mapping[str, Any]) -> str:
         if "none" not in m or "shim" not in m:
             continue
         lines.append(
-            f"| {_cell(TITLES.get(name, name))} ({m.get('unit', '')}) | {m.get('runs', '-')} | "
+            f"| {_cell(TITLES.get(name, name))} (per {str(m.get('unit', 's/iteration')).split('/')[-1]}) | "
+            f"{m.get('runs', '-')} | "
             f"{_us(m['none']['median'])} | {_us(m['shim']['median'])} | {_pct(m.get('overhead_pct'))} |"
         )
+    if not any("none" in m and "shim" in m for m in report["measurements"].values()):
+        lines.append("| (no measurement recorded) | - | - | - | - |")
     other = {k: v for k, v in report["measurements"].items() if "none" not in v or "shim" not in v}
     if other:
         lines += ["", "## Other measurements", ""]
@@ -270,10 +281,14 @@ def render(args: argparse.Namespace) -> int:
     md = markdown(report)
     Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
     Path(args.markdown).write_text(md)
+    ran = report["tests"]["passed"] + report["tests"]["failed"] + report["tests"]["error"]
     for dest in args.copy:
+        if not ran:  # a run that tested nothing must not replace the recorded results
+            print(f"no test ran: {dest} left as it was", file=sys.stderr)
+            continue
         Path(dest).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(args.markdown, dest)
-    print(md)
+    sys.stdout.write(md)
     return 0 if report["ok"] else 1
 
 
@@ -285,7 +300,7 @@ def cli(argv: Sequence[str]) -> int:
     r.add_argument("work", help="the suite's work directory (junit.xml, measurements/, gpus.csv, env.json)")
     r.add_argument("--json", required=True)
     r.add_argument("--markdown", required=True)
-    r.add_argument("--copy", action="append", default=[], help="also copy the Markdown here")
+    r.add_argument("--copy", action="append", default=[], help="also copy the Markdown here (if tests ran)")
     r.add_argument("--pytest-rc", type=int, default=None)
     args = ap.parse_args(argv)
     if args.cmd == "env":

@@ -243,14 +243,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 {"gpufrac.dev/gpu-memory-limit": "40Gi", "gpufrac.dev/workload-class": "inference"},
                 1000,
             ),
-            DemoPod(
-                "batch",
-                "embedder",
-                MEMORY,
-                16,
-                {"gpufrac.dev/gpu-memory-limit": "60Gi", "gpufrac.dev/preemptible": "true"},
-                0,
-            ),
+            DemoPod("batch", "embedder", MEMORY, 16, {"gpufrac.dev/gpu-memory-limit": "60Gi"}, 0),
             DemoPod(
                 "research",
                 "notebook",
@@ -264,8 +257,9 @@ def run_demo(args: argparse.Namespace) -> int:
                 0,
             ),
             DemoPod("training", "trainer", FRACTION, 200, {}, 500),
-            DemoPod("research", "sandbox", FRACTION, 25, {"gpufrac.dev/gpu-memory-limit": "nonsense"}, 0),
+            DemoPod("research", "sandbox", FRACTION, 5, {"gpufrac.dev/gpu-memory-limit": "nonsense"}, 0),
         ]
+        server, embedder, notebook = pods[0], pods[1], pods[2]
         banner("Pods arrive; the kubelet admits them through the device plugin")
         inv = {g["uuid"]: g for g in node.status().get("gpus", [])}
         for p in pods:
@@ -276,29 +270,48 @@ def run_demo(args: argparse.Namespace) -> int:
         until(lambda: all(node.container(p) for p in pods), "pod identity for every container")
         show_events(node, seen)
 
-        server, embedder, notebook = pods[0], pods[1], pods[2]
-        banner("Sharing one GPU: real CUDA processes under the memguard shim")
+        def do(p: DemoPod, what: str, cmd: str) -> str:
+            answer = p.workload.do(cmd, timeout=120)
+            say(f"  {p.name:10} {what:48} -> {answer}")
+            return answer
+
+        banner("Sharing GPU 0: real CUDA processes under the memguard shim")
         for p in (server, embedder, notebook):
             node.start(p)
-        say(f"  llm-server sees {server.workload.do('info')}  (total = its 40 GiB limit)")
-        say(
-            f"  llm-server allocates 12 GiB within its 16 GiB request: {server.workload.do(f'alloc {gib(12)}')}"
-        )
-        say(f"  notebook allocates 6 GiB within its request: {notebook.workload.do(f'alloc {gib(6)}')}")
-        say(f"  embedder fills its request (16 GiB): {embedder.workload.do(f'alloc {gib(16)}')}")
-        say(f"  embedder bursts 30 GiB past its request: {embedder.workload.do(f'alloc {gib(30)}')}")
-        say(
-            f"  embedder asks past its 60 GiB limit: {embedder.workload.do(f'alloc {gib(20)}')} (never above limit)"
-        )
+        do(server, "cuMemGetInfo (total = its 40Gi limit)", "info")
+        do(server, "allocates 12Gi within its 16Gi request", f"alloc {gib(12)}")
+        do(notebook, "allocates 8Gi (its request)", f"alloc {gib(8)} 7")
+        do(notebook, "bursts 3Gi past its request", f"alloc {gib(3)} 7")
+        do(embedder, "allocates 16Gi (its request)", f"alloc {gib(16)}")
+        do(embedder, "bursts 20Gi while the GPU has it free", f"alloc {gib(20)}")
+        do(embedder, "asks 30Gi more: past its 60Gi limit", f"alloc {gib(30)}")
         show_events(node, seen)
 
-        banner("Collision: llm-server bursts while the GPU's free memory is lent out")
-        say("  resolver chain [swap, evict, wait]; the notebook has been idle and is swappable")
+        banner("Collision 1 - swap: llm-server bursts; the idle notebook goes to host RAM")
         time.sleep(2.5)  # the notebook's idle window (swap.idleThreshold in this demo's config)
-        say(f"  llm-server allocates 24 GiB more: {server.workload.do(f'alloc {gib(24)}', timeout=90)}")
+        do(server, "allocates 4Gi (still within its request)", f"alloc {gib(4)}")
+        do(server, "bursts 14Gi: more than is free", f"alloc {gib(14)}")
         show_events(node, seen)
+
+        banner("Collision 2 - evict: llm-server bursts again; the low-priority borrower goes")
+        do(server, "bursts 8Gi more (up to its 40Gi limit)", f"alloc {gib(8)}")
+        show_events(node, seen)
+
+        banner("The notebook wakes up: swap-in, its bytes intact")
+        do(notebook, "checks its buffer (the launch swaps it back in)", "check 1")
+        show_events(node, seen)
+
+        banner("Collision 3 - wait: equal priorities, nothing idle; the burst waits for a free")
+        embedder.workload.close()
+        node.start(embedder)  # the kubelet restarted the evicted container
+        do(embedder, "allocates 16Gi (its request) again", f"alloc {gib(16)}")
+        do(embedder, "bursts 9Gi", f"alloc {gib(9)}")
+        notebook.workload.send(f"alloc {gib(1)}")
+        say(f"  {'notebook':10} {'bursts 1Gi: nothing free, waits ...':48}")
+        time.sleep(1.0)
+        do(embedder, "frees its 9Gi burst", "free 2")
         say(
-            f"  notebook touches the GPU again (swap-in), its bytes intact: {notebook.workload.do('check 1', 90)}"
+            f"  {'notebook':10} {'... and its waiting allocation completes':48} -> {notebook.workload.line(120)}"
         )
         show_events(node, seen)
 
@@ -330,6 +343,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    # gRPC's C core logs connection churn (kubelet restarts, GOAWAY) to stderr by default.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     if real_node_present() and not args.sim:
         from gpufrac.agent.main import cmd_agent
 

@@ -31,6 +31,7 @@ from kube_fixtures import KubeServer, pod_manifest
 
 from gpufrac import native
 from gpufrac.agent import annotations as ann
+from gpufrac.agent.units import parse_bytes
 from gpufrac.deviceplugin.slices import MEMORY
 from gpufrac.memguard import formats
 from gpufrac.simgpu.kubelet import AgentProcess, KubeletEmulator
@@ -141,9 +142,9 @@ class E2ENode:
         preemptible: bool = True,
         wait_timeout: str = "60s",
     ) -> PodRun:
-        annotations = {ann.WAIT_TIMEOUT: wait_timeout, ann.PREFIX + "preemptible": str(preemptible).lower()}
+        annotations = {ann.WAIT_TIMEOUT: wait_timeout, ann.PREEMPTIBLE: str(preemptible).lower()}
         if limit:
-            annotations[ann.PREFIX + "gpu-memory-limit"] = limit
+            annotations[ann.MEMORY_LIMIT] = limit
         pod = Pod("default", name, [KContainer("main", {MEMORY: units})], annotations=annotations)
         self.v1.create_namespaced_pod(
             "default", pod_manifest(name, node=NODE, annotations=annotations, priority=priority, uid=pod.uid)
@@ -172,7 +173,7 @@ class E2ENode:
         )
         # The agent has learned the pod (pod-resources, then the apiserver) once its policy shows in the
         # config: the pod's UID, and its limit when it has one.
-        want_limit = _limit_bytes(limit) if limit else units * UNIT
+        want_limit = parse_bytes(limit) if limit else units * UNIT
 
         def applied() -> bool:
             cfg = formats.read_config(host_dir)
@@ -201,12 +202,6 @@ class E2ENode:
                 p.app.close(timeout=10)
 
 
-def _limit_bytes(q: str) -> int:
-    from gpufrac.agent.units import parse_bytes
-
-    return parse_bytes(q)
-
-
 @pytest.fixture
 def e2e_node(kube_server: KubeServer) -> Iterator[Callable[..., E2ENode]]:
     """e2e_node(**agent config overrides) -> an E2ENode with its agent registered."""
@@ -232,6 +227,8 @@ def e2e_node(kube_server: KubeServer) -> Iterator[Callable[..., E2ENode]]:
         yield make
     finally:
         for node, root in made:
+            # Shown by pytest only when the test failed.
+            print(f"--- agent log ({root}) ---\n{node.sim.agent.log()[-6000:]}")
             try:
                 node.close()
                 node.runtime.close()

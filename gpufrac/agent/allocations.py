@@ -14,6 +14,7 @@ change so capacity sync and state persistence follow.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -63,6 +64,13 @@ def _short(ids: Sequence[str], limit: int = 6) -> str:
 
 def container_key(resource: str, device_ids: Iterable[str]) -> str:
     """Stable, unique-per-device-set key: the kubelet tells Allocate nothing else."""
+    return _container_key(resource, tuple(device_ids))
+
+
+@functools.lru_cache(maxsize=4096)
+def _container_key(resource: str, device_ids: tuple[str, ...]) -> str:
+    # Cached: every reconcile keys every container pod-resources lists, in the same order
+    # each time, and Allocate/PreStartContainer key theirs on the kubelet's critical path.
     ids = sorted(device_ids, key=slices.sort_key)
     digest = hashlib.sha256((resource + "\n" + "\n".join(ids)).encode()).hexdigest()[:20]
     return ("f-" if resource == FRACTION else "m-") + digest
@@ -133,6 +141,12 @@ class Ledger:
         self._unhealthy: dict[str, str] = {}  # GPU UUID -> reason
         self._files: dict[str, ConfigFile] = {}
         self._listeners: list[Callable[[], None]] = []
+        # Bumped by every change that can alter what ListAndWatch reports (bookings, health),
+        # not by config-only changes (identity, limits, grants): listeners tell them apart.
+        self.capacity_generation = 0
+        # How release() deletes a directory; the agent swaps in one that queues it behind the
+        # container-directory writes in its I/O thread instead of blocking the loop.
+        self.remove_dir: Callable[[str], None] = remove_container_dir
         # Device ID strings per (GPU, resource), built once: capacity sync lists them after every change.
         self._ids: dict[tuple[str, str], list[str]] = {
             (g.uuid, r): [slices.device_id(g.uuid, r, n) for n in range(g.slices(r))]
@@ -209,6 +223,7 @@ class Ledger:
             del self._unhealthy[gpu_uuid]
         else:
             self._unhealthy[gpu_uuid] = reason or "unhealthy"
+        self.capacity_generation += 1
         self._changed()
         return True
 
@@ -339,6 +354,7 @@ class Ledger:
             self._owner[d] = key
         for u in gpus:
             self._requested[u] += request
+        self.capacity_generation += 1
         self._changed()
         return alloc
 
@@ -376,7 +392,8 @@ class Ledger:
         if handle is not None:
             handle.close()
         if remove_dir:
-            remove_container_dir(alloc.directory)
+            self.remove_dir(alloc.directory)
+        self.capacity_generation += 1
         self._changed()
         return alloc
 

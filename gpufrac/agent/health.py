@@ -132,6 +132,20 @@ class HealthMonitor:
         """Health per GPU UUID as of the last poll (a copy; safe from any thread)."""
         return {uuid: replace(h) for uuid, h in self._snapshot.items()}
 
+    def next_change_in(self) -> float | None:
+        """Seconds until the earliest XID recovery window of a GPU closes (it may turn
+        Healthy then), None if no GPU is waiting for one. Read between polls."""
+        now = self._clock()
+        due = [
+            w.last_xid_at + self._config.xid_recovery - now
+            for w in self._watched
+            if w.last_xid_at is not None and not w.health.healthy
+        ]
+        # A window already closed (a lost GPU stays Unhealthy for another reason) is no reason
+        # to poll sooner.
+        due = [d for d in due if d > 0]
+        return min(due) if due else None
+
     def xid_counts(self) -> dict[tuple[str, int], int]:
         """(uuid, xid) -> XIDs seen since start, ignored ones included (for metrics)."""
         return dict(self._xids)

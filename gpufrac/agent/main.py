@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import importlib
 import inspect
@@ -83,6 +84,12 @@ class Agent:
         self.servers: dict[str, PluginServer] = {}
         self.started = asyncio.Event()
         self._stopping = asyncio.Event()
+        # Container-directory I/O (write, remove, orphan sweep) runs in ONE worker thread, in
+        # the order the loop asks for it: a directory released and booked again under the same
+        # key is removed before it is rewritten, the sweep never removes a directory booked
+        # after it was asked for, and the loop never blocks on rmtree.
+        self._dir_io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpufrac-dirs")
+        self._notified_generation = -1
         self._tasks: list[asyncio.Task[Any]] = []
         self._dirty = asyncio.Event()
         self._identity_task: asyncio.Task[None] | None = None
@@ -110,6 +117,7 @@ class Agent:
 
             self.inventory = await asyncio.to_thread(read_inventory)
         ledger = self.ledger = Ledger(cfg, self.inventory)
+        ledger.remove_dir = self._remove_dir_soon
         log.info(
             "agent on %s: %d GPUs, policy %s, memory unit %d bytes, reserved %d bytes per GPU",
             cfg.node_name,
@@ -231,6 +239,7 @@ class Agent:
         if self.status_server is not None:
             await self.status_server.stop()
         await self.metrics.stop()
+        await asyncio.to_thread(self._dir_io.shutdown)  # queued removals finish
 
     async def run(self) -> None:
         """Start, serve until stop() (or SIGTERM/SIGINT), then stop."""
@@ -266,15 +275,21 @@ class Agent:
         booked = [(a.key, a.directory, a.config.gpu_uuid, a.request_bytes) for a in self.ledger.containers()]
         adopt_grants(self.ledger, await asyncio.to_thread(published_grants, booked))
         await self._materialize_all()
-        await asyncio.to_thread(self._clean_orphans, {a.key for a in self.ledger.containers()})
+        await self._dir_call(self._clean_orphans, {a.key for a in self.ledger.containers()})
         await self.state.save(self.ledger)
 
     async def _materialize_all(self) -> None:
         """(Re)write every booked container's directory and keep its config open."""
         assert self.ledger is not None
         for alloc in self.ledger.containers():
-            handle = await asyncio.to_thread(write_container_dir, alloc.directory, alloc.config)
+            handle = await self._dir_call(write_container_dir, alloc.directory, alloc.config)
             self.ledger.attach(alloc.key, handle)
+
+    async def _dir_call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._dir_io, fn, *args)
+
+    def _remove_dir_soon(self, directory: str) -> None:
+        self._dir_io.submit(remove_container_dir, directory)
 
     def _clean_orphans(self, keep: set[str]) -> None:
         root = self.config.paths.containers_dir
@@ -343,7 +358,7 @@ class Agent:
                 "rebuilt allocation %s of %s/%s %s from pod-resources", key, c.namespace, c.pod, c.container
             )
             if materialize:
-                handle = await asyncio.to_thread(write_container_dir, alloc.directory, alloc.config)
+                handle = await self._dir_call(write_container_dir, alloc.directory, alloc.config)
                 self.ledger.attach(alloc.key, handle)
         return True
 
@@ -352,7 +367,7 @@ class Agent:
             await asyncio.sleep(self.reconcile_interval)
             try:
                 if await self.reconcile():
-                    await asyncio.to_thread(self._clean_orphans, {a.key for a in self.ledger.containers()})
+                    await self._dir_call(self._clean_orphans, {a.key for a in self.ledger.containers()})
                     await self._resolve_identity()
                 else:
                     self.metrics.count_reconcile_error()  # pod-resources did not answer
@@ -363,8 +378,13 @@ class Agent:
     # -- persistence and change propagation ---------------------------------------------
 
     def _on_change(self) -> None:
-        for plugin in self.plugins.values():
-            plugin.notify()
+        assert self.ledger is not None
+        # Only bookings and health change the device lists; identity, limits and grants
+        # change configs, which the state file follows but ListAndWatch need not resend.
+        if self.ledger.capacity_generation != self._notified_generation:
+            self._notified_generation = self.ledger.capacity_generation
+            for plugin in self.plugins.values():
+                plugin.notify()
         self._dirty.set()
 
     async def _persist_loop(self) -> None:
@@ -395,15 +415,22 @@ class Agent:
                 )
 
     async def _health_loop(self) -> None:
-        timeout_ms = max(10, int(self.config.health.poll_interval * 1000))
+        interval = self.config.health.poll_interval
         while True:
+            # The wait ends at once on an XID; otherwise after the poll interval (loss checks),
+            # or sooner when an XID's recovery window closes and the GPU may be Healthy again.
+            wait = interval
+            recovery = getattr(self.health, "next_change_in", lambda: None)()
+            if recovery is not None:
+                wait = min(wait, recovery)
             try:
-                await asyncio.to_thread(self.health.poll, timeout_ms)
+                changes = await asyncio.to_thread(self.health.poll, max(10, int(wait * 1000)))
             except Exception as e:
                 log.error("health poll failed: %s", e)
-                await asyncio.sleep(self.config.health.poll_interval)
+                await asyncio.sleep(interval)
                 continue
-            self._apply_health(self.health.current())
+            if changes or changes is None:  # the ledger already holds an unchanged health
+                self._apply_health(self.health.current())
 
     # -- Backend for the device-plugin servers --------------------------------------------
 
@@ -442,7 +469,7 @@ class Agent:
                 ledger.release(existing.key)
         alloc = ledger.reserve(resource, device_ids)
         try:
-            handle = await asyncio.to_thread(write_container_dir, alloc.directory, alloc.config)
+            handle = await self._dir_call(write_container_dir, alloc.directory, alloc.config)
         except OSError as e:
             ledger.release(alloc.key)
             raise AllocationError(

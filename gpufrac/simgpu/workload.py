@@ -5,7 +5,8 @@ libcuda, under the memguard shim when LD_PRELOAD says so), driven line by line o
 
 Commands, one per line; each answers exactly one line:
 
-    alloc N [V]   cuMemAlloc N bytes, fill them with the u32 value V (default 1) on the GPU
+    alloc N [V]   cuMemAlloc N bytes, fill their first FILL_WINDOW bytes with the u32 value V
+                  (default 1) on the GPU
                   -> "ok <id>" or "oom" (CUDA_ERROR_OUT_OF_MEMORY) or "error <name>"
     free ID       cuMemFree buffer ID                      -> "ok"
     check ID      check_u32 kernel: do the buffer's bytes still hold their value?
@@ -29,6 +30,9 @@ from queue import Empty, Queue
 from typing import Any
 
 MODULE_IMAGE = b"SIMGPU-MODULE"  # the fake driver's built-in module (docs/simgpu.md)
+# Simulated device memory is host RAM, mapped lazily: writing all of a 16 GiB buffer would
+# take 16 GiB of this machine's memory. Kernels touch a window at the start instead.
+FILL_WINDOW = 16 << 20
 
 
 def _serve() -> int:
@@ -68,7 +72,7 @@ def _serve() -> int:
                     print("oom", flush=True)
                     continue
                 chk((err,))
-                launch(fill, (int(ptr), u64), (n // 4, u64), (v, u32))
+                launch(fill, (int(ptr), u64), (min(n, FILL_WINDOW) // 4, u64), (v, u32))
                 next_id += 1
                 buffers[next_id] = (ptr, n, v)
                 print(f"ok {next_id}", flush=True)
@@ -78,7 +82,7 @@ def _serve() -> int:
                 print("ok", flush=True)
             elif cmd == "check":
                 ptr, n, v = buffers[int(a[0])]
-                launch(check, (int(ptr), u64), (n // 4, u64), (v, u32), (int(result), u64))
+                launch(check, (int(ptr), u64), (min(n, FILL_WINDOW) // 4, u64), (v, u32), (int(result), u64))
                 out = (ctypes.c_uint64 * 1)()
                 chk(cu.cuMemcpyDtoH(out, result, 8))
                 print("ok" if out[0] == 0 else f"corrupt {out[0]}", flush=True)
@@ -134,10 +138,14 @@ class WorkloadProcess:
         except Empty:
             raise TimeoutError(f"{self.name}: no answer within {timeout:.0f}s") from None
 
-    def do(self, cmd: str, timeout: float = 60.0) -> str:
+    def send(self, cmd: str) -> None:
+        """Send a command without waiting for its answer (read it later with line())."""
         assert self.proc.stdin is not None
         self.proc.stdin.write((cmd + "\n").encode())
         self.proc.stdin.flush()
+
+    def do(self, cmd: str, timeout: float = 60.0) -> str:
+        self.send(cmd)
         return self.line(timeout)
 
     def do_all(self, cmds: Sequence[str], timeout: float = 60.0) -> list[str]:

@@ -42,7 +42,10 @@ h = pynvml.nvmlDeviceGetHandleByIndex(0)
 print(json.dumps({"uuid": pynvml.nvmlDeviceGetUUID(h), "name": pynvml.nvmlDeviceGetName(h),
                   "total": int(pynvml.nvmlDeviceGetMemoryInfo(h).total)}))
 """
-_TORCH_PROBE = "import json, torch; print(json.dumps([torch.__version__, torch.version.cuda, torch.cuda.is_available()]))"
+_TORCH_PROBE = """
+import json, torch
+print(json.dumps([torch.__version__, torch.version.cuda, torch.cuda.is_available()]))
+"""
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,12 @@ class Gpu:
 
 def probe_json(code: str, env: Mapping[str, str], what: str) -> Any:
     r = subprocess.run(
-        [sys.executable, "-c", code], env=dict(env), capture_output=True, text=True, timeout=TIMEOUT, check=False
+        [sys.executable, "-c", code],
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
     )
     if r.returncode != 0:
         pytest.fail(f"{what} failed ({r.returncode}):\n{r.stderr[-4000:]}")
@@ -81,7 +89,9 @@ def require_torch(env: Mapping[str, str]) -> None:
         pytest.fail(f"PyTorch {version} (CUDA {cuda}) cannot use the GPU that NVML reports")
 
 
-def gpu_env(base: Mapping[str, str], gpu: Gpu, container: Container | Path | None = None, **extra: str) -> dict[str, str]:
+def gpu_env(
+    base: Mapping[str, str], gpu: Gpu, container: Container | Path | None = None, **extra: str
+) -> dict[str, str]:
     """A workload's environment on `gpu`: under the shim for `container`, or plain."""
     env = dict(base)
     if container is not None:
@@ -101,7 +111,9 @@ def assert_real_driver_in_process() -> None:
     assert not os.environ.get("SIMGPU_STATE"), "SIMGPU_STATE is set in the test process"
     assert not set(ldpath) & set(sim), f"LD_LIBRARY_PATH names simgpu's fake driver ({sim}); unset it"
     with open("/proc/self/maps") as f:
-        fakes = {line.split()[-1] for line in f if any(line.rstrip().endswith(d) or d + "/" in line for d in sim)}
+        fakes = {
+            line.split()[-1] for line in f if any(line.rstrip().endswith(d) or d + "/" in line for d in sim)
+        }
     assert not fakes, (
         f"this test process has simgpu's fake driver loaded ({sorted(fakes)}): run tests/gpu in a pytest "
         "process of its own (bench/gpu_suite.sh does)"
@@ -147,7 +159,9 @@ class Worker:
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
-            raise AssertionError(f"{self.name} (pid {self.proc.pid}) answered nothing within {timeout:.0f}s") from None
+            raise AssertionError(
+                f"{self.name} (pid {self.proc.pid}) answered nothing within {timeout:.0f}s"
+            ) from None
         if not line:
             err = self.proc.stderr.read() if self.proc.stderr else ""
             raise AssertionError(f"{self.name} exited ({self.proc.wait(30)}) without an answer:\n{err}")

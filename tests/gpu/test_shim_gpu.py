@@ -57,7 +57,9 @@ def box(tmp_path: Path, gpu: Gpu) -> Callable[..., Container]:
     return make
 
 
-def start(spawn: Spawn, real_env: dict[str, str], gpu: Gpu, c: Container, name: str = "worker", **extra: str) -> Worker:
+def start(
+    spawn: Spawn, real_env: dict[str, str], gpu: Gpu, c: Container, name: str = "worker", **extra: str
+) -> Worker:
     return spawn(gpu_env(real_env, gpu, c, **extra), name)
 
 
@@ -99,7 +101,12 @@ def test_nvidia_smi_shows_the_container(spawn: Spawn, real_env: dict[str, str], 
     holder.ok("alloc", name="a", bytes=300 * MiB)
     used = holder.ok("info")["usage"]["total_used"]
     r = subprocess.run(
-        [smi, f"--id={gpu.uuid}", "--query-gpu=memory.total,memory.used,memory.free", "--format=csv,noheader,nounits"],
+        [
+            smi,
+            f"--id={gpu.uuid}",
+            "--query-gpu=memory.total,memory.used,memory.free",
+            "--format=csv,noheader,nounits",
+        ],
         env=gpu_env(real_env, gpu, c),
         capture_output=True,
         text=True,
@@ -183,7 +190,9 @@ def test_cuda_graphs_capture_and_replay_under_the_shim(
     assert out["reserved"] <= used <= out["reserved"] + SLACK  # the graph's memory pool is counted
 
 
-def test_two_processes_share_one_container_limit(spawn: Spawn, real_env: dict[str, str], gpu: Gpu, box) -> None:
+def test_two_processes_share_one_container_limit(
+    spawn: Spawn, real_env: dict[str, str], gpu: Gpu, box
+) -> None:
     c = box()
     a = start(spawn, real_env, gpu, c, name="a")
     a.ok("alloc", name="x", bytes=600 * MiB)
@@ -209,7 +218,12 @@ def test_two_processes_share_one_container_limit(spawn: Spawn, real_env: dict[st
 
 def run_overhead(mode: str, env: dict[str, str]) -> dict:
     r = subprocess.run(
-        [sys.executable, str(OVERHEAD), mode], env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False
+        [sys.executable, str(OVERHEAD), mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
     )
     assert r.returncode == 0, f"{mode} failed ({r.returncode}):\n{r.stderr[-4000:]}"
     return json.loads(r.stdout.strip().splitlines()[-1])

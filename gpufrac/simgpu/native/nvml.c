@@ -469,6 +469,11 @@ NVML_API nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *cu
 /* ------------------------------------------------------------------ memory */
 
 static uint64_t used_of(simgpu_gpu_t *g) {
+    /* A real driver frees a process's memory as the process dies; the simulation has no
+     * one to do that at death, so the readers do it: dead processes' memory is given
+     * back before any memory reading. */
+    simgpu_node_t *n = sim_node();
+    if (n) sim_reap_dead(n);
     uint64_t used = atomic_load(&g->used_bytes);
     uint64_t cap = g->total_bytes > g->reserved_bytes ? g->total_bytes - g->reserved_bytes : 0;
     return used > cap ? cap : used;

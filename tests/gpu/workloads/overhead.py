@@ -75,7 +75,9 @@ def torch_alloc() -> dict[str, Any]:
     import torch
 
     dev = torch.device("cuda", 0)
-    assert os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1", "run with PYTORCH_NO_CUDA_MEMORY_CACHING=1"
+    assert os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1", (
+        "run with PYTORCH_NO_CUDA_MEMORY_CACHING=1"
+    )
     for s in SIZES:
         del_me = torch.empty(s, dtype=torch.uint8, device=dev)
         del del_me

@@ -75,7 +75,12 @@ def nvml_memory() -> dict[str, Any]:
     m2 = pynvml.nvmlDeviceGetMemoryInfo(_nvml, version=pynvml.nvmlMemory_v2)
     return {
         "v1": {"total": int(m1.total), "free": int(m1.free), "used": int(m1.used)},
-        "v2": {"total": int(m2.total), "free": int(m2.free), "used": int(m2.used), "reserved": int(m2.reserved)},
+        "v2": {
+            "total": int(m2.total),
+            "free": int(m2.free),
+            "used": int(m2.used),
+            "reserved": int(m2.reserved),
+        },
     }
 
 
@@ -195,7 +200,12 @@ def main() -> int:
         except OOM as e:
             out = {"ok": False, "oom": True, "error": str(e).splitlines()[0]}
         except Exception as e:
-            out = {"ok": False, "oom": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+            out = {
+                "ok": False,
+                "oom": False,
+                "error": f"{type(e).__name__}: {e}",
+                "trace": traceback.format_exc(),
+            }
         else:
             out = {"ok": True, **out}
         reply(out)
