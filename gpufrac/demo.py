@@ -219,9 +219,20 @@ def simulated_node(preset: str) -> Iterator[SimNode]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    with simulated_node(args.preset) as node:
+        try:
+            return _walkthrough(node, args)
+        except Exception:
+            # What the agent said is what explains a failed step.
+            say("\n--- the demo failed; the agent's log ends with:")
+            say("\n".join(node.agent.log().splitlines()[-40:]))
+            raise
+
+
+def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
     from gpufrac.agent import status as status_mod
 
-    with simulated_node(args.preset) as node:
+    if True:
         banner(f"A simulated GPU node: preset {args.preset}")
         say(f"node state {node.state}; fake NVML and CUDA driver libraries in {node.libdir}")
         banner("GPU inventory (gpufrac gpus)")

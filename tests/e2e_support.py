@@ -34,9 +34,8 @@ from gpufrac.agent import annotations as ann
 from gpufrac.agent.units import parse_bytes
 from gpufrac.deviceplugin.slices import MEMORY
 from gpufrac.memguard import formats
-from gpufrac.simgpu.kubelet import AgentProcess, KubeletEmulator
+from gpufrac.simgpu.kubelet import AgentProcess, KubeletEmulator, Pod
 from gpufrac.simgpu.kubelet import Container as KContainer
-from gpufrac.simgpu.kubelet import Pod
 from gpufrac.simgpu.runtime import Container, ContainerRuntime, mounts_of
 from gpufrac.simgpu.spec import create_node, spec_from_dict
 from gpufrac.simgpu.workload import WorkloadProcess
@@ -108,9 +107,7 @@ class PodRun:
 
     def send(self, cmd: str) -> None:
         """Start a command without waiting for its answer (read it with app.line())."""
-        assert self.app.proc.stdin is not None
-        self.app.proc.stdin.write((cmd + "\n").encode())
-        self.app.proc.stdin.flush()
+        self.app.send(cmd)
 
     def alive(self) -> bool:
         return self.container.alive()
@@ -169,7 +166,9 @@ class E2ENode:
         threading.Thread(target=c.proc.wait, name=f"reap-{name}", daemon=True).start()
         cs = {"name": "main", "containerID": c.runtime_id, "image": "app", "imageID": "app", "ready": True}
         self.v1.patch_namespaced_pod(
-            name, "default", {"status": {"phase": "Running", "containerStatuses": [{**cs, "restartCount": 0}]}}
+            name,
+            "default",
+            {"status": {"phase": "Running", "containerStatuses": [{**cs, "restartCount": 0}]}},
         )
         # The agent has learned the pod (pod-resources, then the apiserver) once its policy shows in the
         # config: the pod's UID, and its limit when it has one.
@@ -192,7 +191,11 @@ class E2ENode:
         out = []
         for e in self.kube.events("default"):
             obj = e.get("involvedObject") or {}
-            if obj.get("name") == pod.name and obj.get("uid", pod.pod.uid) == pod.pod.uid and e.get("reason") == reason:
+            if (
+                obj.get("name") == pod.name
+                and obj.get("uid", pod.pod.uid) == pod.pod.uid
+                and e.get("reason") == reason
+            ):
                 out.append(e)
         return out
 
@@ -202,8 +205,9 @@ class E2ENode:
                 p.app.close(timeout=10)
 
 
-@pytest.fixture
-def e2e_node(kube_server: KubeServer) -> Iterator[Callable[..., E2ENode]]:
+# Named explicitly so test modules import `e2e_node_fixture` without shadowing the parameter name.
+@pytest.fixture(name="e2e_node")
+def e2e_node_fixture(kube_server: KubeServer) -> Iterator[Callable[..., E2ENode]]:
     """e2e_node(**agent config overrides) -> an E2ENode with its agent registered."""
     made: list[tuple[E2ENode, Path]] = []
     native.library(native.FAKE_CUDA)
@@ -214,7 +218,9 @@ def e2e_node(kube_server: KubeServer) -> Iterator[Callable[..., E2ENode]]:
         node_state = root / "node.state"
         create_node(spec_from_dict(SMALL_NODE), node_state)
         kubelet = KubeletEmulator(root / "kubelet").start()
-        agent = AgentProcess(root / "agent", node_state, root / "kubelet", agent_config(root, kube_server, **overrides))
+        agent = AgentProcess(
+            root / "agent", node_state, root / "kubelet", agent_config(root, kube_server, **overrides)
+        )
         sim = Sim(root, node_state, kubelet, agent)
         runtime = ContainerRuntime(view_root=root / "v")
         node = E2ENode(sim, kube_server, runtime)

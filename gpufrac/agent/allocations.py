@@ -144,6 +144,7 @@ class Ledger:
         # Bumped by every change that can alter what ListAndWatch reports (bookings, health),
         # not by config-only changes (identity, limits, grants): listeners tell them apart.
         self.capacity_generation = 0
+        self._gpu_generation: dict[str, int] = dict.fromkeys(self.geometry, 0)  # the same, per GPU
         # How release() deletes a directory; the agent swaps in one that queues it behind the
         # container-directory writes in its I/O thread instead of blocking the loop.
         self.remove_dir: Callable[[str], None] = remove_container_dir
@@ -201,19 +202,37 @@ class Ledger:
         allocations; Unhealthy would count them twice), plus as many unallocated
         slices, lowest numbers first, as still fit in the GPU's unrequested memory;
         the rest are Unhealthy. A GPU the health monitor marks bad is all Unhealthy."""
+        return [d for geo in self.geometry.values() for d in self._gpu_devices(geo, resource)]
+
+    def device_sections(
+        self, resource: str
+    ) -> list[tuple[tuple[str, int], Callable[[], list[tuple[str, bool, int | None]]]]]:
+        """devices() per GPU: (key, build) where the key changes whenever that GPU's part of
+        the list may have (its bookings, requests or health), so capacity sync rebuilds
+        only the GPUs a change touched."""
+        return [
+            ((geo.uuid, self._gpu_generation[geo.uuid]), functools.partial(self._gpu_devices, geo, resource))
+            for geo in self.geometry.values()
+        ]
+
+    def _gpu_devices(self, geo: GpuGeometry, resource: str) -> list[tuple[str, bool, int | None]]:
         out: list[tuple[str, bool, int | None]] = []
-        for geo in self.geometry.values():
-            gpu_ok = self.healthy(geo.uuid)
-            room = geo.slices_fitting(resource, self.unrequested(geo.uuid))
-            for dev in self._ids[(geo.uuid, resource)]:
-                if dev in self._owner:
-                    ok = True
-                elif room > 0:
-                    ok, room = True, room - 1
-                else:
-                    ok = False
-                out.append((dev, ok and gpu_ok, geo.numa_node))
+        gpu_ok = self.healthy(geo.uuid)
+        room = geo.slices_fitting(resource, self.unrequested(geo.uuid))
+        for dev in self._ids[(geo.uuid, resource)]:
+            if dev in self._owner:
+                ok = True
+            elif room > 0:
+                ok, room = True, room - 1
+            else:
+                ok = False
+            out.append((dev, ok and gpu_ok, geo.numa_node))
         return out
+
+    def _bump(self, *gpu_uuids: str) -> None:
+        self.capacity_generation += 1
+        for u in gpu_uuids:
+            self._gpu_generation[u] += 1
 
     def set_health(self, gpu_uuid: str, healthy: bool, reason: str = "") -> bool:
         """Record a GPU's health; True (and listeners told) when it changed."""
@@ -223,7 +242,7 @@ class Ledger:
             del self._unhealthy[gpu_uuid]
         else:
             self._unhealthy[gpu_uuid] = reason or "unhealthy"
-        self.capacity_generation += 1
+        self._bump(gpu_uuid)
         self._changed()
         return True
 
@@ -354,7 +373,7 @@ class Ledger:
             self._owner[d] = key
         for u in gpus:
             self._requested[u] += request
-        self.capacity_generation += 1
+        self._bump(*gpus)
         self._changed()
         return alloc
 
@@ -393,7 +412,7 @@ class Ledger:
             handle.close()
         if remove_dir:
             self.remove_dir(alloc.directory)
-        self.capacity_generation += 1
+        self._bump(*alloc.gpus)
         self._changed()
         return alloc
 

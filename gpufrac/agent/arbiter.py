@@ -492,6 +492,7 @@ class Arbiter:
             self.stats.released += 1
         self._unused_since.pop(alloc.key, None)
         self.notify(alloc.gpus[0])
+        self._refresh_soon()  # the freed bytes show in NVML only after a new reading
         return self._generation(alloc)
 
     def revoke_burst(self, alloc: ContainerAlloc) -> None:
@@ -500,6 +501,11 @@ class Arbiter:
             self.stats.reclaimed_bytes += alloc.config.grant_bytes
             self.ledger.update_config(alloc.key, grant_bytes=0)
         self.notify(alloc.gpus[0])
+
+    def _refresh_soon(self) -> None:
+        """Start a new NVML reading now unless one is under way; it notifies waiters when done."""
+        if self._nvml_task is None or self._nvml_task.done():
+            self._nvml_task = asyncio.create_task(self._refresh_nvml())
 
     def notify(self, gpu: str) -> None:
         """Something was freed on `gpu`: grant waiters in order while they fit."""
@@ -534,12 +540,21 @@ class Arbiter:
         waiters.sort(key=lambda x: x.order)
         self.stats.waits += 1
         self.notify(need.gpu)  # it may fit already (something was freed since the first try)
-        timeout = need.deadline - asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
         try:
-            return await asyncio.wait_for(asyncio.shield(w.done), max(0.0, timeout))
-        except TimeoutError:
-            self.stats.wait_timeouts += 1
-            return need.granted
+            # Releases through the agent wake waiters at once (notify). Memory freed any other
+            # way (a process exiting, a kill) shows only in NVML, which has no event to wait
+            # on: while anyone waits, take a new reading every NVML_FRESH seconds.
+            while not w.done.done():
+                left = need.deadline - loop.time()
+                if left <= 0:
+                    self.stats.wait_timeouts += 1
+                    return need.granted
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(w.done), min(left, NVML_FRESH))
+                if not w.done.done():
+                    self._refresh_soon()
+            return w.done.result()
         finally:
             if w in waiters:
                 waiters.remove(w)
@@ -574,7 +589,9 @@ class Arbiter:
             if u is None:
                 continue
             returned = int(u.usage.grant_returned)
-            last = self._returned.setdefault(alloc.key, returned)
+            # A usage file starts at 0: a container whose process returned its grant before the
+            # first sweep saw it (a short-lived burst) still counts as returned.
+            last = self._returned.setdefault(alloc.key, 0)
             g = alloc.config.grant_bytes
             if returned != last:
                 self._returned[alloc.key] = returned
@@ -603,6 +620,7 @@ class Arbiter:
         killed = await asyncio.to_thread(kill_and_wait, pids)
         if not await asyncio.to_thread(self.peers.pids_of, alloc):
             self._reap_all(alloc)
+        await self._refresh_nvml()  # the victims' memory is free now: let the grant see it
         return killed
 
     def _reap_all(self, alloc: ContainerAlloc) -> None:

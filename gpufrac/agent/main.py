@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -437,6 +437,12 @@ class Agent:
     def devices(self, resource: str) -> list[tuple[str, bool, int | None]]:
         assert self.ledger is not None
         return self.ledger.devices(resource)
+
+    def device_sections(
+        self, resource: str
+    ) -> list[tuple[Hashable, Callable[[], list[tuple[str, bool, int | None]]]]]:
+        assert self.ledger is not None
+        return list(self.ledger.device_sections(resource))
 
     def preferred(self, resource: str, available: Sequence[str], must: Sequence[str], size: int) -> list[str]:
         assert self.ledger is not None and self.inventory is not None

@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from typing import Protocol
 
 import grpc
@@ -51,6 +51,9 @@ class Backend(Protocol):
     config: Config
 
     def devices(self, resource: str) -> list[tuple[str, bool, int | None]]: ...
+    def device_sections(
+        self, resource: str
+    ) -> list[tuple[Hashable, Callable[[], list[tuple[str, bool, int | None]]]]]: ...
     def preferred(
         self, resource: str, available: Sequence[str], must: Sequence[str], size: int
     ) -> list[str]: ...
@@ -121,6 +124,7 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         self._changed = asyncio.Event()
         self._snapshot: tuple[int, bytes, pb.ListAndWatchResponse] | None = None
         self._encoding: dict[tuple[str, bool, int | None], bytes] = {}
+        self._sections: dict[Hashable, bytes] = {}  # encoded part of the list, by backend key
         self.active_streams = 0
         self.stream_ended = asyncio.Event()
         self.snapshots_sent = 0
@@ -144,13 +148,19 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         A repeated field's encoding is the concatenation of its elements' encodings,
         so each device is encoded once per (health, NUMA) and a snapshot is a join
         plus one parse in C: ~10x cheaper than building 800 messages in Python on
-        the loop after every allocation. A change that leaves the list as it was (a
-        release and a booking of as many slices) returns the same message object,
-        which ListAndWatch does not send again."""
+        the loop after every allocation. The backend hands the list in sections (one
+        per GPU) keyed by their state, so only sections a change touched are rebuilt.
+        A change that leaves the list as it was (a release and a booking of as many
+        slices) returns the same message object, which ListAndWatch does not send again."""
         if self._snapshot is None or self._snapshot[0] != self._version:
-            data = b"".join(
-                [self._encoded(dev, ok, numa) for dev, ok, numa in self.backend.devices(self.resource)]
-            )
+            sections: dict[Hashable, bytes] = {}
+            for key, build in self.backend.device_sections(self.resource):
+                part = self._sections.get(key)
+                if part is None:
+                    part = b"".join([self._encoded(dev, ok, numa) for dev, ok, numa in build()])
+                sections[key] = part
+            self._sections = sections  # parts of the current list only
+            data = b"".join(sections.values())
             if self._snapshot is not None and self._snapshot[1] == data:
                 msg = self._snapshot[2]
             else:

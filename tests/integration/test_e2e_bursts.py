@@ -10,15 +10,15 @@ container's usage is its buffers + 8 bytes.
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import Callable
 
 import psutil
-from e2e_support import MiB, TIMEOUT, E2ENode, PodRun, e2e_node, until  # noqa: F401
+from e2e_support import TIMEOUT, E2ENode, MiB, PodRun, e2e_node_fixture, until  # noqa: F401
 
 from gpufrac.agent.resolvers import REASON_EVICTED, REASON_PREEMPTED
 from gpufrac.memguard import formats
+from gpufrac.simgpu import runtime as runtime_mod
 from gpufrac.simgpu.workload import WorkloadProcess
 
 MakeNode = Callable[..., E2ENode]
@@ -101,6 +101,24 @@ def test_waiting_burst_gets_memory_the_holder_frees(e2e_node: MakeNode) -> None:
     assert "taking back" not in node.sim.agent.log()
 
 
+def test_holder_exiting_without_freeing_gives_its_grant_back(e2e_node: MakeNode) -> None:
+    node = e2e_node()
+    b = node.run_pod("b", 4, "768Mi", wait_timeout="90s")
+    a = hog(node)
+    assert b.alloc(200 * MiB) == "ok 1"
+    b.send(f"alloc {200 * MiB}")
+    until(lambda: held_requests(node) >= 1, what="b's burst held by the agent")
+    # a's stdin closes: the workload returns with its buffers still allocated. The shim's
+    # exit hands the grant back (usage.grant_returned), the driver frees the memory.
+    assert a.app.proc.stdin is not None
+    a.app.proc.stdin.close()
+    until(lambda: not a.alive(), what="a exited")
+    assert a.container.proc.returncode == 0
+    assert b.app.line(TIMEOUT) == "ok 2"
+    until(lambda: a.grant() == 0, what="a's grant returned")
+    assert "taking back" not in node.sim.agent.log()  # not the agent's 10 s stale-grant sweep
+
+
 def test_waiting_burst_times_out_into_oom(e2e_node: MakeNode) -> None:
     node = e2e_node()
     b = node.run_pod("b", 4, "768Mi", wait_timeout="2s")
@@ -141,9 +159,8 @@ def test_evict_kills_the_lower_priority_borrower_only(e2e_node: MakeNode) -> Non
     # Both pods were told, in Events: who needed the memory, and from whom it was taken.
     evicted = until(lambda: node.events(a, REASON_EVICTED), what="the Evicted event on a")
     preempted = until(lambda: node.events(h, REASON_PREEMPTED), what="the Preempted event on h")
-    assert "default/h" in evicted[0]["message"] or "h" in evicted[0]["message"]
-    assert evicted[0]["type"] == "Warning"
-    assert "default/a" in preempted[0]["message"]
+    assert evicted[0]["type"] == "Warning" and "pod default/h" in evicted[0]["message"]
+    assert "pod default/a" in preempted[0]["message"]
     assert not node.events(c, REASON_EVICTED) and not node.events(d, REASON_EVICTED)
 
 
@@ -151,7 +168,8 @@ def test_forged_identity_gets_nothing_for_the_container(e2e_node: MakeNode) -> N
     node = e2e_node()
     a = node.run_pod("a", 4, "768Mi")
     b = node.run_pod("b", 4, "768Mi")
-    gen = a.config()
+    before = a.config()
+    gen = formats.generation(a.host_dir)
     # Outside any pod's cgroup, with a's environment (its config, usage file and the socket).
     outsider = WorkloadProcess(
         subprocess.Popen(
@@ -164,14 +182,14 @@ def test_forged_identity_gets_nothing_for_the_container(e2e_node: MakeNode) -> N
         assert outsider.do(f"alloc {400 * MiB}") == "oom"  # a burst for a: refused
     finally:
         outsider.close()
-    assert a.config() == gen  # nothing granted to a
-    # Inside b's container, reaching a's files and socket: it acts for b, never for a.
+    assert a.config() == before and formats.generation(a.host_dir) == gen  # nothing granted to a
+    # Inside b's container (it enters b's cgroup as the runtime's processes do), reaching a's files
+    # and socket: it acts for b, never for a.
     procs = str(b.container.cgroup_dir / "cgroup.procs")
     env = {**a.container.env, "GPUFRAC_RUNTIME_CGROUP_PROCS": procs}
     inside_b = WorkloadProcess(
         subprocess.Popen(
-            ["/bin/sh", "-c", 'echo $$ > "$GPUFRAC_RUNTIME_CGROUP_PROCS" && exec "$@"', "sh"]
-            + WorkloadProcess.argv(),
+            ["/bin/sh", "-c", runtime_mod._ENTER, "sh", *WorkloadProcess.argv()],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -184,11 +202,10 @@ def test_forged_identity_gets_nothing_for_the_container(e2e_node: MakeNode) -> N
         assert inside_b.do(f"alloc {400 * MiB}") == "oom"  # a's config never carries a grant for it
     finally:
         inside_b.close()
-    assert a.config().grant_bytes == 0 and a.config().generation == gen.generation
+    assert a.config() == before and formats.generation(a.host_dir) == gen
     # a itself is still served.
     assert a.alloc(400 * MiB) == "ok 1"
     assert a.grant() > 0
-    assert os.path.exists(a.host_dir)
 
 
 def test_agent_killed_while_a_burst_waits(e2e_node: MakeNode) -> None:

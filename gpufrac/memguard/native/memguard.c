@@ -783,16 +783,22 @@ static MG_COLD int mg_ask_arbiter(uint16_t op, uint64_t bytes, uint64_t total_af
 #define MG_RETURN_MIN (64ull << 20)
 static _Atomic uint64_t g_returned_gen = UINT64_MAX;
 
+/* Grant the container holds but does not use (never the guarantee); 0 if none. */
+static uint64_t mg_unused_grant(mg_limits_t *l, uint64_t *used) {
+    if (!g_usage || !g_cfg || mg_read_limits(l) != 0 || l->grant == 0 || (l->flags & MG_FLAG_WHOLE_GPU)) return 0;
+    uint64_t held = l->request + l->grant;
+    if (held < l->request || held > l->limit) held = l->limit;
+    *used = atomic_load_explicit(&g_usage->total_used, memory_order_relaxed);
+    uint64_t unused = *used >= held ? 0 : held - *used;
+    return unused > l->grant ? l->grant : unused;
+}
+
 static void mg_maybe_return_grant(void) {
     mg_limits_t l;
-    if (!g_usage || !g_cfg || mg_read_limits(&l) != 0 || l.grant == 0 || (l.flags & MG_FLAG_WHOLE_GPU)) return;
-    uint64_t held = l.request + l.grant;
-    if (held < l.request || held > l.limit) held = l.limit;
-    uint64_t used = atomic_load_explicit(&g_usage->total_used, memory_order_relaxed);
-    uint64_t unused = used >= held ? 0 : held - used;
-    if (unused > l.grant) unused = l.grant; /* only grant goes back, never the guarantee */
+    uint64_t used = 0, unused = mg_unused_grant(&l, &used);
+    if (MG_LIKELY(unused == 0)) return;
     uint64_t slack = l.grant / 8 > MG_RETURN_MIN ? l.grant / 8 : MG_RETURN_MIN;
-    if (MG_LIKELY(unused <= slack)) return;
+    if (unused <= slack) return;
     uint64_t gen = atomic_load_explicit(&g_returned_gen, memory_order_relaxed);
     if (gen == l.generation ||
         !atomic_compare_exchange_strong_explicit(&g_returned_gen, &gen, l.generation, memory_order_relaxed,
@@ -803,12 +809,12 @@ static void mg_maybe_return_grant(void) {
 }
 
 /* At exit the op would reach the agent after this process is gone (it could not be
- * identified), so the exit only bumps the counter: the agent's sweep takes the
- * grant back within a second. */
+ * identified), so the exit only adds what it leaves unused to the counter: the
+ * agent's sweep takes the grant back within a second. */
 static void mg_exit_return_grant(void) {
     mg_limits_t l;
-    if (!g_usage || !g_cfg || mg_read_limits(&l) != 0 || l.grant == 0) return;
-    atomic_fetch_add_explicit(&g_usage->grant_returned, 1, memory_order_relaxed);
+    uint64_t used = 0, unused = mg_unused_grant(&l, &used);
+    if (unused) atomic_fetch_add_explicit(&g_usage->grant_returned, unused, memory_order_relaxed);
 }
 
 /* Swap-in (issue 5, gpufrac/agent/swap.py): the agent moved this process's GPU

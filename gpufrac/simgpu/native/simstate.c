@@ -80,8 +80,10 @@ uint64_t sim_now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-static uint64_t proc_start_time(pid_t pid) {
+/* /proc/<pid>/stat's state letter and starttime (ticks since boot); 0 / 0 if unreadable. */
+static uint64_t proc_stat(pid_t pid, char *state) {
     char path[64], buf[1024];
+    *state = 0;
     snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
     FILE *f = fopen(path, "re");
     if (!f) return 0;
@@ -90,7 +92,8 @@ static uint64_t proc_start_time(pid_t pid) {
     buf[len] = 0;
     /* comm may hold spaces and parentheses: fields resume after the last ')'. */
     char *p = strrchr(buf, ')');
-    if (!p) return 0;
+    if (!p || p[1] != ' ') return 0;
+    *state = p[2];
     unsigned long long st = 0;
     /* after ") ": state(3) ... starttime is field 22, i.e. 20 fields on. */
     int field = 2;
@@ -98,6 +101,11 @@ static uint64_t proc_start_time(pid_t pid) {
         if (*p == ' ') field++;
     if (field == 22) sscanf(p, "%llu", &st);
     return st;
+}
+
+static uint64_t proc_start_time(pid_t pid) {
+    char state;
+    return proc_stat(pid, &state);
 }
 
 static __thread pid_t t_pid;
@@ -143,8 +151,11 @@ simgpu_proc_t *sim_my_slot(simgpu_node_t *n, uint32_t gpu) {
 
 static int pid_gone(const simgpu_proc_t *s, int32_t pid) {
     if (kill(pid, 0) == 0 || errno == EPERM) {
-        /* Alive, unless the pid was reused by a process started later. */
-        uint64_t st = proc_start_time(pid);
+        /* A zombie's GPU memory is already gone on a real driver (freed as the process
+         * exits, before its parent reaps it); a reused pid belongs to someone else. */
+        char state;
+        uint64_t st = proc_stat(pid, &state);
+        if (state == 'Z' || state == 'X') return 1;
         return st != 0 && s->start_time != 0 && st != s->start_time;
     }
     return errno == ESRCH;
