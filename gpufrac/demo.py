@@ -200,10 +200,8 @@ def show_events(node: SimNode, seen: list[int]) -> None:
     evs = node.events()
     for e in evs[seen[0] :]:
         obj = e.get("involvedObject", {})
-        say(
-            f"  event  {e.get('type', ''):7} {e.get('reason', ''):22} {obj.get('kind', '')}/{obj.get('name', '')}: "
-            f"{e.get('message', '')}"
-        )
+        who = f"{obj.get('kind', '')}/{obj.get('name', '')}"
+        say(f"  event  {e.get('type', ''):7} {e.get('reason', ''):22} {who}: {e.get('message', '')}")
     seen[0] = len(evs)
 
 
@@ -321,9 +319,8 @@ def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
         say(f"  {'notebook':10} {'bursts 1Gi: nothing free, waits ...':48}")
         time.sleep(1.0)
         do(embedder, "frees its 9Gi burst", "free 2")
-        say(
-            f"  {'notebook':10} {'... and its waiting allocation completes':48} -> {notebook.workload.line(120)}"
-        )
+        answer = notebook.workload.line(120)
+        say(f"  {'notebook':10} {'... and its waiting allocation completes':48} -> {answer}")
         show_events(node, seen)
 
         banner("gpufrac status")

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpufrac.agent import metrics
 from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.config import Config
@@ -60,6 +61,19 @@ REQUEST_SIZE = ctypes.sizeof(BurstRequest)
 REPLY_SIZE = ctypes.sizeof(BurstReply)
 MAX_CONNECTIONS = 1024  # beyond this, new connections are closed at once
 NVML_FRESH = 0.1  # an NVML reading younger than this is used as is
+# Metric label values for requests (gpufrac_arbiter_requests_total{kind,outcome}).
+_OP_NAMES = {
+    formats.BURST_OP_BURST: "burst",
+    formats.BURST_OP_RELEASE: "release",
+    formats.BURST_OP_SWAP_IN: "swap_in",
+}
+_STATUS_NAMES = {
+    formats.BURST_GRANTED: "granted",
+    formats.BURST_DENIED: "denied",
+    formats.BURST_REFUSED: "refused",
+    formats.BURST_INVALID: "invalid",
+    formats.BURST_UNAVAILABLE: "unavailable",
+}
 NVML_STALE = 1.0  # older than this, a request waits for a new one
 RECLAIM_INTERVAL = 1.0
 STALE_AFTER = 10.0  # a grant unused this long is taken back
@@ -208,6 +222,9 @@ class Arbiter:
                 return
             req = BurstRequest.from_buffer_copy(data)
             status, generation = await self._dispatch(req, writer, reader)
+            metrics.count_arbiter_request(
+                _OP_NAMES.get(req.op, "invalid"), _STATUS_NAMES.get(status, "dropped")
+            )
             if status is None:
                 return
             rep = BurstReply(formats.BURST_MAGIC, formats.ABI_VERSION, status, generation)

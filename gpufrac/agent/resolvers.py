@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from gpufrac.agent import metrics
 from gpufrac.agent.allocations import ContainerAlloc
 from gpufrac.agent.units import format_bytes
 from gpufrac.memguard.formats import FLAG_PREEMPTIBLE
@@ -158,7 +159,9 @@ class WaitResolver:
         self.ctx = ctx
 
     async def resolve(self, need: Need) -> Outcome:
+        started = time.monotonic()
         ok = await self.ctx.wait_turn(need)
+        metrics.count_wait(need.requester, time.monotonic() - started)
         return Outcome(satisfied=ok, detail="" if ok else "timed out waiting for memory to be freed")
 
 
@@ -206,6 +209,7 @@ class EvictResolver:
         for h in chosen:
             killed = await self.ctx.kill_container(h.alloc)
             self.ctx.revoke_burst(h.alloc)
+            metrics.count_eviction(h.alloc)
             freed += h.burst
             why = (
                 f"priority {h.priority} < {need.priority}"

@@ -151,7 +151,9 @@ class ContainerConfig:
         self.grant_bytes = max(0, min(self.grant_bytes, self.limit_bytes - self.request_bytes))
 
 
-def _map(path: Path, struct: type[ctypes.Structure], magic: int, writable: bool) -> tuple[mmap.mmap, ctypes.Structure]:
+def _map(
+    path: Path, struct: type[ctypes.Structure], magic: int, writable: bool
+) -> tuple[mmap.mmap, ctypes.Structure]:
     flags = os.O_RDWR if writable else os.O_RDONLY
     try:
         fd = os.open(path, flags)
@@ -160,7 +162,8 @@ def _map(path: Path, struct: type[ctypes.Structure], magic: int, writable: bool)
     try:
         size = os.fstat(fd).st_size
         if size < ctypes.sizeof(struct):
-            raise FormatError(f"{path}: {size} bytes, want {ctypes.sizeof(struct)} (truncated or foreign file)")
+            want = ctypes.sizeof(struct)
+            raise FormatError(f"{path}: {size} bytes, want {want} (truncated or foreign file)")
         mm = mmap.mmap(fd, ctypes.sizeof(struct), access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
     finally:
         os.close(fd)
