@@ -32,6 +32,13 @@ NODE = "sim-node"
 GiB = 1 << 30
 FRACTION = "gpufrac.dev/gpu-fraction"
 MEMORY = "gpufrac.dev/gpu-memory"
+# Metric families the demo prints when non-zero (what the collisions left behind).
+COUNTERS_SHOWN = {
+    "gpufrac_container_evictions_total",
+    "gpufrac_container_swaps_total",
+    "gpufrac_container_wait_seconds_count",
+    "gpufrac_arbiter_requests_total",
+}
 
 
 def real_node_present() -> bool:
@@ -330,14 +337,10 @@ def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
         banner(f"Prometheus metrics at {url}")
         text = urllib.request.urlopen(url, timeout=10).read().decode()
         for line in text.splitlines():
-            if line.startswith(
-                (
-                    "gpufrac_container_memory_limit_bytes",
-                    "gpufrac_gpu_memory_burst_granted_bytes",
-                    "gpufrac_container_evictions_total",
-                    "gpufrac_container_swaps_total",
-                )
-            ):
+            name = line.split("{", 1)[0]
+            llm = 'pod="llm-server"' in line and name.startswith("gpufrac_container_memory_")
+            counted = name in COUNTERS_SHOWN and not line.endswith(" 0.0")
+            if llm or counted:
                 say("  " + line)
         if args.keep:
             say(f"\nserving until Ctrl-C: metrics {url}, status socket {node.status_socket}")

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import contextlib
 import importlib
 import inspect
 import logging
-import os
 import signal
 import sys
 import threading
@@ -34,10 +32,9 @@ from gpufrac.agent import status as status_mod
 from gpufrac.agent.allocations import (
     AllocationError,
     ContainerAlloc,
+    ContainerDirs,
     Ledger,
     container_key,
-    remove_container_dir,
-    write_container_dir,
 )
 from gpufrac.agent.config import Config
 from gpufrac.agent.gpus import GpuHealth, Inventory
@@ -84,11 +81,8 @@ class Agent:
         self.servers: dict[str, PluginServer] = {}
         self.started = asyncio.Event()
         self._stopping = asyncio.Event()
-        # Container-directory I/O (write, remove, orphan sweep) runs in ONE worker thread, in
-        # the order the loop asks for it: a directory released and booked again under the same
-        # key is removed before it is rewritten, the sweep never removes a directory booked
-        # after it was asked for, and the loop never blocks on rmtree.
-        self._dir_io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpufrac-dirs")
+        # Container directories: written, deleted and swept in order, off the loop.
+        self.dirs = ContainerDirs(config.paths.containers_dir, config.paths.state_dir)
         self._notified_generation = -1
         self._tasks: list[asyncio.Task[Any]] = []
         self._dirty = asyncio.Event()
@@ -111,13 +105,13 @@ class Agent:
         # First: the probes answer (not ready) while NVML and recovery take their time.
         await self.metrics.start(self)
         self.status_server = await status_mod.start(self)
-        os.makedirs(cfg.paths.containers_dir, exist_ok=True)
+        await self.dirs.start()
         if self.inventory is None:
             from gpufrac.agent.inventory import read_inventory
 
             self.inventory = await asyncio.to_thread(read_inventory)
         ledger = self.ledger = Ledger(cfg, self.inventory)
-        ledger.remove_dir = self._remove_dir_soon
+        ledger.remove_dir = self.dirs.discard
         log.info(
             "agent on %s: %d GPUs, policy %s, memory unit %d bytes, reserved %d bytes per GPU",
             cfg.node_name,
@@ -239,7 +233,7 @@ class Agent:
         if self.status_server is not None:
             await self.status_server.stop()
         await self.metrics.stop()
-        await asyncio.to_thread(self._dir_io.shutdown)  # queued removals finish
+        await self.dirs.close()  # queued deletions finish
 
     async def run(self) -> None:
         """Start, serve until stop() (or SIGTERM/SIGINT), then stop."""
@@ -275,32 +269,20 @@ class Agent:
         booked = [(a.key, a.directory, a.config.gpu_uuid, a.request_bytes) for a in self.ledger.containers()]
         adopt_grants(self.ledger, await asyncio.to_thread(published_grants, booked))
         await self._materialize_all()
-        await self._dir_call(self._clean_orphans, {a.key for a in self.ledger.containers()})
+        await self._sweep_orphans()
         await self.state.save(self.ledger)
 
     async def _materialize_all(self) -> None:
         """(Re)write every booked container's directory and keep its config open."""
         assert self.ledger is not None
         for alloc in self.ledger.containers():
-            handle = await self._dir_call(write_container_dir, alloc.directory, alloc.config)
+            handle = await self.dirs.write(alloc.directory, alloc.config)
             self.ledger.attach(alloc.key, handle)
 
-    async def _dir_call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._dir_io, fn, *args)
-
-    def _remove_dir_soon(self, directory: str) -> None:
-        self._dir_io.submit(remove_container_dir, directory)
-
-    def _clean_orphans(self, keep: set[str]) -> None:
-        root = self.config.paths.containers_dir
-        try:
-            names = os.listdir(root)
-        except FileNotFoundError:
-            return
-        for name in names:
-            if name not in keep:
-                log.info("removing directory of gone container %s", name)
-                remove_container_dir(os.path.join(root, name))
+    async def _sweep_orphans(self) -> None:
+        assert self.ledger is not None
+        ledger = self.ledger
+        await self.dirs.sweep(lambda: [a.key for a in ledger.containers()])
 
     async def reconcile(self, grace: float | None = None, materialize: bool = True) -> bool:
         """Align the ledger with pod-resources: release what the kubelet no longer lists
@@ -358,7 +340,7 @@ class Agent:
                 "rebuilt allocation %s of %s/%s %s from pod-resources", key, c.namespace, c.pod, c.container
             )
             if materialize:
-                handle = await self._dir_call(write_container_dir, alloc.directory, alloc.config)
+                handle = await self.dirs.write(alloc.directory, alloc.config)
                 self.ledger.attach(alloc.key, handle)
         return True
 
@@ -367,7 +349,7 @@ class Agent:
             await asyncio.sleep(self.reconcile_interval)
             try:
                 if await self.reconcile():
-                    await self._dir_call(self._clean_orphans, {a.key for a in self.ledger.containers()})
+                    await self._sweep_orphans()
                     await self._resolve_identity()
                 else:
                     self.metrics.count_reconcile_error()  # pod-resources did not answer
@@ -475,7 +457,7 @@ class Agent:
                 ledger.release(existing.key)
         alloc = ledger.reserve(resource, device_ids)
         try:
-            handle = await self._dir_call(write_container_dir, alloc.directory, alloc.config)
+            handle = await self.dirs.create(alloc.directory, alloc.config)
         except OSError as e:
             ledger.release(alloc.key)
             raise AllocationError(

@@ -24,7 +24,8 @@ from typing import Protocol
 
 import grpc
 
-from gpufrac.agent.allocations import AllocationError, ContainerAlloc
+from gpufrac.agent import logs
+from gpufrac.agent.allocations import AllocationError, ContainerAlloc, container_key
 from gpufrac.agent.config import Config
 from gpufrac.deviceplugin import slices
 from gpufrac.memguard import formats
@@ -32,9 +33,10 @@ from gpufrac.proto import deviceplugin_pb2 as pb
 from gpufrac.proto import deviceplugin_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-# One DEBUG line per kubelet call with the time spent inside the handler (bench/agent.py reads
-# them to tell the agent's own latency from gRPC and the kubelet's).
+# One DEBUG line per kubelet call with the time spent inside its handler.
 rpc_log = logging.getLogger("gpufrac.deviceplugin.rpc")
+# Per-container handler times kept for the summary the agent logs when it stops.
+TIMES_KEPT = 4096
 
 API_VERSION = "v1beta1"
 HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
@@ -128,13 +130,53 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         self.active_streams = 0
         self.stream_ended = asyncio.Event()
         self.snapshots_sent = 0
-        # Seconds spent inside the last handler calls, per RPC name (newest last).
+        # Seconds spent inside the handlers: per call by RPC name, and per container admitted
+        # (its GetPreferredAllocation + Allocate + PreStartContainer, as the kubelet calls them).
         self.handler_seconds: dict[str, deque[float]] = {}
+        self.admission_seconds: deque[float] = deque(maxlen=TIMES_KEPT)
+        self._preferred_s = 0.0
+        self._admitting: dict[str, float] = {}  # container key -> seconds so far
 
-    def _handled(self, rpc: str, t0: float) -> None:
+    def _handled(self, rpc: str, t0: float, key: str | None = None) -> None:
         dt = time.perf_counter() - t0
-        self.handler_seconds.setdefault(rpc, deque(maxlen=1024)).append(dt)
+        self.handler_seconds.setdefault(rpc, deque(maxlen=TIMES_KEPT)).append(dt)
         rpc_log.debug("%s %s handled in %.3f ms", self.resource, rpc, dt * 1000)
+        if rpc == "GetPreferredAllocation":  # the kubelet's Allocate for that container follows
+            self._preferred_s = dt
+        elif rpc == "Allocate" and key is not None:
+            self._admitting[key] = self._preferred_s + dt
+            self._preferred_s = 0.0
+            if len(self._admitting) > TIMES_KEPT:  # containers that never started
+                del self._admitting[next(iter(self._admitting))]
+        elif rpc == "PreStartContainer" and key in self._admitting:
+            self.admission_seconds.append(self._admitting.pop(key) + dt)
+
+    def log_summary(self) -> None:
+        """One line: how long the agent's handlers took per container admitted."""
+        times = sorted(self.admission_seconds)
+        if not times:
+            return
+
+        def ms(q: float) -> float:
+            return round(times[min(len(times) - 1, round(q * (len(times) - 1)))] * 1000, 3)
+
+        log.info(
+            "%s: %d containers admitted; time in the agent's handlers per container "
+            "(GetPreferredAllocation + Allocate + PreStartContainer): p50 %.3f ms, p99 %.3f ms",
+            self.resource,
+            len(times),
+            ms(0.5),
+            ms(0.99),
+            extra={
+                logs.FIELDS: {
+                    "resource": self.resource,
+                    "admissions": len(times),
+                    "handler_p50_ms": ms(0.5),
+                    "handler_p99_ms": ms(0.99),
+                    "handler_max_ms": ms(1.0),
+                }
+            },
+        )
 
     def notify(self) -> None:
         """Devices changed: every open ListAndWatch stream sends a fresh full list."""
@@ -224,6 +266,7 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
     ) -> pb.AllocateResponse:
         t0 = time.perf_counter()
         resp = pb.AllocateResponse()
+        key = None
         for creq in request.container_requests:
             try:
                 alloc = await self.backend.allocate(self.resource, list(creq.devices_ids))
@@ -231,7 +274,8 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
                 log.warning("Allocate %s refused: %s", self.resource, e.message)
                 await context.abort(e.code, e.message)
             resp.container_responses.append(container_response(alloc, self.backend.config))
-        self._handled("Allocate", t0)
+            key = alloc.key
+        self._handled("Allocate", t0, key)
         return resp
 
     async def PreStartContainer(
@@ -243,7 +287,7 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         except AllocationError as e:
             log.warning("PreStartContainer %s refused: %s", self.resource, e.message)
             await context.abort(e.code, e.message)
-        self._handled("PreStartContainer", t0)
+        self._handled("PreStartContainer", t0, container_key(self.resource, request.devices_ids))
         return pb.PreStartContainerResponse()
 
 
@@ -275,6 +319,7 @@ class PluginServer:
         if self._server is not None:
             await self._server.stop(grace=0)
             self._server = None
+        self.plugin.log_summary()
         if _stat_id(self.socket_path) == self._socket_id:
             with contextlib.suppress(OSError):
                 os.unlink(self.socket_path)
