@@ -220,8 +220,9 @@ class Identity(Protocol):
     def policy(self, key: str) -> ContainerPolicy | None: ...
 
 
-# Swap: returns (done, what happened in words); raises SwapUnavailable when it cannot be had.
-Swapper = Callable[[ContainerAlloc], Awaitable[tuple[bool, str]]]
+# Swap one container, saying why (for its Event): returns (done, what happened in words);
+# raises SwapUnavailable when swapping cannot be had on this node at all.
+Swapper = Callable[[ContainerAlloc, str], Awaitable[tuple[bool, str]]]
 
 
 class SwapUnavailable(Exception):
@@ -468,7 +469,7 @@ class IdleReaper:
             try:
                 for alloc in view.allocs:
                     try:
-                        results.append(await self.swapper(alloc))
+                        results.append(await self.swapper(alloc, f"idle reaper, {what}"))
                     except SwapUnavailable:
                         raise
                     except Exception as e:  # the swap resolver failing must not stop the reaper
@@ -598,7 +599,7 @@ class IdleReaper:
 # -- wiring into the agent ---------------------------------------------------------------------------------
 
 
-async def swap_via_agent(agent: Any, alloc: ContainerAlloc) -> tuple[bool, str]:
+async def swap_via_agent(agent: Any, alloc: ContainerAlloc, reason: str) -> tuple[bool, str]:
     """Swap one container out through the arbiter's swap resolver (gpufrac.agent.swap)."""
     arbiter = getattr(agent, "arbiter", None)
     if arbiter is None:
@@ -611,13 +612,7 @@ async def swap_via_agent(agent: Any, alloc: ContainerAlloc) -> tuple[bool, str]:
     support = await resolver.detect()
     if not support.available:
         raise SwapUnavailable(support.reason)
-    swap_out = getattr(resolver, "swap_out", None)
-    if swap_out is None:
-        raise SwapUnavailable("the swap resolver cannot swap a container out on request")
-    result = await swap_out(alloc)
-    if isinstance(result, tuple):
-        return bool(result[0]), str(result[1])
-    return bool(result), "GPU memory swapped to host RAM" if result else "the swap resolver declined"
+    return await resolver.swap_out(alloc, reason)
 
 
 async def run_for(agent: Any) -> None:
@@ -638,7 +633,7 @@ async def run_for(agent: Any) -> None:
         tracker,
         lambda: getattr(agent, "identity", None),
         evictor=evictor,
-        swapper=lambda alloc: swap_via_agent(agent, alloc),
+        swapper=lambda alloc, reason: swap_via_agent(agent, alloc, reason),
         metrics=getattr(agent, "metrics", None),
     )
     agent.reaper = reaper

@@ -8,7 +8,8 @@ ones that free enough, within the host-RAM budget; for each, checkpoint every
 CUDA process of the container with the driver's checkpoint API (lock with a
 timeout, then checkpoint; gpufrac.agent.checkpoint) and set the `swapped` flag of
 their usage slots. The pod stays Running: its processes are merely blocked in
-the driver until they are restored.
+the driver until they are restored. `SwapResolver.swap_out` swaps one chosen
+container the same way on request (the idle reaper's `swap` action).
 
 What a swap wins is what the arbiter's arithmetic wins: the victim's memory no
 longer counts as used on the GPU, its burst grant is taken back, and its
@@ -40,7 +41,7 @@ from typing import Protocol
 
 import psutil
 
-from gpufrac.agent import metrics
+from gpufrac.agent import annotations, metrics
 from gpufrac.agent.activity import proc_identity
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.checkpoint import (
@@ -316,7 +317,7 @@ class SwapResolver:
             )
         freed, moved, n = 0, 0, 0
         for h in chosen:
-            if await self._swap_out(h, need):
+            if await self._swap_victim(h, need):
                 freed += win(h, lend)
                 moved += h.used
                 n += 1
@@ -329,20 +330,102 @@ class SwapResolver:
             detail=f"swapped {n} container(s), {format_bytes(moved)}, to host RAM",
         )
 
-    async def _swap_out(self, h: Holding, need: Need) -> bool:
+    async def _swap_victim(self, h: Holding, need: Need) -> bool:
+        """Swap one victim chosen for a need; the requester is told whose memory made room."""
+        cause = (
+            f"after {h.idle_s:.0f}s idle: {need.who()} needed {format_bytes(need.bytes)} on GPU {need.gpu}"
+        )
+        try:
+            await self._swap_out(h, need.gpu, cause, needed_by=need.who())
+        except _Skip as e:
+            log.info("swap: not swapping %s: %s", h.alloc.who(), e)
+            return False
+        self.ctx.event(
+            need.requester,
+            "Normal",
+            REASON_SWAPPED_FOR,
+            f"{h.alloc.who()} ({format_bytes(h.used)} of GPU memory) was swapped to host RAM to make room "
+            f"for {format_bytes(need.bytes)} needed by this container on GPU {need.gpu}",
+        )
+        return True
+
+    # -- swap-out on request (the idle reaper's `swap` action) ----------------------------------
+
+    async def swap_out(self, alloc: ContainerAlloc, reason: str) -> tuple[bool, str]:
+        """Move one chosen container to host RAM now, by the same path as a victim of the
+        chain; `reason` (who asks, and why) goes into its Event. Its next GPU call brings
+        it back through the shim's SWAP_IN, arbitrated like any request.
+
+        (True, what was moved) or (False, why not): swap unsupported here, the container
+        is gone, has a whole GPU, does not allow swapping, is already swapped (or being
+        swapped), holds no GPU memory, would pass the host-RAM budget, or has a CUDA
+        process that is not under the shim or not running."""
+        support = await self.detect()
+        if not support.available:
+            return False, f"swap to host RAM is unavailable on this node: {support.reason}"
+        self._prune()
+        try:
+            h = self._requested(alloc)
+            await self._swap_out(h, alloc.gpus[0], reason, needed_by=reason)
+        except _Skip as e:
+            log.info("swap: not swapping %s on request: %s", alloc.who(), e)
+            return False, f"{alloc.who()} cannot be swapped: {e}"
+        await self.ctx.refresh_memory()  # NVML now shows its memory free; waiters are re-checked
+        return True, (
+            f"{format_bytes(h.used)} of GPU memory of {alloc.who()} swapped to host RAM; "
+            "it comes back on the container's next GPU work"
+        )
+
+    def _requested(self, alloc: ContainerAlloc) -> Holding:
+        """The holding of a container asked to be swapped out; _Skip when it may not be."""
+        if self.ctx.ledger.get(alloc.key) is not alloc:
+            raise _Skip("it is no longer allocated on this node")
+        if alloc.whole_gpu or alloc.config.flags & FLAG_WHOLE_GPU:
+            raise _Skip("it has a whole GPU, which is never swapped")
+        if not alloc.config.flags & FLAG_SWAPPABLE:
+            raise _Skip(
+                f'its pod does not allow swapping (annotation {annotations.SWAPPABLE}: "true", '
+                "or node config swap.defaultSwappable)"
+            )
+        self._check_free(alloc.key)
+        h = next((h for h in self.ctx.holdings(alloc.gpus[0]) if h.alloc.key == alloc.key), None)
+        if h is None:
+            raise _Skip("its GPU memory use cannot be read (no usage file)")
+        if h.used <= 0:
+            raise _Skip("it holds no GPU memory")
+        return h
+
+    # -- swap-out (one container; both callers) ------------------------------------------------
+
+    def _check_free(self, key: str) -> None:
+        """_Skip unless the container is neither swapped nor being swapped."""
+        if key in self.swapped:
+            raise _Skip("its GPU memory is already in host RAM")
+        if key in self._busy:
+            raise _Skip("a swap of it is already under way")
+
+    async def _swap_out(self, h: Holding, gpu: str, cause: str, needed_by: str) -> Swapped:
+        """Move one container to host RAM: every one of its CUDA processes locked and
+        checkpointed, its slots flagged, its burst revoked, an Event saying `cause`.
+        The one swap-out path, for the chain's victims and for requests. _Skip (why)
+        when it cannot be done; then nothing of it has changed."""
         alloc = h.alloc
         key = alloc.key
-        if key in self._busy or key in self.swapped:
-            return False
+        self._check_free(key)
+        left, budget = self.ram_left(), self.config.swap.host_ram_budget
+        if h.used > left:
+            raise _Skip(
+                f"its {format_bytes(h.used)} would not fit in the host RAM left for swap "
+                f"({format_bytes(left)} of swap.hostRamBudget {format_bytes(budget)})"
+            )
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._busy[key] = done
         self._inflight += h.used
         try:
-            return await self._swap_out_locked(h, need)
-        except _Skip as e:
+            return await self._swap_out_locked(h, gpu, cause, needed_by)
+        except _Skip:
             self.stats.failed_out += 1
-            log.info("swap: not swapping %s: %s", alloc.who(), e)
-            return False
+            raise
         finally:
             self._inflight -= h.used
             del self._busy[key]
@@ -374,7 +457,7 @@ class SwapResolver:
             raise _Skip("no CUDA process found in its cgroup")
         return out
 
-    async def _swap_out_locked(self, h: Holding, need: Need) -> bool:
+    async def _swap_out_locked(self, h: Holding, gpu: str, cause: str, needed_by: str) -> Swapped:
         alloc = h.alloc
         procs = await asyncio.to_thread(self._prepare, alloc)
         pids = [p for p, _ in procs]
@@ -388,7 +471,7 @@ class SwapResolver:
         except CheckpointError as e:
             await asyncio.to_thread(set_swapped, alloc.directory, slots, 0)
             raise _Skip(str(e)) from None
-        entry = Swapped(alloc, need.gpu, h.used, tuple(pids), tuple(slots), needed_by=need.who())
+        entry = Swapped(alloc, gpu, h.used, tuple(pids), tuple(slots), needed_by=needed_by)
         after = await asyncio.to_thread(launches_of, alloc.directory, slots)
         if after != before:
             # It launched work while being swapped; a launch that passed the flag check just
@@ -401,33 +484,23 @@ class SwapResolver:
         self.stats.swapped_out += 1
         self.stats.bytes_out += h.used
         metrics.count_swap(alloc, "out")
-        secs = time.monotonic() - t0
         log.warning(
-            "swap: %s (%s, idle %.0fs) moved to host RAM in %.2fs for %s needing %s on GPU %s",
+            "swap: %s (%s, idle %.0fs) moved to host RAM from GPU %s in %.2fs (%s)",
             alloc.who(),
             format_bytes(h.used),
             h.idle_s,
-            secs,
-            need.who(),
-            format_bytes(need.bytes),
-            need.gpu,
+            gpu,
+            time.monotonic() - t0,
+            cause,
         )
         self.ctx.event(
             alloc,
             "Normal",
             REASON_SWAPPED_OUT,
             f"{format_bytes(h.used)} of GPU memory of container {alloc.container or alloc.key} moved to host "
-            f"RAM after {h.idle_s:.0f}s idle: {need.who()} needed {format_bytes(need.bytes)} on GPU "
-            f"{need.gpu}; it comes back on the container's next GPU work",
+            f"RAM ({cause}); it comes back on the container's next GPU work",
         )
-        self.ctx.event(
-            need.requester,
-            "Normal",
-            REASON_SWAPPED_FOR,
-            f"{alloc.who()} ({format_bytes(h.used)} of GPU memory) was swapped to host RAM to make room "
-            f"for {format_bytes(need.bytes)} needed by this container on GPU {need.gpu}",
-        )
-        return True
+        return entry
 
     # -- swap-in (the arbiter's SWAP_IN op) -------------------------------------------------------
 

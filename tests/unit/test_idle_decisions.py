@@ -404,15 +404,19 @@ def test_swap_without_a_swap_resolver_says_so_and_notifies(make_node: Any) -> No
 
 def test_swap_goes_through_the_swap_resolver(make_node: Any) -> None:
     swapped: list[str] = []
+    reasons: list[str] = []
 
-    async def swapper(alloc: ContainerAlloc) -> tuple[bool, str]:
+    async def swapper(alloc: ContainerAlloc, reason: str) -> tuple[bool, str]:
         swapped.append(alloc.key)
+        reasons.append(reason)
         return True, "swapped 1Gi"
 
     n = make_node(None, swapper, action="swap")
     a = n.pod("nb", {annotations.WORKLOAD_CLASS: "interactive"})
     n.run(20)
     assert swapped == [a.key]
+    # The swap's own Event says why: the idle time and the policy that called for it.
+    assert "no GPU work for" in reasons[0] and "idle-timeout" in reasons[0]
     assert n.ident.events.reasons("nb") == ["IdleWarning", "IdleSwapped"]
 
 
