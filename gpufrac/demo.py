@@ -268,7 +268,7 @@ def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
                 {
                     "gpufrac.dev/workload-class": "interactive",
                     "gpufrac.dev/swappable": "true",
-                    "gpufrac.dev/gpu-memory-limit": "12Gi",
+                    "gpufrac.dev/gpu-memory-limit": "16Gi",
                 },
                 0,
             ),
