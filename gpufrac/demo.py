@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufrac import native
+from gpufrac.agent.units import format_bytes
 
 KUBELET_SOCKET = "/var/lib/kubelet/device-plugins/kubelet.sock"
 NODE = "sim-node"
@@ -288,6 +289,9 @@ def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
 
         def do(p: DemoPod, what: str, cmd: str) -> str:
             answer = p.workload.do(cmd, timeout=120)
+            if answer.startswith("free "):  # "free N total M" in bytes: say it in GiB
+                _, free, _, total = answer.split()
+                answer = f"free {format_bytes(int(free))}, total {format_bytes(int(total))}"
             say(f"  {p.name:10} {what:48} -> {answer}")
             return answer
 
