@@ -11,9 +11,24 @@ import pytest
 
 from gpufrac import native
 
-# kube_server: kmock's apiserver emulator for the real kubernetes client (tests/kube_fixtures.py).
-# shim, container, flavour: processes under the memguard shim (tests/memguard_fixtures.py).
-pytest_plugins = ["kube_fixtures", "memguard_fixtures"]
+# Every fixture module is registered here, once; test modules import its helpers and
+# types, never its fixtures. One module per thing a test needs:
+#   a simulated GPU node     make_sim_node, sim_node, in_process_nvml (this file)
+#   the apiserver            kube_server (kube_fixtures.py)
+#   a container under the shim   container, shim, flavour (memguard_fixtures.py)
+#   the agent, a subprocess  make_sim, sim: with the kubelet emulator (agentsim_fixtures.py);
+#                            e2e_node: plus the apiserver, runtime and workloads (e2e_support.py)
+#   the agent, in-process    node: with metrics and status served (metrics_support.py)
+#   the arbiter's parts      make_node: ledger, identity, arbiter on a loop (arbiter_harness.py)
+# Polling with a deadline (no fixed sleeps): polling.py.
+pytest_plugins = [
+    "kube_fixtures",
+    "memguard_fixtures",
+    "agentsim_fixtures",
+    "e2e_support",
+    "arbiter_harness",
+    "metrics_support",
+]
 
 
 @dataclass

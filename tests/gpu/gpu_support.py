@@ -231,12 +231,9 @@ def spawn() -> Iterator[Callable[..., Worker]]:
 
 
 def arbiter_harness() -> ModuleType:
-    """tests/integration/arbiter_harness.py, reused: the ledger, pod identity on the
+    """tests/arbiter_harness.py, reused: the ledger, pod identity on the
     apiserver emulator, the arbiter on its own loop and containers in real cgroups. Only
     its ArbiterNode is used here (its make_node fixture would load simgpu's NVML)."""
-    path = str(Path(__file__).resolve().parents[1] / "integration")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    import arbiter_harness
+    import arbiter_harness  # a fixture module of tests/ (tests/conftest.py registers it)
 
     return arbiter_harness

@@ -1,6 +1,6 @@
 """The arbiter's resolvers on a real GPU: PyTorch processes under the real shim in real
 cgroups, the agent's ledger, pod identity (apiserver emulator) and arbiter in this
-process, as on the simulated node (tests/integration/arbiter_harness.py, reused), but
+process, as on the simulated node (tests/arbiter_harness.py, reused), but
 with the real driver's memory, NVML and checkpoint API.
 
 Each scenario books most of the GPU for a pod that never runs, so the few GiB left are
@@ -53,7 +53,7 @@ POOL_GIB = 8  # memory slices left for the scenario's containers
 GUARANTEE = GiB - 8 * MiB  # what a container allocates within its 1 GiB request
 LEAVE = 64 * MiB  # left free by a burst "into everything"
 
-Node = Any  # arbiter_harness.ArbiterNode (imported lazily: tests/integration is not on the path)
+Node = Any  # arbiter_harness.ArbiterNode (imported lazily, through gpu_support.arbiter_harness)
 Box = Any
 
 # Whether the driver has the checkpoint API (gpufrac.agent.checkpoint's own detection

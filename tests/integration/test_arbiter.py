@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 
 import pytest
-from arbiter_harness import NODE, ArbiterNode, GiB, MiB, make_node  # noqa: F401
+from arbiter_harness import NODE, ArbiterNode, GiB, MiB
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kube_fixtures import pod_manifest
@@ -21,7 +21,7 @@ from gpufrac.simgpu.nodestate import NodeState
 
 
 @pytest.fixture
-def node(make_node: Callable[..., ArbiterNode]) -> ArbiterNode:  # noqa: F811
+def node(make_node: Callable[..., ArbiterNode]) -> ArbiterNode:
     return make_node()
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import psutil
 import pytest
-from agentsim_fixtures import Sim, make_sim_fixture  # noqa: F401
+from agentsim_fixtures import Sim
 from arbiter_harness import GiB, Workload
 from kube_fixtures import KubeServer, pod_manifest
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from agentsim_fixtures import Sim, make_sim_fixture, sim_fixture  # noqa: F401 (pytest fixtures)
+from agentsim_fixtures import Sim
 
 from gpufrac.deviceplugin.slices import FRACTION, MEMORY, SOCKETS, device_id
 from gpufrac.memguard import formats

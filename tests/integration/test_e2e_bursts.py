@@ -14,7 +14,7 @@ import subprocess
 from collections.abc import Callable
 
 import psutil
-from e2e_support import TIMEOUT, E2ENode, MiB, PodRun, e2e_node_fixture, until  # noqa: F401
+from e2e_support import TIMEOUT, E2ENode, MiB, PodRun, until
 
 from gpufrac.agent.resolvers import REASON_EVICTED, REASON_PREEMPTED
 from gpufrac.memguard import formats

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agentsim_fixtures import Sim, make_sim_fixture  # noqa: F401 (pytest fixture)
+from agentsim_fixtures import Sim
 from kube_fixtures import KubeServer, pod_manifest
 
 from gpufrac.agent.allocations import container_key

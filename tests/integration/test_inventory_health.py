@@ -88,6 +88,23 @@ def test_xid_makes_the_gpu_unhealthy_until_the_recovery_window_passes(
         assert m.current()[uuids[2]].since == clock.t
 
 
+def test_next_change_in_says_when_an_xid_window_closes(
+    in_process_nvml: SimNode, uuids: list[str], clock: FakeClock
+) -> None:
+    """The agent's health loop wakes when a GPU may turn Healthy again, not a poll later."""
+    with _monitor(clock, xid_recovery=300.0) as m:
+        assert m.next_change_in() is None
+        faults.inject_xid(in_process_nvml.path, 1, xid=79)
+        poll_until(m, lambda: not m.current()[uuids[1]].healthy, "the XID")
+        assert m.next_change_in() == pytest.approx(300.0)
+        clock.t += 100.0
+        assert m.next_change_in() == pytest.approx(200.0)
+        clock.t += 201.0
+        m.poll(0)
+        assert m.current()[uuids[1]].healthy
+        assert m.next_change_in() is None
+
+
 def test_a_new_xid_restarts_the_recovery_window(
     in_process_nvml: SimNode, uuids: list[str], clock: FakeClock
 ) -> None:

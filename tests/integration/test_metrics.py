@@ -24,7 +24,6 @@ from metrics_support import (
     Scrape,
     finish,
     http_get,
-    node_fixture,  # noqa: F401 (pytest fixture)
     read_line,
     start_node,
 )

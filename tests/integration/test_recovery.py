@@ -6,7 +6,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 
-from agentsim_fixtures import Sim, make_sim_fixture, sim_fixture  # noqa: F401 (pytest fixtures)
+from agentsim_fixtures import Sim
 
 from gpufrac.agent.allocations import container_key
 from gpufrac.deviceplugin.slices import FRACTION, MEMORY

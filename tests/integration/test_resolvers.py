@@ -1,12 +1,11 @@
 """Collisions on one GPU and how the wait and evict resolvers settle them: real processes in
 real cgroups on the real socket, pods and Events in the apiserver emulator."""
-# ruff: noqa: F811 - pytest fixtures imported from the harness are parameters here
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from arbiter_harness import ArbiterNode, Box, GiB, make_node  # noqa: F401
+from arbiter_harness import ArbiterNode, Box, GiB
 from kube_fixtures import KubeServer
 
 from gpufrac.agent.resolvers import REASON_EVICTED, REASON_PREEMPTED

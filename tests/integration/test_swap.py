@@ -22,7 +22,7 @@ from typing import Any
 import pynvml
 import pytest
 from arbiter_harness import ArbiterNode, Box, GiB, nvml_node
-from kube_fixtures import KubeServer, kube_server  # noqa: F401
+from kube_fixtures import KubeServer
 
 from gpufrac import native
 from gpufrac.agent import swap as swap_mod
@@ -176,7 +176,7 @@ def make_node(kube: KubeServer, **extra: Any) -> ArbiterNode:
 
 
 @pytest.fixture
-def node(sim_state: Path, kube_server: KubeServer) -> Iterator[ArbiterNode]:  # noqa: F811
+def node(sim_state: Path, kube_server: KubeServer) -> Iterator[ArbiterNode]:
     n = make_node(kube_server)
     try:
         yield n
@@ -230,7 +230,7 @@ def events(kube: KubeServer, reason: str, pod: str) -> list[dict[str, Any]]:
 def test_swap_frees_the_victim_and_it_resumes_with_its_bytes(
     node: ArbiterNode,
     sim_state: Path,
-    kube_server: KubeServer,  # noqa: F811
+    kube_server: KubeServer,
 ) -> None:
     victim = node.add("victim", 2, "8Gi", start=False)
     swappable(node, victim)
@@ -296,7 +296,7 @@ def test_swap_unavailable_is_said_once_and_the_chain_moves_on(
     assert node.arbiter.swap is not None and not node.arbiter.swap.swapped
 
 
-def test_host_ram_budget_bounds_what_is_swapped(sim_state: Path, kube_server: KubeServer) -> None:  # noqa: F811
+def test_host_ram_budget_bounds_what_is_swapped(sim_state: Path, kube_server: KubeServer) -> None:
     node = make_node(kube_server, swap={"idleThreshold": "1s", "hostRamBudget": "5Gi"})
     try:
         victim = node.add("victim", 2, "8Gi", start=False)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from arbiter_harness import ArbiterNode, Box, GiB, MiB, nvml_node
-from kube_fixtures import KubeServer, kube_server  # noqa: F401
+from kube_fixtures import KubeServer
 
 from gpufrac.agent.config import WatchdogConfig
 from gpufrac.agent.watchdog import REASON_KILLED, REASON_OVER_LIMIT, Watchdog
@@ -60,7 +60,7 @@ def sim_state(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.fixture
-def node(sim_state: Path, kube_server: KubeServer) -> Iterator[ArbiterNode]:  # noqa: F811
+def node(sim_state: Path, kube_server: KubeServer) -> Iterator[ArbiterNode]:
     n = ArbiterNode(kube_server)
     try:
         yield n
@@ -124,7 +124,7 @@ def until(cond: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
 def test_enforce_kills_the_largest_shimless_process_over_the_limit(
     node: ArbiterNode,
     sim_state: Path,
-    kube_server: KubeServer,  # noqa: F811
+    kube_server: KubeServer,
 ) -> None:
     a = node.add("a", 1, "2Gi", start=False)
     big, small = start_hog(node, a, [3 * GiB, 512 * MiB], sim_state)
@@ -147,7 +147,7 @@ def test_enforce_kills_the_largest_shimless_process_over_the_limit(
 def test_report_mode_only_reports_once_per_episode(
     node: ArbiterNode,
     sim_state: Path,
-    kube_server: KubeServer,  # noqa: F811
+    kube_server: KubeServer,
 ) -> None:
     a = node.add("a", 1, "1Gi", start=False)
     (hog,) = start_hog(node, a, [2 * GiB], sim_state)
@@ -165,7 +165,7 @@ def test_report_mode_only_reports_once_per_episode(
 def test_processes_of_no_gpufrac_container_are_reported_never_killed(
     node: ArbiterNode,
     sim_state: Path,
-    kube_server: KubeServer,  # noqa: F811
+    kube_server: KubeServer,
 ) -> None:
     # One on the host (no kubelet cgroup), one in a kubelet pod gpufrac does not serve.
     host = subprocess.Popen(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from pathlib import Path
@@ -209,3 +210,56 @@ def test_corrupt_state_is_reported_and_moved_aside(tmp_path: Path, caplog: pytes
     assert "state file corrupt" in caplog.text and "rebuilding allocations from pod-resources" in caplog.text
     assert not store.path.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("state.json.corrupt-")]
+
+
+def test_device_sections_are_the_device_list_and_follow_only_touched_gpus(ledger: Ledger) -> None:
+    def joined(resource: str) -> list[tuple[str, bool, int | None]]:
+        return [d for _, build in ledger.device_sections(resource) for d in build()]
+
+    def keys(resource: str) -> list[object]:
+        return [k for k, _ in ledger.device_sections(resource)]
+
+    before = {r: keys(r) for r in (FRACTION, MEMORY)}
+    a = ledger.allocate(MEMORY, ids(ledger, 0, MEMORY, range(8)))
+    for r in (FRACTION, MEMORY):
+        assert joined(r) == ledger.devices(r)
+        after = keys(r)
+        # GPU 0's part of both lists changed (the other resource's room too); GPU 1's did not.
+        assert after[0] != before[r][0] and after[1] == before[r][1]
+    before = {r: keys(r) for r in (FRACTION, MEMORY)}
+    ledger.set_health(ledger.inventory.gpus[1].uuid, False, "XID 79")
+    assert joined(FRACTION) == ledger.devices(FRACTION)
+    assert keys(FRACTION)[1] != before[FRACTION][1] and keys(FRACTION)[0] == before[FRACTION][0]
+    generation = ledger.capacity_generation
+    ledger.update_config(a.key, limit_bytes=12 * GiB)  # a config change: the lists stay as they are
+    assert ledger.capacity_generation == generation
+
+
+def test_container_dirs_spares_discard_and_sweep(tmp_path: Path) -> None:
+    from gpufrac.agent.allocations import ContainerDirs
+
+    state = tmp_path / "state"
+    containers = state / "containers"
+    cfg = formats.ContainerConfig(gpu_uuid="GPU-a", request_bytes=2 * GiB, limit_bytes=2 * GiB)
+    a = str(containers / "m-a")
+
+    async def scenario() -> None:
+        dirs = ContainerDirs(str(containers), str(state), spares=2)
+        await dirs.start()
+        try:
+            for _ in range(3):  # the same key booked, released and booked again at once
+                handle = await dirs.create(a, cfg)
+                assert formats.read_config(a) == cfg
+                assert formats.read_usage(a).magic == formats.USAGE_MAGIC
+                handle.close()
+                dirs.discard(a)
+                assert not os.path.exists(a)  # the path is free right away
+            (await dirs.create(a, cfg)).close()
+            (await dirs.write(str(containers / "m-orphan"), cfg)).close()
+            await dirs.sweep(lambda: ["m-a"])
+            assert os.listdir(containers) == ["m-a"]
+        finally:
+            await dirs.close()
+
+    asyncio.run(scenario())
+    assert os.listdir(state / "trash") == []  # deletions queued before close are done

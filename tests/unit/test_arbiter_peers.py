@@ -55,9 +55,10 @@ def test_other_cgroups_are_no_container(path: str) -> None:
 def test_v1_and_v2_lines_and_disagreement() -> None:
     v1 = f"12:pids:/kubepods/besteffort/pod{UID}/{CID}\n4:memory:/process_api/abc\n0::/\n"
     ident = parse_cgroup(v1)
-    assert ident is not None and ident.container_id == CID
+    assert ident is not None and (ident.pod_uid, ident.container_id) == (UID, CID)
     v2 = f"0::/kubepods.slice/kubepods-pod{UID.replace('-', '_')}.slice/cri-containerd-{CID}.scope\n"
-    assert parse_cgroup(v2) is not None
+    ident = parse_cgroup(v2)
+    assert ident is not None and (ident.pod_uid, ident.container_id) == (UID, CID)
     # Hierarchies naming different containers: the process is not trusted at all.
     other = "ab" * 32
     with pytest.raises(PeerError, match="different containers"):

@@ -73,6 +73,22 @@
 /* dlsym is called by the sanitizer runtimes while they start (before ASan is
  * ready), so that path must not be instrumented. */
 #define MG_NOSAN __attribute__((no_sanitize("address", "undefined")))
+/* Our dlsym must reach the real one by a sibling call (see dlsym below); GCC's
+ * -O1 (the ASan build) does not make one unless asked, clang does at -O1. */
+#if defined(__clang__)
+#define MG_SIBCALL
+#else
+#define MG_SIBCALL __attribute__((optimize("optimize-sibling-calls")))
+#endif
+
+/* Spin-wait hint while a seqlock writer finishes. */
+static inline void mg_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
 
 /* ------------------------------------------------------------------------ */
 /* The few CUDA driver / NVML types the hooks need (ABI of cuda.h / nvml.h).  */
@@ -651,7 +667,12 @@ typedef struct {
 
 #define LOAD_CFG(field) __atomic_load_n(&g_cfg->field, __ATOMIC_RELAXED)
 
-static MG_COLD int mg_config_stuck(void) {
+/* An odd seq that never turned even: its writer died mid-update. Later reads
+ * fail at once while the seq stays at that value, rather than spin again. */
+static _Atomic uint64_t g_stuck_seq;
+
+static MG_COLD int mg_config_stuck(uint64_t seq) {
+    if (seq & 1) atomic_store_explicit(&g_stuck_seq, seq, memory_order_relaxed);
     MG_WARN_ONCE(g_warned_config, "%s/%s: an agent update never completed (seqlock stays odd)", g_dir,
                  MG_CONFIG_FILE);
     return -1;
@@ -674,15 +695,17 @@ static int mg_read_limits(mg_limits_t *l) {
                 if (l->limit < l->request) l->limit = l->request; /* never a limit below the guarantee */
                 return 0;
             }
+        } else if (s1 == atomic_load_explicit(&g_stuck_seq, memory_order_relaxed)) {
+            return -1;
         }
         /* A writer is mid-update (microseconds) or was descheduled: back off,
          * and give up after about a second rather than hang the app. */
         if (spin < 1000) {
-            __builtin_ia32_pause();
+            mg_cpu_relax();
         } else if (spin < 1000 + 100000) {
             sched_yield();
         } else {
-            return mg_config_stuck();
+            return mg_config_stuck(s1);
         }
     }
 }
@@ -972,32 +995,25 @@ static uint64_t mg_array_bytes(size_t w, size_t h, size_t d, int format, unsigne
 
 /* --- allocation --- */
 
-HOOK CUresult mg_h_cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
-    if (!mg_on()) return mg_refusing() ? CUDA_ERROR_OUT_OF_MEMORY : CALL_REAL(cuMemAlloc_v2, dptr, bytesize);
-    CUresult rc = mg_charge(bytesize);
-    if (rc != CUDA_SUCCESS) return rc;
-    rc = CALL_REAL(cuMemAlloc_v2, dptr, bytesize);
-    mg_settle(&g_ptrs, rc, dptr ? *dptr : 0, bytesize);
-    return rc;
-}
+/* Every counted allocation: refuse while the files are broken, pass through
+ * when the container is not limited; otherwise charge `bytes` first, call the
+ * driver, then remember the handle in `out` under `tab` (or give the bytes
+ * back if the driver failed). */
+#define ALLOC_HOOK(sym, tab, out, bytes, params, ...)                                                     \
+    HOOK CUresult mg_h_##sym params {                                                                      \
+        if (!mg_on()) return mg_refusing() ? CUDA_ERROR_OUT_OF_MEMORY : CALL_REAL(sym, __VA_ARGS__);      \
+        uint64_t bytes_ = (bytes);                                                                         \
+        CUresult rc = mg_charge(bytes_);                                                                   \
+        if (rc != CUDA_SUCCESS) return rc;                                                                 \
+        rc = CALL_REAL(sym, __VA_ARGS__);                                                                  \
+        mg_settle(&(tab), rc, rc == CUDA_SUCCESS && (out) ? (uint64_t)(uintptr_t) * (out) : 0, bytes_);   \
+        return rc;                                                                                         \
+    }
 
-HOOK CUresult mg_h_cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize) {
-    if (!mg_on()) return mg_refusing() ? CUDA_ERROR_OUT_OF_MEMORY : CALL_REAL(cuMemAlloc, dptr, bytesize);
-    CUresult rc = mg_charge(bytesize);
-    if (rc != CUDA_SUCCESS) return rc;
-    rc = CALL_REAL(cuMemAlloc, dptr, bytesize);
-    mg_settle(&g_ptrs, rc, dptr ? *dptr : 0, bytesize);
-    return rc;
-}
-
-HOOK CUresult mg_h_cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
-    if (!mg_on()) return mg_refusing() ? CUDA_ERROR_OUT_OF_MEMORY : CALL_REAL(cuMemAllocManaged, dptr, bytesize, flags);
-    CUresult rc = mg_charge(bytesize);
-    if (rc != CUDA_SUCCESS) return rc;
-    rc = CALL_REAL(cuMemAllocManaged, dptr, bytesize, flags);
-    mg_settle(&g_ptrs, rc, dptr ? *dptr : 0, bytesize);
-    return rc;
-}
+ALLOC_HOOK(cuMemAlloc_v2, g_ptrs, dptr, bytesize, (CUdeviceptr * dptr, size_t bytesize), dptr, bytesize)
+ALLOC_HOOK(cuMemAlloc, g_ptrs, dptr, bytesize, (CUdeviceptr_v1 * dptr, unsigned int bytesize), dptr, bytesize)
+ALLOC_HOOK(cuMemAllocManaged, g_ptrs, dptr, bytesize, (CUdeviceptr * dptr, size_t bytesize, unsigned int flags),
+           dptr, bytesize, flags)
 
 /* Pitched: the driver picks the pitch, so charge width*height first and the
  * padding once it is known; if the padding does not fit, undo the allocation. */
@@ -1061,26 +1077,14 @@ HOOK CUresult mg_h_cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pPitch, u
  * free is enqueued. What the pool keeps cached after a free is the driver's
  * reserve, not the container's allocation (cudaMallocAsync's design). --- */
 
-#define ASYNC_ALLOC_HOOK(sym, params, args)                                         \
-    HOOK CUresult mg_h_##sym params {                                                \
-        if (!mg_on()) return mg_refusing() ? CUDA_ERROR_OUT_OF_MEMORY : CALL_REAL args; \
-        CUresult rc = mg_charge(bytesize);                                           \
-        if (rc != CUDA_SUCCESS) return rc;                                           \
-        rc = CALL_REAL args;                                                         \
-        mg_settle(&g_ptrs, rc, dptr ? *dptr : 0, bytesize);                          \
-        return rc;                                                                   \
-    }
-
-ASYNC_ALLOC_HOOK(cuMemAllocAsync, (CUdeviceptr * dptr, size_t bytesize, CUstream hStream),
-                 (cuMemAllocAsync, dptr, bytesize, hStream))
-ASYNC_ALLOC_HOOK(cuMemAllocAsync_ptsz, (CUdeviceptr * dptr, size_t bytesize, CUstream hStream),
-                 (cuMemAllocAsync_ptsz, dptr, bytesize, hStream))
-ASYNC_ALLOC_HOOK(cuMemAllocFromPoolAsync,
-                 (CUdeviceptr * dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream),
-                 (cuMemAllocFromPoolAsync, dptr, bytesize, pool, hStream))
-ASYNC_ALLOC_HOOK(cuMemAllocFromPoolAsync_ptsz,
-                 (CUdeviceptr * dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream),
-                 (cuMemAllocFromPoolAsync_ptsz, dptr, bytesize, pool, hStream))
+ALLOC_HOOK(cuMemAllocAsync, g_ptrs, dptr, bytesize, (CUdeviceptr * dptr, size_t bytesize, CUstream hStream),
+           dptr, bytesize, hStream)
+ALLOC_HOOK(cuMemAllocAsync_ptsz, g_ptrs, dptr, bytesize,
+           (CUdeviceptr * dptr, size_t bytesize, CUstream hStream), dptr, bytesize, hStream)
+ALLOC_HOOK(cuMemAllocFromPoolAsync, g_ptrs, dptr, bytesize,
+           (CUdeviceptr * dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream), dptr, bytesize, pool, hStream)
+ALLOC_HOOK(cuMemAllocFromPoolAsync_ptsz, g_ptrs, dptr, bytesize,
+           (CUdeviceptr * dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream), dptr, bytesize, pool, hStream)
 
 /* --- frees --- */
 
@@ -1111,38 +1115,19 @@ static CUresult mg_free_v1_adapter(CUdeviceptr p) {
 /* --- virtual memory management: physical memory is cuMemCreate's; address
  * reservations (cuMemAddressReserve) are not memory and are not hooked --- */
 
-HOOK CUresult mg_h_cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
-                               unsigned long long flags) {
-    if (!mg_on()) return mg_refusing() ? CUDA_ERROR_OUT_OF_MEMORY : CALL_REAL(cuMemCreate, handle, size, prop, flags);
-    CUresult rc = mg_charge(size);
-    if (rc != CUDA_SUCCESS) return rc;
-    rc = CALL_REAL(cuMemCreate, handle, size, prop, flags);
-    mg_settle(&g_handles, rc, handle ? *handle : 0, size);
-    return rc;
-}
+ALLOC_HOOK(cuMemCreate, g_handles, handle, size,
+           (CUmemGenericAllocationHandle * handle, size_t size, const CUmemAllocationProp *prop,
+            unsigned long long flags),
+           handle, size, prop, flags)
 
 /* --- arrays --- */
 
-HOOK CUresult mg_h_cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *d) {
-    if (!mg_on() || !d) return mg_refusing() && d ? CUDA_ERROR_OUT_OF_MEMORY : CALL_REAL(cuArrayCreate_v2, pHandle, d);
-    uint64_t bytes = mg_array_bytes(d->Width, d->Height, 0, d->Format, d->NumChannels);
-    CUresult rc = mg_charge(bytes);
-    if (rc != CUDA_SUCCESS) return rc;
-    rc = CALL_REAL(cuArrayCreate_v2, pHandle, d);
-    mg_settle(&g_arrays, rc, pHandle ? (uint64_t)(uintptr_t)*pHandle : 0, bytes);
-    return rc;
-}
-
-HOOK CUresult mg_h_cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d) {
-    if (!mg_on() || !d)
-        return mg_refusing() && d ? CUDA_ERROR_OUT_OF_MEMORY : CALL_REAL(cuArray3DCreate_v2, pHandle, d);
-    uint64_t bytes = mg_array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels);
-    CUresult rc = mg_charge(bytes);
-    if (rc != CUDA_SUCCESS) return rc;
-    rc = CALL_REAL(cuArray3DCreate_v2, pHandle, d);
-    mg_settle(&g_arrays, rc, pHandle ? (uint64_t)(uintptr_t)*pHandle : 0, bytes);
-    return rc;
-}
+/* A NULL descriptor counts nothing: the driver refuses it (INVALID_VALUE). */
+ALLOC_HOOK(cuArrayCreate_v2, g_arrays, pHandle, d ? mg_array_bytes(d->Width, d->Height, 0, d->Format, d->NumChannels) : 0,
+           (CUarray * pHandle, const CUDA_ARRAY_DESCRIPTOR *d), pHandle, d)
+ALLOC_HOOK(cuArray3DCreate_v2, g_arrays, pHandle,
+           d ? mg_array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels) : 0,
+           (CUarray * pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d), pHandle, d)
 
 /* --- memory queries: total = limit, free = limit - container usage --- */
 
@@ -1307,9 +1292,8 @@ static MG_COLD void *mg_dlsym_hooked(void *handle, const char *name) {
 /* dlsym itself: the way ctypes, pynvml and cudart's bootstrap find driver
  * functions, which LD_PRELOAD alone does not reach (a handle-scoped lookup
  * never sees the preloaded library). */
-/* optimize-sibling-calls: the ASan build is -O1, which would not make it one. */
-MG_EXPORT MG_NOSAN __attribute__((optimize("optimize-sibling-calls"))) void *dlsym(void *handle, const char *name) {
-    if (handle != RTLD_NEXT &&
+MG_EXPORT MG_NOSAN MG_SIBCALL void *dlsym(void *handle, const char *name) {
+    if (handle != RTLD_NEXT && name &&
         ((name[0] == 'c' && name[1] == 'u') || (name[0] == 'n' && name[1] == 'v' && name[2] == 'm')))
         return mg_dlsym_hooked(handle, name);
     /* A sibling call, so glibc still sees the caller's return address and
