@@ -42,15 +42,15 @@ define native_rules
 $(1)/libnvidia-ml.so.1: $(SIM_SRC)/nvml.c $(SIM_SRC)/simstate.c $(SIM_HDR)
 	@mkdir -p $(1)
 	$(CC) $(2) -shared -Wl,-soname,libnvidia-ml.so.1 -Wl,-Bsymbolic -o $$@ $(SIM_SRC)/nvml.c $(SIM_SRC)/simstate.c $(LDLIBS)
-$(1)/libcuda.so.1: $(SIM_SRC)/cuda.c $(CUDA_SRC) $(SIM_SRC)/simstate.c $(SIM_HDR)
+$(1)/libcuda.so.1: $(CUDA_SRC) $(SIM_SRC)/simstate.c $(SIM_HDR)
 	@mkdir -p $(1)
 	$(CC) $(2) -shared -Wl,-soname,libcuda.so.1 -Wl,-Bsymbolic -o $$@ $(CUDA_SRC) $(SIM_SRC)/simstate.c $(LDLIBS)
 $(1)/libmemguard.so: $(MG_SRC)/memguard.c $(MG_HDR)
 	@mkdir -p $(1)
 	$(CC) $(2) -shared -o $$@ $(MG_SRC)/memguard.c $(LDLIBS)
-$(1)/mg_ctest: $(MG_SRC)/mg_ctest.c $(1)/libcuda.so.1
+$(1)/mg_ctest: $(MG_SRC)/mg_ctest.c $(MG_HDR) $(SIM_SRC)/cuda_abi.h $(1)/libcuda.so.1
 	@mkdir -p $(1)
-	$(CC) $(2) -o $$@ $(MG_SRC)/mg_ctest.c -L$(1) -l:libcuda.so.1 -Wl,-rpath,'$$$$ORIGIN' $(LDLIBS)
+	$(CC) $(2) -I$(SIM_SRC) -o $$@ $(MG_SRC)/mg_ctest.c -L$(1) -l:libcuda.so.1 -Wl,-rpath,'$$$$ORIGIN' $(LDLIBS)
 endef
 $(eval $(call native_rules,$(BUILD),$(CFLAGS_REL)))
 $(eval $(call native_rules,$(ASAN_BUILD),$(CFLAGS_SAN)))

@@ -72,10 +72,21 @@ int main(int argc, char **argv) {
         if ((rc = cuMemFree_v2(d)) != 0) die("cuMemFree_v2", rc);
         return 0;
     }
+    /* Decided once, outside the timed loops (a string compare per call would be
+     * counted in both runs and blur the shim's share). */
+    enum { ALLOCFREE, ASYNCFREE, LAUNCH, GETINFO } kind;
+    if (!strcmp(op, "allocfree")) kind = ALLOCFREE;
+    else if (!strcmp(op, "asyncfree")) kind = ASYNCFREE;
+    else if (!strcmp(op, "launch")) kind = LAUNCH;
+    else if (!strcmp(op, "getinfo")) kind = GETINFO;
+    else {
+        fprintf(stderr, "shim_bench: unknown op %s\n", op);
+        return 2;
+    }
     CUfunction f = NULL;
     unsigned long long us = 0; /* busy_us(uint64 microseconds): no simulated work */
     void *params[] = {&us};
-    if (!strcmp(op, "launch")) {
+    if (kind == LAUNCH) {
         CUmodule m;
         if ((rc = cuModuleLoadData(&m, "SIMGPU-MODULE")) != 0) die("cuModuleLoadData", rc);
         if ((rc = cuModuleGetFunction(&f, m, "busy_us")) != 0) die("cuModuleGetFunction", rc);
@@ -84,20 +95,22 @@ int main(int argc, char **argv) {
     for (unsigned long r = 0; r < rounds; r++) {
         uint64_t w0 = now(CLOCK_MONOTONIC), c0 = now(CLOCK_THREAD_CPUTIME_ID);
         for (unsigned long i = 0; i < n; i++) {
-            if (!strcmp(op, "allocfree")) {
+            size_t fr, t;
+            switch (kind) {
+            case ALLOCFREE:
                 if ((rc = cuMemAlloc_v2(&d, bytes)) != 0) die("cuMemAlloc_v2", rc);
                 if ((rc = cuMemFree_v2(d)) != 0) die("cuMemFree_v2", rc);
-            } else if (!strcmp(op, "asyncfree")) {
+                break;
+            case ASYNCFREE:
                 if ((rc = cuMemAllocAsync(&d, bytes, NULL)) != 0) die("cuMemAllocAsync", rc);
                 if ((rc = cuMemFreeAsync(d, NULL)) != 0) die("cuMemFreeAsync", rc);
-            } else if (!strcmp(op, "launch")) {
+                break;
+            case LAUNCH:
                 if ((rc = cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL)) != 0) die("cuLaunchKernel", rc);
-            } else if (!strcmp(op, "getinfo")) {
-                size_t fr, t;
+                break;
+            case GETINFO:
                 if ((rc = cuMemGetInfo_v2(&fr, &t)) != 0) die("cuMemGetInfo_v2", rc);
-            } else {
-                fprintf(stderr, "shim_bench: unknown op %s\n", op);
-                return 2;
+                break;
             }
         }
         double w = (double)(now(CLOCK_MONOTONIC) - w0) / (double)n;

@@ -12,7 +12,7 @@ PodIdentity applies the pod's policy to the config file.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import os
 import shutil
 import subprocess
 import sys
@@ -25,7 +25,10 @@ from typing import Any, TypeVar
 
 import pytest
 from kube_fixtures import KubeServer, pod_manifest
+from polling import until_async
+from simnode_fixtures import nvml_node
 
+from gpufrac import native
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.arbiter import Arbiter
 from gpufrac.agent.config import Config, load
@@ -38,6 +41,7 @@ from gpufrac.deviceplugin.server import arbiter_socket, container_response
 from gpufrac.deviceplugin.slices import MEMORY, device_id
 from gpufrac.memguard import formats
 from gpufrac.simgpu.runtime import Container, ContainerRuntime, WorkloadDriver, mounts_of
+from gpufrac.simgpu.workload import WorkloadProcess
 
 T = TypeVar("T")
 NODE = "node-a"
@@ -64,6 +68,15 @@ class LoopThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(30)
         self.loop.close()
+
+
+class CudaApp(WorkloadProcess):
+    """The real GPU workload (gpufrac.simgpu.workload) in a box's container: cuda-python over
+    the fake libcuda under the memguard shim, in the container's cgroup."""
+
+    def __init__(self, box: Box, container: Container, timeout: float) -> None:
+        self.box, self.c, self.pid = box, container, container.proc.pid
+        super().__init__(container.proc, box.pod, timeout)
 
 
 class Workload(WorkloadDriver):
@@ -178,6 +191,27 @@ class ArbiterNode:
         self.set_container_id(box.pod, box.uid, c.runtime_id)
         return self._attach(box, c)
 
+    def start_cuda(self, box: Box, state: Path | None = None, timeout: float = 120.0) -> CudaApp:
+        """Start box's container with the real GPU workload under the shim (LD_PRELOAD, as
+        the Allocate response gives it) on the simulated node `state` (default: make_node's)."""
+        state = state or self.state_path
+        assert state is not None, "no simulated node: pass its state file"
+        resp = container_response(box.alloc, self.cfg)
+        env = dict(os.environ, SIMGPU_STATE=str(state), LD_LIBRARY_PATH=str(native.native_dir()))
+        c = self.runtime.start(
+            box.uid,
+            "main",
+            WorkloadProcess.argv(),
+            env=env,
+            envs=dict(resp.envs),
+            mounts=mounts_of(resp),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        box.container = c
+        self.set_container_id(box.pod, box.uid, c.runtime_id)
+        return CudaApp(box, c, timeout)
+
     def _attach(self, box: Box, c: Container) -> Workload:
         box.workload = Workload(box, c)
         return box.workload
@@ -197,15 +231,7 @@ class ArbiterNode:
 
     def until(self, cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
         """Poll cond() on the agent's loop until it holds."""
-
-        async def wait() -> None:
-            deadline = asyncio.get_running_loop().time() + timeout
-            while not cond():
-                if asyncio.get_running_loop().time() > deadline:
-                    raise AssertionError(f"timed out waiting for {what}")
-                await asyncio.sleep(0.01)
-
-        self.lt.call(wait, timeout + 5)
+        self.lt.call(lambda: until_async(cond, timeout, what, interval=0.01), timeout + 5)
 
     def on_loop(self, fn: Callable[[], Awaitable[T]] | Callable[[], T]) -> T:
         return self.lt.call(fn)  # type: ignore[arg-type]
@@ -224,36 +250,6 @@ class ArbiterNode:
             for b in self.boxes:
                 self.ledger.release(b.alloc.key)
             shutil.rmtree(self.root, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def nvml_node(directory: Path, preset: str = "dgx-h100") -> Iterator[Path]:
-    """A simulated node seen by this process's nvidia-ml-py (the agent's NVML reads).
-
-    Like conftest's in_process_nvml, but needs only the fake libnvidia-ml (the arbiter
-    never loads libcuda), so these tests do not wait on the fake driver's build."""
-    import ctypes
-    import os
-
-    import pynvml
-
-    from gpufrac import native
-    from gpufrac.simgpu.spec import create_node, load_preset
-
-    path = directory / "node.state"
-    create_node(load_preset(preset), path)
-    ctypes.CDLL(str(native.library(native.FAKE_NVML)), mode=ctypes.RTLD_GLOBAL)
-    old = os.environ.get("SIMGPU_STATE")
-    os.environ["SIMGPU_STATE"] = str(path)
-    pynvml.nvmlInit()
-    try:
-        yield path
-    finally:
-        pynvml.nvmlShutdown()
-        if old is None:
-            os.environ.pop("SIMGPU_STATE", None)
-        else:
-            os.environ["SIMGPU_STATE"] = old
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 import pytest
 from agentsim_fixtures import Sim
 from kube_fixtures import KubeServer, pod_manifest
+from polling import until
 
 from gpufrac import native
 from gpufrac.agent import annotations as ann
@@ -67,18 +67,6 @@ def agent_config(root: Path, kube: KubeServer, **overrides: Any) -> dict[str, An
     }
     cfg.update(overrides)
     return cfg
-
-
-def until(cond: Callable[[], Any], timeout: float = TIMEOUT, what: str = "condition") -> Any:
-    """Poll cond() until it is truthy (no fixed sleeps as synchronisation)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.02)
 
 
 @dataclass

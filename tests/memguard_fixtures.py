@@ -16,7 +16,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -162,18 +161,6 @@ class Shim:
             stderr=subprocess.PIPE,
             text=True,
         )
-
-
-def wait_for(cond: Callable[[], Any], timeout: float = TIMEOUT, what: str = "condition") -> Any:
-    """Poll until cond() is truthy (no fixed sleeps as synchronisation)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def read_line(p: subprocess.Popen[str], timeout: float = TIMEOUT) -> str:

@@ -13,7 +13,6 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -23,6 +22,7 @@ from typing import Any
 
 import pytest
 from kube_fixtures import KubeServer, pod_manifest
+from polling import until
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpufrac import native
@@ -105,15 +105,7 @@ class InprocNode:
         return Scrape.parse(text)
 
     def wait(self, cond: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
-        """Poll until cond() is truthy (no fixed sleeps as synchronisation)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            v = cond()
-            if v:
-                return v
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what}")
-            time.sleep(0.1)
+        return until(cond, timeout, what, interval=0.1)
 
     def wait_scrape(self, cond: Callable[[Scrape], Any], what: str, timeout: float = TIMEOUT) -> Scrape:
         last: list[Scrape] = []

@@ -41,9 +41,9 @@ from gpufrac.agent import metrics
 from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.config import Config
-from gpufrac.agent.kube import ObjectRef
-from gpufrac.agent.peers import Caller, PeerError, PeerLookup
-from gpufrac.agent.resolvers import Chain, Holding, Need, build_chain, kill_and_wait
+from gpufrac.agent.events import container_ref
+from gpufrac.agent.peers import Caller, PeerError, PeerLookup, kill_and_wait
+from gpufrac.agent.resolvers import Chain, Holding, Need, build_chain
 from gpufrac.agent.units import format_bytes
 from gpufrac.memguard import formats
 from gpufrac.memguard.formats import (
@@ -61,13 +61,14 @@ REQUEST_SIZE = ctypes.sizeof(BurstRequest)
 REPLY_SIZE = ctypes.sizeof(BurstReply)
 MAX_CONNECTIONS = 1024  # beyond this, new connections are closed at once
 NVML_FRESH = 0.1  # an NVML reading younger than this is used as is
-# Metric label values for requests (gpufrac_arbiter_requests_total{kind,outcome}).
-_OP_NAMES = {
+# Metric label values for requests (gpufrac_arbiter_requests_total{kind,outcome}); the
+# runtime emulator's stand-in workload prints the same status names.
+OP_NAMES = {
     formats.BURST_OP_BURST: "burst",
     formats.BURST_OP_RELEASE: "release",
     formats.BURST_OP_SWAP_IN: "swap_in",
 }
-_STATUS_NAMES = {
+STATUS_NAMES = {
     formats.BURST_GRANTED: "granted",
     formats.BURST_DENIED: "denied",
     formats.BURST_REFUSED: "refused",
@@ -223,7 +224,7 @@ class Arbiter:
             req = BurstRequest.from_buffer_copy(data)
             status, generation = await self._dispatch(req, writer, reader)
             metrics.count_arbiter_request(
-                _OP_NAMES.get(req.op, "invalid"), _STATUS_NAMES.get(status, "dropped")
+                OP_NAMES.get(req.op, "invalid"), STATUS_NAMES.get(status, "dropped")
             )
             if status is None:
                 return
@@ -655,11 +656,9 @@ class Arbiter:
     def event(self, alloc: ContainerAlloc, type_: str, reason: str, message: str) -> None:
         # `events` is an EventRecorder, or a callable returning the agent's (it may come later).
         recorder = self.events() if callable(self.events) else self.events
-        if recorder is None or not alloc.pod:
-            return
-        path = f"spec.containers{{{alloc.container}}}" if alloc.container else ""
-        ref = ObjectRef("Pod", alloc.pod, alloc.namespace or "", alloc.pod_uid or "", field_path=path)
-        recorder.record(ref, type_, reason, message)
+        ref = container_ref(alloc)
+        if recorder is not None and ref is not None:
+            recorder.record(ref, type_, reason, message)
 
 
 def published_grants(containers: list[tuple[str, str, str, int]]) -> dict[str, int]:

@@ -68,12 +68,17 @@ REASONS = frozenset(
 )
 
 
+def container_name(alloc: Any) -> str:
+    """How an Event on its pod names a container: its name, or its ledger key while the
+    kubelet has not said which container of the pod holds it."""
+    return str(alloc.container or alloc.key)
+
+
 def container_ref(alloc: Any) -> ObjectRef | None:
     """The pod (and container) of a ContainerAlloc, or None while its pod is not known."""
     if not getattr(alloc, "pod", None):
         return None
-    path = f"spec.containers{{{alloc.container}}}" if alloc.container else ""
-    return ObjectRef("Pod", alloc.pod, alloc.namespace or "", alloc.pod_uid or "", field_path=path)
+    return ObjectRef.pod_named(alloc.namespace or "", alloc.pod, alloc.pod_uid or "", alloc.container)
 
 
 def recorder(agent: Any) -> Any | None:

@@ -44,7 +44,7 @@ from typing import Any, Protocol
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from gpufrac.agent import annotations
+from gpufrac.agent import annotations, events
 from gpufrac.agent import metrics as metrics_mod
 from gpufrac.agent.activity import ActivityTracker, Clock
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
@@ -56,13 +56,13 @@ from gpufrac.agent.units import format_duration, parse_duration
 log = logging.getLogger(__name__)
 
 IDLE, MAX_RUNTIME = "idle", "max-runtime"
-REASON_WARNING = {IDLE: "IdleWarning", MAX_RUNTIME: "MaxRuntimeWarning"}
-REASON_CANCELLED = "IdleCancelled"
-REASON_BLOCKED = "IdleEvictionBlocked"
-REASON_FAILED = "IdleEvictionFailed"
+REASON_WARNING = {IDLE: events.REASON_IDLE_WARNING, MAX_RUNTIME: events.REASON_MAX_RUNTIME_WARNING}
+REASON_CANCELLED = events.REASON_IDLE_CANCELLED
+REASON_BLOCKED = events.REASON_IDLE_BLOCKED
+REASON_FAILED = events.REASON_IDLE_FAILED
 # Event reason of the action record: prefix by trigger, suffix by what was done.
-_PREFIX = {IDLE: "Idle", MAX_RUNTIME: "MaxRuntime"}
-_DONE = {"notify": "Notify", "swap": "Swapped", "evict": "Evicted", "delete": "Deleted", "dry-run": "DryRun"}
+_PREFIX = dict(zip((IDLE, MAX_RUNTIME), events.IDLE_TRIGGERS, strict=True))
+_DONE = dict(zip(("notify", "swap", "evict", "delete", "dry-run"), events.IDLE_ACTIONS, strict=True))
 # Eviction retries: first after BACKOFF_MIN (or the interval, if longer), doubling up to BACKOFF_MAX.
 BACKOFF_MIN = 0.5
 BACKOFF_MAX = 300.0
@@ -551,14 +551,14 @@ class IdleReaper:
         self._event(view, ident, type_, reason, text)
 
     def _event(self, view: PodView, ident: Identity | None, type_: str, reason: str, message: str) -> None:
-        events: EventSink | None = getattr(ident, "events", None)
-        if events is None:
+        sink: EventSink | None = getattr(ident, "events", None)
+        if sink is None:
             return
         if view.info is not None:
             ref = ObjectRef.pod(view.info)
         else:
-            ref = ObjectRef("Pod", view.key.name, view.key.namespace, view.key.uid)
-        events.record(ref, type_, reason, message)
+            ref = ObjectRef.pod_named(view.key.namespace, view.key.name, view.key.uid)
+        sink.record(ref, type_, reason, message)
 
     # -- words ------------------------------------------------------------------------------------
 

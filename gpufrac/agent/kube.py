@@ -364,8 +364,13 @@ class ObjectRef:
 
     @classmethod
     def pod(cls, pod: PodInfo, container: str | None = None) -> ObjectRef:
+        return cls.pod_named(pod.namespace, pod.name, pod.uid, container)
+
+    @classmethod
+    def pod_named(cls, namespace: str, name: str, uid: str = "", container: str | None = None) -> ObjectRef:
+        """A pod (or one of its containers, as kubectl describe shows it) by name."""
         path = f"spec.containers{{{container}}}" if container else ""
-        return cls("Pod", pod.name, pod.namespace, pod.uid, field_path=path)
+        return cls("Pod", name, namespace, uid, field_path=path)
 
 
 def _timestamp(t: float) -> str:

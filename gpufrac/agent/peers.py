@@ -20,15 +20,22 @@ ledger does not know, is refused.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import re
+import select
+import signal
 import socket
 import struct
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
+
+log = logging.getLogger(__name__)
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -42,6 +49,10 @@ _POD_SYSTEMD = re.compile(
 # The container component: a bare 64-hex ID (cgroupfs), or "<runtime>-<id>.scope" (systemd).
 # "crio-conmon-<id>" is CRI-O's monitor process, not the container, and does not match.
 _CONTAINER = re.compile(r"^(?:(?:docker|cri-containerd|containerd|crio|cri-o)-)?([0-9a-f]{64})(?:\.scope)?$")
+
+
+# How long killed processes get to exit after SIGKILL before the killer gives up waiting.
+KILL_WAIT = 10.0
 
 
 class PeerError(Exception):
@@ -122,8 +133,9 @@ def read_cgroup(pid: int, proc: str = "/proc") -> CgroupIdentity | None:
     return parse_cgroup(text)
 
 
-def container_pids(pod_uid: str, container_id: str, proc: str = "/proc") -> list[int]:
-    """Host pids of every process in a container (blocking: a scan of /proc)."""
+def scan_pids(match: Callable[[CgroupIdentity], bool], proc: str = "/proc") -> list[int]:
+    """Host pids of every process whose kubelet container `match` accepts (blocking: a scan
+    of /proc, one cgroup file per process)."""
     out = []
     for name in os.listdir(proc):
         if not name.isdigit():
@@ -132,9 +144,60 @@ def container_pids(pod_uid: str, container_id: str, proc: str = "/proc") -> list
             ident = read_cgroup(int(name), proc)
         except PeerError:
             continue
-        if ident is not None and (ident.pod_uid, ident.container_id) == (pod_uid, container_id):
+        if ident is not None and match(ident):
             out.append(int(name))
     return out
+
+
+def container_pids(pod_uid: str, container_id: str, proc: str = "/proc") -> list[int]:
+    """Host pids of every process in a container (blocking: a scan of /proc)."""
+    return scan_pids(lambda c: (c.pod_uid, c.container_id) == (pod_uid, container_id), proc)
+
+
+def kill_and_wait(
+    pids: Sequence[int], timeout: float = KILL_WAIT, still_ours: Callable[[int], bool] | None = None
+) -> int:
+    """SIGKILL every pid and wait (pidfd, no polling) until they are gone. Blocking: run in
+    a thread. `still_ours(pid)`, checked once the pidfd pins the process, skips a pid that
+    now names another process (reused). Returns how many were signalled."""
+    fds, killed = [], 0
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            continue  # already gone
+        sent = False
+        try:
+            if still_ours is None or still_ours(pid):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+                sent = True
+        except OSError:
+            pass  # exited between pidfd_open and the signal
+        finally:
+            if sent:
+                killed += 1
+                fds.append(fd)
+            else:
+                os.close(fd)
+    try:
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        deadline = time.monotonic() + timeout
+        pending = set(fds)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.error("%d killed process(es) did not exit within %.0fs", len(pending), timeout)
+                break
+            for fd, _ in poller.poll(left * 1000):
+                pending.discard(fd)
+                with contextlib.suppress(KeyError):
+                    poller.unregister(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return killed
 
 
 # Looks up a container's name from (pod UID, container ID); None when unknown.
@@ -197,21 +260,10 @@ class PeerLookup:
             return container_pids(ident.pod_uid, ident.container_id, self.proc)
         if not alloc.pod_uid:
             return []
-        out = []
-        for name in os.listdir(self.proc):
-            if not name.isdigit():
-                continue
-            try:
-                c = read_cgroup(int(name), self.proc)
-            except PeerError:
-                continue
-            if (
-                c is not None
-                and c.pod_uid == alloc.pod_uid
-                and self.namer(c.pod_uid, c.container_id) == (alloc.container)
-            ):
-                out.append(int(name))
-        return out
+        return scan_pids(
+            lambda c: c.pod_uid == alloc.pod_uid and self.namer(c.pod_uid, c.container_id) == alloc.container,
+            self.proc,
+        )
 
 
 def _pick(allocs: list[ContainerAlloc]) -> ContainerAlloc | None:

@@ -59,7 +59,7 @@ def _numa(n: int | None) -> str:
     return "N/A" if n is None else str(n)
 
 
-def _table(rows: list[list[str]], align_right: Iterable[int] = ()) -> list[str]:
+def table(rows: list[list[str]], align_right: Iterable[int] = ()) -> list[str]:
     """Fixed-width columns separated by two spaces; the last column is not padded."""
     right = set(align_right)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -150,7 +150,7 @@ def format_gpus(
         body.append((i, [str(i), "?", "?", "?", "?", "?", "?", f"Unhealthy: {reason}"]))
     rows = [["IDX", "UUID", "MODEL", "MEMORY", "USED", "PCI BUS ID", "NUMA", "HEALTH"]]
     rows += [cells for _, cells in sorted(body, key=lambda item: item[0])]
-    return "\n".join([head, "", *_table(rows, align_right=(0, 3, 4))])
+    return "\n".join([head, "", *table(rows, align_right=(0, 3, 4))])
 
 
 # ---------------------------------------------------------------- topo
@@ -201,7 +201,7 @@ def format_topo(inv: Inventory) -> str:
     rows = [["", *names, "CPU Affinity", "NUMA Affinity"]]
     for name, g, cells in zip(names, inv.gpus, topo_matrix(inv), strict=True):
         rows.append([name, *cells, cpu_list(g.cpu_affinity) or "N/A", _numa(g.numa_node)])
-    lines = _table(rows)
+    lines = table(rows)
     lines += [f"GPU{i}: unreachable ({r})" for i, r in sorted(inv.unreachable.items())]
     return "\n".join([*lines, "", TOPO_LEGEND])
 

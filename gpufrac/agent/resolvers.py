@@ -25,11 +25,7 @@ What resolvers may ask of the arbiter is `ResolverContext` below.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import select
-import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,15 +33,11 @@ from typing import Protocol
 
 from gpufrac.agent import metrics
 from gpufrac.agent.allocations import ContainerAlloc
+from gpufrac.agent.events import NORMAL, REASON_EVICTED, REASON_PREEMPTED, WARNING, container_name
 from gpufrac.agent.units import format_bytes
 from gpufrac.memguard.formats import FLAG_PREEMPTIBLE
 
 log = logging.getLogger(__name__)
-
-REASON_EVICTED = "GpuMemoryEvicted"
-REASON_PREEMPTED = "GpuMemoryPreempted"
-# How long an evicted container's processes get to die after SIGKILL.
-KILL_WAIT = 10.0
 
 
 @dataclass
@@ -218,15 +210,15 @@ class EvictResolver:
             )
             self.ctx.event(
                 h.alloc,
-                "Warning",
+                WARNING,
                 REASON_EVICTED,
-                f"{killed} process(es) of container {h.alloc.container or h.alloc.key} killed to reclaim "
+                f"{killed} process(es) of container {container_name(h.alloc)} killed to reclaim "
                 f"{format_bytes(h.burst)} of burst GPU memory on GPU {need.gpu}: {need.who()} needed "
                 f"{format_bytes(need.bytes)} ({why})",
             )
             self.ctx.event(
                 need.requester,
-                "Normal",
+                NORMAL,
                 REASON_PREEMPTED,
                 f"{format_bytes(h.burst)} of burst GPU memory on GPU {need.gpu} reclaimed from "
                 f"{h.alloc.who()} for {format_bytes(need.bytes)} needed by this container ({why})",
@@ -235,45 +227,9 @@ class EvictResolver:
         return Outcome(freed=freed, detail=f"evicted {len(chosen)} container(s)")
 
 
-def kill_and_wait(pids: Sequence[int], timeout: float = KILL_WAIT) -> int:
-    """SIGKILL every pid and wait (pidfd, no polling) until they are gone. Blocking: run in
-    a thread. Returns how many were signalled."""
-    fds, killed = [], 0
-    for pid in pids:
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError:
-            continue  # already gone
-        try:
-            signal.pidfd_send_signal(fd, signal.SIGKILL)
-            killed += 1
-            fds.append(fd)
-        except OSError:
-            os.close(fd)
-    try:
-        poller = select.poll()
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        deadline = time.monotonic() + timeout
-        pending = set(fds)
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                log.error("%d killed process(es) did not exit within %.0fs", len(pending), timeout)
-                break
-            for fd, _ in poller.poll(left * 1000):
-                pending.discard(fd)
-                with contextlib.suppress(KeyError):
-                    poller.unregister(fd)
-    finally:
-        for fd in fds:
-            os.close(fd)
-    return killed
-
-
 def build_chain(names: Sequence[str], ctx: ResolverContext) -> Chain:
-    """The resolvers named in the config, in its order. `swap` comes from
-    gpufrac.agent.swap.SwapResolver(ctx) when that module exists."""
+    """The resolvers named in the config, in its order. `swap` needs more of the arbiter
+    than ResolverContext (gpufrac.agent.swap.SwapHost)."""
     out: list[Resolver] = []
     for name in names:
         if name == "wait":
@@ -281,12 +237,9 @@ def build_chain(names: Sequence[str], ctx: ResolverContext) -> Chain:
         elif name == "evict":
             out.append(EvictResolver(ctx))
         elif name == "swap":
-            try:
-                from gpufrac.agent import swap  # type: ignore[attr-defined]
-            except ImportError as e:
-                log.warning("resolver swap is configured but unavailable: %s", e)
-                continue
-            out.append(swap.SwapResolver(ctx))
+            from gpufrac.agent import swap  # here: swap imports this module
+
+            out.append(swap.SwapResolver(ctx))  # type: ignore[arg-type]  # ctx is the Arbiter
         else:
             raise ValueError(f"resolvers: unknown resolver {name!r}")
     return Chain(out)

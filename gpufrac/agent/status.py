@@ -30,13 +30,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import gpufrac
+from gpufrac.agent.report import table
 from gpufrac.agent.units import format_bytes
 from gpufrac.deviceplugin import slices
 from gpufrac.memguard import formats
 
 log = logging.getLogger(__name__)
 
-CLASS_OF = {v: k for k, v in formats.CLASS_NAMES.items()}
 # Requests bigger than this are not ours to parse (a status query is one line).
 MAX_REQUEST = 8192
 REQUEST_TIMEOUT = 5.0
@@ -210,7 +210,7 @@ def capture(agent: Any) -> NodeStatus:
                 request_bytes=a.request_bytes,
                 limit_bytes=c.limit_bytes,
                 burst_granted_bytes=c.grant_bytes,
-                workload_class=CLASS_OF.get(c.workload_class, str(c.workload_class)),
+                workload_class=formats.CLASS_BY_NUMBER.get(c.workload_class, str(c.workload_class)),
                 priority=c.priority,
                 created=a.created,
                 directory=a.directory,
@@ -484,8 +484,6 @@ def _short_resource(r: str) -> str:
 
 def format_status(status: Mapping[str, Any]) -> str:
     """The `gpufrac status` table from a status document (the JSON the endpoint serves)."""
-    from gpufrac.agent.report import _table
-
     ready = "Ready" if status.get("ready") else f"NotReady ({status.get('ready_reason', '?')})"
     regs = ", ".join(
         f"{_short_resource(r)} {'registered' if ok else 'NOT registered'}"
@@ -534,7 +532,7 @@ def format_status(status: Mapping[str, Any]) -> str:
         rows.append(
             [str(i), "?", "?", "?", "?", "?", "?", "?", *["?" for _ in resources], f"Unhealthy: {reason}"]
         )
-    lines += _table(rows, align_right=range(2, 8 + len(resources)))
+    lines += table(rows, align_right=range(2, 8 + len(resources)))
     index_of = {g["uuid"]: g["index"] for g in gpus}
     containers = status.get("containers") or []
     lines.append("")
@@ -572,7 +570,7 @@ def format_status(status: Mapping[str, Any]) -> str:
                 c["workload_class"],
             ]
         )
-    lines += _table(crow, align_right=(5, 6, 7, 8, 9))
+    lines += table(crow, align_right=(5, 6, 7, 8, 9))
     return "\n".join(lines)
 
 

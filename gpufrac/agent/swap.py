@@ -52,6 +52,13 @@ from gpufrac.agent.checkpoint import (
     process_state,
 )
 from gpufrac.agent.config import Config
+from gpufrac.agent.events import (
+    NORMAL,
+    REASON_FREED_BY_SWAP,
+    REASON_SWAPPED_IN,
+    REASON_SWAPPED_OUT,
+    container_name,
+)
 from gpufrac.agent.peers import PeerLookup
 from gpufrac.agent.resolvers import Chain, Holding, Need, Outcome
 from gpufrac.agent.units import format_bytes
@@ -60,9 +67,7 @@ from gpufrac.memguard.formats import FLAG_SWAPPABLE, FLAG_WHOLE_GPU, FormatError
 
 log = logging.getLogger(__name__)
 
-REASON_SWAPPED_OUT = "GpuMemorySwappedOut"
-REASON_SWAPPED_FOR = "GpuMemoryFreedBySwap"
-REASON_SWAPPED_IN = "GpuMemorySwappedIn"
+REASON_SWAPPED_FOR = REASON_FREED_BY_SWAP  # the name this module exported before gpufrac.agent.events
 
 SlotId = tuple[int, int]  # (pid in the container's pid namespace, start time): how the shim names a process
 
@@ -342,8 +347,8 @@ class SwapResolver:
             return False
         self.ctx.event(
             need.requester,
-            "Normal",
-            REASON_SWAPPED_FOR,
+            NORMAL,
+            REASON_FREED_BY_SWAP,
             f"{h.alloc.who()} ({format_bytes(h.used)} of GPU memory) was swapped to host RAM to make room "
             f"for {format_bytes(need.bytes)} needed by this container on GPU {need.gpu}",
         )
@@ -495,9 +500,9 @@ class SwapResolver:
         )
         self.ctx.event(
             alloc,
-            "Normal",
+            NORMAL,
             REASON_SWAPPED_OUT,
-            f"{format_bytes(h.used)} of GPU memory of container {alloc.container or alloc.key} moved to host "
+            f"{format_bytes(h.used)} of GPU memory of container {container_name(alloc)} moved to host "
             f"RAM ({cause}); it comes back on the container's next GPU work",
         )
         return entry
@@ -647,9 +652,9 @@ class SwapResolver:
         )
         self.ctx.event(
             alloc,
-            "Normal",
+            NORMAL,
             REASON_SWAPPED_IN,
-            f"{format_bytes(entry.bytes)} of GPU memory of container {alloc.container or alloc.key} restored "
+            f"{format_bytes(entry.bytes)} of GPU memory of container {container_name(alloc)} restored "
             f"to GPU {entry.gpu} from host RAM after {away:.0f}s swapped out",
         )
         return True

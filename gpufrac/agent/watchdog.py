@@ -28,8 +28,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import select
-import signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -39,17 +37,22 @@ import pynvml
 from gpufrac.agent import metrics
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.config import WatchdogConfig
-from gpufrac.agent.inventory import NvmlError, nvml_call, nvml_session
+from gpufrac.agent.events import (
+    REASON_LIMIT_ENFORCED,
+    REASON_OVER_LIMIT,
+    WARNING,
+    container_name,
+    container_ref,
+)
+from gpufrac.agent.inventory import NvmlError, each_gpu
 from gpufrac.agent.kube import ObjectRef
-from gpufrac.agent.peers import CgroupIdentity, PeerError, read_cgroup
+from gpufrac.agent.peers import KILL_WAIT, CgroupIdentity, PeerError, kill_and_wait, read_cgroup
 from gpufrac.agent.units import format_bytes
 from gpufrac.memguard.formats import FLAG_WHOLE_GPU
 
 log = logging.getLogger(__name__)
 
-REASON_OVER_LIMIT = "GpuMemoryOverLimit"
-REASON_KILLED = "GpuMemoryLimitEnforced"
-KILL_WAIT = 10.0
+REASON_KILLED = REASON_LIMIT_ENFORCED  # the name this module exported before gpufrac.agent.events
 
 
 @dataclass(frozen=True)
@@ -99,19 +102,15 @@ def read_gpu_processes() -> list[GpuProcess]:
     """Compute processes and their used memory on every GPU (blocking NVML calls).
     Processes whose memory NVML cannot attribute (usedGpuMemory unavailable) count as 0."""
     out: list[GpuProcess] = []
-    with nvml_session():
-        count = nvml_call("nvmlDeviceGetCount", pynvml.nvmlDeviceGetCount)
-        for i in range(count):
-            try:
-                h = pynvml.nvmlDeviceGetHandleByIndex(i)
-                uuid = pynvml.nvmlDeviceGetUUID(h)
-                procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
-            except pynvml.NVMLError as e:
-                log.warning("watchdog: processes of GPU %d: %s", i, e)
-                continue
-            for p in procs:
-                used = p.usedGpuMemory
-                out.append(GpuProcess(int(p.pid), uuid, int(used) if isinstance(used, int) else 0))
+    for i, uuid, h in each_gpu("watchdog: processes"):
+        try:
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+        except pynvml.NVMLError as e:
+            log.warning("watchdog: processes of GPU %d: %s", i, e)
+            continue
+        for p in procs:
+            used = p.usedGpuMemory
+            out.append(GpuProcess(int(p.pid), uuid, int(used) if isinstance(used, int) else 0))
     return out
 
 
@@ -132,28 +131,15 @@ def kill_if_same(
 ) -> bool:
     """SIGKILL `pid` only if it is still the process of that container (a pidfd pins it
     against pid reuse between the check and the signal); wait for it to exit. Blocking."""
-    try:
-        fd = os.pidfd_open(pid)
-    except OSError:
-        return False  # already gone
-    try:
+
+    def same_container(p: int) -> bool:
         try:
-            now = read_cgroup(pid, proc_root)
+            now = read_cgroup(p, proc_root)
         except PeerError:
             return False
-        if now is None or (now.pod_uid, now.container_id) != (ident.pod_uid, ident.container_id):
-            return False
-        try:
-            signal.pidfd_send_signal(fd, signal.SIGKILL)
-        except OSError:
-            return False
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        if not poller.poll(timeout * 1000):
-            log.error("watchdog: process %d did not exit within %.0fs of SIGKILL", pid, timeout)
-        return True
-    finally:
-        os.close(fd)
+        return now is not None and (now.pod_uid, now.container_id) == (ident.pod_uid, ident.container_id)
+
+    return kill_and_wait([pid], timeout, still_ours=same_container) == 1
 
 
 # -- the decision (pure) -------------------------------------------------------------------------
@@ -190,14 +176,6 @@ def plan(owned: Iterable[tuple[ContainerAlloc, GpuProcess]], tolerance: int, enf
 
 
 # -- the watchdog --------------------------------------------------------------------------------
-
-
-def pod_ref(alloc: ContainerAlloc) -> ObjectRef | None:
-    """The Event target for an allocation's pod (None while the pod is unknown)."""
-    if not alloc.pod:
-        return None
-    path = f"spec.containers{{{alloc.container}}}" if alloc.container else ""
-    return ObjectRef("Pod", alloc.pod, alloc.namespace or "", alloc.pod_uid or "", field_path=path)
 
 
 class Watchdog:
@@ -321,7 +299,7 @@ class Watchdog:
     def _describe(self, v: Verdict) -> str:
         where = "" if v.limit or v.gpu in v.alloc.gpus else " (a GPU it was not given)"
         return (
-            f"container {v.alloc.container or v.alloc.key} uses {format_bytes(v.usage)} of GPU memory on GPU "
+            f"container {container_name(v.alloc)} uses {format_bytes(v.usage)} of GPU memory on GPU "
             f"{v.gpu}{where} as NVML counts it, over its limit {format_bytes(v.limit)} "
             f"(+{format_bytes(self.config.tolerance)} tolerance)"
         )
@@ -346,11 +324,11 @@ class Watchdog:
             self.kills += 1
             msg = f"{self._describe(v)}: killed process {p.pid} using {format_bytes(p.used)}"
             log.warning("watchdog: %s: %s", v.alloc.who(), msg)
-            self._event(v.alloc, REASON_KILLED, msg)
+            self._event(v.alloc, REASON_LIMIT_ENFORCED, msg)
             metrics.count_watchdog("kill")
 
     def _event(self, alloc: ContainerAlloc, reason: str, message: str) -> None:
         sink = self._events()
-        ref = pod_ref(alloc)
+        ref = container_ref(alloc)
         if sink is not None and ref is not None:
-            sink.record(ref, "Warning", reason, message)
+            sink.record(ref, WARNING, reason, message)

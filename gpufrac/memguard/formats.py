@@ -34,6 +34,7 @@ FLAG_DISABLED = 1 << 4
 
 CLASS_BATCH, CLASS_INTERACTIVE, CLASS_INFERENCE = 0, 1, 2
 CLASS_NAMES = {"batch": CLASS_BATCH, "interactive": CLASS_INTERACTIVE, "inference": CLASS_INFERENCE}
+CLASS_BY_NUMBER = {v: k for k, v in CLASS_NAMES.items()}
 
 u32, u64, i32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int32
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpufrac.agent.report import table
 from gpufrac.agent.units import format_bytes
 from gpufrac.memguard import formats
 
@@ -24,7 +25,6 @@ FLAG_NAMES = {
     formats.FLAG_WHOLE_GPU: "whole-gpu",
     formats.FLAG_DISABLED: "disabled",
 }
-CLASS_BY_NUMBER = {v: k for k, v in formats.CLASS_NAMES.items()}
 
 
 def flag_names(flags: int) -> list[str]:
@@ -55,7 +55,7 @@ def inspect_dir(directory: str | Path) -> dict[str, Any]:
         "limit_bytes": cfg.limit_bytes,
         "grant_bytes": cfg.grant_bytes,
         "flags": flag_names(cfg.flags),
-        "workload_class": CLASS_BY_NUMBER.get(cfg.workload_class, str(cfg.workload_class)),
+        "workload_class": formats.CLASS_BY_NUMBER.get(cfg.workload_class, str(cfg.workload_class)),
         "priority": cfg.priority,
         "arbiter_timeout_ms": cfg.arbiter_timeout_ms,
         "wait_timeout_ms": cfg.wait_timeout_ms,
@@ -124,9 +124,8 @@ def format_report(d: dict[str, Any]) -> str:
                 "yes" if p["swapped"] else "no",
             ]
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines.append("")
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines += table(rows, align_right=range(len(rows[0])))
     return "\n".join(lines)
 
 

@@ -30,6 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpufrac.memguard.build import CONTAINER_DIR_ENV
+from gpufrac.simgpu.workload import WorkloadProcess
+
 DEFAULT_HIERARCHY = "/sys/fs/cgroup/pids"
 QOS_CLASSES = ("besteffort", "burstable", "guaranteed")
 # Writes its own pid into the cgroup, then becomes the workload: in the cgroup before exec.
@@ -256,43 +259,12 @@ def _remove_cgroup(cgroup: Path, hierarchy: Path) -> None:
 # -- a stand-in workload that speaks the shim's protocol -----------------------------------------
 
 
-class WorkloadDriver:
+class WorkloadDriver(WorkloadProcess):
     """Drives a container running `workload()` (started with stdin and stdout pipes)."""
 
     def __init__(self, container: Container, name: str = "") -> None:
-        import queue
-        import threading
-
         self.container = container
-        self.name = name or container.name
-        self._lines: queue.Queue[str] = queue.Queue()
-        assert container.proc.stdout is not None and container.proc.stdin is not None
-        threading.Thread(target=self._read, args=(container.proc.stdout,), daemon=True).start()
-        if self.line(60) != "ready":
-            raise RuntimeError(f"{self.name}: the workload did not start")
-
-    def _read(self, pipe: Any) -> None:
-        for raw in pipe:
-            self._lines.put(raw.decode().strip())
-        self._lines.put("<exited>")
-
-    def line(self, timeout: float = 60.0) -> str:
-        import queue
-
-        try:
-            return self._lines.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"{self.name}: no answer within {timeout}s") from None
-
-    def send(self, cmd: str) -> None:
-        stdin = self.container.proc.stdin
-        assert stdin is not None
-        stdin.write((cmd + "\n").encode())
-        stdin.flush()
-
-    def do(self, cmd: str, timeout: float = 60.0) -> str:
-        self.send(cmd)
-        return self.line(timeout)
+        super().__init__(container.proc, name or container.name)
 
 
 def workload(stdin: Any = None, stdout: Any = None) -> int:
@@ -303,6 +275,7 @@ def workload(stdin: Any = None, stdout: Any = None) -> int:
         free N    uncount N bytes and give unused grant back (release op)
         burst N T a bare burst request (bytes N, total_after T); the usage stays
         touch     record a kernel launch now (last_activity_ns)
+        exit      answer "bye" and exit (WorkloadProcess.close)
         t CMD     CMD, answering "<status> <start_ns> <end_ns>" around its request
 
     Each command answers one line: its status (fast, granted, denied, refused, invalid,
@@ -314,19 +287,11 @@ def workload(stdin: Any = None, stdout: Any = None) -> int:
 
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
-    cdir = os.environ.get("GPUFRAC_CONTAINER_DIR", formats.DEFAULT_DIR)
+    cdir = os.environ.get(CONTAINER_DIR_ENV, formats.DEFAULT_DIR)
     sock = os.path.join(cdir, formats.SOCKET_FILE)
     usage = formats.UsageFile(cdir)
     slot = next(s for s in usage.usage.slots if s.pid == 0)
     slot.pid = os.getpid()
-    names = {
-        formats.BURST_GRANTED: "granted",
-        formats.BURST_DENIED: "denied",
-        formats.BURST_REFUSED: "refused",
-        formats.BURST_INVALID: "invalid",
-        formats.BURST_UNAVAILABLE: "unavailable",
-    }
-
     span = [0, 0]  # CLOCK_MONOTONIC ns around the last request (the bench reads it)
 
     def ask(op: int, nbytes: int, total_after: int) -> str:
@@ -335,7 +300,7 @@ def workload(stdin: Any = None, stdout: Any = None) -> int:
         span[0] = time.monotonic_ns()
         rep = arbiter.request(sock, op, nbytes, total_after, timeout=timeout)
         span[1] = time.monotonic_ns()
-        return "none" if rep is None else names.get(rep.status, f"status{rep.status}")
+        return "none" if rep is None else arbiter.STATUS_NAMES.get(rep.status, f"status{rep.status}")
 
     def count(n: int) -> None:
         usage.usage.total_used = max(0, int(usage.usage.total_used) + n)
@@ -371,6 +336,9 @@ def workload(stdin: Any = None, stdout: Any = None) -> int:
         elif cmd == "touch":
             slot.last_activity_ns = time.monotonic_ns()
             status = "ok"
+        elif cmd == "exit":
+            print("bye", flush=True, file=stdout)
+            return 0
         else:
             status = f"unknown command {cmd}"
         print(f"{status} {span[0]} {span[1]}" if timed else status, flush=True, file=stdout)

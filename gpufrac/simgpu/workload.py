@@ -13,9 +13,12 @@ Commands, one per line; each answers exactly one line:
                   -> "ok" or "corrupt <mismatches>"
     busy US       launch the busy kernel for US microseconds and synchronize -> "ok"
     info          cuMemGetInfo as the app sees it          -> "free <bytes> total <bytes>"
+    nvml          nvmlDeviceGetMemoryInfo of device 0 as the app sees it, v1 then v2
+                  -> "total <b> free <b> used <b> v2 total <b> free <b> used <b> reserved <b>"
     exit          free everything and exit                 -> "bye"
 
-It prints "ready" once CUDA is initialised. Tests and the demo use it through
+It prints "ready" once CUDA is initialised; from then on it holds RESULT_BYTES of device memory
+(check_u32's result) besides its buffers. Tests and the demo use it through
 WorkloadProcess (below) so every scenario runs the same real driver calls.
 """
 
@@ -33,6 +36,7 @@ MODULE_IMAGE = b"SIMGPU-MODULE"  # the fake driver's built-in module (docs/simgp
 # Simulated device memory is host RAM, mapped lazily: writing all of a 16 GiB buffer would
 # take 16 GiB of this machine's memory. Kernels touch a window at the start instead.
 FILL_WINDOW = 16 << 20
+RESULT_BYTES = 8  # allocated at start-up: check_u32 writes its mismatch count there
 
 
 def _serve() -> int:
@@ -50,7 +54,7 @@ def _serve() -> int:
     chk(cu.cuCtxSetCurrent(ctx))
     mod = chk(cu.cuModuleLoadData(MODULE_IMAGE))
     fill, check, busy = (chk(cu.cuModuleGetFunction(mod, k)) for k in (b"fill_u32", b"check_u32", b"busy_us"))
-    result = chk(cu.cuMemAlloc(8))  # check_u32 writes its mismatch count here
+    result = chk(cu.cuMemAlloc(RESULT_BYTES))
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
     buffers: dict[int, tuple[Any, int, int]] = {}  # id -> (device ptr, bytes, value)
 
@@ -84,7 +88,7 @@ def _serve() -> int:
                 ptr, n, v = buffers[int(a[0])]
                 launch(check, (int(ptr), u64), (min(n, FILL_WINDOW) // 4, u64), (v, u32), (int(result), u64))
                 out = (ctypes.c_uint64 * 1)()
-                chk(cu.cuMemcpyDtoH(out, result, 8))
+                chk(cu.cuMemcpyDtoH(out, result, RESULT_BYTES))
                 print("ok" if out[0] == 0 else f"corrupt {out[0]}", flush=True)
             elif cmd == "busy":
                 launch(busy, (int(a[0]), u64))
@@ -92,6 +96,8 @@ def _serve() -> int:
             elif cmd == "info":
                 free, total = chk(cu.cuMemGetInfo())
                 print(f"free {free} total {total}", flush=True)
+            elif cmd == "nvml":
+                print(_nvml_memory(), flush=True)
             elif cmd == "exit":
                 for ptr, _, _ in buffers.values():
                     chk(cu.cuMemFree(ptr))
@@ -102,6 +108,25 @@ def _serve() -> int:
         except (RuntimeError, KeyError, IndexError, ValueError) as e:
             print(f"error {e}", flush=True)
     return 0
+
+
+def _nvml_memory() -> str:
+    import pynvml  # loaded on demand: only this command needs NVML
+
+    try:
+        pynvml.nvmlInit()
+        try:
+            h = pynvml.nvmlDeviceGetHandleByIndex(0)
+            m1 = pynvml.nvmlDeviceGetMemoryInfo(h)
+            m2 = pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2)
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError as e:
+        return f"error {e}"
+    return (
+        f"total {m1.total} free {m1.free} used {m1.used} "
+        f"v2 total {m2.total} free {m2.free} used {m2.used} reserved {m2.reserved}"
+    )
 
 
 class WorkloadProcess:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import pytest
 from agentsim_fixtures import Sim
 from arbiter_harness import GiB, Workload
 from kube_fixtures import KubeServer, pod_manifest
+from polling import until
 
 from gpufrac.deviceplugin.slices import MEMORY
 from gpufrac.memguard import formats
@@ -63,14 +63,6 @@ class Node:
 class _Named:
     def __init__(self, pod: str) -> None:
         self.pod = pod
-
-
-def until(cond: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from gpufrac.simgpu import faults
 from gpufrac.simgpu.spec import TOPO_LEVEL_NAMES, NodeSpec, load_preset
 
 if TYPE_CHECKING:
-    from tests.conftest import SimNode
+    from simnode_fixtures import SimNode
 
 GPUFRAC = Path(sys.executable).with_name("gpufrac")
 

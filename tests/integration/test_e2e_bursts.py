@@ -14,7 +14,8 @@ import subprocess
 from collections.abc import Callable
 
 import psutil
-from e2e_support import TIMEOUT, E2ENode, MiB, PodRun, until
+from e2e_support import TIMEOUT, E2ENode, MiB, PodRun
+from polling import until
 
 from gpufrac.agent.resolvers import REASON_EVICTED, REASON_PREEMPTED
 from gpufrac.memguard import formats

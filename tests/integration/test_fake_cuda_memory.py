@@ -7,9 +7,8 @@ import textwrap
 from collections.abc import Callable
 
 import pytest
-
-from tests.conftest import SimNode
-from tests.integration.test_fake_cuda import MIB, Workload, gpu_used, ok, run_py, slot_used
+from fakecuda_support import MIB, Workload, gpu_used, ok, run_py, slot_used
+from simnode_fixtures import SimNode
 
 
 def script(*parts: str) -> str:

@@ -418,15 +418,19 @@ def test_gpu_falls_off_the_bus_and_comes_back(sim: Sim) -> None:
         pynvml.nvmlEventSetFree(es)
 
 
+def reinit_visible(monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
+    """Re-initialise NVML with NVIDIA_VISIBLE_DEVICES set to `value` (None: unset)."""
+    if value is None:
+        monkeypatch.delenv("NVIDIA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", value)
+    pynvml.nvmlShutdown()
+    pynvml.nvmlInit()
+
+
 def test_nvidia_visible_devices(sim: Sim, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = sim.spec
-
-    def reinit(value: str) -> None:
-        monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", value)
-        pynvml.nvmlShutdown()
-        pynvml.nvmlInit()
-
-    reinit(f"2,{spec.gpu_uuid(5)}")
+    reinit_visible(monkeypatch, f"2,{spec.gpu_uuid(5)}")
     assert pynvml.nvmlDeviceGetCount() == 2
     assert [pynvml.nvmlDeviceGetUUID(handle(i)) for i in range(2)] == [spec.gpu_uuid(2), spec.gpu_uuid(5)]
     assert pynvml.nvmlDeviceGetMinorNumber(handle(1)) == 5  # /dev/nvidia5 stays itself
@@ -436,10 +440,23 @@ def test_nvidia_visible_devices(sim: Sim, monkeypatch: pytest.MonkeyPatch) -> No
         pynvml.nvmlDeviceGetHandleByPciBusId(spec.gpus[0].pci_bus_id)
     with pytest.raises(pynvml.NVMLError_InvalidArgument):
         pynvml.nvmlDeviceGetHandleByIndex(2)
-    reinit("none")
+    reinit_visible(monkeypatch, "none")
     assert pynvml.nvmlDeviceGetCount() == 0
-    reinit("all")
+    reinit_visible(monkeypatch, "all")
     assert pynvml.nvmlDeviceGetCount() == len(spec.gpus)
+
+
+def test_nvidia_visible_devices_set_but_empty_shows_no_gpu(sim: Sim, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Set but empty exposes no GPU, as the container runtime treats it; only
+    unset (the host's view, the agent's) means every GPU."""
+    reinit_visible(monkeypatch, "")
+    assert pynvml.nvmlDeviceGetCount() == 0
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        pynvml.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        pynvml.nvmlDeviceGetHandleByUUID(sim.spec.gpu_uuid(0))
+    reinit_visible(monkeypatch, None)
+    assert pynvml.nvmlDeviceGetCount() == len(sim.spec.gpus)
 
 
 # ---------------------------------------------------------------- init / shutdown, other processes

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from kube_fixtures import KubeServer, pod_manifest
+from polling import until_async
 
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.config import Config, load
@@ -74,14 +75,6 @@ class Scenario:
             await ident.close()
 
 
-async def until(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 def events_on(kube: KubeServer, pod: str, reason: str) -> list[dict[str, Any]]:
     return [e for e in kube.events() if e["involvedObject"]["name"] == pod and e["reason"] == reason]
 
@@ -140,12 +133,12 @@ def test_limit_annotation_reaches_the_config_file(
         # The user edits the annotation: the watch delivers it and the new limit applies.
         patch = {"metadata": {"annotations": {"gpufrac.dev/gpu-memory-limit": "16Gi"}}}
         await asyncio.to_thread(s.v1.patch_namespaced_pod, "server", "default", patch)
-        await until(lambda: read_config(alloc.directory).limit_bytes == 16 * GiB, what="the 16Gi limit")
+        await until_async(lambda: read_config(alloc.directory).limit_bytes == 16 * GiB, what="the 16Gi limit")
 
         # The annotation goes away: back to no burst, and the user is told.
         patch = {"metadata": {"annotations": {"gpufrac.dev/gpu-memory-limit": None}}}
         await asyncio.to_thread(s.v1.patch_namespaced_pod, "server", "default", patch)
-        await until(lambda: read_config(alloc.directory).limit_bytes == 8 * GiB, what="limit = request")
+        await until_async(lambda: read_config(alloc.directory).limit_bytes == 8 * GiB, what="limit = request")
         assert await ident.events.flush(30)  # type: ignore[union-attr]
         messages = [e["message"] for e in events_on(kube_server, "server", REASON_APPLIED)]
         assert len(messages) == 3
@@ -215,7 +208,7 @@ def test_unknown_pod_stays_safe_until_it_appears(
         manifest = pod_manifest("late", node=NODE, annotations={"gpufrac.dev/gpu-fraction-limit": "10"})
         await asyncio.to_thread(s.v1.create_namespaced_pod, "default", manifest)
         allocatable = ledger.geometry[alloc.gpus[0]].allocatable
-        await until(
+        await until_async(
             lambda: read_config(alloc.directory).limit_bytes == allocatable // 10, what="the fraction limit"
         )
         assert read_config(alloc.directory).flags & FLAG_POD_KNOWN

@@ -31,6 +31,7 @@ import pytest
 from agentsim_fixtures import Sim
 from kube_fixtures import PODS, KubeServer, pod_manifest
 from memguard_fixtures import Shim, read_line
+from polling import until_async
 
 from gpufrac.agent import annotations
 from gpufrac.agent.activity import ActivityTracker, NvmlUtilisation
@@ -292,15 +293,9 @@ class Scenario:
         return self.kube.call(snap)
 
 
-async def until(cond: Callable[[], Any], timeout: float = DEADLINE, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = await asyncio.to_thread(cond)
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
+async def until(cond: Callable[[], Any], what: str = "condition") -> Any:
+    """cond() asks the apiserver (a blocking call): it runs in a thread."""
+    return await until_async(cond, DEADLINE, what, interval=0.05, in_thread=True)
 
 
 @pytest.fixture

@@ -12,13 +12,45 @@ ASan+UBSan builds of the shim and the fake driver (`flavour`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from memguard_fixtures import LIMIT, Container, Line, MiB, Shim
 
+from gpufrac import native
+
 
 def by_cmd(lines: list[Line], cmd: str) -> list[Line]:
     return [ln for ln in lines if ln.cmd == cmd]
+
+
+# ----------------------------------------------------------------- the builds under test
+
+MAPS_PY = """
+import pynvml
+pynvml.nvmlInit()  # maps libnvidia-ml.so.1 as the agent and tools do
+names = ("libmemguard", "libcuda.so", "libnvidia-ml.so", "libasan")
+paths = [ln.split(None, 5)[5].strip() for ln in open("/proc/self/maps") if len(ln.split(None, 5)) == 6]
+out = {n: sorted({p for p in paths if n in p.rsplit("/", 1)[-1]}) for n in names}
+"""
+
+
+def test_each_flavour_runs_its_own_builds(
+    shim: Shim, container: Callable[..., Container], flavour: str
+) -> None:
+    """The ASan+UBSan runs really run the instrumented shim, fake driver and test
+    program, and the release runs the release builds: judged from the memory map
+    of the running process, not from the environment it was given."""
+    builds = native.native_dir(flavour).resolve()
+    (line,) = by_cmd(shim.ctest(container(), "maps"), "maps")
+    assert line.rc == 0
+    for key in ("exe", "shim", "cuda"):
+        assert Path(line.kv[key]).resolve().parent == builds, line.kv
+    assert line.kv["asan"] == ("1" if flavour == "asan" else "0")
+    out = shim.python(container(), MAPS_PY)  # cuda-python, pynvml: the libraries found by soname
+    for name in ("libmemguard", "libcuda.so", "libnvidia-ml.so"):
+        assert [Path(p).resolve().parent for p in out[name]] == [builds], out
+    assert bool(out["libasan"]) == (flavour == "asan")
 
 
 # ----------------------------------------------------------------- every hook

@@ -3,26 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
 from kube_fixtures import PODS, KubeServer, pod_manifest
 from kubernetes import client
+from polling import until_async
 
 from gpufrac.agent.kube import KubeConfigError, PodCache, PodInfo, make_api_client
 
 NODE = "node-a"
-
-
-async def until(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    """Poll (on the loop, so cache updates land) until cond() holds."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def names(cache: PodCache) -> set[str]:
@@ -55,7 +46,7 @@ def test_watch_delivers_this_nodes_pods_only(kube_server: KubeServer) -> None:
                 "team",
                 pod_manifest("a2", node=NODE, namespace="team", containers=("x", "y")),
             )
-            await until(lambda: "a2" in names(cache), what="a2 in the cache")
+            await until_async(lambda: "a2" in names(cache), what="a2 in the cache")
             assert names(cache) == {"a1", "a2"}
             a2 = cache.get("team", "a2")
             assert a2 is not None and a2.containers == ("x", "y")
@@ -63,14 +54,14 @@ def test_watch_delivers_this_nodes_pods_only(kube_server: KubeServer) -> None:
             # An annotation change arrives as MODIFIED with the new annotations.
             patch = {"metadata": {"annotations": {"gpufrac.dev/gpu-memory-limit": "24Gi"}}}
             await asyncio.to_thread(v1.patch_namespaced_pod, "a1", "default", patch)
-            await until(
+            await until_async(
                 lambda: "gpufrac.dev/gpu-memory-limit" in (cache.get("default", "a1") or a1).annotations,
                 what="the new annotation",
             )
             assert ("MODIFIED", "a1") in seen
 
             await asyncio.to_thread(v1.delete_namespaced_pod, "a1", "default")
-            await until(lambda: cache.get("default", "a1") is None, what="a1 deleted")
+            await until_async(lambda: cache.get("default", "a1") is None, what="a1 deleted")
             assert cache.by_uid(a1.uid) is None
             assert ("DELETED", "a1") in seen
             assert not any(name.startswith("b") for _, name in seen)
@@ -95,16 +86,16 @@ def test_expired_watch_relists_and_sees_missed_deletions(kube_server: KubeServer
         cache.start()
         try:
             assert await cache.wait_synced(30)
-            await until(lambda: cache.watches >= 1, what="the watch to start")
+            await until_async(lambda: cache.watches >= 1, what="the watch to start")
             assert names(cache) == {"p1", "p2"}
             # p2 goes while the watch is "down" (no event), then the apiserver compacts.
             await asyncio.to_thread(kube_server.delete_silently, PODS, "default", "p2")
             await asyncio.to_thread(kube_server.expire_watches)
-            await until(lambda: names(cache) == {"p1"}, what="the relist to drop p2")
+            await until_async(lambda: names(cache) == {"p1"}, what="the relist to drop p2")
             assert ("DELETED", "p2") in seen
             # And it keeps watching after the relist.
             await asyncio.to_thread(v1.create_namespaced_pod, "default", pod_manifest("p3", node=NODE))
-            await until(lambda: "p3" in names(cache), what="p3 after the relist")
+            await until_async(lambda: "p3" in names(cache), what="p3 after the relist")
             assert cache.relists == 2  # one relist for one expiry, not a relist loop
         finally:
             await cache.stop()
@@ -118,10 +109,10 @@ def test_watch_resumes_after_the_server_ends_it(kube_server: KubeServer) -> None
         cache.start()
         try:
             assert await cache.wait_synced(30)
-            await until(lambda: cache.watches >= 3, what="the watch to be renewed")
+            await until_async(lambda: cache.watches >= 3, what="the watch to be renewed")
             v1 = kube_server.core_v1()
             await asyncio.to_thread(v1.create_namespaced_pod, "default", pod_manifest("late", node=NODE))
-            await until(lambda: "late" in names(cache), what="a pod after renewals")
+            await until_async(lambda: "late" in names(cache), what="a pod after renewals")
             assert cache.errors == 0
         finally:
             await cache.stop()
@@ -155,7 +146,7 @@ def test_unreachable_apiserver_is_counted_not_fatal() -> None:
         cache = PodCache(make_api_client(host="http://127.0.0.1:9"), NODE, backoff=(0.05, 0.2))
         cache.start()
         try:
-            await until(lambda: cache.errors >= 3, what="retries with back-off")
+            await until_async(lambda: cache.errors >= 3, what="retries with back-off")
             assert not cache.synced
             assert await cache.fetch("default", "x") is None
         finally:

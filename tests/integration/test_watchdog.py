@@ -8,13 +8,15 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from arbiter_harness import ArbiterNode, Box, GiB, MiB, nvml_node
+from arbiter_harness import ArbiterNode, Box, GiB, MiB
 from kube_fixtures import KubeServer
+from polling import until
+from simnode_fixtures import nvml_node
 
 from gpufrac.agent.config import WatchdogConfig
 from gpufrac.agent.watchdog import REASON_KILLED, REASON_OVER_LIMIT, Watchdog
@@ -110,17 +112,6 @@ def events(kube: KubeServer, reason: str) -> list[dict[str, Any]]:
     return [e for e in kube.events("default") if e.get("reason") == reason]
 
 
-def until(cond: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not (v := cond()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-    return v
-
-
 def test_enforce_kills_the_largest_shimless_process_over_the_limit(
     node: ArbiterNode,
     sim_state: Path,
@@ -131,8 +122,8 @@ def test_enforce_kills_the_largest_shimless_process_over_the_limit(
     wd = make_watchdog(node, "enforce")
     node.on_loop(wd.start)
     try:
-        until(lambda: not alive(big), "the watchdog to kill the 3 GiB process")
-        until(lambda: events(kube_server, REASON_KILLED), "the Warning Event")
+        until(lambda: not alive(big), what="the watchdog to kill the 3 GiB process")
+        until(lambda: events(kube_server, REASON_KILLED), what="the Warning Event")
     finally:
         node.on_loop(wd.stop)
     # 3.5 GiB > 2 GiB + 256 MiB: the 3 GiB process went, the 512 MiB one fits and stays.
@@ -155,7 +146,7 @@ def test_report_mode_only_reports_once_per_episode(
     (v,) = node.on_loop(wd.scan)
     assert v.usage == 2 * GiB and v.limit == GiB and v.kill == []
     assert node.on_loop(wd.scan)[0].kill == []  # still over: not reported twice
-    until(lambda: events(kube_server, REASON_OVER_LIMIT), "the Warning Event")
+    until(lambda: events(kube_server, REASON_OVER_LIMIT), what="the Warning Event")
     assert alive(hog)
     assert wd.reports == 1 and wd.kills == 0
     (ev,) = events(kube_server, REASON_OVER_LIMIT)

@@ -73,12 +73,14 @@
 /* dlsym is called by the sanitizer runtimes while they start (before ASan is
  * ready), so that path must not be instrumented. */
 #define MG_NOSAN __attribute__((no_sanitize("address", "undefined")))
-/* Our dlsym must reach the real one by a sibling call (see dlsym below); GCC's
- * -O1 (the ASan build) does not make one unless asked, clang does at -O1. */
+/* Our dlsym must reach the real one by a sibling call (see dlsym below), also
+ * at the ASan build's -O1: clang is told at the call, GCC for the function. */
 #if defined(__clang__)
 #define MG_SIBCALL
+#define MG_TAIL __attribute__((musttail))
 #else
 #define MG_SIBCALL __attribute__((optimize("optimize-sibling-calls")))
+#define MG_TAIL
 #endif
 
 /* Spin-wait hint while a seqlock writer finishes. */
@@ -781,11 +783,10 @@ out:
     return granted;
 }
 
+/* A request that waits for the agent's answer: 1 if granted. */
 static MG_COLD int mg_ask_arbiter(uint16_t op, uint64_t bytes, uint64_t total_after, const mg_limits_t *l) {
     return mg_arbiter_io(op, bytes, total_after, l, 1);
 }
-
-#define mg_request_burst(bytes, total_after, l) mg_ask_arbiter(MG_BURST_OP_BURST, bytes, total_after, l)
 
 /* Grants flow back (docs/arbiter-protocol.md, RELEASE). When a free leaves the
  * container using less than request + grant by more than max(64 MiB, grant/8),
@@ -904,7 +905,7 @@ static CUresult mg_charge(uint64_t bytes) {
         }
         if (want > l.limit || asked) return mg_refuse(s);
         asked = 1;
-        if (!mg_request_burst(bytes, want, &l)) return mg_refuse(s);
+        if (!mg_ask_arbiter(MG_BURST_OP_BURST, bytes, want, &l)) return mg_refuse(s);
     }
 }
 
@@ -925,9 +926,6 @@ static void mg_settle(mg_tab_t *t, CUresult rc, uint64_t key, uint64_t bytes) {
                      "allocation table full (MEMGUARD_TRACK_BITS): some memory stays counted after free");
     }
 }
-
-/* Before the real free: take the size (if this process counted it). */
-static inline int mg_forget(mg_tab_t *t, uint64_t key, uint64_t *bytes) { return mg_tab_take(t, key, bytes); }
 
 /* After the real free: uncount, or keep counting if the driver refused. */
 static void mg_freed(mg_tab_t *t, CUresult rc, uint64_t key, int found, uint64_t bytes) {
@@ -1039,39 +1037,28 @@ static CUresult mg_pitch_settle(CUresult rc, uint64_t key, uint64_t pitch, uint6
 }
 
 HOOK CUresult mg_h_cuMemFree_v2(CUdeviceptr dptr);
-
-HOOK CUresult mg_h_cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
-                                      unsigned int ElementSizeBytes) {
-    if (!mg_on())
-        return mg_refusing() ? CUDA_ERROR_OUT_OF_MEMORY
-                             : CALL_REAL(cuMemAllocPitch_v2, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
-    uint64_t est;
-    if (__builtin_mul_overflow((uint64_t)WidthInBytes, (uint64_t)Height, &est)) return CUDA_ERROR_OUT_OF_MEMORY;
-    CUresult rc = mg_charge(est);
-    if (rc != CUDA_SUCCESS) return rc;
-    rc = CALL_REAL(cuMemAllocPitch_v2, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
-    rc = mg_pitch_settle(rc, rc == CUDA_SUCCESS ? *dptr : 0, rc == CUDA_SUCCESS ? *pPitch : 0, Height, est,
-                         REAL(cuMemFree_v2));
-    if (rc != CUDA_SUCCESS && dptr) *dptr = 0;
-    return rc;
-}
-
 static CUresult mg_free_v1_adapter(CUdeviceptr p);
 
-HOOK CUresult mg_h_cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pPitch, unsigned int WidthInBytes,
-                                   unsigned int Height, unsigned int ElementSizeBytes) {
-    if (!mg_on())
-        return mg_refusing() ? CUDA_ERROR_OUT_OF_MEMORY
-                             : CALL_REAL(cuMemAllocPitch, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
-    uint64_t est = (uint64_t)WidthInBytes * Height;
-    CUresult rc = mg_charge(est);
-    if (rc != CUDA_SUCCESS) return rc;
-    rc = CALL_REAL(cuMemAllocPitch, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
-    rc = mg_pitch_settle(rc, rc == CUDA_SUCCESS ? *dptr : 0, rc == CUDA_SUCCESS ? *pPitch : 0, Height, est,
-                         mg_free_v1_adapter);
-    if (rc != CUDA_SUCCESS && dptr) *dptr = 0;
-    return rc;
-}
+/* The _v2 (size_t) and legacy 32-bit cuMemAllocPitch differ only in types. */
+#define PITCH_HOOK(sym, ptr_t, dim_t, real_free)                                                              \
+    HOOK CUresult mg_h_##sym(ptr_t *dptr, dim_t *pPitch, dim_t WidthInBytes, dim_t Height,                   \
+                             unsigned int ElementSizeBytes) {                                                  \
+        if (!mg_on())                                                                                          \
+            return mg_refusing() ? CUDA_ERROR_OUT_OF_MEMORY                                                    \
+                                 : CALL_REAL(sym, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);       \
+        uint64_t est;                                                                                          \
+        if (__builtin_mul_overflow((uint64_t)WidthInBytes, (uint64_t)Height, &est)) return CUDA_ERROR_OUT_OF_MEMORY; \
+        CUresult rc = mg_charge(est);                                                                          \
+        if (rc != CUDA_SUCCESS) return rc;                                                                     \
+        rc = CALL_REAL(sym, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);                             \
+        rc = mg_pitch_settle(rc, rc == CUDA_SUCCESS ? *dptr : 0, rc == CUDA_SUCCESS ? *pPitch : 0, Height, est, \
+                             real_free);                                                                       \
+        if (rc != CUDA_SUCCESS && dptr) *dptr = 0;                                                             \
+        return rc;                                                                                             \
+    }
+
+PITCH_HOOK(cuMemAllocPitch_v2, CUdeviceptr, size_t, REAL(cuMemFree_v2))
+PITCH_HOOK(cuMemAllocPitch, CUdeviceptr_v1, unsigned int, mg_free_v1_adapter)
 
 /* --- stream-ordered allocation: counted when enqueued, uncounted when the
  * free is enqueued. What the pool keeps cached after a free is the driver's
@@ -1088,24 +1075,25 @@ ALLOC_HOOK(cuMemAllocFromPoolAsync_ptsz, g_ptrs, dptr, bytesize,
 
 /* --- frees --- */
 
-#define FREE_HOOK(sym, tab, keytype, params, args)                \
-    HOOK CUresult mg_h_##sym params {                             \
-        if (!mg_on()) return CALL_REAL args;                      \
-        uint64_t bytes = 0;                                       \
-        uint64_t key = (uint64_t)(keytype);                       \
-        int found = mg_forget(&tab, key, &bytes);                 \
-        CUresult rc = CALL_REAL args;                             \
-        mg_freed(&tab, rc, key, found, bytes);                    \
-        return rc;                                                \
+/* Take the size out of the table before the real free (another thread's
+ * allocation may get the same address right after it); put it back if the
+ * driver refuses the free. */
+#define FREE_HOOK(sym, tab, key, params, ...)              \
+    HOOK CUresult mg_h_##sym params {                      \
+        if (!mg_on()) return CALL_REAL(sym, __VA_ARGS__);  \
+        uint64_t bytes = 0, key_ = (uint64_t)(key);        \
+        int found = mg_tab_take(&(tab), key_, &bytes);     \
+        CUresult rc = CALL_REAL(sym, __VA_ARGS__);         \
+        mg_freed(&(tab), rc, key_, found, bytes);          \
+        return rc;                                         \
     }
 
-FREE_HOOK(cuMemFree_v2, g_ptrs, dptr, (CUdeviceptr dptr), (cuMemFree_v2, dptr))
-FREE_HOOK(cuMemFree, g_ptrs, dptr, (CUdeviceptr_v1 dptr), (cuMemFree, dptr))
-FREE_HOOK(cuMemFreeAsync, g_ptrs, dptr, (CUdeviceptr dptr, CUstream hStream), (cuMemFreeAsync, dptr, hStream))
-FREE_HOOK(cuMemFreeAsync_ptsz, g_ptrs, dptr, (CUdeviceptr dptr, CUstream hStream),
-          (cuMemFreeAsync_ptsz, dptr, hStream))
-FREE_HOOK(cuMemRelease, g_handles, handle, (CUmemGenericAllocationHandle handle), (cuMemRelease, handle))
-FREE_HOOK(cuArrayDestroy, g_arrays, (uintptr_t)hArray, (CUarray hArray), (cuArrayDestroy, hArray))
+FREE_HOOK(cuMemFree_v2, g_ptrs, dptr, (CUdeviceptr dptr), dptr)
+FREE_HOOK(cuMemFree, g_ptrs, dptr, (CUdeviceptr_v1 dptr), dptr)
+FREE_HOOK(cuMemFreeAsync, g_ptrs, dptr, (CUdeviceptr dptr, CUstream hStream), dptr, hStream)
+FREE_HOOK(cuMemFreeAsync_ptsz, g_ptrs, dptr, (CUdeviceptr dptr, CUstream hStream), dptr, hStream)
+FREE_HOOK(cuMemRelease, g_handles, handle, (CUmemGenericAllocationHandle handle), handle)
+FREE_HOOK(cuArrayDestroy, g_arrays, (uintptr_t)hArray, (CUarray hArray), hArray)
 
 static CUresult mg_free_v1_adapter(CUdeviceptr p) {
     __typeof__(&mg_h_cuMemFree) f = REAL(cuMemFree);
@@ -1123,13 +1111,17 @@ ALLOC_HOOK(cuMemCreate, g_handles, handle, size,
 /* --- arrays --- */
 
 /* A NULL descriptor counts nothing: the driver refuses it (INVALID_VALUE). */
-ALLOC_HOOK(cuArrayCreate_v2, g_arrays, pHandle, d ? mg_array_bytes(d->Width, d->Height, 0, d->Format, d->NumChannels) : 0,
+ALLOC_HOOK(cuArrayCreate_v2, g_arrays, pHandle,
+           d ? mg_array_bytes(d->Width, d->Height, 0, d->Format, d->NumChannels) : 0,
            (CUarray * pHandle, const CUDA_ARRAY_DESCRIPTOR *d), pHandle, d)
 ALLOC_HOOK(cuArray3DCreate_v2, g_arrays, pHandle,
            d ? mg_array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels) : 0,
            (CUarray * pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d), pHandle, d)
 
 /* --- memory queries: total = limit, free = limit - container usage --- */
+
+/* The legacy entry points report 32 bits, saturated as the driver does. */
+static inline unsigned int mg_u32(uint64_t v) { return v > UINT_MAX ? UINT_MAX : (unsigned int)v; }
 
 HOOK CUresult mg_h_cuMemGetInfo_v2(size_t *free_, size_t *total) {
     CUresult rc = CALL_REAL(cuMemGetInfo_v2, free_, total);
@@ -1145,8 +1137,8 @@ HOOK CUresult mg_h_cuMemGetInfo(unsigned int *free_, unsigned int *total) {
     CUresult rc = CALL_REAL(cuMemGetInfo, free_, total);
     uint64_t vf, vt;
     if (rc == CUDA_SUCCESS && free_ && total && mg_view(*free_, *total, &vf, &vt)) {
-        *free_ = (unsigned int)(vf > UINT_MAX ? UINT_MAX : vf);
-        *total = (unsigned int)(vt > UINT_MAX ? UINT_MAX : vt);
+        *free_ = mg_u32(vf);
+        *total = mg_u32(vt);
     }
     return rc;
 }
@@ -1161,8 +1153,7 @@ HOOK CUresult mg_h_cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
 HOOK CUresult mg_h_cuDeviceTotalMem(unsigned int *bytes, CUdevice dev) {
     CUresult rc = CALL_REAL(cuDeviceTotalMem, bytes, dev);
     uint64_t vf, vt;
-    if (rc == CUDA_SUCCESS && bytes && mg_view(*bytes, *bytes, &vf, &vt))
-        *bytes = (unsigned int)(vt > UINT_MAX ? UINT_MAX : vt);
+    if (rc == CUDA_SUCCESS && bytes && mg_view(*bytes, *bytes, &vf, &vt)) *bytes = mg_u32(vt);
     return rc;
 }
 
@@ -1293,12 +1284,12 @@ static MG_COLD void *mg_dlsym_hooked(void *handle, const char *name) {
  * functions, which LD_PRELOAD alone does not reach (a handle-scoped lookup
  * never sees the preloaded library). */
 MG_EXPORT MG_NOSAN MG_SIBCALL void *dlsym(void *handle, const char *name) {
-    if (handle != RTLD_NEXT && name &&
+    if (handle != RTLD_NEXT &&
         ((name[0] == 'c' && name[1] == 'u') || (name[0] == 'n' && name[1] == 'v' && name[2] == 'm')))
         return mg_dlsym_hooked(handle, name);
     /* A sibling call, so glibc still sees the caller's return address and
      * RTLD_NEXT means "after the caller", not "after memguard". */
-    return mg_real_dlsym()(handle, name);
+    MG_TAIL return mg_real_dlsym()(handle, name);
 }
 
 /* ------------------------------------------------------------------------ */

@@ -25,8 +25,12 @@
  *   dlsym NAME                               -> dlsym on a libcuda handle: memguard's?
  *   used                                     -> the container's usage file: total, this
  *                                               process's bytes and launches
+ *   maps                                     -> which builds this process runs: the paths of
+ *                                               its executable, the shim and libcuda, and
+ *                                               whether the ASan runtime is mapped
  *
- * Declarations follow cuda.h (ABI only); no CUDA headers needed.
+ * Types from simgpu's cuda_abi.h (cuda.h's ABI); functions declared below as an
+ * application would, for the calls it makes. No CUDA toolkit needed.
  */
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -38,63 +42,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "cuda_abi.h" /* simgpu's declaration of the driver ABI */
 #include "memguard_abi.h"
-
-typedef int CUresult;
-typedef unsigned long long CUdeviceptr;
-typedef int CUdevice;
-typedef struct CUctx_st *CUcontext;
-typedef struct CUmod_st *CUmodule;
-typedef struct CUfunc_st *CUfunction;
-typedef struct CUstream_st *CUstream;
-typedef struct CUarray_st *CUarray;
-typedef struct CUgraph_st *CUgraph;
-typedef struct CUgraphNode_st *CUgraphNode;
-typedef struct CUgraphExec_st *CUgraphExec;
-typedef struct CUmemPoolHandle_st *CUmemoryPool;
-typedef unsigned long long CUmemGenericAllocationHandle;
-
-typedef struct {
-    size_t Width, Height;
-    int Format;
-    unsigned int NumChannels;
-} CUDA_ARRAY_DESCRIPTOR;
-typedef struct {
-    size_t Width, Height, Depth;
-    int Format;
-    unsigned int NumChannels, Flags;
-} CUDA_ARRAY3D_DESCRIPTOR;
-typedef struct {
-    int type; /* CU_MEM_LOCATION_TYPE_DEVICE = 1 */
-    int id;
-} CUmemLocation;
-typedef struct {
-    int type;                 /* CU_MEM_ALLOCATION_TYPE_PINNED = 1 */
-    int requestedHandleTypes; /* CU_MEM_HANDLE_TYPE_NONE = 0 */
-    CUmemLocation location;
-    void *win32HandleMetaData;
-    struct {
-        unsigned char compressionType, gpuDirectRDMACapable;
-        unsigned short usage;
-        unsigned char reserved[4];
-    } allocFlags;
-} CUmemAllocationProp;
-typedef struct {
-    CUmemLocation location;
-    int flags; /* CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3 */
-} CUmemAccessDesc;
-typedef struct {
-    unsigned int gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
-    CUstream hStream;
-    void *attrs;
-    unsigned int numAttrs;
-} CUlaunchConfig;
-typedef struct {
-    CUfunction func;
-    unsigned int gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
-    void **kernelParams;
-    void **extra;
-} CUDA_KERNEL_NODE_PARAMS; /* _v1 */
 
 CUresult cuInit(unsigned int);
 CUresult cuDeviceGet(CUdevice *, int);
@@ -140,7 +89,8 @@ CUresult cuLaunchCooperativeKernel(CUfunction, unsigned, unsigned, unsigned, uns
 CUresult cuLaunchCooperativeKernel_ptsz(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                         unsigned, CUstream, void **);
 CUresult cuGraphCreate(CUgraph *, unsigned int);
-CUresult cuGraphAddKernelNode(CUgraphNode *, CUgraph, const CUgraphNode *, size_t, const CUDA_KERNEL_NODE_PARAMS *);
+CUresult cuGraphAddKernelNode(CUgraphNode *, CUgraph, const CUgraphNode *, size_t,
+                              const CUDA_KERNEL_NODE_PARAMS_v1 *);
 CUresult cuGraphInstantiateWithFlags(CUgraphExec *, CUgraph, unsigned long long);
 CUresult cuGraphLaunch(CUgraphExec, CUstream);
 CUresult cuGraphLaunch_ptsz(CUgraphExec, CUstream);
@@ -191,6 +141,25 @@ static void print_usage(void) {
            (unsigned long long)atomic_load(&u->total_used), mine, launches, refusals);
 }
 
+/* The paths this process has mapped whose name contains each of `names`. */
+static void print_maps(void) {
+    static const char *const names[] = {"libmemguard", "libcuda.so", "libasan"};
+    char found[3][1024] = {{0}}, exe[1024] = {0}, line[2048];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n > 0) exe[n] = 0;
+    FILE *f = fopen("/proc/self/maps", "re");
+    while (f && fgets(line, sizeof line, f)) {
+        char *path = strchr(line, '/');
+        if (!path) continue;
+        path[strcspn(path, "\n")] = 0;
+        for (int i = 0; i < 3; i++)
+            if (!found[i][0] && strstr(path, names[i])) snprintf(found[i], sizeof found[i], "%s", path);
+    }
+    int rc = f ? 0 : 1;
+    if (f) fclose(f);
+    printf("maps %d exe=%s shim=%s cuda=%s asan=%d\n", rc, exe, found[0], found[1], found[2][0] != 0);
+}
+
 /* 1 if p lies in the memguard shim. */
 static int in_shim(void *p) {
     Dl_info info;
@@ -218,10 +187,20 @@ static CUfunction kernel(void) {
     return f;
 }
 
+/* Pinned device memory on our device, for cuMemCreate. */
+static CUmemAllocationProp device_prop(void) {
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = 1;          /* CU_MEM_ALLOCATION_TYPE_PINNED */
+    prop.location.type = 1; /* CU_MEM_LOCATION_TYPE_DEVICE */
+    prop.location.id = dev;
+    return prop;
+}
+
 static CUresult do_graph(int ptsz) {
     unsigned long long us = 1;
     void *params[] = {&us};
-    CUDA_KERNEL_NODE_PARAMS p = {kernel(), 1, 1, 1, 1, 1, 1, 0, params, NULL};
+    CUDA_KERNEL_NODE_PARAMS_v1 p = {kernel(), 1, 1, 1, 1, 1, 1, 0, params, NULL};
     CUgraph g;
     CUgraphNode n;
     CUgraphExec e;
@@ -318,11 +297,7 @@ int main(int argc, char **argv) {
         } else if (!strcmp(c, "freeptr")) {
             printf("freeptr %d\n", cuMemFree_v2(num(a1))), i++;
         } else if (!strcmp(c, "create")) {
-            CUmemAllocationProp prop;
-            memset(&prop, 0, sizeof prop);
-            prop.type = 1;
-            prop.location.type = 1;
-            prop.location.id = dev;
+            CUmemAllocationProp prop = device_prop();
             CUmemGenericAllocationHandle h = 0;
             rc = cuMemCreate(&h, num(a1), &prop, 0);
             if (rc == 0 && nhandles < MAXP) handles[nhandles++] = h;
@@ -335,11 +310,7 @@ int main(int argc, char **argv) {
         } else if (!strcmp(c, "unreserve")) {
             printf("unreserve %d\n", cuMemAddressFree(reserve_va, reserve_size));
         } else if (!strcmp(c, "vmm")) {
-            CUmemAllocationProp prop;
-            memset(&prop, 0, sizeof prop);
-            prop.type = 1;
-            prop.location.type = 1;
-            prop.location.id = dev;
+            CUmemAllocationProp prop = device_prop();
             CUmemAccessDesc acc = {{1, dev}, 3};
             vmm_size = num(a1);
             rc = cuMemAddressReserve(&vmm_va, vmm_size, 0, 0, 0);
@@ -420,6 +391,8 @@ int main(int argc, char **argv) {
             i++;
         } else if (!strcmp(c, "used")) {
             print_usage();
+        } else if (!strcmp(c, "maps")) {
+            print_maps();
         } else if (!strcmp(c, "sync")) {
             printf("sync %d\n", cuCtxSynchronize());
         } else if (!strcmp(c, "hold")) {

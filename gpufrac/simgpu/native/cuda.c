@@ -8,11 +8,9 @@
  * in cuda_mem.c, cuda_pool.c, cuda_vmm.c, cuda_exec.c and cuda_ckpt.c; each adds
  * its section to the one symbol table that drives cuGetProcAddress.
  */
-#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 
 #include "cuda_internal.h"
 

@@ -27,10 +27,7 @@ static int side_ok(uintptr_t p, size_t n, int side, int write) {
 /* Order after earlier work: a synchronous copy waits for the null stream; an
  * async one may not be captured (graphs here hold kernels only). */
 static CUresult order(CUstream h, int async) {
-    struct CUctx_st *c;
-    struct CUstream_st *s;
-    CUresult r = cu_stream_get(async ? h : NULL, &c, &s);
-    if (r) return r;
+    CU_STREAM(async ? h : NULL, c, s);
     if (c->sticky) return c->sticky;
     if (s->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     if (!async) cu_sleep_until(atomic_load(&s->done_ns));
@@ -126,31 +123,24 @@ CU_API CUresult cuMemsetD32Async(CUdeviceptr dstDevice, unsigned int ui, size_t 
     return set(dstDevice, ui, 4, N, hStream, 1);
 }
 
-/* Per-thread default stream twins. In the simulation the per-thread and legacy
- * default streams are the same queue (work runs at submission), so each twin
- * forwards to its legacy sibling; they exist so that callers resolving them by
- * name or with CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM find real symbols. */
-#define TWIN(twin, legacy, params, args) \
-    CU_API CUresult twin params;         \
-    CU_API CUresult twin params { return legacy args; }
-
-TWIN(cuMemcpy_ptds, cuMemcpy, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n))
-TWIN(cuMemcpyHtoD_v2_ptds, cuMemcpyHtoD_v2, (CUdeviceptr d, const void *s, size_t n), (d, s, n))
-TWIN(cuMemcpyDtoH_v2_ptds, cuMemcpyDtoH_v2, (void *d, CUdeviceptr s, size_t n), (d, s, n))
-TWIN(cuMemcpyDtoD_v2_ptds, cuMemcpyDtoD_v2, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n))
-TWIN(cuMemcpyAsync_ptsz, cuMemcpyAsync, (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream h), (d, s, n, h))
-TWIN(cuMemcpyHtoDAsync_v2_ptsz, cuMemcpyHtoDAsync_v2, (CUdeviceptr d, const void *s, size_t n, CUstream h),
-     (d, s, n, h))
-TWIN(cuMemcpyDtoHAsync_v2_ptsz, cuMemcpyDtoHAsync_v2, (void *d, CUdeviceptr s, size_t n, CUstream h), (d, s, n, h))
-TWIN(cuMemcpyDtoDAsync_v2_ptsz, cuMemcpyDtoDAsync_v2, (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream h),
-     (d, s, n, h))
-TWIN(cuMemsetD8_v2_ptds, cuMemsetD8_v2, (CUdeviceptr d, unsigned char v, size_t n), (d, v, n))
-TWIN(cuMemsetD16_v2_ptds, cuMemsetD16_v2, (CUdeviceptr d, unsigned short v, size_t n), (d, v, n))
-TWIN(cuMemsetD32_v2_ptds, cuMemsetD32_v2, (CUdeviceptr d, unsigned int v, size_t n), (d, v, n))
-TWIN(cuMemsetD8Async_ptsz, cuMemsetD8Async, (CUdeviceptr d, unsigned char v, size_t n, CUstream h), (d, v, n, h))
-TWIN(cuMemsetD16Async_ptsz, cuMemsetD16Async, (CUdeviceptr d, unsigned short v, size_t n, CUstream h),
-     (d, v, n, h))
-TWIN(cuMemsetD32Async_ptsz, cuMemsetD32Async, (CUdeviceptr d, unsigned int v, size_t n, CUstream h), (d, v, n, h))
+/* Per-thread default stream twins (see CU_TWIN). */
+CU_TWIN(cuMemcpy_ptds, cuMemcpy, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n))
+CU_TWIN(cuMemcpyHtoD_v2_ptds, cuMemcpyHtoD_v2, (CUdeviceptr d, const void *s, size_t n), (d, s, n))
+CU_TWIN(cuMemcpyDtoH_v2_ptds, cuMemcpyDtoH_v2, (void *d, CUdeviceptr s, size_t n), (d, s, n))
+CU_TWIN(cuMemcpyDtoD_v2_ptds, cuMemcpyDtoD_v2, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n))
+CU_TWIN(cuMemcpyAsync_ptsz, cuMemcpyAsync, (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream h), (d, s, n, h))
+CU_TWIN(cuMemcpyHtoDAsync_v2_ptsz, cuMemcpyHtoDAsync_v2, (CUdeviceptr d, const void *s, size_t n, CUstream h),
+        (d, s, n, h))
+CU_TWIN(cuMemcpyDtoHAsync_v2_ptsz, cuMemcpyDtoHAsync_v2, (void *d, CUdeviceptr s, size_t n, CUstream h), (d, s, n, h))
+CU_TWIN(cuMemcpyDtoDAsync_v2_ptsz, cuMemcpyDtoDAsync_v2, (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream h),
+        (d, s, n, h))
+CU_TWIN(cuMemsetD8_v2_ptds, cuMemsetD8_v2, (CUdeviceptr d, unsigned char v, size_t n), (d, v, n))
+CU_TWIN(cuMemsetD16_v2_ptds, cuMemsetD16_v2, (CUdeviceptr d, unsigned short v, size_t n), (d, v, n))
+CU_TWIN(cuMemsetD32_v2_ptds, cuMemsetD32_v2, (CUdeviceptr d, unsigned int v, size_t n), (d, v, n))
+CU_TWIN(cuMemsetD8Async_ptsz, cuMemsetD8Async, (CUdeviceptr d, unsigned char v, size_t n, CUstream h), (d, v, n, h))
+CU_TWIN(cuMemsetD16Async_ptsz, cuMemsetD16Async, (CUdeviceptr d, unsigned short v, size_t n, CUstream h),
+        (d, v, n, h))
+CU_TWIN(cuMemsetD32Async_ptsz, cuMemsetD32Async, (CUdeviceptr d, unsigned int v, size_t n, CUstream h), (d, v, n, h))
 
 const cu_sym_t cu_syms_copy[] = {
     CU_SYM("cuMemcpy", 4000, cuMemcpy),

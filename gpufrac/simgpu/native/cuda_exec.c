@@ -103,10 +103,7 @@ CU_API CUresult cuStreamDestroy(CUstream hStream) { return cuStreamDestroy_v2(hS
 
 CU_API CUresult cuStreamSynchronize(CUstream hStream) {
     CU_ENTER();
-    struct CUctx_st *c;
-    struct CUstream_st *s;
-    CUresult r = cu_stream_get(hStream, &c, &s);
-    if (r) return r;
+    CU_STREAM(hStream, c, s);
     if (s->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     cu_sleep_until(atomic_load(&s->done_ns));
     cu_pools_release();
@@ -115,10 +112,7 @@ CU_API CUresult cuStreamSynchronize(CUstream hStream) {
 
 CU_API CUresult cuStreamQuery(CUstream hStream) {
     CU_ENTER();
-    struct CUctx_st *c;
-    struct CUstream_st *s;
-    CUresult r = cu_stream_get(hStream, &c, &s);
-    if (r) return r;
+    CU_STREAM(hStream, c, s);
     if (s->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     if (c->sticky) return c->sticky;
     return atomic_load(&s->done_ns) <= sim_now_ns() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
@@ -126,10 +120,7 @@ CU_API CUresult cuStreamQuery(CUstream hStream) {
 
 CU_API CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags) {
     CU_ENTER();
-    struct CUctx_st *c;
-    struct CUstream_st *s;
-    CUresult r = cu_stream_get(hStream, &c, &s);
-    if (r) return r;
+    CU_STREAM(hStream, c, s);
     if (!cu_obj_ok(hEvent, OBJ_EVENT)) return CUDA_ERROR_INVALID_HANDLE;
     if (Flags & ~1u) return CUDA_ERROR_INVALID_VALUE;
     if (hEvent->recorded) atomic_max(&s->done_ns, hEvent->at_ns);
@@ -138,10 +129,7 @@ CU_API CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int
 
 CU_API CUresult cuStreamGetFlags(CUstream hStream, unsigned int *flags) {
     CU_ENTER();
-    struct CUctx_st *c;
-    struct CUstream_st *s;
-    CUresult r = cu_stream_get(hStream, &c, &s);
-    if (r) return r;
+    CU_STREAM(hStream, c, s);
     if (!flags) return CUDA_ERROR_INVALID_VALUE;
     *flags = s->flags;
     return CUDA_SUCCESS;
@@ -149,10 +137,7 @@ CU_API CUresult cuStreamGetFlags(CUstream hStream, unsigned int *flags) {
 
 CU_API CUresult cuStreamGetPriority(CUstream hStream, int *priority) {
     CU_ENTER();
-    struct CUctx_st *c;
-    struct CUstream_st *s;
-    CUresult r = cu_stream_get(hStream, &c, &s);
-    if (r) return r;
+    CU_STREAM(hStream, c, s);
     if (!priority) return CUDA_ERROR_INVALID_VALUE;
     *priority = s->priority;
     return CUDA_SUCCESS;
@@ -167,10 +152,7 @@ CU_API CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx) {
 
 CU_API CUresult cuStreamGetId(CUstream hStream, unsigned long long *streamId) {
     CU_ENTER();
-    struct CUctx_st *c;
-    struct CUstream_st *s;
-    CUresult r = cu_stream_get(hStream, &c, &s);
-    if (r) return r;
+    CU_STREAM(hStream, c, s);
     if (!streamId) return CUDA_ERROR_INVALID_VALUE;
     *streamId = s == &c->null_stream ? (hStream == CU_STREAM_PER_THREAD ? 2 : 1) : s->id;
     return CUDA_SUCCESS;
@@ -213,10 +195,7 @@ CU_API CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags) {
 
 CU_API CUresult cuEventRecordWithFlags(CUevent hEvent, CUstream hStream, unsigned int flags) {
     CU_ENTER();
-    struct CUctx_st *c;
-    struct CUstream_st *s;
-    CUresult r = cu_stream_get(hStream, &c, &s);
-    if (r) return r;
+    CU_STREAM(hStream, c, s);
     if (!cu_obj_ok(hEvent, OBJ_EVENT) || hEvent->hdr.ctx != c) return CUDA_ERROR_INVALID_HANDLE;
     if (flags & ~1u) return CUDA_ERROR_INVALID_VALUE;
     uint64_t now = sim_now_ns(), done = atomic_load(&s->done_ns);
@@ -328,7 +307,7 @@ CU_API CUresult cuModuleLoad(CUmodule *module, const char *fname) {
     char head[sizeof MODULE_MAGIC] = {0};
     if (!fname) return CUDA_ERROR_INVALID_VALUE;
     int fd = open(fname, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return errno == ENOENT ? 301 /* CUDA_ERROR_FILE_NOT_FOUND */ : CUDA_ERROR_INVALID_VALUE;
+    if (fd < 0) return errno == ENOENT ? CUDA_ERROR_FILE_NOT_FOUND : CUDA_ERROR_INVALID_VALUE;
     ssize_t got = read(fd, head, sizeof head - 1);
     close(fd);
     if (got != (ssize_t)(sizeof head - 1)) return CUDA_ERROR_INVALID_IMAGE;
@@ -440,7 +419,7 @@ static CUresult launch(CUfunction f, const unsigned int dims[6], CUstream h, voi
         if (dims[i] == 0) return CUDA_ERROR_INVALID_VALUE;
     if ((uint64_t)dims[3] * dims[4] * dims[5] > 1024 || dims[5] > 64) return CUDA_ERROR_INVALID_VALUE;
     if (cooperative && (uint64_t)dims[0] * dims[1] * dims[2] > (uint64_t)cu_node()->gpus[c->gpu].sm_count * 32)
-        return 720; /* CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE */
+        return CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE;
     if (params && extra) return CUDA_ERROR_INVALID_VALUE;
     if ((r = cu_kernel_pack(f, params, extra, buf))) return r;
     if (s->capture) return cu_graph_capture_kernel(s->capture, f, buf);
@@ -475,29 +454,26 @@ CU_API CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, u
     return launch(f, dims, hStream, kernelParams, NULL, 1);
 }
 
-/* Per-thread default stream twins (see cuda_copy.c). */
-#define TWIN(twin, legacy, params, args) \
-    CU_API CUresult twin params;         \
-    CU_API CUresult twin params { return legacy args; }
-TWIN(cuStreamSynchronize_ptsz, cuStreamSynchronize, (CUstream h), (h))
-TWIN(cuStreamQuery_ptsz, cuStreamQuery, (CUstream h), (h))
-TWIN(cuStreamWaitEvent_ptsz, cuStreamWaitEvent, (CUstream h, CUevent e, unsigned int f), (h, e, f))
-TWIN(cuStreamGetFlags_ptsz, cuStreamGetFlags, (CUstream h, unsigned int *f), (h, f))
-TWIN(cuStreamGetPriority_ptsz, cuStreamGetPriority, (CUstream h, int *p), (h, p))
-TWIN(cuStreamGetCtx_ptsz, cuStreamGetCtx, (CUstream h, CUcontext *c), (h, c))
-TWIN(cuStreamGetId_ptsz, cuStreamGetId, (CUstream h, unsigned long long *i), (h, i))
-TWIN(cuEventRecord_ptsz, cuEventRecord, (CUevent e, CUstream h), (e, h))
-TWIN(cuEventRecordWithFlags_ptsz, cuEventRecordWithFlags, (CUevent e, CUstream h, unsigned int f), (e, h, f))
-TWIN(cuLaunchKernel_ptsz, cuLaunchKernel,
-     (CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, unsigned int by,
-      unsigned int bz, unsigned int sm, CUstream h, void **p, void **e),
-     (f, gx, gy, gz, bx, by, bz, sm, h, p, e))
-TWIN(cuLaunchKernelEx_ptsz, cuLaunchKernelEx, (const CUlaunchConfig *c, CUfunction f, void **p, void **e),
-     (c, f, p, e))
-TWIN(cuLaunchCooperativeKernel_ptsz, cuLaunchCooperativeKernel,
-     (CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, unsigned int by,
-      unsigned int bz, unsigned int sm, CUstream h, void **p),
-     (f, gx, gy, gz, bx, by, bz, sm, h, p))
+/* Per-thread default stream twins (see CU_TWIN). */
+CU_TWIN(cuStreamSynchronize_ptsz, cuStreamSynchronize, (CUstream h), (h))
+CU_TWIN(cuStreamQuery_ptsz, cuStreamQuery, (CUstream h), (h))
+CU_TWIN(cuStreamWaitEvent_ptsz, cuStreamWaitEvent, (CUstream h, CUevent e, unsigned int f), (h, e, f))
+CU_TWIN(cuStreamGetFlags_ptsz, cuStreamGetFlags, (CUstream h, unsigned int *f), (h, f))
+CU_TWIN(cuStreamGetPriority_ptsz, cuStreamGetPriority, (CUstream h, int *p), (h, p))
+CU_TWIN(cuStreamGetCtx_ptsz, cuStreamGetCtx, (CUstream h, CUcontext *c), (h, c))
+CU_TWIN(cuStreamGetId_ptsz, cuStreamGetId, (CUstream h, unsigned long long *i), (h, i))
+CU_TWIN(cuEventRecord_ptsz, cuEventRecord, (CUevent e, CUstream h), (e, h))
+CU_TWIN(cuEventRecordWithFlags_ptsz, cuEventRecordWithFlags, (CUevent e, CUstream h, unsigned int f), (e, h, f))
+CU_TWIN(cuLaunchKernel_ptsz, cuLaunchKernel,
+        (CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, unsigned int by,
+         unsigned int bz, unsigned int sm, CUstream h, void **p, void **e),
+        (f, gx, gy, gz, bx, by, bz, sm, h, p, e))
+CU_TWIN(cuLaunchKernelEx_ptsz, cuLaunchKernelEx, (const CUlaunchConfig *c, CUfunction f, void **p, void **e),
+        (c, f, p, e))
+CU_TWIN(cuLaunchCooperativeKernel_ptsz, cuLaunchCooperativeKernel,
+        (CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, unsigned int by,
+         unsigned int bz, unsigned int sm, CUstream h, void **p),
+        (f, gx, gy, gz, bx, by, bz, sm, h, p))
 
 const cu_sym_t cu_syms_exec[] = {
     CU_SYM("cuStreamCreate", 2000, cuStreamCreate),

@@ -75,10 +75,7 @@ CUresult cu_graph_capture_kernel(struct CUgraph_st *g, const struct CUfunc_st *f
 /* ------------------------------------------------------------------ stream capture */
 
 static CUresult begin_capture(CUstream hStream, int mode) {
-    struct CUctx_st *c;
-    struct CUstream_st *s;
-    CUresult r = cu_stream_get(hStream, &c, &s);
-    if (r) return r;
+    CU_STREAM(hStream, c, s);
     if (mode < 0 || mode > 2) return CUDA_ERROR_INVALID_VALUE;
     if (s == &c->null_stream) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED; /* the legacy stream cannot capture */
     if (s->capture) return CUDA_ERROR_ILLEGAL_STATE;
@@ -98,10 +95,7 @@ CU_API CUresult cuStreamBeginCapture(CUstream hStream) {
 
 CU_API CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph) {
     CU_ENTER();
-    struct CUctx_st *c;
-    struct CUstream_st *s;
-    CUresult r = cu_stream_get(hStream, &c, &s);
-    if (r) return r;
+    CU_STREAM(hStream, c, s);
     if (!phGraph) return CUDA_ERROR_INVALID_VALUE;
     if (!s->capture) return CUDA_ERROR_ILLEGAL_STATE;
     *phGraph = s->capture;
@@ -111,10 +105,7 @@ CU_API CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph) {
 
 CU_API CUresult cuStreamIsCapturing(CUstream hStream, int *captureStatus) {
     CU_ENTER();
-    struct CUctx_st *c;
-    struct CUstream_st *s;
-    CUresult r = cu_stream_get(hStream, &c, &s);
-    if (r) return r;
+    CU_STREAM(hStream, c, s);
     if (!captureStatus) return CUDA_ERROR_INVALID_VALUE;
     *captureStatus = s->capture != NULL; /* CU_STREAM_CAPTURE_STATUS_NONE / _ACTIVE */
     return CUDA_SUCCESS;
@@ -247,22 +238,11 @@ CU_API CUresult cuGraphExecDestroy(CUgraphExec hGraphExec) {
     return CUDA_SUCCESS;
 }
 
-CU_API CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream);
-CU_API CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
-    return cuGraphLaunch(hGraphExec, hStream);
-}
-CU_API CUresult cuStreamBeginCapture_v2_ptsz(CUstream hStream, int mode);
-CU_API CUresult cuStreamBeginCapture_v2_ptsz(CUstream hStream, int mode) {
-    return cuStreamBeginCapture_v2(hStream, mode);
-}
-CU_API CUresult cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph);
-CU_API CUresult cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph) {
-    return cuStreamEndCapture(hStream, phGraph);
-}
-CU_API CUresult cuStreamIsCapturing_ptsz(CUstream hStream, int *captureStatus);
-CU_API CUresult cuStreamIsCapturing_ptsz(CUstream hStream, int *captureStatus) {
-    return cuStreamIsCapturing(hStream, captureStatus);
-}
+/* Per-thread default stream twins (see CU_TWIN). */
+CU_TWIN(cuGraphLaunch_ptsz, cuGraphLaunch, (CUgraphExec e, CUstream h), (e, h))
+CU_TWIN(cuStreamBeginCapture_v2_ptsz, cuStreamBeginCapture_v2, (CUstream h, int mode), (h, mode))
+CU_TWIN(cuStreamEndCapture_ptsz, cuStreamEndCapture, (CUstream h, CUgraph * g), (h, g))
+CU_TWIN(cuStreamIsCapturing_ptsz, cuStreamIsCapturing, (CUstream h, int *status), (h, status))
 
 const cu_sym_t cu_syms_graph[] = {
     CU_SYM("cuStreamBeginCapture", 10000, cuStreamBeginCapture),

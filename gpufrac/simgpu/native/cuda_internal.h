@@ -1,11 +1,10 @@
 /*
  * simgpu fake libcuda.so.1: declarations shared by its source files.
  *
- * The driver API types are declared here with the real layouts (no CUDA toolkit
- * needed to build). Objects handed out as handles (contexts, streams, events,
- * modules, pools, graphs, arrays) start with a cu_obj_t header and are kept in
- * a live-object set, so a stale or bogus handle is refused with an error code
- * instead of being dereferenced.
+ * The driver API's types are in cuda_abi.h. Objects handed out as handles
+ * (contexts, streams, events, modules, pools, graphs, arrays) start with a
+ * cu_obj_t header and are kept in a live-object set, so a stale or bogus handle
+ * is refused with an error code instead of being dereferenced.
  *
  * Device memory is host memory (mmap'd, MAP_NORESERVE), but every physical
  * allocation is charged to the simulated GPU in the node-state file and to this
@@ -19,161 +18,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "cuda_abi.h"
 #include "simstate.h"
 
 #define CU_API __attribute__((visibility("default")))
-
-/* ------------------------------------------------------------------ driver API types */
-
-typedef enum cudaError_enum {
-    CUDA_SUCCESS = 0,
-    CUDA_ERROR_INVALID_VALUE = 1,
-    CUDA_ERROR_OUT_OF_MEMORY = 2,
-    CUDA_ERROR_NOT_INITIALIZED = 3,
-    CUDA_ERROR_DEINITIALIZED = 4,
-    CUDA_ERROR_NO_DEVICE = 100,
-    CUDA_ERROR_INVALID_DEVICE = 101,
-    CUDA_ERROR_INVALID_IMAGE = 200,
-    CUDA_ERROR_INVALID_CONTEXT = 201,
-    CUDA_ERROR_ALREADY_MAPPED = 208,
-    CUDA_ERROR_NOT_MAPPED = 211,
-    CUDA_ERROR_UNSUPPORTED_LIMIT = 215,
-    CUDA_ERROR_INVALID_HANDLE = 400,
-    CUDA_ERROR_ILLEGAL_STATE = 401,
-    CUDA_ERROR_NOT_FOUND = 500,
-    CUDA_ERROR_NOT_READY = 600,
-    CUDA_ERROR_ILLEGAL_ADDRESS = 700,
-    CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701,
-    CUDA_ERROR_CONTEXT_IS_DESTROYED = 709,
-    CUDA_ERROR_NOT_PERMITTED = 800,
-    CUDA_ERROR_NOT_SUPPORTED = 801,
-    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
-    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901,
-    CUDA_ERROR_STREAM_CAPTURE_UNMATCHED = 903,
-    CUDA_ERROR_TIMEOUT = 909,
-    CUDA_ERROR_UNKNOWN = 999
-} CUresult;
-
-typedef int CUdevice;
-typedef unsigned long long CUdeviceptr;
-typedef unsigned long long cuuint64_t;
-typedef unsigned long long CUmemGenericAllocationHandle;
-typedef struct CUctx_st *CUcontext;
-typedef struct CUmod_st *CUmodule;
-typedef struct CUfunc_st *CUfunction;
-typedef struct CUstream_st *CUstream;
-typedef struct CUevent_st *CUevent;
-typedef struct CUarray_st *CUarray;
-typedef struct CUmemPoolHandle_st *CUmemoryPool;
-typedef struct CUgraph_st *CUgraph;
-typedef struct CUgraphNode_st *CUgraphNode;
-typedef struct CUgraphExec_st *CUgraphExec;
-typedef struct CUuuid_st {
-    char bytes[16];
-} CUuuid;
-
-typedef struct {
-    int type; /* CUmemLocationType: 1 = device */
-    int id;
-} CUmemLocation;
-
-typedef struct {
-    int type;                 /* CUmemAllocationType: 1 = pinned */
-    int requestedHandleTypes; /* CUmemAllocationHandleType */
-    CUmemLocation location;
-    void *win32HandleMetaData;
-    struct {
-        unsigned char compressionType;
-        unsigned char gpuDirectRDMACapable;
-        unsigned short usage;
-        unsigned char reserved[4];
-    } allocFlags;
-} CUmemAllocationProp;
-
-typedef struct {
-    CUmemLocation location;
-    int flags; /* CUmemAccess_flags: 0 none, 1 read, 3 read-write */
-} CUmemAccessDesc;
-
-typedef struct {
-    int allocType;
-    int handleTypes;
-    CUmemLocation location;
-    void *win32SecurityAttributes;
-    size_t maxSize;
-    unsigned short usage;
-    unsigned char reserved[54];
-} CUmemPoolProps;
-
-typedef struct {
-    size_t Width, Height;
-    int Format;
-    unsigned int NumChannels;
-} CUDA_ARRAY_DESCRIPTOR;
-
-typedef struct {
-    size_t Width, Height, Depth;
-    int Format;
-    unsigned int NumChannels;
-    unsigned int Flags;
-} CUDA_ARRAY3D_DESCRIPTOR;
-
-typedef struct {
-    unsigned int gridDimX, gridDimY, gridDimZ;
-    unsigned int blockDimX, blockDimY, blockDimZ;
-    unsigned int sharedMemBytes;
-    CUstream hStream;
-    void *attrs; /* CUlaunchAttribute *: accepted, ignored */
-    unsigned int numAttrs;
-} CUlaunchConfig;
-
-typedef struct {
-    CUfunction func;
-    unsigned int gridDimX, gridDimY, gridDimZ;
-    unsigned int blockDimX, blockDimY, blockDimZ;
-    unsigned int sharedMemBytes;
-    void **kernelParams;
-    void **extra;
-} CUDA_KERNEL_NODE_PARAMS_v1;
-
-typedef struct {
-    CUfunction func;
-    unsigned int gridDimX, gridDimY, gridDimZ;
-    unsigned int blockDimX, blockDimY, blockDimZ;
-    unsigned int sharedMemBytes;
-    void **kernelParams;
-    void **extra;
-    void *kern; /* CUkernel */
-    CUcontext ctx;
-} CUDA_KERNEL_NODE_PARAMS_v2;
-
-/* Checkpoint API arguments: 64 bytes each; reserved bytes must be zero. */
-typedef struct {
-    unsigned int timeoutMs; /* 0 = no timeout */
-    unsigned int reserved0;
-    cuuint64_t reserved1[7];
-} CUcheckpointLockArgs;
-typedef struct {
-    cuuint64_t reserved[8];
-} CUcheckpointCheckpointArgs;
-typedef struct {
-    CUuuid oldUuid, newUuid;
-} CUcheckpointGpuPair;
-typedef struct {
-    CUcheckpointGpuPair *gpuPairs;
-    unsigned int gpuPairsCount;
-    char reserved[52 - sizeof(void *)];
-    cuuint64_t reserved1;
-} CUcheckpointRestoreArgs;
-typedef struct {
-    cuuint64_t reserved[8];
-} CUcheckpointUnlockArgs;
-
-#define CU_STREAM_LEGACY ((CUstream)0x1)
-#define CU_STREAM_PER_THREAD ((CUstream)0x2)
-#define CU_LAUNCH_PARAM_END ((void *)0x00)
-#define CU_LAUNCH_PARAM_BUFFER_POINTER ((void *)0x01)
-#define CU_LAUNCH_PARAM_BUFFER_SIZE ((void *)0x02)
 
 /* ------------------------------------------------------------------ objects */
 
@@ -311,6 +159,14 @@ SIM_HIDDEN void cu_array_release(struct CUarray_st *a);
 
 /* Resolve a stream handle (NULL, legacy and per-thread mean the context's null stream). */
 SIM_HIDDEN CUresult cu_stream_get(CUstream h, struct CUctx_st **ctx, struct CUstream_st **s);
+/* Declare `c` and `s` for stream handle `h`, or return the error from the API function. */
+#define CU_STREAM(h, c, s)                              \
+    struct CUctx_st *c;                                 \
+    struct CUstream_st *s;                              \
+    do {                                                \
+        CUresult stream_r_ = cu_stream_get((h), &c, &s); \
+        if (stream_r_) return stream_r_;                \
+    } while (0)
 /* Account simulated busy time for work submitted to a stream. */
 SIM_HIDDEN void cu_stream_work(struct CUctx_st *ctx, struct CUstream_st *s, uint64_t dur_ns, int launch);
 SIM_HIDDEN void cu_sleep_until(uint64_t t_ns);
@@ -323,6 +179,15 @@ SIM_HIDDEN void cu_kernel_exec(struct CUctx_st *ctx, struct CUstream_st *s, int 
 SIM_HIDDEN CUresult cu_graph_capture_kernel(struct CUgraph_st *g, const struct CUfunc_st *f,
                                             const unsigned char *buf);
 SIM_HIDDEN void cu_ctx_streams_destroy(struct CUctx_st *ctx);
+
+/* Per-thread default stream twins (_ptds / _ptsz). In the simulation the
+ * per-thread and legacy default streams are the same queue (work runs at
+ * submission), so each twin forwards to its legacy sibling; they exist so that
+ * callers resolving them by name or with CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+ * find real symbols. */
+#define CU_TWIN(twin, legacy, params, args) \
+    CU_API CUresult twin params;            \
+    CU_API CUresult twin params { return legacy args; }
 
 /* ------------------------------------------------------------------ pools (cuda_pool.c) */
 

@@ -88,10 +88,7 @@ void cu_pools_release(void) {
 }
 
 static CUresult pool_alloc(CUdeviceptr *dptr, size_t size, struct CUmemPoolHandle_st *p, CUstream h) {
-    struct CUctx_st *c;
-    struct CUstream_st *s;
-    CUresult r = cu_stream_get(h, &c, &s);
-    if (r) return r;
+    CU_STREAM(h, c, s);
     if (!dptr || size == 0) return CUDA_ERROR_INVALID_VALUE;
     if (s->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED; /* graph memory nodes: not simulated */
     pthread_mutex_lock(&g_pool_lock);
@@ -183,10 +180,7 @@ CU_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUme
  * (cuMemAlloc) is freed outright, as the real driver allows. */
 CU_API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
     CU_ENTER();
-    struct CUctx_st *c;
-    struct CUstream_st *s;
-    CUresult r = cu_stream_get(hStream, &c, &s);
-    if (r) return r;
+    CU_STREAM(hStream, c, s);
     if (s->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     return cu_mem_free(dptr);
 }
@@ -232,69 +226,71 @@ CU_API CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep) {
     return CUDA_SUCCESS;
 }
 
-CU_API CUresult cuMemPoolSetAttribute(CUmemoryPool pool, int attr, void *value) {
-    CU_ENTER();
+/* CUmemPool_attribute: 1-3 reuse policies (int), 4 release threshold, 5 reserved,
+ * 6 reserved high watermark, 7 used, 8 used high watermark (cuuint64_t). The
+ * current sizes are read-only; a watermark can only be reset (set to 0). */
+static CUresult pool_attr(CUmemoryPool pool, int attr, void *value, int set) {
     if (!pool_ok(pool)) return CUDA_ERROR_INVALID_HANDLE;
     if (!value) return CUDA_ERROR_INVALID_VALUE;
     CUresult r = CUDA_SUCCESS;
+    cuuint64_t *v = value;
     pthread_mutex_lock(&g_pool_lock);
+    uint64_t *high = attr == 6 ? &pool->reserved_high : &pool->used_high;
+    uint64_t now = attr == 6 ? pool->reserved : pool->used;
     switch (attr) {
-    case 1: case 2: case 3: pool->reuse[attr - 1] = *(int *)value != 0; break;
-    case 4: pool->threshold = *(cuuint64_t *)value; break;
-    case 6: /* RESERVED_MEM_HIGH: may only be reset */
-        if (*(cuuint64_t *)value) r = CUDA_ERROR_INVALID_VALUE;
-        else pool->reserved_high = pool->reserved;
+    case 1: case 2: case 3:
+        if (set) pool->reuse[attr - 1] = *(int *)value != 0;
+        else *(int *)value = pool->reuse[attr - 1];
         break;
-    case 8: /* USED_MEM_HIGH: may only be reset */
-        if (*(cuuint64_t *)value) r = CUDA_ERROR_INVALID_VALUE;
-        else pool->used_high = pool->used;
+    case 4:
+        if (set) pool->threshold = *v;
+        else *v = pool->threshold;
+        break;
+    case 5: case 7:
+        if (set) r = CUDA_ERROR_INVALID_VALUE;
+        else *v = attr == 5 ? pool->reserved : pool->used;
+        break;
+    case 6: case 8:
+        if (!set) *v = *high;
+        else if (*v) r = CUDA_ERROR_INVALID_VALUE;
+        else *high = now;
         break;
     default: r = CUDA_ERROR_INVALID_VALUE;
     }
     pthread_mutex_unlock(&g_pool_lock);
     return r;
+}
+
+CU_API CUresult cuMemPoolSetAttribute(CUmemoryPool pool, int attr, void *value) {
+    CU_ENTER();
+    return pool_attr(pool, attr, value, 1);
 }
 
 CU_API CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *value) {
     CU_ENTER();
-    if (!pool_ok(pool)) return CUDA_ERROR_INVALID_HANDLE;
-    if (!value) return CUDA_ERROR_INVALID_VALUE;
-    CUresult r = CUDA_SUCCESS;
+    return pool_attr(pool, attr, value, 0);
+}
+
+/* The device's default pool, or the pool cuDeviceSetMemPool made current. */
+static CUresult device_pool(CUmemoryPool *out, CUdevice dev, int current) {
+    CUresult r = cu_check_dev(dev);
+    if (r) return r;
+    if (!out) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_pool_lock);
-    switch (attr) {
-    case 1: case 2: case 3: *(int *)value = pool->reuse[attr - 1]; break;
-    case 4: *(cuuint64_t *)value = pool->threshold; break;
-    case 5: *(cuuint64_t *)value = pool->reserved; break;
-    case 6: *(cuuint64_t *)value = pool->reserved_high; break;
-    case 7: *(cuuint64_t *)value = pool->used; break;
-    case 8: *(cuuint64_t *)value = pool->used_high; break;
-    default: r = CUDA_ERROR_INVALID_VALUE;
-    }
+    struct CUmemPoolHandle_st *cur = default_pool(dev);
+    *out = current ? cur : g_default[dev];
     pthread_mutex_unlock(&g_pool_lock);
-    return r;
+    return *out ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }
 
 CU_API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev) {
     CU_ENTER();
-    CUresult r = cu_check_dev(dev);
-    if (r) return r;
-    if (!pool_out) return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&g_pool_lock);
-    default_pool(dev);
-    *pool_out = g_default[dev];
-    pthread_mutex_unlock(&g_pool_lock);
-    return *pool_out ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+    return device_pool(pool_out, dev, 0);
 }
 
 CU_API CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev) {
     CU_ENTER();
-    CUresult r = cu_check_dev(dev);
-    if (r) return r;
-    if (!pool) return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&g_pool_lock);
-    *pool = default_pool(dev);
-    pthread_mutex_unlock(&g_pool_lock);
-    return *pool ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+    return device_pool(pool, dev, 1);
 }
 
 CU_API CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool) {
@@ -309,16 +305,11 @@ CU_API CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool) {
     return CUDA_SUCCESS;
 }
 
-CU_API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
-CU_API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) {
-    return cuMemAllocAsync(dptr, bytesize, hStream);
-}
-CU_API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream h);
-CU_API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream h) {
-    return cuMemAllocFromPoolAsync(dptr, bytesize, pool, h);
-}
-CU_API CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream);
-CU_API CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream) { return cuMemFreeAsync(dptr, hStream); }
+/* Per-thread default stream twins (see CU_TWIN). */
+CU_TWIN(cuMemAllocAsync_ptsz, cuMemAllocAsync, (CUdeviceptr * d, size_t n, CUstream h), (d, n, h))
+CU_TWIN(cuMemAllocFromPoolAsync_ptsz, cuMemAllocFromPoolAsync, (CUdeviceptr * d, size_t n, CUmemoryPool p, CUstream h),
+        (d, n, p, h))
+CU_TWIN(cuMemFreeAsync_ptsz, cuMemFreeAsync, (CUdeviceptr d, CUstream h), (d, h))
 
 const cu_sym_t cu_syms_pool[] = {
     CU_SYM("cuMemAllocAsync", 11020, cuMemAllocAsync),

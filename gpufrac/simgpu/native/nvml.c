@@ -10,14 +10,11 @@
  * GPUs visible after NVIDIA_VISIBLE_DEVICES (what the container runtime would
  * expose) are handed out, and indices are positions in that visible list.
  */
-#include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
-#include <time.h>
 
 #include "simstate.h"
 
@@ -883,29 +880,45 @@ static unsigned int collect_proc_util(simgpu_node_t *n, uint32_t gpu, unsigned l
     return count;
 }
 
+/* The per-process samples of `gpu` newer than last_seen, written into `array`
+ * by `put`, with NVML's rules: none -> NOT_FOUND; no array or too small ->
+ * INSUFFICIENT_SIZE and the count needed. */
+static nvmlReturn_t process_samples(uint32_t gpu, unsigned long long last_seen, unsigned int *count, void *array,
+                                    void (*put)(void *array, unsigned int i, const proc_util_t *u)) {
+    static proc_util_t buf[SIMGPU_MAX_PROCS]; /* 24 KiB: off the caller's stack */
+    static pthread_mutex_t buf_lock = PTHREAD_MUTEX_INITIALIZER;
+    pthread_mutex_lock(&buf_lock);
+    unsigned int found = collect_proc_util(node_if_init(), gpu, last_seen, buf);
+    nvmlReturn_t r = NVML_SUCCESS;
+    if (found == 0) {
+        r = NVML_ERROR_NOT_FOUND;
+    } else if (!array || *count < found) {
+        *count = found;
+        r = NVML_ERROR_INSUFFICIENT_SIZE;
+    } else {
+        for (unsigned int i = 0; i < found; i++) put(array, i, &buf[i]);
+        *count = found;
+    }
+    pthread_mutex_unlock(&buf_lock);
+    return r;
+}
+
+static void put_sample(void *array, unsigned int i, const proc_util_t *u) {
+    ((nvmlProcessUtilizationSample_t *)array)[i] = (nvmlProcessUtilizationSample_t){u->pid, u->ts, u->sm, u->mem, 0, 0};
+}
+
+static void put_info(void *array, unsigned int i, const proc_util_t *u) {
+    ((nvmlProcessUtilizationInfo_v1_t *)array)[i] =
+        (nvmlProcessUtilizationInfo_v1_t){u->ts, u->pid, u->sm, u->mem, 0, 0, 0, 0};
+}
+
 NVML_API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *utilization,
                                                       unsigned int *processSamplesCount,
                                                       unsigned long long lastSeenTimeStamp) {
     DEV(device, g, idx);
     (void)g;
     if (!processSamplesCount) return NVML_ERROR_INVALID_ARGUMENT;
-    static proc_util_t buf[SIMGPU_MAX_PROCS]; /* 24 KiB: off the caller's stack */
-    static pthread_mutex_t buf_lock = PTHREAD_MUTEX_INITIALIZER;
-    pthread_mutex_lock(&buf_lock);
-    unsigned int found = collect_proc_util(node_if_init(), idx, lastSeenTimeStamp, buf);
-    nvmlReturn_t r = NVML_SUCCESS;
-    if (found == 0) {
-        r = NVML_ERROR_NOT_FOUND;
-    } else if (!utilization || *processSamplesCount < found) {
-        *processSamplesCount = found;
-        r = NVML_ERROR_INSUFFICIENT_SIZE;
-    } else {
-        for (unsigned int i = 0; i < found; i++)
-            utilization[i] = (nvmlProcessUtilizationSample_t){buf[i].pid, buf[i].ts, buf[i].sm, buf[i].mem, 0, 0};
-        *processSamplesCount = found;
-    }
-    pthread_mutex_unlock(&buf_lock);
-    return r;
+    return process_samples(idx, lastSeenTimeStamp, processSamplesCount, utilization, put_sample);
 }
 
 NVML_API nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device,
@@ -915,24 +928,7 @@ NVML_API nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device,
     nvmlProcessesUtilizationInfo_v1_t *p = procesesUtilInfo;
     if (!p) return NVML_ERROR_INVALID_ARGUMENT;
     if (p->version != nvmlProcessesUtilizationInfo_v1) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
-    static proc_util_t buf[SIMGPU_MAX_PROCS];
-    static pthread_mutex_t buf_lock = PTHREAD_MUTEX_INITIALIZER;
-    pthread_mutex_lock(&buf_lock);
-    unsigned int found = collect_proc_util(node_if_init(), idx, p->lastSeenTimeStamp, buf);
-    nvmlReturn_t r = NVML_SUCCESS;
-    if (found == 0) {
-        r = NVML_ERROR_NOT_FOUND;
-    } else if (!p->procUtilArray || p->processSamplesCount < found) {
-        p->processSamplesCount = found;
-        r = NVML_ERROR_INSUFFICIENT_SIZE;
-    } else {
-        for (unsigned int i = 0; i < found; i++)
-            p->procUtilArray[i] =
-                (nvmlProcessUtilizationInfo_v1_t){buf[i].ts, buf[i].pid, buf[i].sm, buf[i].mem, 0, 0, 0, 0};
-        p->processSamplesCount = found;
-    }
-    pthread_mutex_unlock(&buf_lock);
-    return r;
+    return process_samples(idx, p->lastSeenTimeStamp, &p->processSamplesCount, p->procUtilArray, put_info);
 }
 
 /* ------------------------------------------------------------------ processes */
