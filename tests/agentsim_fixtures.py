@@ -18,7 +18,7 @@ from gpufrac.deviceplugin import slices
 from gpufrac.deviceplugin.slices import FRACTION, MEMORY
 from gpufrac.simgpu.kubelet import AgentProcess, Container, KubeletEmulator, Pod
 from gpufrac.simgpu.nodestate import NodeState
-from gpufrac.simgpu.spec import create_node, load_preset
+from gpufrac.simgpu.spec import NodeSpec, create_node, load_preset
 
 
 @dataclass
@@ -63,30 +63,56 @@ class Sim:
         self.wait_registered()
 
 
-# Named explicitly so test modules import `*_fixture` without shadowing the parameter name.
-@pytest.fixture(name="make_sim")
-def make_sim_fixture() -> Iterator[Callable[..., Sim]]:
+def short_tmpdir(prefix: str) -> Path:
+    """A fresh directory under /tmp: unix socket paths below it stay within their 108 bytes."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+def start_sim(root: Path, spec: NodeSpec, config: dict[str, Any] | None = None, **agent_kw: Any) -> Sim:
+    """The node `spec` in `root` (kept by the caller), the kubelet emulator, and the agent
+    started with `config` and registered. Undo with stop_sim."""
+    node_state = root / "node.state"
+    create_node(spec, node_state)
+    kubelet = KubeletEmulator(root / "kubelet").start()
+    agent = AgentProcess(root / "agent", node_state, root / "kubelet", config, **agent_kw)
+    sim = Sim(root, node_state, kubelet, agent)
+    try:
+        agent.start()
+        sim.wait_registered()
+    except BaseException:
+        stop_sim(sim)
+        raise
+    return sim
+
+
+def stop_sim(sim: Sim) -> None:
+    try:
+        sim.agent.stop()
+        sim.kubelet.stop()
+    finally:
+        shutil.rmtree(sim.root, ignore_errors=True)
+
+
+@pytest.fixture
+def make_sim() -> Iterator[Callable[..., Sim]]:
+    """make_sim(preset, config=agent config, **AgentProcess options) -> a Sim, its agent registered."""
     made: list[Sim] = []
 
     def make(preset: str = "dgx-h100", config: dict[str, Any] | None = None, **agent_kw: Any) -> Sim:
-        root = Path(tempfile.mkdtemp(prefix="gf", dir="/tmp"))
-        node_state = root / "node.state"
-        create_node(load_preset(preset), node_state)
-        kubelet = KubeletEmulator(root / "kubelet").start()
-        agent = AgentProcess(root / "agent", node_state, root / "kubelet", config, **agent_kw)
-        sim = Sim(root, node_state, kubelet, agent)
+        root = short_tmpdir("gf")
+        try:
+            sim = start_sim(root, load_preset(preset), config, **agent_kw)
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)
+            raise
         made.append(sim)
-        agent.start()
-        sim.wait_registered()
         return sim
 
     yield make
     for sim in made:
-        sim.agent.stop()
-        sim.kubelet.stop()
-        shutil.rmtree(sim.root, ignore_errors=True)
+        stop_sim(sim)
 
 
-@pytest.fixture(name="sim")
-def sim_fixture(make_sim: Callable[..., Sim]) -> Sim:
+@pytest.fixture
+def sim(make_sim: Callable[..., Sim]) -> Sim:
     return make_sim()

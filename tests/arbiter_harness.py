@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from agentsim_fixtures import short_tmpdir
 from kube_fixtures import KubeServer, pod_manifest
 from polling import until_async
 from simnode_fixtures import nvml_node
@@ -108,12 +108,16 @@ class ArbiterNode:
     def __init__(self, kube: KubeServer, overrides: dict[str, Any] | None = None) -> None:
         self.kube = kube
         self.v1 = kube.core_v1()
-        self.root = Path(tempfile.mkdtemp(prefix="gfa", dir="/tmp"))  # short: socket paths
-        base = {"nodeName": NODE, "paths": {"stateDir": str(self.root / "state")}, "resolvers": ["wait"]}
-        base.update(overrides or {})
+        self.root = short_tmpdir("gfa")
+        base: dict[str, Any] = {"nodeName": NODE, "resolvers": ["wait"], **(overrides or {})}
+        base["paths"] = {"stateDir": str(self.root / "state"), **base.get("paths", {})}
         self.cfg: Config = load(overrides=base)
+        try:
+            self.runtime = ContainerRuntime(view_root=self.root / "v")  # needs cgroups: fails clearly
+        except BaseException:
+            shutil.rmtree(self.root, ignore_errors=True)
+            raise
         self.lt = LoopThread()
-        self.runtime = ContainerRuntime(view_root=self.root / "v")
         self.ledger = Ledger(self.cfg, read_inventory())
         self.gpu = self.ledger.inventory.gpus[0].uuid
         self.listing: dict[str, ContainerDevices] = {}
@@ -137,7 +141,13 @@ class ArbiterNode:
             await arb.start()
             return ident, arb
 
-        self.identity, self.arbiter = self.lt.call(setup)
+        try:
+            self.identity, self.arbiter = self.lt.call(setup)
+        except BaseException:
+            self.lt.close()
+            self.runtime.close()
+            shutil.rmtree(self.root, ignore_errors=True)
+            raise
 
     @property
     def socket(self) -> str:

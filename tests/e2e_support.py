@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agentsim_fixtures import Sim
+from agentsim_fixtures import Sim, short_tmpdir, start_sim, stop_sim
 from kube_fixtures import KubeServer, pod_manifest
 from polling import until
 
@@ -34,10 +33,10 @@ from gpufrac.agent import annotations as ann
 from gpufrac.agent.units import parse_bytes
 from gpufrac.deviceplugin.slices import MEMORY
 from gpufrac.memguard import formats
-from gpufrac.simgpu.kubelet import AgentProcess, KubeletEmulator, Pod
 from gpufrac.simgpu.kubelet import Container as KContainer
+from gpufrac.simgpu.kubelet import Pod
 from gpufrac.simgpu.runtime import Container, ContainerRuntime, mounts_of
-from gpufrac.simgpu.spec import create_node, spec_from_dict
+from gpufrac.simgpu.spec import spec_from_dict
 from gpufrac.simgpu.workload import WorkloadProcess
 
 MiB = 1 << 20
@@ -193,40 +192,38 @@ class E2ENode:
                 p.app.close(timeout=10)
 
 
-# Named explicitly so test modules import `e2e_node_fixture` without shadowing the parameter name.
-@pytest.fixture(name="e2e_node")
-def e2e_node_fixture(kube_server: KubeServer) -> Iterator[Callable[..., E2ENode]]:
+@pytest.fixture
+def e2e_node(kube_server: KubeServer) -> Iterator[Callable[..., E2ENode]]:
     """e2e_node(**agent config overrides) -> an E2ENode with its agent registered."""
-    made: list[tuple[E2ENode, Path]] = []
+    made: list[E2ENode] = []
     native.library(native.FAKE_CUDA)
     native.library(native.SHIM)
 
     def make(**overrides: Any) -> E2ENode:
-        root = Path(tempfile.mkdtemp(prefix="gfe", dir="/tmp"))  # short: unix socket paths
-        node_state = root / "node.state"
-        create_node(spec_from_dict(SMALL_NODE), node_state)
-        kubelet = KubeletEmulator(root / "kubelet").start()
-        agent = AgentProcess(
-            root / "agent", node_state, root / "kubelet", agent_config(root, kube_server, **overrides)
-        )
-        sim = Sim(root, node_state, kubelet, agent)
-        runtime = ContainerRuntime(view_root=root / "v")
+        root = short_tmpdir("gfe")
+        try:
+            runtime = ContainerRuntime(view_root=root / "v")
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)
+            raise
+        try:
+            sim = start_sim(root, spec_from_dict(SMALL_NODE), agent_config(root, kube_server, **overrides))
+        except BaseException:
+            runtime.close()
+            shutil.rmtree(root, ignore_errors=True)
+            raise
         node = E2ENode(sim, kube_server, runtime)
-        made.append((node, root))
-        agent.start()
-        sim.wait_registered()
+        made.append(node)
         return node
 
     try:
         yield make
     finally:
-        for node, root in made:
+        for node in made:
             # Shown by pytest only when the test failed.
-            print(f"--- agent log ({root}) ---\n{node.sim.agent.log()[-6000:]}")
+            print(f"--- agent log ({node.sim.root}) ---\n{node.sim.agent.log()[-6000:]}")
             try:
                 node.close()
                 node.runtime.close()
             finally:
-                node.sim.agent.stop()
-                node.sim.kubelet.stop()
-                shutil.rmtree(root, ignore_errors=True)
+                stop_sim(node.sim)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from agentsim_fixtures import short_tmpdir
 from kube_fixtures import KubeServer, pod_manifest
 from polling import until
 from prometheus_client.parser import text_string_to_metric_families
@@ -189,7 +189,7 @@ def start_node(
     sim: Any, kube: KubeServer, *, kubelet: bool = True, config: dict[str, Any] | None = None
 ) -> tuple[InprocNode, Callable[[], None]]:
     # Unix socket paths are limited to 108 bytes: a short directory under /tmp.
-    root = Path(tempfile.mkdtemp(prefix="gfm", dir="/tmp"))
+    root = short_tmpdir("gfm")
     port = free_port()
     status_socket = root / "status.sock"
     native.library(native.FAKE_CUDA)

@@ -266,11 +266,14 @@ class PodIdentity:
             await self.events.close()
 
 
-def open_identity(cfg: Config, ledger: Ledger, podresources: PodResourcesLister | None = None) -> PodIdentity:
+async def open_identity(
+    cfg: Config, ledger: Ledger, podresources: PodResourcesLister | None = None
+) -> PodIdentity:
     """A PodIdentity wired to the apiserver from the node config; without an apiserver it
     still binds names from pod-resources and leaves every limit at the request."""
     try:
-        api = make_api_client(host=cfg.api_server or None)
+        # Loading a kubeconfig reads files and may run an exec credential plugin: off the loop.
+        api = await asyncio.to_thread(make_api_client, host=cfg.api_server or None)
     except KubeConfigError as e:
         log.error("pod annotations unavailable, every container keeps limit = request: %s", e)
         return PodIdentity(cfg, ledger, None, None, podresources)
@@ -287,7 +290,10 @@ async def resolve(agent: Any) -> int:
         return 0
     ident: PodIdentity | None = getattr(agent, "identity", None)
     if ident is None:
-        ident = open_identity(agent.config, ledger, getattr(agent, "pod_resources", None))
-        agent.identity = ident
-    listing = getattr(agent, "listing", None)
-    return await ident.resolve(listing if listing is not None else None)
+        opened = await open_identity(agent.config, ledger, getattr(agent, "pod_resources", None))
+        ident = getattr(agent, "identity", None)
+        if ident is None:
+            ident = agent.identity = opened
+        else:  # another resolve() opened one while this one waited for the kubeconfig
+            await opened.close()
+    return await ident.resolve(getattr(agent, "listing", None))

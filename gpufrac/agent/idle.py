@@ -623,7 +623,9 @@ async def run_for(agent: Any) -> None:
     agent.activity = tracker
     evictor: PodEvictor | None = None
     try:
-        evictor = PodEvictor(make_api_client(host=cfg.api_server or None), allow_delete=cfg.idle.allow_delete)
+        # Loading a kubeconfig reads files and may run an exec credential plugin: off the loop.
+        api = await asyncio.to_thread(make_api_client, host=cfg.api_server or None)
+        evictor = PodEvictor(api, allow_delete=cfg.idle.allow_delete)
     except Exception as e:  # KubeConfigError, or a kubeconfig the client cannot parse
         if cfg.idle.enabled and cfg.idle.action == "evict":
             log.error("idle reaper cannot evict (it will only notify): %s", e)

@@ -103,8 +103,8 @@ def restore(ledger: Ledger, entries: list[dict[str, Any]]) -> list[ContainerAllo
     out = []
     for e in entries:
         try:
-            cfg_fields = {f.name for f in dataclasses.fields(ContainerConfig)}
-            cfg = ContainerConfig(**{k: v for k, v in e["config"].items() if k in cfg_fields})
+            # Fields this agent does not know (written by a newer one) are dropped.
+            cfg = ContainerConfig(**{k: v for k, v in e["config"].items() if k in _CONFIG_FIELDS})
             alloc = ledger.reserve(
                 e["resource"],
                 list(e["device_ids"]),

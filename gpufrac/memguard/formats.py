@@ -204,7 +204,9 @@ class ConfigFile:
     def write(self, cfg: ContainerConfig) -> int:
         """Publish a new config under the seqlock; returns the new generation."""
         s = self._s
-        s.seq += 1  # odd: readers retry
+        # Odd while writing: readers retry. `|= 1` rather than `+= 1`: an agent killed mid-write
+        # left seq odd, and adding one would make this write look consistent half-way through.
+        s.seq |= 1
         s.generation += 1
         s.gpu_uuid = cfg.gpu_uuid.encode()
         s.request_bytes = cfg.request_bytes

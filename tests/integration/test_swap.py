@@ -8,8 +8,6 @@ back, the arbiter arbitrates that like any burst, and its buffers hold the same 
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -87,24 +85,13 @@ def sim_state(node_file: Path) -> Path:
 
 
 def make_node(kube: KubeServer, **extra: Any) -> ArbiterNode:
-    state = tempfile.mkdtemp(prefix="gfs", dir="/tmp")  # short: the socket path
     overrides: dict[str, Any] = {
-        "paths": {"stateDir": state, "shimHostPath": str(native.library(native.SHIM))},
+        "paths": {"shimHostPath": str(native.library(native.SHIM))},
         "resolvers": ["swap", "evict", "wait"],
         "swap": {"idleThreshold": "1s"},
     }
     overrides.update(extra)
-    node = ArbiterNode(kube, overrides)
-    close = node.close
-
-    def close_all() -> None:
-        try:
-            close()
-        finally:
-            shutil.rmtree(state, ignore_errors=True)
-
-    node.close = close_all  # type: ignore[method-assign]
-    return node
+    return ArbiterNode(kube, overrides)
 
 
 @pytest.fixture

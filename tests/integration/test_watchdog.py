@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,6 @@ import pytest
 from arbiter_harness import ArbiterNode, Box, GiB, MiB
 from kube_fixtures import KubeServer
 from polling import until
-from simnode_fixtures import nvml_node
 
 from gpufrac.agent.config import WatchdogConfig
 from gpufrac.agent.watchdog import REASON_KILLED, REASON_OVER_LIMIT, Watchdog
@@ -56,18 +55,14 @@ HOG = HOG.replace("CODE", repr(HOG))
 
 
 @pytest.fixture
-def sim_state(tmp_path: Path) -> Iterator[Path]:
-    with nvml_node(tmp_path) as path:
-        yield path
+def node(make_node: Callable[..., ArbiterNode]) -> ArbiterNode:
+    return make_node()
 
 
 @pytest.fixture
-def node(sim_state: Path, kube_server: KubeServer) -> Iterator[ArbiterNode]:
-    n = ArbiterNode(kube_server)
-    try:
-        yield n
-    finally:
-        n.close()
+def sim_state(node: ArbiterNode) -> Path:
+    assert node.state_path is not None
+    return node.state_path
 
 
 def hog_env(sim_state: Path) -> dict[str, str]:

@@ -83,3 +83,15 @@ def test_cli_names_the_bad_file(cdir: Path, tmp_path: Path, capsys: pytest.Captu
     assert main(["memguard", "inspect", str(cdir)]) == 1
     err = capsys.readouterr().err
     assert str(cdir / formats.CONFIG_FILE) in err and "truncated" in err
+
+
+def test_config_write_after_an_agent_died_mid_write_stays_consistent(tmp_path: Path) -> None:
+    """An agent killed between the two seqlock bumps leaves seq odd; the next agent's
+    write must end even (readers see it) and never publish a torn config as consistent."""
+    cfg = formats.ConfigFile(tmp_path)
+    cfg.write(formats.ContainerConfig(gpu_uuid="GPU-a", request_bytes=1 << 30, limit_bytes=2 << 30))
+    cfg._s.seq += 1  # the dead agent's half-done write
+    assert cfg._s.seq % 2 == 1
+    cfg.write(formats.ContainerConfig(gpu_uuid="GPU-a", request_bytes=1 << 30, limit_bytes=3 << 30))
+    assert cfg._s.seq % 2 == 0
+    assert formats.read_config(tmp_path).limit_bytes == 3 << 30

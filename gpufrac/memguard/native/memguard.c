@@ -1004,7 +1004,7 @@ static uint64_t mg_array_bytes(size_t w, size_t h, size_t d, int format, unsigne
         CUresult rc = mg_charge(bytes_);                                                                   \
         if (rc != CUDA_SUCCESS) return rc;                                                                 \
         rc = CALL_REAL(sym, __VA_ARGS__);                                                                  \
-        mg_settle(&(tab), rc, rc == CUDA_SUCCESS && (out) ? (uint64_t)(uintptr_t) * (out) : 0, bytes_);   \
+        mg_settle(&(tab), rc, rc == CUDA_SUCCESS && (out) ? (uint64_t)(uintptr_t)(*(out)) : 0, bytes_); \
         return rc;                                                                                         \
     }
 
