@@ -225,135 +225,138 @@ def simulated_node(preset: str) -> Iterator[SimNode]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    with simulated_node(args.preset) as node:
-        try:
-            return _walkthrough(node, args)
-        except Exception:
-            # What the agent said is what explains a failed step.
-            say("\n--- the demo failed; the agent's log ends with:")
-            say("\n".join(node.agent.log().splitlines()[-40:]))
-            raise
+    try:
+        with simulated_node(args.preset) as node:
+            try:
+                return _walkthrough(node, args)
+            except Exception:
+                # What the agent said is what explains a failed step.
+                say("\n--- the demo failed; the agent's log ends with:")
+                say("\n".join(node.agent.log().splitlines()[-40:]))
+                raise
+    except Exception as e:  # setup (no cgroups, no native build, bad preset) or a failed step
+        print(f"gpufrac run: the simulated-node demo failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
 
 
 def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
     from gpufrac.agent import status as status_mod
 
-    if True:
-        banner(f"A simulated GPU node: preset {args.preset}")
-        say(f"node state {node.state}; fake NVML and CUDA driver libraries in {node.libdir}")
-        banner("GPU inventory (gpufrac gpus)")
-        say(node.gpufrac("gpus").rstrip())
-        banner("Topology (gpufrac topo)")
-        say(node.gpufrac("topo").rstrip())
+    banner(f"A simulated GPU node: preset {args.preset}")
+    say(f"node state {node.state}; fake NVML and CUDA driver libraries in {node.libdir}")
+    banner("GPU inventory (gpufrac gpus)")
+    say(node.gpufrac("gpus").rstrip())
+    banner("Topology (gpufrac topo)")
+    say(node.gpufrac("topo").rstrip())
 
-        banner("The agent registers two resources with the kubelet")
-        until(lambda: node.kubelet.connected(FRACTION) and node.kubelet.connected(MEMORY), "registration")
-        for r in (FRACTION, MEMORY):
-            say(f"  {r:26} allocatable {node.kubelet.allocatable(r)} slices")
+    banner("The agent registers two resources with the kubelet")
+    until(lambda: node.kubelet.connected(FRACTION) and node.kubelet.connected(MEMORY), "registration")
+    for r in (FRACTION, MEMORY):
+        say(f"  {r:26} allocatable {node.kubelet.allocatable(r)} slices")
 
-        pods = [
-            DemoPod(
-                "inference",
-                "llm-server",
-                MEMORY,
-                16,
-                {"gpufrac.dev/gpu-memory-limit": "40Gi", "gpufrac.dev/workload-class": "inference"},
-                1000,
-            ),
-            DemoPod("batch", "embedder", MEMORY, 16, {"gpufrac.dev/gpu-memory-limit": "60Gi"}, 0),
-            DemoPod(
-                "research",
-                "notebook",
-                MEMORY,
-                8,
-                {
-                    "gpufrac.dev/workload-class": "interactive",
-                    "gpufrac.dev/swappable": "true",
-                    "gpufrac.dev/gpu-memory-limit": "16Gi",
-                },
-                0,
-            ),
-            DemoPod("training", "trainer", FRACTION, 200, {}, 500),
-            DemoPod("research", "sandbox", FRACTION, 5, {"gpufrac.dev/gpu-memory-limit": "nonsense"}, 0),
-        ]
-        server, embedder, notebook = pods[0], pods[1], pods[2]
-        banner("Pods arrive; the kubelet admits them through the device plugin")
-        inv = {g["uuid"]: g for g in node.status().get("gpus", [])}
-        for p in pods:
-            node.admit(p)
-            idx = inv.get(p.gpu, {}).get("index", "?")
-            say(f"  {p.namespace + '/' + p.name:22} {p.resource.split('/')[1]}={p.count:<4} -> GPU {idx}")
-        seen = [0]
-        until(lambda: all(node.container(p) for p in pods), "pod identity for every container")
-        show_events(node, seen)
+    pods = [
+        DemoPod(
+            "inference",
+            "llm-server",
+            MEMORY,
+            16,
+            {"gpufrac.dev/gpu-memory-limit": "40Gi", "gpufrac.dev/workload-class": "inference"},
+            1000,
+        ),
+        DemoPod("batch", "embedder", MEMORY, 16, {"gpufrac.dev/gpu-memory-limit": "60Gi"}, 0),
+        DemoPod(
+            "research",
+            "notebook",
+            MEMORY,
+            8,
+            {
+                "gpufrac.dev/workload-class": "interactive",
+                "gpufrac.dev/swappable": "true",
+                "gpufrac.dev/gpu-memory-limit": "16Gi",
+            },
+            0,
+        ),
+        DemoPod("training", "trainer", FRACTION, 200, {}, 500),
+        DemoPod("research", "sandbox", FRACTION, 5, {"gpufrac.dev/gpu-memory-limit": "nonsense"}, 0),
+    ]
+    server, embedder, notebook = pods[0], pods[1], pods[2]
+    banner("Pods arrive; the kubelet admits them through the device plugin")
+    inv = {g["uuid"]: g for g in node.status().get("gpus", [])}
+    for p in pods:
+        node.admit(p)
+        idx = inv.get(p.gpu, {}).get("index", "?")
+        say(f"  {p.namespace + '/' + p.name:22} {p.resource.split('/')[1]}={p.count:<4} -> GPU {idx}")
+    seen = [0]
+    until(lambda: all(node.container(p) for p in pods), "pod identity for every container")
+    show_events(node, seen)
 
-        def do(p: DemoPod, what: str, cmd: str) -> str:
-            answer = p.workload.do(cmd, timeout=120)
-            if answer.startswith("free "):  # "free N total M" in bytes: say it in GiB
-                _, free, _, total = answer.split()
-                answer = f"free {format_bytes(int(free))}, total {format_bytes(int(total))}"
-            say(f"  {p.name:10} {what:48} -> {answer}")
-            return answer
+    def do(p: DemoPod, what: str, cmd: str) -> str:
+        answer = p.workload.do(cmd, timeout=120)
+        if answer.startswith("free "):  # "free N total M" in bytes: say it in GiB
+            _, free, _, total = answer.split()
+            answer = f"free {format_bytes(int(free))}, total {format_bytes(int(total))}"
+        say(f"  {p.name:10} {what:48} -> {answer}")
+        return answer
 
-        banner("Sharing GPU 0: real CUDA processes under the memguard shim")
-        for p in (server, embedder, notebook):
-            node.start(p)
-        do(server, "cuMemGetInfo (total = its 40Gi limit)", "info")
-        do(server, "allocates 12Gi within its 16Gi request", f"alloc {gib(12)}")
-        do(notebook, "allocates 8Gi (its request)", f"alloc {gib(8)} 7")
-        do(notebook, "bursts 3Gi past its request", f"alloc {gib(3)} 7")
-        do(embedder, "allocates 16Gi (its request)", f"alloc {gib(16)}")
-        do(embedder, "bursts 20Gi while the GPU has it free", f"alloc {gib(20)}")
-        do(embedder, "asks 30Gi more: past its 60Gi limit", f"alloc {gib(30)}")
-        show_events(node, seen)
+    banner("Sharing GPU 0: real CUDA processes under the memguard shim")
+    for p in (server, embedder, notebook):
+        node.start(p)
+    do(server, "cuMemGetInfo (total = its 40Gi limit)", "info")
+    do(server, "allocates 12Gi within its 16Gi request", f"alloc {gib(12)}")
+    do(notebook, "allocates 8Gi (its request)", f"alloc {gib(8)} 7")
+    do(notebook, "bursts 3Gi past its request", f"alloc {gib(3)} 7")
+    do(embedder, "allocates 16Gi (its request)", f"alloc {gib(16)}")
+    do(embedder, "bursts 20Gi while the GPU has it free", f"alloc {gib(20)}")
+    do(embedder, "asks 30Gi more: past its 60Gi limit", f"alloc {gib(30)}")
+    show_events(node, seen)
 
-        banner("Collision 1 - swap: llm-server bursts; the idle notebook goes to host RAM")
-        time.sleep(2.5)  # the notebook's idle window (swap.idleThreshold in this demo's config)
-        do(server, "allocates 4Gi (still within its request)", f"alloc {gib(4)}")
-        do(server, "bursts 14Gi: more than is free", f"alloc {gib(14)}")
-        show_events(node, seen)
+    banner("Collision 1 - swap: llm-server bursts; the idle notebook goes to host RAM")
+    time.sleep(2.5)  # the notebook's idle window (swap.idleThreshold in this demo's config)
+    do(server, "allocates 4Gi (still within its request)", f"alloc {gib(4)}")
+    do(server, "bursts 14Gi: more than is free", f"alloc {gib(14)}")
+    show_events(node, seen)
 
-        banner("Collision 2 - evict: llm-server bursts again; the low-priority borrower goes")
-        do(server, "bursts 8Gi more (up to its 40Gi limit)", f"alloc {gib(8)}")
-        show_events(node, seen)
+    banner("Collision 2 - evict: llm-server bursts again; the low-priority borrower goes")
+    do(server, "bursts 8Gi more (up to its 40Gi limit)", f"alloc {gib(8)}")
+    show_events(node, seen)
 
-        banner("The notebook wakes up: swap-in, its bytes intact")
-        do(notebook, "checks its buffer (the launch swaps it back in)", "check 1")
-        show_events(node, seen)
+    banner("The notebook wakes up: swap-in, its bytes intact")
+    do(notebook, "checks its buffer (the launch swaps it back in)", "check 1")
+    show_events(node, seen)
 
-        banner("Collision 3 - wait: equal priorities, nothing idle; the burst waits for a free")
-        embedder.workload.close()
-        node.start(embedder)  # the kubelet restarted the evicted container
-        do(embedder, "allocates 16Gi (its request) again", f"alloc {gib(16)}")
-        do(embedder, "bursts 9Gi", f"alloc {gib(9)}")
-        notebook.workload.send(f"alloc {gib(1)}")
-        say(f"  {'notebook':10} {'bursts 1Gi: nothing free, waits ...':48}")
-        time.sleep(1.0)
-        do(embedder, "frees its 9Gi burst", "free 2")
-        answer = notebook.workload.line(120)
-        say(f"  {'notebook':10} {'... and its waiting allocation completes':48} -> {answer}")
-        show_events(node, seen)
+    banner("Collision 3 - wait: equal priorities, nothing idle; the burst waits for a free")
+    embedder.workload.close()
+    node.start(embedder)  # the kubelet restarted the evicted container
+    do(embedder, "allocates 16Gi (its request) again", f"alloc {gib(16)}")
+    do(embedder, "bursts 9Gi", f"alloc {gib(9)}")
+    notebook.workload.send(f"alloc {gib(1)}")
+    say(f"  {'notebook':10} {'bursts 1Gi: nothing free, waits ...':48}")
+    time.sleep(1.0)
+    do(embedder, "frees its 9Gi burst", "free 2")
+    answer = notebook.workload.line(120)
+    say(f"  {'notebook':10} {'... and its waiting allocation completes':48} -> {answer}")
+    show_events(node, seen)
 
-        banner("gpufrac status")
-        say(status_mod.format_status(node.status()).rstrip())
+    banner("gpufrac status")
+    say(status_mod.format_status(node.status()).rstrip())
 
-        url = f"http://127.0.0.1:{node.metrics_port}/metrics"
-        banner(f"Prometheus metrics at {url}")
-        text = urllib.request.urlopen(url, timeout=10).read().decode()
-        for line in text.splitlines():
-            name = line.split("{", 1)[0]
-            llm = 'pod="llm-server"' in line and name.startswith("gpufrac_container_memory_")
-            counted = name in COUNTERS_SHOWN and not line.endswith(" 0.0")
-            if llm or counted:
-                say("  " + line)
-        if args.keep:
-            say(f"\nserving until Ctrl-C: metrics {url}, status socket {node.status_socket}")
-            with contextlib.suppress(KeyboardInterrupt):
-                while True:
-                    time.sleep(3600)
-        for p in pods:
-            if p.workload is not None:
-                p.workload.close()
+    url = f"http://127.0.0.1:{node.metrics_port}/metrics"
+    banner(f"Prometheus metrics at {url}")
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        llm = 'pod="llm-server"' in line and name.startswith("gpufrac_container_memory_")
+        counted = name in COUNTERS_SHOWN and not line.endswith(" 0.0")
+        if llm or counted:
+            say("  " + line)
+    if args.keep:
+        say(f"\nserving until Ctrl-C: metrics {url}, status socket {node.status_socket}")
+        with contextlib.suppress(KeyboardInterrupt):
+            while True:
+                time.sleep(3600)
+    for p in pods:
+        if p.workload is not None:
+            p.workload.close()
     return 0
 
 

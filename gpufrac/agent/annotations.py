@@ -216,16 +216,14 @@ def parse_policy(
     wclass = setting(WORKLOAD_CLASS, _class, DEFAULT_CLASS, DEFAULT_CLASS)
     preemptible = setting(PREEMPTIBLE, _bool, True, "preemptible=true")
     swappable = setting(SWAPPABLE, _bool, base.swappable, f"swappable={str(base.swappable).lower()}")
-    idle = setting(
-        IDLE_TIMEOUT, _positive_duration, base.idle_timeout, f"the node's idle-timeout {base.idle_timeout:g}s"
-    )
-    max_rt = setting(
-        MAX_RUNTIME, _positive_duration, base.max_runtime, f"the node's max-runtime {base.max_runtime:g}s"
-    )
+
+    def node_duration(key: str, parse: Callable[[str], float], default: float, name: str) -> float:
+        return setting(key, parse, default, f"the node's {name} {default:g}s")
+
+    idle = node_duration(IDLE_TIMEOUT, _positive_duration, base.idle_timeout, "idle-timeout")
+    max_rt = node_duration(MAX_RUNTIME, _positive_duration, base.max_runtime, "max-runtime")
     idle_exempt = setting(IDLE_EXEMPT, _bool, False, "idle-exempt=false")
-    wait = setting(
-        WAIT_TIMEOUT, _wait_duration, base.wait_timeout, f"the node's wait-timeout {base.wait_timeout:g}s"
-    )
+    wait = node_duration(WAIT_TIMEOUT, _wait_duration, base.wait_timeout, "wait-timeout")
 
     prio = 0 if priority is None else max(_INT32[0], min(_INT32[1], int(priority)))
     policy = ContainerPolicy(

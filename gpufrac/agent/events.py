@@ -15,9 +15,9 @@ user lost something or must act, Normal otherwise), a structured log line
 | GpuMemorySwappedOut | Normal | victim pod | swap | its GPU memory was moved to host RAM (says for whom) |
 | GpuMemoryFreedBySwap | Normal | requester | swap | another pod was swapped out to make room for it |
 | GpuMemorySwappedIn | Normal | pod | swap | its GPU memory came back on its next GPU work |
-| GpuSwapFailed | Warning | pod | swap | a swap-out or swap-in failed |
-| GpuMemoryWaitTimeout | Warning | pod | arbiter | an allocation waited for memory, then got an OOM error |
-| GpuBurstDenied | Warning | pod | arbiter | a burst above the request was refused (nothing could be freed) |
+| GpuSwapFailed | Warning | pod | (swap) | a swap-out or swap-in failed |
+| GpuMemoryWaitTimeout | Warning | pod | (arbiter) | an allocation waited for memory, then got an OOM error |
+| GpuBurstDenied | Warning | pod | (arbiter) | a burst above the request was refused: nothing could be freed |
 | GpuMemoryOverLimit | Warning | pod | watchdog | NVML shows usage above the limit (report mode) |
 | GpuMemoryLimitEnforced | Warning | pod | watchdog | a process over the limit was killed (enforce mode) |
 | IdleWarning, MaxRuntimeWarning | Warning | pod | idle | the pod will be reaped after the grace period |
@@ -26,6 +26,9 @@ user lost something or must act, Normal otherwise), a structured log line
 | IdleEvictionBlocked | Warning | pod | idle | a PodDisruptionBudget refused the eviction; retried |
 | IdleEvictionFailed | Warning | pod | idle | the eviction failed; retried |
 | GpuUnhealthy / GpuHealthy | Warning / Normal | node | agent | a GPU's health changed (its slices follow) |
+
+A poster in parentheses is reserved: that module does not post the Event yet (it logs
+the decision only).
 """
 
 from __future__ import annotations

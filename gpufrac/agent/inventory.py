@@ -119,21 +119,25 @@ def nvml_session() -> Iterator[None]:
         nvml_shutdown()
 
 
-def each_gpu(what: str) -> Iterator[tuple[int, str, Any]]:
-    """(index, UUID, handle) of every GPU that answers, with NVML initialised around the
-    loop. A GPU that does not answer is logged ("<what> of GPU <index>") and skipped, so
-    one lost GPU does not hide the others. A lost GPU is logged at debug level only: the
-    health monitor reports it, and callers poll often (the arbiter, ten times a second)."""
+def query_gpus(
+    what: str, query: Callable[[Any], T], level: int = logging.WARNING
+) -> Iterator[tuple[int, str, T]]:
+    """(index, UUID, query(handle)) for every GPU that answers, with NVML initialised
+    around the loop. A GPU whose handle, UUID or query fails is logged at `level`
+    ("<what> of GPU <index>: <NVML's reason>") and skipped, so one bad GPU does not hide
+    the others. A lost GPU is logged at debug level only: the health monitor reports it,
+    and callers poll often (the arbiter, ten times a second)."""
     with nvml_session():
         for i in range(nvml_call("nvmlDeviceGetCount", pynvml.nvmlDeviceGetCount)):
             try:
                 h = pynvml.nvmlDeviceGetHandleByIndex(i)
                 uuid = pynvml.nvmlDeviceGetUUID(h)
+                result = query(h)
             except pynvml.NVMLError as e:
                 lost = e.value == pynvml.NVML_ERROR_GPU_IS_LOST
-                log.log(logging.DEBUG if lost else logging.WARNING, "%s of GPU %d: %s", what, i, e)
+                log.log(logging.DEBUG if lost else level, "%s of GPU %d: %s", what, i, e)
                 continue
-            yield i, uuid, h
+            yield i, uuid, result
 
 
 def parse_bus_id(bus_id: str) -> BusKey:
@@ -345,12 +349,7 @@ class MemoryUsage:
 
 def read_memory() -> dict[str, MemoryUsage]:
     """Current memory use per GPU UUID (GPUs that do not answer are left out)."""
-    out: dict[str, MemoryUsage] = {}
-    for i, uuid, h in each_gpu("memory"):
-        try:
-            m = pynvml.nvmlDeviceGetMemoryInfo(h)
-        except pynvml.NVMLError as e:
-            log.warning("memory of GPU %d: %s", i, e)
-            continue
-        out[uuid] = MemoryUsage(total=int(m.total), used=int(m.used), free=int(m.free))
-    return out
+    return {
+        uuid: MemoryUsage(total=int(m.total), used=int(m.used), free=int(m.free))
+        for _, uuid, m in query_gpus("memory", pynvml.nvmlDeviceGetMemoryInfo)
+    }

@@ -153,9 +153,7 @@ def capture(agent: Any) -> NodeStatus:
     status.driver_version = inv.driver_version
     status.unreachable = dict(inv.unreachable)
     health = agent.health.current() if agent.health is not None else {}
-    xids: Mapping[tuple[str, int], int] = (
-        agent.health.xid_counts() if agent.health is not None and hasattr(agent.health, "xid_counts") else {}
-    )
+    xids: Mapping[tuple[str, int], int] = agent.health.xid_counts() if agent.health is not None else {}
     allocs = ledger.containers()
     granted: dict[str, int] = {}
     for a in allocs:
@@ -238,21 +236,19 @@ def read_gpu_live(uuids: Iterable[str]) -> dict[str, tuple[int | None, float | N
     """uuid -> (memory used bytes, utilisation 0..1) from NVML; (None, None) where it fails."""
     import pynvml
 
-    from gpufrac.agent.inventory import NvmlError, nvml_session
+    from gpufrac.agent.inventory import NvmlError, query_gpus
 
-    out: dict[str, tuple[int | None, float | None]] = {}
+    def live(h: Any) -> tuple[int, float]:
+        used = int(pynvml.nvmlDeviceGetMemoryInfo(h).used)
+        return used, pynvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0
+
+    wanted = set(uuids)
+    out: dict[str, tuple[int | None, float | None]] = dict.fromkeys(wanted, (None, None))
     try:
-        with nvml_session():
-            for uuid in uuids:
-                used: int | None = None
-                util: float | None = None
-                try:
-                    h = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-                    used = int(pynvml.nvmlDeviceGetMemoryInfo(h).used)
-                    util = pynvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0
-                except pynvml.NVMLError as e:
-                    log.debug("NVML on GPU %s: %s", uuid, e)
-                out[uuid] = (used, util)
+        # Debug level: every scrape asks, and a GPU without utilisation (MIG) would fill the log.
+        for _, uuid, figures in query_gpus("live figures", live, logging.DEBUG):
+            if uuid in wanted:
+                out[uuid] = figures
     except NvmlError as e:
         log.warning("NVML unavailable for live GPU figures: %s", e)
     return out

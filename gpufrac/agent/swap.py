@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -202,16 +201,6 @@ def launches_of(directory: str, slots: Iterable[SlotId]) -> int:
     return sum(int(s.launches) for s in usage.slots if s.pid > 0 and (int(s.pid), int(s.start_time)) in want)
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 # -- the resolver ------------------------------------------------------------------------------------
 
 
@@ -276,7 +265,7 @@ class SwapResolver:
         """Forget swapped containers that were released or whose processes all died (the
         driver freed their host copy with them)."""
         for key, s in list(self.swapped.items()):
-            if self.ctx.ledger.get(key) is not s.alloc or not any(alive(p) for p in s.pids):
+            if self.ctx.ledger.get(key) is not s.alloc or not any(psutil.pid_exists(p) for p in s.pids):
                 log.info("swap: %s is gone while swapped out; forgetting it", s.alloc.who())
                 del self.swapped[key]
 
@@ -632,7 +621,7 @@ class SwapResolver:
         """Restore + unlock the processes, clear the flags, forget the entry."""
         alloc = entry.alloc
         t0 = time.monotonic()
-        pids = [p for p in entry.pids if alive(p)]
+        pids = [p for p in entry.pids if psutil.pid_exists(p)]
         try:
             await asyncio.to_thread(self.ckpt.swap_in, pids)
         except CheckpointError as e:

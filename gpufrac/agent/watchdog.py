@@ -44,7 +44,7 @@ from gpufrac.agent.events import (
     container_name,
     container_ref,
 )
-from gpufrac.agent.inventory import NvmlError, each_gpu
+from gpufrac.agent.inventory import NvmlError, query_gpus
 from gpufrac.agent.kube import ObjectRef
 from gpufrac.agent.peers import KILL_WAIT, CgroupIdentity, PeerError, kill_and_wait, read_cgroup
 from gpufrac.agent.units import format_bytes
@@ -102,12 +102,7 @@ def read_gpu_processes() -> list[GpuProcess]:
     """Compute processes and their used memory on every GPU (blocking NVML calls).
     Processes whose memory NVML cannot attribute (usedGpuMemory unavailable) count as 0."""
     out: list[GpuProcess] = []
-    for i, uuid, h in each_gpu("watchdog: processes"):
-        try:
-            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
-        except pynvml.NVMLError as e:
-            log.warning("watchdog: processes of GPU %d: %s", i, e)
-            continue
+    for _, uuid, procs in query_gpus("watchdog: processes", pynvml.nvmlDeviceGetComputeRunningProcesses):
         for p in procs:
             used = p.usedGpuMemory
             out.append(GpuProcess(int(p.pid), uuid, int(used) if isinstance(used, int) else 0))

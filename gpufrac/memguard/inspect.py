@@ -41,7 +41,12 @@ def inspect_dir(directory: str | Path) -> dict[str, Any]:
     `usage_error` (the shim refuses allocations in that state)."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise formats.FormatError(f"{directory}: not a directory")
+        raise formats.FormatError(f"{directory}: no such directory")
+    if not (directory / formats.CONFIG_FILE).exists():
+        raise formats.FormatError(
+            f"{directory} is not a container's gpufrac directory (it has no {formats.CONFIG_FILE} file); "
+            "those are <paths.stateDir>/containers/<key>, /var/lib/gpufrac/containers/<key> by default"
+        )
     cfg = formats.read_config(directory)
     out: dict[str, Any] = {
         "dir": str(directory),

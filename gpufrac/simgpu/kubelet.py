@@ -44,6 +44,7 @@ from gpufrac.proto import deviceplugin_pb2 as pb
 from gpufrac.proto import deviceplugin_pb2_grpc as pb_grpc
 from gpufrac.proto import podresources_pb2 as pr
 from gpufrac.proto import podresources_pb2_grpc as pr_grpc
+from gpufrac.simgpu.runtime import MountSpec, link_mounts, mounts_of, translate_envs
 
 T = TypeVar("T")
 
@@ -610,18 +611,14 @@ class KubeletEmulator:
         """The container's filesystem view: each mount of its Allocate responses as a
         symlink at <root>/<container_path>, pointing to the host path."""
         base = self.root / "containers" / pod_uid / container
+        link_mounts(base, self._mounts(pod_uid, container))
+        return base
 
-        def build() -> Path:
-            for alloc in self._pods[pod_uid].allocations.get(container, {}).values():
-                for m in alloc.response.mounts:
-                    link = base / m.container_path.lstrip("/")
-                    link.parent.mkdir(parents=True, exist_ok=True)
-                    with contextlib.suppress(FileNotFoundError):
-                        link.unlink()
-                    link.symlink_to(m.host_path)
-            return base
-
-        return self._get(build)
+    def _mounts(self, pod_uid: str, container: str) -> list[MountSpec]:
+        responses = self._get(
+            lambda: [a.response for a in self._pods[pod_uid].allocations.get(container, {}).values()]
+        )
+        return [m for r in responses for m in mounts_of(r)]
 
     def container_env(self, pod_uid: str, container: str) -> dict[str, str]:
         """The envs of the container's Allocate responses, with container paths mapped to
@@ -630,11 +627,7 @@ class KubeletEmulator:
         envs: dict[str, str] = {}
         for alloc in self._get(lambda: list(self._pods[pod_uid].allocations.get(container, {}).values())):
             envs.update(alloc.response.envs)
-        out = {}
-        for k, v in envs.items():
-            mapped = root / v.lstrip("/")
-            out[k] = str(mapped) if v.startswith("/") and os.path.lexists(mapped) else v
-        return out
+        return translate_envs(envs, self._mounts(pod_uid, container), root)
 
 
 class AgentProcess:

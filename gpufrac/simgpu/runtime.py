@@ -184,10 +184,7 @@ class ContainerRuntime:
         view = self.view_root / cid[:12]
         try:
             view.mkdir(parents=True)
-            for m in mounts:
-                link = view / m.container_path.lstrip("/")
-                link.parent.mkdir(parents=True, exist_ok=True)
-                link.symlink_to(m.host_path)
+            link_mounts(view, mounts)
             full = dict(os.environ if env is None else env)
             full.update(translate_envs(envs or {}, mounts, view))
             full["GPUFRAC_RUNTIME_CGROUP_PROCS"] = str(cgroup / "cgroup.procs")
@@ -217,9 +214,7 @@ class ContainerRuntime:
         # A cgroup can be removed once its last process has exited.
         deadline = time.monotonic() + 10.0
         while c.pids() and time.monotonic() < deadline:
-            for pid in c.pids():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            c.kill(signal.SIGKILL)
             time.sleep(0.01)
         _remove_cgroup(c.cgroup_dir, self.hierarchy)
         if c in self.containers:
@@ -230,6 +225,17 @@ class ContainerRuntime:
             c.stop(timeout=5.0)
         if self._own_view_root:
             shutil.rmtree(self.view_root, ignore_errors=True)
+
+
+def link_mounts(view: Path, mounts: Sequence[MountSpec]) -> None:
+    """A container's filesystem view: each mount a symlink at <view>/<container path> to its
+    host path (replacing one already there, so a view can be rebuilt)."""
+    for m in mounts:
+        link = view / m.container_path.lstrip("/")
+        link.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            link.unlink()
+        link.symlink_to(m.host_path)
 
 
 def translate_envs(envs: Mapping[str, str], mounts: Sequence[MountSpec], view: Path) -> dict[str, str]:

@@ -24,6 +24,7 @@ every pair of fabric GPUs talks over NVLink (DGX/HGX H100).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import json
@@ -135,7 +136,10 @@ def _pcie_level(a: GpuSpec, b: GpuSpec, same: bool) -> int:
 
 
 def _fail(key: str, value: Any, why: str) -> SpecError:
-    return SpecError(f"{key}: {value!r} {why}")
+    shown = repr(value)
+    if len(shown) > 80:  # a whole file given where a value belongs: its start says enough
+        shown = shown[:77] + "..."
+    return SpecError(f"{key}: {shown} {why}")
 
 
 def _int(key: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
@@ -459,14 +463,20 @@ def fill_node(node: ns.Node, spec: NodeSpec) -> None:
 def create_node(spec: NodeSpec, path: str | os.PathLike[str]) -> Path:
     """Write a fresh node-state file for `spec` at `path`, atomically (rename into place)."""
     p = Path(path)
-    mm, node = ns.allocate_file(p)
+    tmp = p.with_name(p.name + ".tmp")  # ns.allocate_file fills this one
     try:
-        fill_node(node, spec)
-        mm.flush()
-    finally:
-        del node
-        mm.close()
-    os.replace(p.with_name(p.name + ".tmp"), p)
+        mm, node = ns.allocate_file(p)
+        try:
+            fill_node(node, spec)
+            mm.flush()
+        finally:
+            del node
+            mm.close()
+        os.replace(tmp, p)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise SpecError(f"cannot write node-state file {p}: {e.strerror}") from None
     return p
 
 

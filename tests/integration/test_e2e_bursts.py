@@ -20,10 +20,10 @@ from polling import until
 from gpufrac.agent.resolvers import REASON_EVICTED, REASON_PREEMPTED
 from gpufrac.memguard import formats
 from gpufrac.simgpu import runtime as runtime_mod
-from gpufrac.simgpu.workload import WorkloadProcess
+from gpufrac.simgpu.workload import RESULT_BYTES, WorkloadProcess
 
 MakeNode = Callable[..., E2ENode]
-RESULT_BUF = 8  # the workload's result buffer, allocated at start
+RESULT_BUF = RESULT_BYTES  # the workload's result buffer, allocated at start
 
 
 def info(p: PodRun) -> tuple[int, int]:
