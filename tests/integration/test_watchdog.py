@@ -32,9 +32,10 @@ HOG = textwrap.dedent(
     if len(sys.argv) > 2:
         pipe = subprocess.PIPE
         argvs = [[sys.executable, "-c", CODE, s] for s in sys.argv[1:]]
-        kids = [subprocess.Popen(a, stdin=pipe, stdout=pipe) for a in argvs]
-        for k in kids:
-            assert k.stdout.readline().split()[0] == b"ready"
+        kids = []
+        for a in argvs:  # one at a time: a slot is claimed below without compare-and-swap
+            kids.append(subprocess.Popen(a, stdin=pipe, stdout=pipe))
+            assert kids[-1].stdout.readline().split()[0] == b"ready"
         print("ready", *[k.pid for k in kids], flush=True)
         sys.stdin.read()
         raise SystemExit
