@@ -125,8 +125,11 @@ class E2ENode:
         priority: int = 0,
         preemptible: bool = True,
         wait_timeout: str = "60s",
+        swappable: bool = False,
     ) -> PodRun:
         annotations = {ann.WAIT_TIMEOUT: wait_timeout, ann.PREEMPTIBLE: str(preemptible).lower()}
+        if swappable:
+            annotations[ann.SWAPPABLE] = "true"
         if limit:
             annotations[ann.MEMORY_LIMIT] = limit
         pod = Pod("default", name, [KContainer("main", {MEMORY: units})], annotations=annotations)

@@ -29,6 +29,7 @@ from gpufrac.agent import config as config_mod
 from gpufrac.agent import events, logs
 from gpufrac.agent import metrics as metrics_mod
 from gpufrac.agent import status as status_mod
+from gpufrac.agent.admission import Admission
 from gpufrac.agent.allocations import (
     AllocationError,
     ContainerAlloc,
@@ -97,6 +98,8 @@ class Agent:
         # /metrics, /healthz, /readyz (gpufrac.agent.metrics) and the status socket (gpufrac.agent.status).
         self.metrics = metrics_mod.Metrics()
         self.status_server: status_mod.StatusServer | None = None
+        # Reclaim at admission: a new container's request is taken back from others' bursts.
+        self.admission = Admission(self)
 
     # -- lifetime --------------------------------------------------------------------
 
@@ -210,6 +213,7 @@ class Agent:
         self._stopping.set()
         for server in self.servers.values():
             await server.stop()
+        await self.admission.stop()
         if self.arbiter is not None:
             await self.arbiter.stop()  # waiters are answered (denied), the socket removed
         for t in self._tasks:
@@ -482,13 +486,15 @@ class Agent:
             request_bytes=alloc.request_bytes,
         )
         self._kick_identity()
+        self.admission.start(alloc)  # PreStartContainer awaits it
         return alloc
 
     async def prestart(self, resource: str, device_ids: Sequence[str]) -> None:
         assert self.ledger is not None
         if self.ledger.find(resource, device_ids) is None:
             await self.reconcile()  # rebuilds from pod-resources if our state was lost
-        if self.ledger.find(resource, device_ids) is None:
+        alloc = self.ledger.find(resource, device_ids)
+        if alloc is None:
             ids = sorted(device_ids)
             raise AllocationError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -496,6 +502,7 @@ class Agent:
                 "allocated by this agent",
             )
         self._kick_identity()
+        await self.admission.prestart(alloc)  # never fails the start: at worst it warns
 
     # -- pod identity hook -----------------------------------------------------------------
 

@@ -16,6 +16,11 @@ used are the kernel's:
 
 A process that is not in a kubelet container cgroup, or whose container the
 ledger does not know, is refused.
+
+The blocking process helpers built on the same identity live here too, for the
+arbiter's eviction, the swap resolver and the watchdog: a container's host pids
+(a /proc scan) and killing processes safely (pidfd: no pid-reuse race). Callers
+run them in worker threads.
 """
 
 from __future__ import annotations

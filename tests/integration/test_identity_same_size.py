@@ -50,24 +50,41 @@ class SameSizeNode:
         self.v1 = kube.core_v1()
         self.live: dict[str, Admitted] = {}  # pod uid -> pod
 
-    def admit(self, name: str, limit_mib: int | None, priority: int) -> Admitted:
-        """Create the pod in the apiserver (as the scheduler bound it), then admit it."""
+    def create(self, name: str, limit_mib: int | None, priority: int) -> Admitted:
+        """Create the pod in the apiserver, as the scheduler bound it (not admitted yet)."""
         annotations = {} if limit_mib is None else {ann.MEMORY_LIMIT: f"{limit_mib}Mi"}
         pod = Pod(
             "default", name, [Container("main", {MEMORY: UNITS})], annotations=annotations, priority=priority
         )
         manifest = pod_manifest(name, node=NODE, uid=pod.uid, annotations=annotations, priority=priority)
         self.v1.create_namespaced_pod("default", manifest)
-        self.sim.kubelet.admit(pod)
-        a = Admitted(pod, REQUEST if limit_mib is None else limit_mib * MiB)
-        self.live[pod.uid] = a
+        return Admitted(pod, REQUEST if limit_mib is None else limit_mib * MiB)
+
+    def start(self, a: Admitted) -> Admitted:
+        """The kubelet admits the pod: Allocate through the agent's device plugin."""
+        self.sim.kubelet.admit(a.pod)
+        self.live[a.pod.uid] = a
         return a
 
-    def delete(self, a: Admitted) -> None:
-        """The kubelet forgets the pod (the agent is not told), and the apiserver drops it."""
+    def admit(self, name: str, limit_mib: int | None, priority: int) -> Admitted:
+        return self.start(self.create(name, limit_mib, priority))
+
+    def delete(self, a: Admitted, *, from_apiserver: bool = True) -> None:
+        """The kubelet forgets the pod (the agent is not told), and the apiserver drops it
+        (unless it went from there already: a force delete)."""
         self.sim.kubelet.delete(a.pod)
-        self.v1.delete_namespaced_pod(a.pod.name, "default")
+        if from_apiserver:
+            self.v1.delete_namespaced_pod(a.pod.name, "default")
         del self.live[a.pod.uid]
+
+    def annotate(self, a: Admitted, limit_mib: int) -> Admitted:
+        """Change a running pod's limit annotation; the agent re-applies its policy."""
+        self.v1.patch_namespaced_pod(
+            a.pod.name, "default", {"metadata": {"annotations": {ann.MEMORY_LIMIT: f"{limit_mib}Mi"}}}
+        )
+        changed = Admitted(a.pod, limit_mib * MiB)
+        self.live[a.pod.uid] = changed
+        return changed
 
     def key(self, a: Admitted) -> str:
         return container_key(MEMORY, self.sim.kubelet.pod_devices(a.pod.uid)["main"][MEMORY])
@@ -137,30 +154,45 @@ def test_pods_of_one_size_each_get_their_own_limit_and_priority(node: SameSizeNo
     assert node.key(d) == b_key
     node.wait_settled()
 
-    # A new pod under an old name, and b's old name on a pod that asks for nothing: the name
-    # says nothing about which pod a container belongs to.
-    a_key = node.key(a)
-    node.delete(a)
-    a2 = node.admit("a", 512, priority=200)
-    assert node.key(a2) == a_key and a2.pod.uid != a.pod.uid
-    node.delete(d)
-    b2 = node.admit("b", None, priority=3)
-    assert node.key(b2) == b_key
-    node.wait_settled()
-
     # Two go and two come back to back, before either is known to the agent.
-    freed = {node.key(c), node.key(a2)}
-    node.delete(c)
-    node.delete(a2)
+    freed = {node.key(a), node.key(d)}
+    node.delete(a)
+    node.delete(d)
     e = node.admit("e", 448, priority=50)
-    f = node.admit("f", 768, priority=900)
+    f = node.admit("f", None, priority=900)
     assert {node.key(e), node.key(f)} == freed
     node.wait_settled()
 
     # Only the live pods' directories remain, each named for its pod's devices.
-    live_keys = {node.key(p): p for p in node.live.values()}
-    until(lambda: node.sim.agent.container_dirs() == set(live_keys), what="released pods' directories gone")
-    for key, p in live_keys.items():
+    live = {node.key(p): p for p in node.live.values()}
+    until(lambda: node.sim.agent.container_dirs() == set(live), what="released pods' directories gone")
+    for key, p in live.items():
         cfg = node.config(key)
         assert cfg is not None and cfg.pod_uid == p.pod.uid
         assert (cfg.limit_bytes, cfg.priority) == (p.limit, p.pod.priority)
+
+
+def test_a_new_pod_under_an_old_name_gets_its_own_policy_never_the_old_pods_container(
+    node: SameSizeNode,
+) -> None:
+    """A StatefulSet pod force-deleted and created again: same name, new uid, new annotations,
+    while the old pod's container still runs; then the new pod gets the old one's slices."""
+    old = node.admit("web-0", 384, priority=10)
+    b = node.admit("b", 640, priority=500)
+    node.admit("c", None, priority=1000)
+    node.wait_settled()
+
+    # Gone from the apiserver (force delete), still running on the kubelet; its successor is created.
+    node.v1.delete_namespaced_pod("web-0", "default")
+    successor = node.create("web-0", 512, priority=200)
+    # A change the agent shows, made after the successor appeared: once b's new limit is in its
+    # config, the agent has seen the successor, and the old container must still carry its own pod.
+    node.annotate(b, 704)
+    node.wait_settled()
+
+    # The old container stops; the successor is admitted on the same slices.
+    old_key = node.key(old)
+    node.delete(old, from_apiserver=False)
+    node.start(successor)
+    assert node.key(successor) == old_key and successor.pod.uid != old.pod.uid
+    node.wait_settled()

@@ -1,0 +1,173 @@
+"""Reclaim at admission: a newly booked container's request must be physically free.
+
+The device plugin admits a container against the GPU's unrequested memory, but the
+arbiter may have lent that memory out as burst grants. When the ledger books a
+container (Allocate) the agent starts taking it back; PreStartContainer (the kubelet
+waits for it before starting the container) awaits that, bounded by PRESTART_WAIT.
+
+Per GPU of the newcomer: shortfall = its request - (NVML free - grantMargin - what the
+other containers may still charge within their request + grant) (Arbiter.guarantee_shortfall).
+To close it: unused grants are taken back at once, then the arbiter's resolver chain runs a
+Need of kind "reclaim" whose priority is above every pod's, so evict admits any preemptible
+borrower and the newcomer is first in line among waiters. Resolvers only ever win burst
+bytes (memory above a container's request), so nobody's guarantee is touched.
+
+If it cannot free enough (only non-preemptible borrowers), the container still starts
+(a pod start never fails for this): one log line, and a Warning Event on its pod naming
+who holds the memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from gpufrac.agent import events
+from gpufrac.agent.allocations import ContainerAlloc
+from gpufrac.agent.resolvers import Need
+from gpufrac.agent.units import format_bytes
+
+log = logging.getLogger(__name__)
+
+RECLAIM_PRIORITY = 1 << 31  # above every pod priority (int32): a guarantee outranks any burst
+PRESTART_WAIT = 20.0  # the kubelet gives PreStartContainer 30 s
+EVENT_WAIT = 60.0  # how long a warning waits for the pod's identity before it is only logged
+IDENTITY_POLL = 0.5
+
+
+class Admission:
+    """Per-container reclaim tasks, started at Allocate and awaited at PreStartContainer."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self._tasks: dict[str, asyncio.Task[list[str]]] = {}
+        self._notices: set[asyncio.Task[None]] = set()
+
+    def start(self, alloc: ContainerAlloc) -> None:
+        """Allocate booked `alloc`: begin freeing its request (without delaying the reply)."""
+        if self.agent.arbiter is None:
+            return  # no grants are handed out without an arbiter: nothing to take back
+        old = self._tasks.get(alloc.key)
+        if old is not None and not old.done():
+            return
+        self._tasks[alloc.key] = asyncio.create_task(self._secure(alloc), name=f"admit-{alloc.key}")
+
+    async def prestart(self, alloc: ContainerAlloc) -> None:
+        """Before the container starts: its request is free, or a warning says who holds it."""
+        if self.agent.arbiter is None:
+            return
+        task = self._tasks.get(alloc.key)
+        if task is None or task.done():  # a container restart, or an agent restarted since Allocate
+            self.start(alloc)
+            task = self._tasks[alloc.key]
+        try:
+            short = await asyncio.wait_for(asyncio.shield(task), PRESTART_WAIT + 1.0)
+        except TimeoutError:
+            short = [f"still reclaiming after {PRESTART_WAIT:.0f}s"]
+        except Exception:
+            log.exception("admission reclaim for %s failed", alloc.who())
+            return
+        finally:
+            if task.done() and self._tasks.get(alloc.key) is task:
+                del self._tasks[alloc.key]
+        if short:
+            message = (
+                f"GPU memory of this container's request is held by other containers' bursts that could "
+                f"not be reclaimed: {'; '.join(short)}. Its allocations within the request may fail "
+                "until they free it."
+            )
+            log.warning("guarantee at risk for %s: %s", alloc.who(), "; ".join(short))
+            notice = asyncio.create_task(self._warn(alloc.key, message), name=f"admit-warn-{alloc.key}")
+            self._notices.add(notice)
+            notice.add_done_callback(self._notices.discard)
+
+    async def stop(self) -> None:
+        for t in [*self._tasks.values(), *self._notices]:
+            t.cancel()
+        for t in [*self._tasks.values(), *self._notices]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+
+    async def _secure(self, alloc: ContainerAlloc) -> list[str]:
+        """Free `alloc`'s request on each of its GPUs; what is still missing, per GPU (empty: all free)."""
+        arb = self.agent.arbiter
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PRESTART_WAIT
+        short: list[str] = []
+        await arb.refresh_memory()
+        for gpu in alloc.gpus:
+            missing = arb.guarantee_shortfall(alloc, gpu)
+            if missing is None:
+                short.append(f"GPU {gpu}: no NVML memory reading")
+                continue
+            if missing <= 0:
+                continue
+            log.info(
+                "admission: %s of the request of %s on GPU %s is lent out as bursts; reclaiming",
+                format_bytes(missing),
+                alloc.who(),
+                gpu,
+            )
+            for a in arb.ledger.containers():
+                if gpu in a.gpus and a.key != alloc.key and a.config.grant_bytes > 0:
+                    arb.release_unused(a)  # a grant above what it uses: back at once
+            need = self._need(alloc, gpu, missing, deadline)
+            try:
+                ok = await asyncio.wait_for(arb.chain.resolve(need), max(0.0, deadline - loop.time()) + 0.05)
+            except TimeoutError:
+                ok = need.try_grant()
+            if not ok:
+                left = arb.guarantee_shortfall(alloc, gpu) or 0
+                short.append(f"GPU {gpu}: {format_bytes(max(left, 1))} missing, {self._holders(gpu, alloc)}")
+        return short
+
+    def _need(self, alloc: ContainerAlloc, gpu: str, missing: int, deadline: float) -> Need:
+        arb = self.agent.arbiter
+
+        def shortfall() -> int:
+            return arb.guarantee_shortfall(alloc, gpu) or 0
+
+        def try_grant() -> bool:
+            # Nothing to publish: the request is the container's already; this only checks it is free.
+            s = arb.guarantee_shortfall(alloc, gpu)
+            if s is not None and s <= 0:
+                need.granted = True
+            return need.granted
+
+        need = Need(
+            requester=alloc,
+            gpu=gpu,
+            bytes=missing,
+            priority=RECLAIM_PRIORITY,
+            deadline=deadline,
+            kind="reclaim",
+            try_grant=try_grant,
+            shortfall=shortfall,
+            seq=arb.next_seq(),
+        )
+        return need
+
+    def _holders(self, gpu: str, alloc: ContainerAlloc) -> str:
+        held = [
+            f"{h.alloc.who()} holds {format_bytes(h.used - h.request)} above its request"
+            f"{'' if h.preemptible else ' (not preemptible)'}"
+            for h in self.agent.arbiter.holdings(gpu)
+            if h.alloc.key != alloc.key and h.used > h.request
+        ]
+        return "; ".join(held) or "no container holds burst memory (memory used outside gpufrac?)"
+
+    async def _warn(self, key: str, message: str) -> None:
+        """The Warning Event on the newcomer's pod, once the agent knows which pod it is."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + EVENT_WAIT
+        while loop.time() < until:
+            alloc = self.agent.ledger.get(key) if self.agent.ledger is not None else None
+            if alloc is None:
+                return  # released meanwhile
+            if events.post(self.agent, alloc, events.WARNING, events.REASON_GUARANTEE_AT_RISK, message):
+                return
+            await asyncio.sleep(IDENTITY_POLL)  # pod identity resolves shortly after admission
+        log.warning("no Event posted for %s: its pod is not known", key)
