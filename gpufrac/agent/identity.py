@@ -56,6 +56,7 @@ class _Applied:
     container: str
     annotations: frozenset[tuple[str, str]]
     priority: int | None
+    booked: float  # the allocation's booking time: slices released and booked again are a new container
 
 
 class PodIdentity:
@@ -162,7 +163,7 @@ class PodIdentity:
         if alloc.pod_uid and pod.uid and alloc.pod_uid != pod.uid and entry is None:
             return False  # a new pod of the same name; wait for pod-resources to say it owns this
         self.ledger.bind(alloc.key, ns, name, container, pod.uid or None)
-        inputs = _Applied(pod.uid, container, frozenset(pod.annotations.items()), pod.priority)
+        inputs = _Applied(pod.uid, container, frozenset(pod.annotations.items()), pod.priority, alloc.created)
         if self._applied.get(alloc.key) == inputs:
             return False
         self._apply(alloc, pod, container, inputs)
@@ -249,11 +250,13 @@ class PodIdentity:
             log.exception("re-resolving pods after a watch event failed")
 
     def _known_listing(self) -> dict[str, ContainerDevices]:
-        # The bindings the ledger already holds stand in for a pod-resources List.
+        # The bindings the ledger already holds stand in for a pod-resources List, except for
+        # containers bound to a pod uid: a new pod under the same name must not take those
+        # over on a watch event; only pod-resources may say it owns them.
         return {
             a.key: ContainerDevices(a.namespace, a.pod, a.container, a.resource, a.device_ids)
             for a in self.ledger.containers()
-            if a.namespace and a.pod and a.container
+            if a.namespace and a.pod and a.container and not a.pod_uid
         }
 
     async def close(self) -> None:

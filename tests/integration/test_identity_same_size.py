@@ -40,6 +40,7 @@ REQUEST = UNITS * UNIT
 class Admitted:
     pod: Pod
     limit: int  # the limit its annotations ask for (the request when they ask for none)
+    earlier: tuple[int, ...] = ()  # limits this same pod asked for before (annotate)
 
 
 class SameSizeNode:
@@ -82,7 +83,7 @@ class SameSizeNode:
         self.v1.patch_namespaced_pod(
             a.pod.name, "default", {"metadata": {"annotations": {ann.MEMORY_LIMIT: f"{limit_mib}Mi"}}}
         )
-        changed = Admitted(a.pod, limit_mib * MiB)
+        changed = Admitted(a.pod, limit_mib * MiB, (*a.earlier, a.limit))
         self.live[a.pod.uid] = changed
         return changed
 
@@ -95,7 +96,7 @@ class SameSizeNode:
     def settled(self) -> bool:
         """True once every live pod's config carries its own pod's policy. Fails at once when one
         carries another pod's identity, or a limit other than the safe one before its pod is known."""
-        known = 0
+        done = 0
         for a in self.live.values():
             cfg = self.config(self.key(a))
             if cfg is None:
@@ -113,9 +114,11 @@ class SameSizeNode:
                 "main",
                 a.pod.uid,
             ), who
-            assert (cfg.limit_bytes, cfg.priority) == (a.limit, a.pod.priority), who
-            known += 1
-        return known == len(self.live)
+            assert cfg.priority == a.pod.priority, who
+            # Its own limit; while a change of its annotation is on its way, its own earlier one.
+            assert cfg.limit_bytes in (a.limit, *a.earlier), who
+            done += cfg.limit_bytes == a.limit
+        return done == len(self.live)
 
     def wait_settled(self) -> None:
         try:
