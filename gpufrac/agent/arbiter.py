@@ -456,6 +456,27 @@ class Arbiter:
     def next_seq(self) -> int:
         return next(self._seq)
 
+    # -- admission reclaim (gpufrac.agent.admission) ------------------------------------------
+
+    def guarantee_shortfall(self, alloc: ContainerAlloc, gpu: str) -> int | None:
+        """Bytes of `alloc`'s request on `gpu` that are not physically there now: its request
+        less what it uses, beyond NVML free less the margin less what every other container
+        may still charge within its request + grant. None without an NVML reading."""
+        mem = (self._nvml or {}).get(gpu)
+        if mem is None:
+            return None
+        pending = 0
+        for a in self._on_gpu(gpu):
+            if a.key != alloc.key:
+                # Unknown usage (not started yet): it may still charge all it was promised.
+                pending += max(0, a.request_bytes + a.config.grant_bytes - (self._used(a) or 0))
+        mine = alloc.request_bytes - (self._used(alloc) or 0)
+        return max(0, mine - (int(mem.free) - self.config.grant_margin - pending))
+
+    def release_unused(self, alloc: ContainerAlloc) -> None:
+        """Take back the part of `alloc`'s grant it does not use (as the shim's release does)."""
+        self._release(alloc)
+
     def _generation(self, alloc: ContainerAlloc) -> int:
         """The config generation the reply names (read from a kept mapping: per request)."""
         mm = self._config_maps.get(alloc.key)

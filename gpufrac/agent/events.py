@@ -18,6 +18,7 @@ user lost something or must act, Normal otherwise), a structured log line
 | GpuSwapFailed | Warning | pod | (swap) | a swap-out or swap-in failed |
 | GpuMemoryWaitTimeout | Warning | pod | (arbiter) | an allocation waited for memory, then got an OOM error |
 | GpuBurstDenied | Warning | pod | (arbiter) | a burst above the request was refused: nothing could be freed |
+| GpuGuaranteeAtRisk | Warning | pod | admission | at its start, others' bursts held its request |
 | GpuMemoryOverLimit | Warning | pod | watchdog | NVML shows usage above the limit (report mode) |
 | GpuMemoryLimitEnforced | Warning | pod | watchdog | a process over the limit was killed (enforce mode) |
 | IdleWarning, MaxRuntimeWarning | Warning | pod | idle | the pod will be reaped after the grace period |
@@ -52,6 +53,7 @@ REASON_SWAPPED_IN = "GpuMemorySwappedIn"
 REASON_SWAP_FAILED = "GpuSwapFailed"
 REASON_WAIT_TIMEOUT = "GpuMemoryWaitTimeout"
 REASON_BURST_DENIED = "GpuBurstDenied"
+REASON_GUARANTEE_AT_RISK = "GpuGuaranteeAtRisk"
 REASON_OVER_LIMIT = "GpuMemoryOverLimit"
 REASON_LIMIT_ENFORCED = "GpuMemoryLimitEnforced"
 REASON_GPU_UNHEALTHY = "GpuUnhealthy"
