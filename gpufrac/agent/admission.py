@@ -94,61 +94,16 @@ class Admission:
     async def _secure(self, alloc: ContainerAlloc) -> list[str]:
         """Free `alloc`'s request on each of its GPUs; what is still missing, per GPU (empty: all free)."""
         arb = self.agent.arbiter
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + PRESTART_WAIT
+        deadline = asyncio.get_running_loop().time() + PRESTART_WAIT
         short: list[str] = []
         await arb.refresh_memory()
         for gpu in alloc.gpus:
-            missing = arb.guarantee_shortfall(alloc, gpu)
-            if missing is None:
+            left = await reclaim_guarantee(arb, alloc, gpu, deadline)
+            if left is None:
                 short.append(f"GPU {gpu}: no NVML memory reading")
-                continue
-            if missing <= 0:
-                continue
-            log.info(
-                "admission: %s of the request of %s on GPU %s is lent out as bursts; reclaiming",
-                format_bytes(missing),
-                alloc.who(),
-                gpu,
-            )
-            for a in arb.ledger.containers():
-                if gpu in a.gpus and a.key != alloc.key and a.config.grant_bytes > 0:
-                    arb.release_unused(a)  # a grant above what it uses: back at once
-            need = self._need(alloc, gpu, missing, deadline)
-            try:
-                ok = await asyncio.wait_for(arb.chain.resolve(need), max(0.0, deadline - loop.time()) + 0.05)
-            except TimeoutError:
-                ok = need.try_grant()
-            if not ok:
-                left = arb.guarantee_shortfall(alloc, gpu) or 0
-                short.append(f"GPU {gpu}: {format_bytes(max(left, 1))} missing, {self._holders(gpu, alloc)}")
+            elif left > 0:
+                short.append(f"GPU {gpu}: {format_bytes(left)} missing, {self._holders(gpu, alloc)}")
         return short
-
-    def _need(self, alloc: ContainerAlloc, gpu: str, missing: int, deadline: float) -> Need:
-        arb = self.agent.arbiter
-
-        def shortfall() -> int:
-            return arb.guarantee_shortfall(alloc, gpu) or 0
-
-        def try_grant() -> bool:
-            # Nothing to publish: the request is the container's already; this only checks it is free.
-            s = arb.guarantee_shortfall(alloc, gpu)
-            if s is not None and s <= 0:
-                need.granted = True
-            return need.granted
-
-        need = Need(
-            requester=alloc,
-            gpu=gpu,
-            bytes=missing,
-            priority=RECLAIM_PRIORITY,
-            deadline=deadline,
-            kind="reclaim",
-            try_grant=try_grant,
-            shortfall=shortfall,
-            seq=arb.next_seq(),
-        )
-        return need
 
     def _holders(self, gpu: str, alloc: ContainerAlloc) -> str:
         held = [
@@ -171,3 +126,53 @@ class Admission:
                 return
             await asyncio.sleep(IDENTITY_POLL)  # pod identity resolves shortly after admission
         log.warning("no Event posted for %s: its pod is not known", key)
+
+
+async def reclaim_guarantee(
+    arb: Any, alloc: ContainerAlloc, gpu: str, deadline: float, inflight: int = 0
+) -> int | None:
+    """Make `alloc`'s request on `gpu` physically free by taking burst memory back, until the loop
+    time `deadline`. `inflight`: bytes `alloc` counts in its usage but the driver has not given it
+    (an allocation it refused). Returns what is still missing: 0 all free, None no NVML reading.
+    Used at admission (Admission) and when the shim's driver refused memory within the request
+    (the arbiter's RECLAIM op)."""
+    missing = arb.guarantee_shortfall(alloc, gpu, inflight)
+    if missing is None or missing <= 0:
+        return missing
+    log.info(
+        "%s of the request of %s on GPU %s is lent out as bursts; reclaiming",
+        format_bytes(missing),
+        alloc.who(),
+        gpu,
+    )
+    for a in arb.ledger.containers():
+        if gpu in a.gpus and a.key != alloc.key and a.config.grant_bytes > 0:
+            arb.release_unused(a)  # a grant above what it uses: back at once
+
+    def shortfall() -> int:
+        return arb.guarantee_shortfall(alloc, gpu, inflight) or 0
+
+    def try_grant() -> bool:
+        # Nothing to publish: the request is the container's already; this only checks it is free.
+        s = arb.guarantee_shortfall(alloc, gpu, inflight)
+        if s is not None and s <= 0:
+            need.granted = True
+        return need.granted
+
+    need = Need(
+        requester=alloc,
+        gpu=gpu,
+        bytes=missing,
+        priority=RECLAIM_PRIORITY,
+        deadline=deadline,
+        kind="reclaim",
+        try_grant=try_grant,
+        shortfall=shortfall,
+        seq=arb.next_seq(),
+    )
+    loop = asyncio.get_running_loop()
+    try:
+        ok = await asyncio.wait_for(arb.chain.resolve(need), max(0.0, deadline - loop.time()) + 0.05)
+    except TimeoutError:
+        ok = need.try_grant()
+    return 0 if ok else max(shortfall(), 1)

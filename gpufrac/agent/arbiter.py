@@ -39,6 +39,7 @@ from typing import Any
 
 from gpufrac.agent import metrics
 from gpufrac.agent import swap as swap_mod
+from gpufrac.agent.admission import reclaim_guarantee
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.config import Config
 from gpufrac.agent.events import container_ref
@@ -67,6 +68,7 @@ OP_NAMES = {
     formats.BURST_OP_BURST: "burst",
     formats.BURST_OP_RELEASE: "release",
     formats.BURST_OP_SWAP_IN: "swap_in",
+    formats.BURST_OP_RECLAIM: "reclaim",
 }
 STATUS_NAMES = {
     formats.BURST_GRANTED: "granted",
@@ -247,7 +249,7 @@ class Arbiter:
         if req.magic != formats.BURST_MAGIC or req.version != formats.ABI_VERSION:
             self.stats.invalid += 1
             return formats.BURST_INVALID, 0
-        if req.op not in (formats.BURST_OP_BURST, formats.BURST_OP_RELEASE, formats.BURST_OP_SWAP_IN):
+        if req.op not in OP_NAMES:
             self.stats.invalid += 1
             return formats.BURST_INVALID, 0
         sock = writer.get_extra_info("socket")
@@ -262,6 +264,8 @@ class Arbiter:
         # The request races the caller's disconnect: a caller that gave up gets nothing.
         if req.op == formats.BURST_OP_SWAP_IN:
             work = asyncio.ensure_future(self._swap_in(caller))
+        elif req.op == formats.BURST_OP_RECLAIM:
+            work = asyncio.ensure_future(self._reclaim(caller, int(req.bytes), int(req.total_after)))
         else:
             work = asyncio.ensure_future(self._burst(caller, int(req.bytes), int(req.total_after)))
         gone = asyncio.ensure_future(reader.read(1))
@@ -335,6 +339,36 @@ class Arbiter:
             alloc.who(),
             gpu,
             "; ".join(need.notes) or "no resolver freed enough",
+        )
+        return formats.BURST_DENIED, 0
+
+    async def _reclaim(self, caller: Caller, nbytes: int, total_after: int) -> tuple[int, int]:
+        """The driver refused `nbytes` within the caller's request: others' bursts hold its guarantee.
+        Take it back as at admission, bounded by the container's wait timeout."""
+        alloc = caller.alloc
+        cfg = alloc.config
+        used = self._used(alloc)
+        if (
+            nbytes <= 0
+            or alloc.whole_gpu
+            or cfg.flags & FLAG_DISABLED
+            or used is None
+            or max(used, total_after) > alloc.request_bytes  # past the guarantee: BURST rules apply
+        ):
+            self.stats.denied += 1
+            return formats.BURST_DENIED, 0
+        deadline = asyncio.get_running_loop().time() + cfg.wait_timeout_ms / 1000.0
+        await self._refresh_nvml()  # the driver just failed: a cached reading may predate the burst
+        left = await reclaim_guarantee(self, alloc, alloc.gpus[0], deadline, nbytes)
+        if left == 0:
+            self.stats.granted += 1
+            return formats.BURST_GRANTED, self._generation(alloc)
+        self.stats.denied += 1
+        log.info(
+            "could not reclaim the guarantee of %s on GPU %s (%s missing)",
+            alloc.who(),
+            alloc.gpus[0],
+            format_bytes(left or 0),
         )
         return formats.BURST_DENIED, 0
 
@@ -458,10 +492,11 @@ class Arbiter:
 
     # -- admission reclaim (gpufrac.agent.admission) ------------------------------------------
 
-    def guarantee_shortfall(self, alloc: ContainerAlloc, gpu: str) -> int | None:
+    def guarantee_shortfall(self, alloc: ContainerAlloc, gpu: str, inflight: int = 0) -> int | None:
         """Bytes of `alloc`'s request on `gpu` that are not physically there now: its request
-        less what it uses, beyond NVML free less the margin less what every other container
-        may still charge within its request + grant. None without an NVML reading."""
+        less what it uses (less `inflight`, counted but not given by the driver), beyond NVML free
+        less the margin less what every other container may still charge within its request +
+        grant. None without an NVML reading."""
         mem = (self._nvml or {}).get(gpu)
         if mem is None:
             return None
@@ -470,7 +505,7 @@ class Arbiter:
             if a.key != alloc.key:
                 # Unknown usage (not started yet): it may still charge all it was promised.
                 pending += max(0, a.request_bytes + a.config.grant_bytes - (self._used(a) or 0))
-        mine = alloc.request_bytes - (self._used(alloc) or 0)
+        mine = min(alloc.request_bytes, alloc.request_bytes - (self._used(alloc) or 0) + inflight)
         return max(0, mine - (int(mem.free) - self.config.grant_margin - pending))
 
     def release_unused(self, alloc: ContainerAlloc) -> None:

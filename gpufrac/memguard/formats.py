@@ -100,6 +100,9 @@ BURST_GRANTED, BURST_DENIED = 0, 1
 # all mean "refused" to the shim; the extra ones say why.
 BURST_OP_RELEASE, BURST_OP_SWAP_IN = 2, 3
 BURST_REFUSED, BURST_INVALID, BURST_UNAVAILABLE = 2, 3, 4
+# The driver refused an allocation within the request (others' bursts hold the guarantee):
+# the agent takes burst memory back; GRANTED means retry once.
+BURST_OP_RECLAIM = 4
 
 
 class BurstRequest(ctypes.Structure):

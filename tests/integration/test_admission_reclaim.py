@@ -85,3 +85,21 @@ def test_idle_swappable_borrower_is_swapped_out_and_keeps_running(e2e_node: Make
     assert "GPU" in swapped[0]["message"]
     assert a.alive()  # swapped, not killed
     assert not node.events(a, REASON_EVICTED) and not node.events(b, REASON_GUARANTEE_AT_RISK)
+
+
+def test_owner_reclaims_its_lent_guarantee_from_a_burst_when_it_allocates(e2e_node: MakeNode) -> None:
+    # Lending on: a burst may borrow the unused part of b's guarantee after b started.
+    node = e2e_node(resolvers=["evict", "wait"], lendUnusedRequests=True)
+    b = node.run_pod("b", 8, None, priority=10)  # 512 MiB request
+    assert b.alloc(32 * MiB, 1) == "ok 1"  # b uses little of it
+    a = node.run_pod("a", 2, "896Mi", preemptible=True, wait_timeout="0s")
+    assert a.alloc(100 * MiB, 1) == "ok 1"
+    assert a.alloc(600 * MiB, 2) == "ok 2"  # this burst borrows most of b's unused guarantee
+    assert a.grant() > 500 * MiB
+    # b allocates up to its request: the driver has not the memory, so a's burst is taken back.
+    assert b.alloc(448 * MiB, 2) == "ok 2"
+    assert b.app.do("check 1") == "ok" and b.app.do("check 2") == "ok"
+    until(lambda: not a.alive(), what="a's process killed")
+    assert a.container.proc.returncode == -9
+    evicted = until(lambda: node.events(a, REASON_EVICTED), what="the Evicted event on a")
+    assert evicted[0]["type"] == "Warning"

@@ -74,6 +74,7 @@ CONSTANTS: list[tuple[int, str]] = [
     (formats.CLASS_INFERENCE, "MG_CLASS_INFERENCE"),
     (formats.BURST_MAGIC, "MG_BURST_MAGIC"),
     (formats.BURST_OP_BURST, "MG_BURST_OP_BURST"),
+    (formats.BURST_OP_RECLAIM, "MG_BURST_OP_RECLAIM"),
     (formats.BURST_GRANTED, "MG_BURST_GRANTED"),
     (formats.BURST_DENIED, "MG_BURST_DENIED"),
 ]

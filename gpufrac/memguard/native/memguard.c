@@ -917,6 +917,21 @@ static void mg_uncharge(uint64_t bytes) {
     mg_sat_sub(&g_usage->total_used, bytes);
 }
 
+/* The real driver refused `bytes` (already counted) for lack of memory. Within the
+ * container's request that memory is guaranteed, so others' bursts hold it
+ * (lendUnusedRequests, or bursts granted meanwhile): ask the agent to take it back
+ * (op RECLAIM, docs/arbiter-protocol.md). 1: it is free again, retry the real
+ * allocation once. Past the request (grant-backed) the OOM stands, as before.
+ * Only after a driver failure: the fast path never gets here. */
+static MG_COLD int mg_reclaim(CUresult rc, uint64_t bytes) {
+    if (rc != CUDA_ERROR_OUT_OF_MEMORY || bytes == 0 || !g_usage) return 0;
+    mg_limits_t l;
+    if (mg_read_limits(&l) != 0 || (l.flags & (MG_FLAG_DISABLED | MG_FLAG_WHOLE_GPU))) return 0;
+    uint64_t used = atomic_load_explicit(&g_usage->total_used, memory_order_relaxed);
+    if (used > l.request) return 0;
+    return mg_ask_arbiter(MG_BURST_OP_RECLAIM, bytes, used, &l);
+}
+
 /* After the real allocation: remember the size, or give it back on failure. */
 static void mg_settle(mg_tab_t *t, CUresult rc, uint64_t key, uint64_t bytes) {
     if (rc != CUDA_SUCCESS) {
@@ -1004,6 +1019,7 @@ static uint64_t mg_array_bytes(size_t w, size_t h, size_t d, int format, unsigne
         CUresult rc = mg_charge(bytes_);                                                                   \
         if (rc != CUDA_SUCCESS) return rc;                                                                 \
         rc = CALL_REAL(sym, __VA_ARGS__);                                                                  \
+        if (MG_UNLIKELY(rc == CUDA_ERROR_OUT_OF_MEMORY) && mg_reclaim(rc, bytes_)) rc = CALL_REAL(sym, __VA_ARGS__); \
         mg_settle(&(tab), rc, rc == CUDA_SUCCESS && (out) ? (uint64_t)(uintptr_t)(*(out)) : 0, bytes_); \
         return rc;                                                                                         \
     }
@@ -1051,6 +1067,8 @@ static CUresult mg_free_v1_adapter(CUdeviceptr p);
         CUresult rc = mg_charge(est);                                                                          \
         if (rc != CUDA_SUCCESS) return rc;                                                                     \
         rc = CALL_REAL(sym, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);                             \
+        if (MG_UNLIKELY(rc == CUDA_ERROR_OUT_OF_MEMORY) && mg_reclaim(rc, est))                               \
+            rc = CALL_REAL(sym, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);                         \
         rc = mg_pitch_settle(rc, rc == CUDA_SUCCESS ? *dptr : 0, rc == CUDA_SUCCESS ? *pPitch : 0, Height, est, \
                              real_free);                                                                       \
         if (rc != CUDA_SUCCESS && dptr) *dptr = 0;                                                             \

@@ -113,6 +113,10 @@ typedef struct {
 #define MG_BURST_REFUSED 2u     /* caller is not a container this agent serves */
 #define MG_BURST_INVALID 3u     /* malformed request (magic, version, op, size) */
 #define MG_BURST_UNAVAILABLE 4u /* op not available on this node */
+/* RECLAIM: the driver refused an allocation that stays within the container's
+ * request (its guarantee is held by others' bursts): the agent takes burst memory
+ * back for it; GRANTED means the request is physically free again, retry once. */
+#define MG_BURST_OP_RECLAIM 4u
 
 typedef struct {
     uint32_t magic;        /* MG_BURST_MAGIC */
