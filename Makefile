@@ -1,5 +1,11 @@
 # gpufrac — every target sets itself up: venv, install, native build, protos.
-PYTHON ?= python3
+# The agent runs on Python 3.10+, but the demo and the tests use kmock (the
+# apiserver emulator), which needs 3.11+: python3 if it is new enough, else the
+# first python3.1x on PATH that is.
+ifeq ($(origin PYTHON),undefined)
+PYTHON := $(firstword $(foreach p,python3 python3.11 python3.12 python3.13 python3.14,\
+  $(shell $(p) -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1 && echo $(p))))
+endif
 VENV   := .venv
 PY     := $(VENV)/bin/python
 CC     ?= cc
@@ -25,6 +31,9 @@ NATIVE_LIBS = libnvidia-ml.so.1 libcuda.so.1 libmemguard.so mg_ctest
 all: setup
 
 $(VENV)/.installed: pyproject.toml
+	@test -n "$(PYTHON)" || { echo "error: make run/test need Python 3.11 or newer on PATH" \
+	  "(python3.11, python3.12, ... or python3); the demo's apiserver emulator, kmock, needs it." \
+	  "Or name one: make PYTHON=/path/to/python3.12 test" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'

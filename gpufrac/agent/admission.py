@@ -64,7 +64,7 @@ class Admission:
             task = self._tasks[alloc.key]
         try:
             short = await asyncio.wait_for(asyncio.shield(task), PRESTART_WAIT + 1.0)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             short = [f"still reclaiming after {PRESTART_WAIT:.0f}s"]
         except Exception:
             log.exception("admission reclaim for %s failed", alloc.who())
@@ -173,6 +173,6 @@ async def reclaim_guarantee(
     loop = asyncio.get_running_loop()
     try:
         ok = await asyncio.wait_for(arb.chain.resolve(need), max(0.0, deadline - loop.time()) + 0.05)
-    except TimeoutError:
+    except asyncio.TimeoutError:
         ok = need.try_grant()
     return 0 if ok else max(shortfall(), 1)

@@ -232,7 +232,7 @@ class Arbiter:
                 return
             rep = BurstReply(formats.BURST_MAGIC, formats.ABI_VERSION, status, generation)
             writer.write(bytes(rep))
-            with contextlib.suppress(TimeoutError, ConnectionError):
+            with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
                 await asyncio.wait_for(writer.drain(), self.read_timeout)
         except asyncio.CancelledError:
             raise
@@ -328,7 +328,7 @@ class Arbiter:
         left = deadline - asyncio.get_running_loop().time()
         try:
             ok = await asyncio.wait_for(self.chain.resolve(need), max(0.0, left) + 0.05)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             ok = need.granted
         if ok:
             return formats.BURST_GRANTED, self._generation(alloc)
@@ -624,7 +624,7 @@ class Arbiter:
                 if left <= 0:
                     self.stats.wait_timeouts += 1
                     return need.granted
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(asyncio.shield(w.done), min(left, NVML_FRESH))
                 if not w.done.done():
                     self._refresh_soon()

@@ -168,7 +168,7 @@ class PodCache:
         assert self._synced is not None, "start() first"
         try:
             await asyncio.wait_for(self._synced.wait(), timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             return False
         return True
 
@@ -452,7 +452,7 @@ class EventRecorder:
             return True
         try:
             await asyncio.wait_for(self._queue.join(), timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             return False
         return True
 

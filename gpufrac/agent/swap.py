@@ -600,7 +600,7 @@ class SwapResolver:
             left = need.deadline - asyncio.get_running_loop().time()
             try:
                 ok = await asyncio.wait_for(self.ctx.chain.resolve(need), max(0.0, left) + 0.05)
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 ok = need.granted
         if not ok:
             self.stats.failed_in += 1

@@ -17,6 +17,7 @@ the demo (`gpufrac run`) starts one itself.
 from __future__ import annotations
 
 import asyncio
+import collections
 import datetime
 import threading
 import uuid
@@ -24,13 +25,15 @@ from asyncio import FIRST_COMPLETED
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
+import attrs
 import kmock
-from kmock._internal import rendering
+from kmock._internal import aiobus, rendering
 from kubernetes import client
 
 T = TypeVar("T")
 PODS = kmock.resource("v1/pods")
 EVENTS = kmock.resource("v1/events")
+HISTORY = 10_000  # watch events kept per resource for watches that resume from a version
 
 
 def _get_path(obj: Mapping[str, Any], dotted: str) -> str:
@@ -68,6 +71,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         self.resources["v1/pods"] = kmock.ResourceInfo(namespaced=True, kind="Pod", singular="pod")
         self.resources["v1/events"] = kmock.ResourceInfo(namespaced=True, kind="Event", singular="event")
         self.resources["v1/nodes"] = kmock.ResourceInfo(namespaced=False, kind="Node", singular="node")
+        self.history: dict[Any, list[tuple[int, Any]]] = collections.defaultdict(list)
+        self.history_floor = 0  # watches from before the oldest kept event get 410 Gone
+        self._buses = _RecordingBuses(self)
 
     async def _handle(self, request: rendering.Request) -> Any:
         # Stamp what the apiserver sets on every write before kmock stores the object.
@@ -99,21 +105,38 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         return result
 
     async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[Any]:
+        # kmock's own watch snapshots the objects and only then joins the event bus, so a
+        # write landing between the two is lost. Here the bus mark and the starting point are
+        # taken together under the store lock, and a watch from a resourceVersion replays the
+        # events after it (as the apiserver does) instead of re-sending every object.
         selector = request.params.get("fieldSelector")
         rv = request.params.get("resourceVersion", "")
-        if rv.isdigit() and int(rv) < self.expired_before:
+        since = int(rv) if rv.isdigit() and int(rv) > 0 else None
+        if since is not None and (since < self.expired_before or since < self.history_floor):
             yield b""
             yield _gone()
             return
+        assert request.resource is not None
+        bus = self._buses[request.resource]
+        async with self._lock:
+            mark = await bus.mark()
+            if since is not None:
+                first = [event for at, event in self.history[request.resource] if at > since]
+            else:
+                objs = self._KubernetesEmulator__get_objs(request, strict=False)  # type: ignore[attr-defined]
+                first = [{"type": "ADDED", "object": obj.raw} for obj in objs if not obj.deleted]
+        yield b""  # headers out: the client sees the stream open even if nothing happens
         timeout = request.params.get("timeoutSeconds")
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + float(timeout)
-        inner = super()._serve_watch(request)
+        inner = bus.stream(since=mark)
         closing = asyncio.ensure_future(self.closing.wait())
-        # Captured before any await, so an expiry can never slip between the check above and here.
         expired = asyncio.ensure_future(self.expiry.wait())
         step: asyncio.Future[Any] | None = None
         try:
+            for event in first:
+                if self._wanted(request, event, selector):
+                    yield event
             while True:
                 remaining = None if deadline is None else max(0.0, deadline - loop.time())
                 step = asyncio.ensure_future(inner.__anext__())
@@ -129,10 +152,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                     event = step.result()
                 except StopAsyncIteration:
                     return
-                if isinstance(event, dict) and event.get("type") == "ERROR":
-                    yield event
-                    return
-                if not isinstance(event, dict) or _selector_matches(event.get("object", {}), selector):
+                if self._wanted(request, event, selector):
                     yield event
         finally:
             pending = [f for f in (step, closing, expired) if f is not None and not f.done()]
@@ -140,6 +160,53 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                 f.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
             await inner.aclose()
+            await bus.unmark(mark)
+
+    def _wanted(self, request: rendering.Request, event: Any, selector: str | None) -> bool:
+        obj = event.get("object", {}) if isinstance(event, dict) else {}
+        meta = obj.get("metadata", {})
+        return bool(
+            self._KubernetesEmulator__check(  # type: ignore[attr-defined]
+                request, request.resource, meta.get("namespace"), meta.get("name"), strict=False
+            )
+        ) and _selector_matches(obj, selector)
+
+    def _record(self, resource: Any, items: tuple[Any, ...]) -> None:
+        """Keep each watch event with the resourceVersion it happened at (called under the lock)."""
+        log = self.history[resource]
+        for item in items:
+            if isinstance(item, dict) and item.get("type") == "DELETED":
+                # The apiserver stamps a deletion with its own version; kmock sends the last state.
+                raw = _plain(item["object"])  # a copy: the stored object keeps its own version
+                raw.setdefault("metadata", {})["resourceVersion"] = str(self.resource_version)
+                item["object"] = raw
+            log.append((self.resource_version, item))
+        if len(log) > HISTORY:
+            self.history_floor = max(self.history_floor, log[-HISTORY - 1][0] + 1)
+            del log[:-HISTORY]
+
+
+@attrs.mutable(weakref_slot=True)
+class _RecordingBus(aiobus.Bus[Any]):
+    """kmock's event bus, also telling the emulator what passed (for watches from a version)."""
+
+    on_put: Callable[[tuple[Any, ...]], None] = attrs.field(kw_only=True)
+
+    async def put(self, *items: Any) -> None:
+        self.on_put(items)
+        await super().put(*items)
+
+
+class _RecordingBuses(dict[Any, "_RecordingBus"]):
+    """One recording bus per resource, made on first use (as kmock's defaultdict does)."""
+
+    def __init__(self, emulator: ApiServerEmulator) -> None:
+        super().__init__()
+        self._emulator = emulator
+
+    def __missing__(self, resource: Any) -> _RecordingBus:
+        bus = self[resource] = _RecordingBus(on_put=lambda items: self._emulator._record(resource, items))
+        return bus
 
 
 def _gone() -> dict[str, Any]:

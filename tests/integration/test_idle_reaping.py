@@ -226,16 +226,19 @@ class Scenario:
                 evictor=PodEvictor(api, allow_delete=self.cfg.idle.allow_delete),
             )
             task = None
+            stop = asyncio.Event()
             try:
                 assert await cache.wait_synced(30)
                 await ident.resolve(self.listing)
                 if reaping:
-                    task = asyncio.create_task(self._loop(reaper))
+                    task = asyncio.create_task(self._loop(reaper, stop))
                 await body(reaper)
             finally:
+                # Let a pass in flight finish: cancelling it between an eviction and its
+                # Event would lose the Event the test then looks for.
+                stop.set()
                 if task is not None:
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
+                    await asyncio.wait_for(task, 30)
                 await ident.close()
                 tracker.close()
 
@@ -245,11 +248,12 @@ class Scenario:
             for w in self.workloads:
                 w.close()
 
-    async def _loop(self, reaper: IdleReaper) -> None:
-        while True:
+    async def _loop(self, reaper: IdleReaper, stop: asyncio.Event) -> None:
+        while not stop.is_set():
             await reaper.tick()
             self.passes += 1
-            await asyncio.sleep(self.cfg.idle.interval)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.cfg.idle.interval)
 
     async def passes_later(self, n: int) -> None:
         """Wait for n more reaper passes (time for the reaper to have acted, if it would)."""

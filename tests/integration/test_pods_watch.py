@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 from kube_fixtures import PODS, KubeServer, pod_manifest
-from kubernetes import client
+from kubernetes import client, watch
 from polling import until_async
 
 from gpufrac.agent.kube import KubeConfigError, PodCache, PodInfo, make_api_client
@@ -179,3 +179,29 @@ def test_no_apiserver_configured_is_a_clear_error(tmp_path: Path, monkeypatch: p
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(KubeConfigError, match="not in a cluster and no usable kubeconfig"):
         make_api_client(kubeconfig=str(tmp_path / "missing"))
+
+
+def test_a_watch_resumed_from_a_version_replays_what_changed_since(kube_server: KubeServer) -> None:
+    # What the agent relies on when its watch reconnects: nothing written between its list
+    # (or its last event) and the new watch is lost, deletions included.
+    v1 = kube_server.core_v1()
+    v1.create_namespaced_pod("default", pod_manifest("old", node=NODE))
+    v1.create_namespaced_pod("default", pod_manifest("goes", node=NODE))
+    rv = v1.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={NODE}").metadata.resource_version
+    v1.create_namespaced_pod("default", pod_manifest("new", node=NODE))
+    v1.create_namespaced_pod("default", pod_manifest("elsewhere", node="node-b"))
+    v1.delete_namespaced_pod("goes", "default")
+
+    w = watch.Watch(return_type="object")
+    got = [
+        (e["type"], e["raw_object"]["metadata"]["name"], int(e["raw_object"]["metadata"]["resourceVersion"]))
+        for e in w.stream(
+            v1.list_pod_for_all_namespaces,
+            field_selector=f"spec.nodeName={NODE}",
+            resource_version=rv,
+            timeout_seconds=1,
+        )
+    ]
+    assert [(t, n) for t, n, _ in got] == [("ADDED", "new"), ("DELETED", "goes")]
+    # The deletion carries the version it happened at, so resuming after it does not replay it.
+    assert got[1][2] > got[0][2] > int(rv)
