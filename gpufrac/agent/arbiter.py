@@ -220,7 +220,7 @@ class Arbiter:
                 return
             try:
                 data = await asyncio.wait_for(reader.readexactly(REQUEST_SIZE), self.read_timeout)
-            except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
+            except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
                 self.stats.dropped += 1
                 return
             req = BurstRequest.from_buffer_copy(data)

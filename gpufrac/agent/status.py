@@ -367,7 +367,7 @@ class StatusServer:
             except asyncio.LimitOverrunError:
                 writer.write(_reply(431, "Request Header Fields Too Large", b'{"error":"request too large"}'))
                 return
-            except (asyncio.IncompleteReadError, TimeoutError):
+            except (asyncio.IncompleteReadError, asyncio.TimeoutError):
                 return
             parts = head.split(b"\r\n", 1)[0].decode("latin-1").split()
             if len(parts) < 2 or parts[0] not in ("GET", "HEAD"):
