@@ -9,6 +9,10 @@
  *   shim_bench launch ROUNDS N           -> ns per cuLaunchKernel
  *   shim_bench getinfo ROUNDS N          -> ns per cuMemGetInfo_v2
  *   shim_bench start                     -> init, one alloc+free, exit (start-up cost)
+ *   shim_bench burst 1 N BYTES           -> N allocations of BYTES past the container's request
+ *                                           (each a burst request to the agent's arbiter), each
+ *                                           freed and followed by a 5 ms pause in which the shim's
+ *                                           release is served; one "burst_ns=<ns>" line per alloc
  *
  * Output: one line "<op> wall_ns=<min wall ns/op> cpu_ns=<min thread-CPU ns/op>".
  * The minimum over rounds filters out preemption on a shared machine; CPU time
@@ -70,6 +74,18 @@ int main(int argc, char **argv) {
     if (!strcmp(op, "start")) {
         if ((rc = cuMemAlloc_v2(&d, 4096)) != 0) die("cuMemAlloc_v2", rc);
         if ((rc = cuMemFree_v2(d)) != 0) die("cuMemFree_v2", rc);
+        return 0;
+    }
+    if (!strcmp(op, "burst")) {
+        struct timespec pause = {0, 5000000};
+        for (unsigned long i = 0; i < n; i++) {
+            uint64_t t0 = now(CLOCK_MONOTONIC);
+            if ((rc = cuMemAlloc_v2(&d, bytes)) != 0) die("cuMemAlloc_v2 (burst)", rc);
+            uint64_t t1 = now(CLOCK_MONOTONIC);
+            if ((rc = cuMemFree_v2(d)) != 0) die("cuMemFree_v2", rc);
+            printf("burst_ns=%llu\n", (unsigned long long)(t1 - t0));
+            nanosleep(&pause, NULL);
+        }
         return 0;
     }
     /* Decided once, outside the timed loops (a string compare per call would be

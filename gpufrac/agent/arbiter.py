@@ -33,7 +33,7 @@ import mmap
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +81,7 @@ NVML_STALE = 1.0  # older than this, a request waits for a new one
 RECLAIM_INTERVAL = 1.0
 STALE_AFTER = 10.0  # a grant unused this long is taken back
 STALE_SLACK = 64 << 20  # "well below": unused grant beyond this counts as stale
+Result = tuple[int | None, int]  # (reply status or None: no reply, config generation)
 
 
 @dataclass
@@ -148,7 +149,7 @@ class Arbiter:
         self._waiters: dict[str, list[_Waiter]] = {}
         self._seq = itertools.count(1)
         self._tasks: list[asyncio.Task[Any]] = []
-        self._handlers: set[asyncio.Task[Any]] = set()
+        self._connections: set[_Connection] = set()
         self._returned: dict[str, int] = {}  # last grant_returned seen per container
         self._unused_since: dict[str, float] = {}
         self._notifying = False
@@ -161,7 +162,8 @@ class Arbiter:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)  # a previous agent's socket: nobody listens on it
         os.makedirs(os.path.dirname(self.socket_path) or ".", exist_ok=True)
-        self._server = await asyncio.start_unix_server(self._serve, path=self.socket_path)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: _Connection(self), path=self.socket_path)
         # Container processes may run as any uid; who they are comes from SO_PEERCRED.
         os.chmod(self.socket_path, 0o666)
         self.ledger.add_listener(self._on_ledger_change)
@@ -176,9 +178,11 @@ class Arbiter:
                 if not w.done.done():
                     w.done.set_result(False)  # a stopping agent grants nothing
         self._waiters.clear()
-        for t in [*self._tasks, *self._handlers]:
+        for conn in list(self._connections):
+            conn.abort()
+        for t in self._tasks:
             t.cancel()
-        for t in [*self._tasks, *self._handlers]:
+        for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         if self._server is not None:
@@ -209,50 +213,14 @@ class Arbiter:
 
     # -- the socket ------------------------------------------------------------------------------
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._handlers.add(task)
-        self.stats.connections += 1
-        try:
-            if len(self._handlers) > MAX_CONNECTIONS:
-                self.stats.dropped += 1
-                return
-            try:
-                data = await asyncio.wait_for(reader.readexactly(REQUEST_SIZE), self.read_timeout)
-            except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
-                self.stats.dropped += 1
-                return
-            req = BurstRequest.from_buffer_copy(data)
-            status, generation = await self._dispatch(req, writer, reader)
-            metrics.count_arbiter_request(
-                OP_NAMES.get(req.op, "invalid"), STATUS_NAMES.get(status, "dropped")
-            )
-            if status is None:
-                return
-            rep = BurstReply(formats.BURST_MAGIC, formats.ABI_VERSION, status, generation)
-            writer.write(bytes(rep))
-            with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
-                await asyncio.wait_for(writer.drain(), self.read_timeout)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("arbiter: request failed")
-        finally:
-            writer.close()
-            if task is not None:
-                self._handlers.discard(task)
-
-    async def _dispatch(
-        self, req: BurstRequest, writer: asyncio.StreamWriter, reader: asyncio.StreamReader
-    ) -> tuple[int | None, int]:
+    def _handle(self, req: BurstRequest, sock: Any) -> Result | Coroutine[Any, Any, Result]:
+        """A request's answer now, or a coroutine that finds it (waiting, resolvers, swap-in)."""
         if req.magic != formats.BURST_MAGIC or req.version != formats.ABI_VERSION:
             self.stats.invalid += 1
             return formats.BURST_INVALID, 0
         if req.op not in OP_NAMES:
             self.stats.invalid += 1
             return formats.BURST_INVALID, 0
-        sock = writer.get_extra_info("socket")
         try:
             caller = self.peers.identify(sock)
         except PeerError as e:
@@ -261,28 +229,15 @@ class Arbiter:
             return formats.BURST_REFUSED, 0
         if req.op == formats.BURST_OP_RELEASE:
             return formats.BURST_GRANTED, self._release(caller.alloc, shim_returned=True)
-        # The request races the caller's disconnect: a caller that gave up gets nothing.
         if req.op == formats.BURST_OP_SWAP_IN:
-            work = asyncio.ensure_future(self._swap_in(caller))
-        elif req.op == formats.BURST_OP_RECLAIM:
-            work = asyncio.ensure_future(self._reclaim(caller, int(req.bytes), int(req.total_after)))
-        else:
-            work = asyncio.ensure_future(self._burst(caller, int(req.bytes), int(req.total_after)))
-        gone = asyncio.ensure_future(reader.read(1))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()
-                self.stats.dropped += 1
-        if work.cancelled():
-            return None, 0
-        return work.result()
+            return self._swap_in(caller)
+        if req.op == formats.BURST_OP_RECLAIM:
+            return self._reclaim(caller, int(req.bytes), int(req.total_after))
+        return self._burst(caller, int(req.bytes), int(req.total_after))
 
     # -- bursts ----------------------------------------------------------------------------------
 
-    async def _burst(self, caller: Caller, nbytes: int, total_after: int) -> tuple[int, int]:
+    def _burst(self, caller: Caller, nbytes: int, total_after: int) -> Result | Coroutine[Any, Any, Result]:
         alloc = caller.alloc
         cfg = alloc.config
         if nbytes <= 0 or alloc.whole_gpu or cfg.flags & FLAG_DISABLED:
@@ -306,14 +261,29 @@ class Arbiter:
         if target <= cfg.grant_bytes:
             self.stats.granted += 1  # already granted (the shim raced a config update)
             return formats.BURST_GRANTED, self._generation(alloc)
-        gpu = alloc.gpus[0]
+        if self._nvml_ready():
+            # The common case, answered without a task: the GPU has the bytes and nobody is ahead.
+            need = self._burst_need(alloc, target, used)
+            if self._grant_now(need):
+                return formats.BURST_GRANTED, self._generation(alloc)
+            return self._burst_resolve(need)
+        return self._burst_after_reading(alloc, target, used)
+
+    async def _burst_after_reading(self, alloc: ContainerAlloc, target: int, used: int) -> Result:
         await self._fresh_nvml()
-        deadline = asyncio.get_running_loop().time() + cfg.wait_timeout_ms / 1000.0
+        need = self._burst_need(alloc, target, used)
+        if self._grant_now(need):
+            return formats.BURST_GRANTED, self._generation(alloc)
+        return await self._burst_resolve(need)
+
+    def _burst_need(self, alloc: ContainerAlloc, target: int, used: int) -> Need:
+        """What a burst to `target` bytes above the request needs on the caller's GPU."""
+        deadline = asyncio.get_running_loop().time() + alloc.config.wait_timeout_ms / 1000.0
         need = Need(
             requester=alloc,
-            gpu=gpu,
+            gpu=alloc.gpus[0],
             bytes=target - self._burst_held(alloc, used),
-            priority=cfg.priority,
+            priority=alloc.config.priority,
             deadline=deadline,
             kind="burst",
             try_grant=lambda: False,
@@ -322,10 +292,16 @@ class Arbiter:
         )
         need.try_grant = lambda: self._try_grant(need, target)
         need.shortfall = lambda: max(0, target - self._burst_held(alloc) - self._free_for(alloc))
-        if not self._queued_ahead(need) and need.try_grant():
-            return formats.BURST_GRANTED, self._generation(alloc)
+        return need
+
+    def _grant_now(self, need: Need) -> bool:
+        return not self._queued_ahead(need) and need.try_grant()
+
+    async def _burst_resolve(self, need: Need) -> Result:
+        """Wait for memory or have the resolvers free it, until the caller's wait timeout."""
+        alloc = need.requester
         # The shim stops listening after its wait timeout: answer by then, whatever a resolver does.
-        left = deadline - asyncio.get_running_loop().time()
+        left = need.deadline - asyncio.get_running_loop().time()
         try:
             ok = await asyncio.wait_for(self.chain.resolve(need), max(0.0, left) + 0.05)
         except asyncio.TimeoutError:
@@ -337,7 +313,7 @@ class Arbiter:
             "denied %s of burst to %s on GPU %s (%s)",
             format_bytes(need.bytes),
             alloc.who(),
-            gpu,
+            need.gpu,
             "; ".join(need.notes) or "no resolver freed enough",
         )
         return formats.BURST_DENIED, 0
@@ -509,8 +485,10 @@ class Arbiter:
         return max(0, mine - (int(mem.free) - self.config.grant_margin - pending))
 
     def release_unused(self, alloc: ContainerAlloc) -> None:
-        """Take back the part of `alloc`'s grant it does not use (as the shim's release does)."""
+        """Take back the part of `alloc`'s grant it does not use (as the shim's release does);
+        a reclaim waits on what this frees, so NVML is read again at once."""
         self._release(alloc)
+        self._refresh_soon()
 
     def _generation(self, alloc: ContainerAlloc) -> int:
         """The config generation the reply names (read from a kept mapping: per request)."""
@@ -527,13 +505,18 @@ class Arbiter:
 
     # -- NVML ------------------------------------------------------------------------------------
 
-    async def _fresh_nvml(self) -> None:
+    def _nvml_ready(self) -> bool:
+        """Whether the NVML reading may be used now; starts a new one if it is getting old."""
         age = time.monotonic() - self._nvml_at
         if age <= NVML_FRESH:
-            return
+            return True
         if self._nvml_task is None or self._nvml_task.done():
             self._nvml_task = asyncio.create_task(self._refresh_nvml())
-        if age > NVML_STALE:
+        return age <= NVML_STALE
+
+    async def _fresh_nvml(self) -> None:
+        if not self._nvml_ready():
+            assert self._nvml_task is not None
             await asyncio.shield(self._nvml_task)
 
     async def _refresh_nvml(self) -> None:
@@ -565,8 +548,14 @@ class Arbiter:
         if shim_returned:
             self.stats.released += 1
         self._unused_since.pop(alloc.key, None)
-        self.notify(alloc.gpus[0])
-        self._refresh_soon()  # the freed bytes show in NVML only after a new reading
+        gpu = alloc.gpus[0]
+        self.notify(gpu)
+        if self._waiters.get(gpu):
+            # The freed bytes show in NVML only after a new reading. Without waiters there is no
+            # hurry: a reading from before the free under-counts free memory (never grants too
+            # much), and the next burst after NVML_FRESH takes a new one. Reading all GPUs on
+            # every release would sit on the fast path of the bursts that follow.
+            self._refresh_soon()
         return self._generation(alloc)
 
     def revoke_burst(self, alloc: ContainerAlloc) -> None:
@@ -774,3 +763,110 @@ def request(
         except (TimeoutError, OSError):
             return None
     return BurstReply.from_buffer_copy(data)
+
+
+class _Connection(asyncio.Protocol):
+    """One shim request on one connection: a fixed-size request in, one reply out, closed.
+
+    A protocol rather than a stream handler so that the common answers (a burst the GPU
+    has room for, a release, a refusal) are written from data_received itself: no task,
+    timeout wrapper or disconnect watcher per request. Only a request that has to wait
+    (resolvers, a swap-in, a reclaim) becomes a task, cancelled if the caller hangs up.
+    """
+
+    def __init__(self, arbiter: Arbiter) -> None:
+        self.arb = arbiter
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.op: int | None = None  # the request's op, once it is read
+        self.work: asyncio.Future[Result] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        arb = self.arb
+        arb.stats.connections += 1
+        if len(arb._connections) >= MAX_CONNECTIONS:
+            arb.stats.dropped += 1
+            transport.abort()
+            return
+        arb._connections.add(self)
+        self.timer = asyncio.get_running_loop().call_later(arb.read_timeout, self._too_slow)
+
+    def data_received(self, data: bytes) -> None:
+        if self.op is not None:
+            return  # one request per connection; anything after it is ignored
+        self.buf += data
+        if len(self.buf) < REQUEST_SIZE:
+            return
+        assert self.transport is not None
+        if self.timer is not None:
+            self.timer.cancel()
+        req = BurstRequest.from_buffer_copy(self.buf[:REQUEST_SIZE])
+        self.op = req.op
+        try:
+            out = self.arb._handle(req, self.transport.get_extra_info("socket"))
+        except Exception:
+            log.exception("arbiter: request failed")
+            self.transport.abort()
+            return
+        if isinstance(out, tuple):
+            self._answer(out)
+        else:
+            self.work = asyncio.ensure_future(out)
+            self.work.add_done_callback(self._worked)
+
+    def eof_received(self) -> bool:
+        # A caller that hangs up while its request waits gets nothing (and frees its place).
+        self._give_up()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._give_up()
+        if self.timer is not None:
+            self.timer.cancel()
+        self.arb._connections.discard(self)
+
+    def abort(self) -> None:
+        self._give_up()
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _too_slow(self) -> None:
+        self.arb.stats.dropped += 1  # a short or missing request
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _give_up(self) -> None:
+        if self.work is not None and not self.work.done():
+            self.work.cancel()
+
+    def _worked(self, work: asyncio.Future[Result]) -> None:
+        if work.cancelled():
+            self.arb.stats.dropped += 1
+            self._count(None)
+            return
+        exc = work.exception()
+        if exc is not None:
+            log.error("arbiter: request failed", exc_info=exc)
+            if self.transport is not None:
+                self.transport.abort()
+            return
+        self._answer(work.result())
+
+    def _answer(self, result: Result) -> None:
+        status, generation = result
+        self._count(status)
+        assert self.transport is not None
+        if status is not None and not self.transport.is_closing():
+            self.transport.write(
+                bytes(BurstReply(formats.BURST_MAGIC, formats.ABI_VERSION, status, generation))
+            )
+        self.transport.close()  # after the reply is flushed
+
+    def _count(self, status: int | None) -> None:
+        op = OP_NAMES.get(self.op, "invalid") if self.op is not None else "invalid"
+        metrics.count_arbiter_request(
+            op, STATUS_NAMES.get(status, "dropped") if status is not None else "dropped"
+        )

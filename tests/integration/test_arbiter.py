@@ -143,6 +143,22 @@ def test_socket_survives_garbage_and_answers_afterwards(node: ArbiterNode) -> No
     assert w.do(f"alloc {GiB}") == "granted"
 
 
+def test_a_stalled_half_request_is_dropped_and_others_are_answered_meanwhile(node: ArbiterNode) -> None:
+    a = node.add("a", 2, "8Gi")
+    w = a.workload
+    assert w is not None
+    dropped = node.arbiter.stats.dropped
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(60)
+        s.connect(node.socket)
+        s.sendall(b"\x00" * 10)  # a quarter of a request, then silence
+        # Meanwhile a real request is served: one stalled peer holds nothing up.
+        assert w.do(f"alloc {2 * GiB}") == "fast"
+        assert w.do(f"alloc {GiB}") == "granted"
+        assert s.recv(64) == b""  # closed by the agent after its read timeout, no reply
+    assert node.arbiter.stats.dropped == dropped + 1
+
+
 def test_release_gives_the_grant_back(node: ArbiterNode) -> None:
     a = node.add("a", 2, "8Gi")
     w = a.workload

@@ -50,6 +50,32 @@ def test_wait_is_granted_when_the_other_side_frees(make_node: Make) -> None:
     assert node.arbiter.stats.wait_timeouts == 0
 
 
+def test_a_waiter_that_dies_leaves_the_queue_and_the_next_is_served(make_node: Make) -> None:
+    # b (higher priority) waits first, then c; b is killed mid-wait. Its place must not block c,
+    # and nothing may be granted to the dead request.
+    node = make_node(resolvers=["wait"])
+    a = node.add("a", 20, "78Gi")
+    b = node.add("b", 20, "60Gi", wait_timeout="120s", priority=10)
+    c = node.add("c", 20, "60Gi", wait_timeout="120s")
+    fill(node, a)
+    wb, wc = b.workload, c.workload
+    assert wb is not None and wc is not None
+    assert wb.do(f"alloc {20 * GiB}") == "fast" and wc.do(f"alloc {20 * GiB}") == "fast"
+    wb.send(f"alloc {2 * GiB}")
+    waiting(node, 1)
+    wc.send(f"alloc {2 * GiB}")
+    waiting(node, 2)
+    dropped = node.arbiter.stats.dropped
+    assert b.container is not None
+    b.container.kill()  # kill -9: the kernel closes its end of the socket
+    waiting(node, 1)
+    assert node.arbiter.stats.dropped == dropped + 1
+    assert a.workload is not None and a.workload.do(f"free {3 * GiB}") == "granted"
+    assert wc.line() == "granted"
+    assert c.config().grant_bytes == 2 * GiB
+    assert b.config().grant_bytes == 0
+
+
 def test_wait_times_out_into_a_denial(make_node: Make) -> None:
     node = make_node(resolvers=["wait"])
     a = node.add("a", 30, "78Gi")
