@@ -104,7 +104,7 @@ def run(bursts: int = 300, handoffs: int = 100) -> dict[str, Any]:
         nonlocal nxt
         ids = [device_id(gpu, MEMORY, nxt + i) for i in range(gib)]
         nxt += gib
-        uid = f"{len(names) + nxt:08x}-0000-4000-8000-000000000000"
+        uid = f"{nxt:08x}-0000-4000-8000-000000000000"  # nxt only grows: unique
 
         async def go() -> Any:
             a = ledger.allocate(MEMORY, ids)

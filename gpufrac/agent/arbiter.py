@@ -81,7 +81,7 @@ NVML_STALE = 1.0  # older than this, a request waits for a new one
 RECLAIM_INTERVAL = 1.0
 STALE_AFTER = 10.0  # a grant unused this long is taken back
 STALE_SLACK = 64 << 20  # "well below": unused grant beyond this counts as stale
-Result = tuple[int | None, int]  # (reply status or None: no reply, config generation)
+Result = tuple[int, int]  # (reply status, config generation)
 
 
 @dataclass
@@ -262,22 +262,19 @@ class Arbiter:
             self.stats.granted += 1  # already granted (the shim raced a config update)
             return formats.BURST_GRANTED, self._generation(alloc)
         if self._nvml_ready():
-            # The common case, answered without a task: the GPU has the bytes and nobody is ahead.
-            need = self._burst_need(alloc, target, used)
-            if self._grant_now(need):
-                return formats.BURST_GRANTED, self._generation(alloc)
-            return self._burst_resolve(need)
+            return self._burst_decide(alloc, target, used)  # the common case: no task
         return self._burst_after_reading(alloc, target, used)
 
     async def _burst_after_reading(self, alloc: ContainerAlloc, target: int, used: int) -> Result:
         await self._fresh_nvml()
-        need = self._burst_need(alloc, target, used)
-        if self._grant_now(need):
-            return formats.BURST_GRANTED, self._generation(alloc)
-        return await self._burst_resolve(need)
+        out = self._burst_decide(alloc, target, used)
+        return out if isinstance(out, tuple) else await out
 
-    def _burst_need(self, alloc: ContainerAlloc, target: int, used: int) -> Need:
-        """What a burst to `target` bytes above the request needs on the caller's GPU."""
+    def _burst_decide(
+        self, alloc: ContainerAlloc, target: int, used: int
+    ) -> Result | Coroutine[Any, Any, Result]:
+        """Granted now if the GPU has the bytes and nobody of equal or higher priority waits;
+        otherwise the wait and the resolvers, as a coroutine."""
         deadline = asyncio.get_running_loop().time() + alloc.config.wait_timeout_ms / 1000.0
         need = Need(
             requester=alloc,
@@ -292,10 +289,9 @@ class Arbiter:
         )
         need.try_grant = lambda: self._try_grant(need, target)
         need.shortfall = lambda: max(0, target - self._burst_held(alloc) - self._free_for(alloc))
-        return need
-
-    def _grant_now(self, need: Need) -> bool:
-        return not self._queued_ahead(need) and need.try_grant()
+        if not self._queued_ahead(need) and need.try_grant():
+            return formats.BURST_GRANTED, self._generation(alloc)
+        return self._burst_resolve(need)
 
     async def _burst_resolve(self, need: Need) -> Result:
         """Wait for memory or have the resolvers free it, until the caller's wait timeout."""
@@ -843,9 +839,9 @@ class _Connection(asyncio.Protocol):
             self.work.cancel()
 
     def _worked(self, work: asyncio.Future[Result]) -> None:
-        if work.cancelled():
+        if work.cancelled():  # the caller hung up while it waited
             self.arb.stats.dropped += 1
-            self._count(None)
+            metrics.count_arbiter_request(OP_NAMES.get(self.op or -1, "invalid"), "dropped")
             return
         exc = work.exception()
         if exc is not None:
@@ -857,16 +853,9 @@ class _Connection(asyncio.Protocol):
 
     def _answer(self, result: Result) -> None:
         status, generation = result
-        self._count(status)
+        metrics.count_arbiter_request(OP_NAMES.get(self.op or -1, "invalid"), STATUS_NAMES[status])
         assert self.transport is not None
-        if status is not None and not self.transport.is_closing():
-            self.transport.write(
-                bytes(BurstReply(formats.BURST_MAGIC, formats.ABI_VERSION, status, generation))
-            )
+        if not self.transport.is_closing():
+            reply = BurstReply(formats.BURST_MAGIC, formats.ABI_VERSION, status, generation)
+            self.transport.write(bytes(reply))
         self.transport.close()  # after the reply is flushed
-
-    def _count(self, status: int | None) -> None:
-        op = OP_NAMES.get(self.op, "invalid") if self.op is not None else "invalid"
-        metrics.count_arbiter_request(
-            op, STATUS_NAMES.get(status, "dropped") if status is not None else "dropped"
-        )

@@ -118,22 +118,24 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             return
         assert request.resource is not None
         bus = self._buses[request.resource]
-        async with self._lock:
-            mark = await bus.mark()
-            if since is not None:
-                first = [event for at, event in self.history[request.resource] if at > since]
-            else:
-                objs = self._KubernetesEmulator__get_objs(request, strict=False)  # type: ignore[attr-defined]
-                first = [{"type": "ADDED", "object": obj.raw} for obj in objs if not obj.deleted]
-        yield b""  # headers out: the client sees the stream open even if nothing happens
-        timeout = request.params.get("timeoutSeconds")
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + float(timeout)
-        inner = bus.stream(since=mark)
+        # Captured before any await, so an expiry can never slip between the check above and here.
         closing = asyncio.ensure_future(self.closing.wait())
         expired = asyncio.ensure_future(self.expiry.wait())
         step: asyncio.Future[Any] | None = None
+        mark = inner = None
         try:
+            async with self._lock:
+                mark = await bus.mark()
+                if since is not None:
+                    first = [event for at, event in self.history[request.resource] if at > since]
+                else:
+                    objs = self._KubernetesEmulator__get_objs(request, strict=False)  # type: ignore[attr-defined]
+                    first = [{"type": "ADDED", "object": obj.raw} for obj in objs if not obj.deleted]
+            yield b""  # headers out: the client sees the stream open even if nothing happens
+            timeout = request.params.get("timeoutSeconds")
+            loop = asyncio.get_running_loop()
+            deadline = None if timeout is None else loop.time() + float(timeout)
+            inner = bus.stream(since=mark)
             for event in first:
                 if self._wanted(request, event, selector):
                     yield event
@@ -152,6 +154,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                     event = step.result()
                 except StopAsyncIteration:
                     return
+                if isinstance(event, dict) and event.get("type") == "ERROR":
+                    yield event
+                    return
                 if self._wanted(request, event, selector):
                     yield event
         finally:
@@ -159,11 +164,15 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             for f in pending:
                 f.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-            await inner.aclose()
-            await bus.unmark(mark)
+            if inner is not None:
+                await inner.aclose()
+            if mark is not None:
+                await bus.unmark(mark)
 
     def _wanted(self, request: rendering.Request, event: Any, selector: str | None) -> bool:
-        obj = event.get("object", {}) if isinstance(event, dict) else {}
+        if not isinstance(event, dict):
+            return True  # raw payloads (bytes) go out as kmock would send them
+        obj = event.get("object", {})
         meta = obj.get("metadata", {})
         return bool(
             self._KubernetesEmulator__check(  # type: ignore[attr-defined]
