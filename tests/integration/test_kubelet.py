@@ -99,7 +99,8 @@ def test_pod_resources_lists_pods_and_agent_releases_deleted_ones(sim: Sim) -> N
     k.delete(a)  # no RPC: the agent learns it from pod-resources
     k.wait_for(lambda: len(sim.agent.container_dirs()) == 1, 30)
     k.wait_for(lambda: sim.healthy_on(FRACTION, g) == 100 or g in sim.gpus_of(b), 30)
-    assert [x["pod"] for x in sim.agent.state()["allocations"]] == ["b"]
+    # The state file follows through the agent's persist loop, a moment after the release.
+    k.wait_for(lambda: [x["pod"] for x in sim.agent.state()["allocations"]] == ["b"], 30)
 
 
 def test_slices_of_a_deleted_pod_go_to_the_next_pod_at_once(make_sim: Callable[..., Sim]) -> None:
