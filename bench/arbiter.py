@@ -43,7 +43,9 @@ def _pct(xs: Sequence[float], p: float) -> float:
 
 class _Loop:
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        from gpufrac.agent.eventloop import new_loop
+
+        self.loop = new_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
 

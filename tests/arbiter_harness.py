@@ -32,6 +32,7 @@ from gpufrac import native
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.arbiter import Arbiter
 from gpufrac.agent.config import Config, load
+from gpufrac.agent.eventloop import new_loop
 from gpufrac.agent.identity import PodIdentity
 from gpufrac.agent.inventory import read_inventory
 from gpufrac.agent.kube import EventRecorder, PodCache, make_api_client
@@ -53,7 +54,7 @@ class LoopThread:
     """An event loop in a background thread: the agent's loop for these tests."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="arbiter-loop", daemon=True)
         self._thread.start()
 

@@ -295,6 +295,9 @@ class Ledger:
         # not by config-only changes (identity, limits, grants): listeners tell them apart.
         self.capacity_generation = 0
         self._gpu_generation: dict[str, int] = dict.fromkeys(self.geometry, 0)  # the same, per GPU
+        # Bumped by every change the state file records; not by a grant alone (every burst):
+        # grants live in the config files, and recovery reads them there (published_grants).
+        self.state_generation = 0
         # How release() deletes a directory; the agent swaps in one that queues it behind the
         # container-directory writes in its I/O thread instead of blocking the loop.
         self.remove_dir: Callable[[str], None] = remove_container_dir
@@ -311,7 +314,9 @@ class Ledger:
         """Called (on the loop) after every allocation, release, config or health change."""
         self._listeners.append(callback)
 
-    def _changed(self) -> None:
+    def _changed(self, *, stateful: bool = True) -> None:
+        if stateful:
+            self.state_generation += 1
         for cb in self._listeners:
             cb()
 
@@ -608,7 +613,7 @@ class Ledger:
             raise ValueError(f"update_config({key}): {sorted(booked)} are decided by the booking")
         new = dataclasses.replace(alloc.config, **fields)  # type: ignore[arg-type]
         if new != alloc.config:
-            self._write(alloc, new)
+            self._write(alloc, new, stateful=fields.keys() != {"grant_bytes"})
         return alloc.config
 
     def _require(self, key: str) -> ContainerAlloc:
@@ -617,9 +622,9 @@ class Ledger:
             raise KeyError(f"no allocation with container key {key!r}")
         return alloc
 
-    def _write(self, alloc: ContainerAlloc, cfg: ContainerConfig) -> None:
+    def _write(self, alloc: ContainerAlloc, cfg: ContainerConfig, *, stateful: bool = True) -> None:
         alloc.config = cfg
         handle = self._files.get(alloc.key)
         if handle is not None:
             handle.write(cfg)
-        self._changed()
+        self._changed(stateful=stateful)

@@ -35,7 +35,7 @@ import sys
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from gpufrac.agent import metrics
 from gpufrac.agent import swap as swap_mod
@@ -154,6 +154,7 @@ class Arbiter:
         self._unused_since: dict[str, float] = {}
         self._notifying = False
         self._renotify: set[str] = set()
+        self._handles_generation = -1  # the ledger's capacity_generation at the last handle sweep
 
     # -- lifetime --------------------------------------------------------------------------------
 
@@ -275,6 +276,9 @@ class Arbiter:
     ) -> Result | Coroutine[Any, Any, Result]:
         """Granted now if the GPU has the bytes and nobody of equal or higher priority waits;
         otherwise the wait and the resolvers, as a coroutine."""
+        # The common case first, without building a Need: nobody waits ahead and it fits.
+        if not self._queued_ahead(alloc.gpus[0], alloc.config.priority) and self._grant(alloc, target):
+            return formats.BURST_GRANTED, self._generation(alloc)
         deadline = asyncio.get_running_loop().time() + alloc.config.wait_timeout_ms / 1000.0
         need = Need(
             requester=alloc,
@@ -289,8 +293,6 @@ class Arbiter:
         )
         need.try_grant = lambda: self._try_grant(need, target)
         need.shortfall = lambda: max(0, target - self._burst_held(alloc) - self._free_for(alloc))
-        if not self._queued_ahead(need) and need.try_grant():
-            return formats.BURST_GRANTED, self._generation(alloc)
         return self._burst_resolve(need)
 
     async def _burst_resolve(self, need: Need) -> Result:
@@ -345,10 +347,13 @@ class Arbiter:
         return formats.BURST_DENIED, 0
 
     def _try_grant(self, need: Need, target: int) -> bool:
-        """Grant `target` bytes above request to the requester if the GPU has them now."""
-        if need.granted:
-            return True
-        alloc = need.requester
+        """A waiting need's grant (it is granted once, whoever tries)."""
+        if not need.granted and self._grant(need.requester, target):
+            need.granted = True
+        return need.granted
+
+    def _grant(self, alloc: ContainerAlloc, target: int) -> bool:
+        """Grant `target` bytes above request to the container if the GPU has them now."""
         if self.ledger.get(alloc.key) is not alloc:
             return False  # released meanwhile
         cur = alloc.config.grant_bytes
@@ -357,14 +362,13 @@ class Arbiter:
             if extra > self._free_for(alloc):
                 return False
             self.ledger.update_config(alloc.key, grant_bytes=target)
-        need.granted = True
         self.stats.granted += 1
         self._unused_since.pop(alloc.key, None)
         return True
 
-    def _queued_ahead(self, need: Need) -> bool:
+    def _queued_ahead(self, gpu: str, priority: int) -> bool:
         """Waiters of equal or higher priority on the GPU are served first."""
-        return any(w.need.priority >= need.priority for w in self._waiters.get(need.gpu, ()))
+        return any(w.need.priority >= priority for w in self._waiters.get(gpu, ()))
 
     # -- accounting ------------------------------------------------------------------------------
 
@@ -622,13 +626,17 @@ class Arbiter:
                 self._waiters.pop(need.gpu, None)
 
     def _on_ledger_change(self) -> None:
-        live = {a.key for a in self.ledger.containers()}
-        for key in [k for k in self._config_maps if k not in live]:
-            self._config_maps.pop(key).close()
-        for key in [k for k in self._usage if k not in live]:
-            self._usage.pop(key).close()
-            self._returned.pop(key, None)
-            self._unused_since.pop(key, None)
+        # Containers come and go only with a booking change (capacity_generation); a grant or
+        # a limit (every burst) changes a config and needs no sweep of the handles kept here.
+        if self.ledger.capacity_generation != self._handles_generation:
+            self._handles_generation = self.ledger.capacity_generation
+            live = {a.key for a in self.ledger.containers()}
+            for key in [k for k in self._config_maps if k not in live]:
+                self._config_maps.pop(key).close()
+            for key in [k for k in self._usage if k not in live]:
+                self._usage.pop(key).close()
+                self._returned.pop(key, None)
+                self._unused_since.pop(key, None)
         for gpu in list(self._waiters):
             self.notify(gpu)
 
@@ -779,8 +787,8 @@ class _Connection(asyncio.Protocol):
         self.work: asyncio.Future[Result] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports do not subclass asyncio.Transport; both have its methods.
+        self.transport = cast(asyncio.Transport, transport)
         arb = self.arb
         arb.stats.connections += 1
         if len(arb._connections) >= MAX_CONNECTIONS:

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import grpc
 
 from gpufrac.agent import config as config_mod
-from gpufrac.agent import events, logs
+from gpufrac.agent import eventloop, events, logs
 from gpufrac.agent import metrics as metrics_mod
 from gpufrac.agent import status as status_mod
 from gpufrac.agent.admission import Admission
@@ -85,6 +85,7 @@ class Agent:
         # Container directories: written, deleted and swept in order, off the loop.
         self.dirs = ContainerDirs(config.paths.containers_dir, config.paths.state_dir)
         self._notified_generation = -1
+        self._state_generation = -1  # the ledger's state_generation the last save request saw
         self._tasks: list[asyncio.Task[Any]] = []
         self._dirty = asyncio.Event()
         self._identity_task: asyncio.Task[None] | None = None
@@ -371,7 +372,9 @@ class Agent:
             self._notified_generation = self.ledger.capacity_generation
             for plugin in self.plugins.values():
                 plugin.notify()
-        self._dirty.set()
+        if self.ledger.state_generation != self._state_generation:
+            self._state_generation = self.ledger.state_generation
+            self._dirty.set()
 
     async def _persist_loop(self) -> None:
         while True:
@@ -554,7 +557,7 @@ class AgentThread:
         self._error: BaseException | None = None
 
     def _main(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = eventloop.new_loop()
         try:
             self.loop.run_until_complete(self._serve())
         except BaseException as e:
@@ -608,7 +611,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         else args.release_grace,
     }
     try:
-        asyncio.run(Agent(cfg, **timing).run())
+        eventloop.run(Agent(cfg, **timing).run())
     except Exception as e:
         from gpufrac.agent.inventory import NvmlError
 

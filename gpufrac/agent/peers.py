@@ -26,6 +26,7 @@ run them in worker threads.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -106,10 +107,16 @@ def parse_cgroup_path(path: str) -> CgroupIdentity | None:
     return None
 
 
+@functools.lru_cache(maxsize=4096)
 def parse_cgroup(text: str) -> CgroupIdentity | None:
     """The kubelet container in a /proc/<pid>/cgroup file (v1 "id:controllers:path" lines
     and the v2 "0::path" line). All lines that name a container must agree; a process
-    whose hierarchies disagree is not trusted."""
+    whose hierarchies disagree is not trusted.
+
+    Cached by the file's text (a pure function of it): every process of a container has
+    the same text, and the arbiter parses it on each request. Only the parse is cached;
+    the file is read afresh each time, so a pid reused by another process is not
+    mistaken for the old one."""
     found: set[tuple[str, str]] = set()
     first: CgroupIdentity | None = None
     for line in text.splitlines():

@@ -192,6 +192,23 @@ def test_update_config_never_below_request_nor_rebooks(ledger: Ledger) -> None:
     assert (cfg.namespace, cfg.pod, cfg.container, cfg.pod_uid, cfg.priority) == ("ns", "p", "c", "u", 7)
 
 
+def test_grants_alone_do_not_ask_for_a_state_save(ledger: Ledger) -> None:
+    """Every burst changes a grant: the state file need not follow (recovery reads grants
+    from the config files), but bookings, identity and limits must reach it."""
+    a = ledger.allocate(MEMORY, ids(ledger, 0, MEMORY, range(2)))
+    ledger.update_config(a.key, limit_bytes=4 * GiB)
+    seen: list[int] = []
+    ledger.add_listener(lambda: seen.append(ledger.state_generation))
+    gen = ledger.state_generation
+    ledger.update_config(a.key, grant_bytes=GiB)
+    assert formats.read_config(a.directory).grant_bytes == GiB  # published all the same
+    assert seen == [gen]  # listeners told, no state change
+    ledger.update_config(a.key, grant_bytes=0, priority=3)
+    ledger.bind(a.key, "ns", "p", "c", "u")
+    ledger.release(a.key)
+    assert seen == [gen, gen + 1, gen + 2, gen + 3]
+
+
 def test_state_roundtrip_rebooks_the_same(ledger: Ledger, tmp_path: Path) -> None:
     a = ledger.allocate(MEMORY, ids(ledger, 0, MEMORY, range(4)))
     ledger.bind(a.key, "ns", "p", "c", None)
