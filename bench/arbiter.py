@@ -95,6 +95,7 @@ def run(bursts: int = 300, handoffs: int = 100) -> dict[str, Any]:
     ] = {}  # (pod uid, container ID) -> container name, as the pod status says
     peers = PeerLookup(ledger, lambda uid, cid: names.get((uid, cid)))
     lt = _Loop()
+    loop_kind = type(lt.loop).__module__.split(".")[0]
     arb = Arbiter(cfg, ledger, peers, arbiter_socket(cfg))
     lt.run(arb.start())
     runtime = ContainerRuntime(view_root=root / "v")
@@ -223,6 +224,7 @@ def run(bursts: int = 300, handoffs: int = 100) -> dict[str, Any]:
             "handoffs": len(handoff_ms),
         },
         "machine": {"cpus": os.cpu_count(), "load_1m": os.getloadavg()[0]},
+        "event_loop": loop_kind,  # the agent's loop (gpufrac.agent.eventloop): uvloop or asyncio
         "notes": [
             "client-side times from a Python client process speaking the shim's protocol "
             "(includes its socket connect and the agent's SO_PEERCRED/cgroup identity lookup)",
