@@ -26,35 +26,59 @@ class ContainerDevices:
     device_ids: tuple[str, ...]
 
 
+# Errors after which the next call dials afresh: the kubelet went away or re-created its
+# socket. A refusal (its rate limit's RESOURCE_EXHAUSTED, say) keeps the connection.
+_REDIAL = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+@dataclass
+class _Connection:
+    channel: grpc.aio.Channel
+    stub: pr_grpc.PodResourcesListerStub
+    calls: int = 0  # in flight
+    retired: bool = False  # closed when the last call in flight ends
+
+
 class PodResourcesClient:
     def __init__(self, socket_path: str, timeout: float = 5.0) -> None:
         self.socket_path = socket_path
         self.timeout = timeout
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pr_grpc.PodResourcesListerStub | None = None
+        self._conn: _Connection | None = None
 
-    def _lister(self) -> pr_grpc.PodResourcesListerStub:
+    def _connection(self) -> _Connection:
         # One channel, reused (Allocate may ask on its critical path); its reconnect
         # backoff is kept short because the kubelet restarts and re-creates the socket.
-        if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(
+        if self._conn is None:
+            channel = grpc.aio.insecure_channel(
                 f"unix://{self.socket_path}",
                 options=[("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)],
             )
-            self._stub = pr_grpc.PodResourcesListerStub(self._channel)
-        return self._stub
+            self._conn = _Connection(channel, pr_grpc.PodResourcesListerStub(channel))
+        return self._conn
 
     async def _call(self, method: str, request: object) -> object:
+        # Calls overlap (Allocate, the reconcile loop, identity): one call's failure must not
+        # close the channel under the others, which would cancel them (an Allocate handler
+        # cancelled that way never answers the kubelet). A broken connection is retired:
+        # new calls dial afresh, and it closes once its last call ends.
+        conn = self._connection()
+        conn.calls += 1
         try:
-            return await getattr(self._lister(), method)(request, timeout=self.timeout)
-        except grpc.aio.AioRpcError:
-            await self.close()  # start over with a fresh connection next time
+            return await getattr(conn.stub, method)(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in _REDIAL and self._conn is conn:
+                self._conn = None
+                conn.retired = True
             raise
+        finally:
+            conn.calls -= 1
+            if conn.retired and conn.calls == 0:
+                await conn.channel.close()
 
     async def close(self) -> None:
-        channel, self._channel, self._stub = self._channel, None, None
-        if channel is not None:
-            await channel.close()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.channel.close()
 
     async def list(self, resources: tuple[str, ...] | None = None) -> list[ContainerDevices]:
         """All containers' devices (optionally only of `resources`). Raises grpc.aio.AioRpcError."""

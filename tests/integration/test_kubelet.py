@@ -103,6 +103,31 @@ def test_pod_resources_lists_pods_and_agent_releases_deleted_ones(sim: Sim) -> N
     k.wait_for(lambda: [x["pod"] for x in sim.agent.state()["allocations"]] == ["b"], 30)
 
 
+def test_a_refused_pod_resources_call_leaves_the_calls_beside_it_alone() -> None:
+    """The kubelet rate-limits pod-resources (burst 10). The agent's calls overlap (Allocate,
+    the reconcile loop, identity): a refusal of one must not cancel the others, as closing
+    their shared channel did; an Allocate handler cancelled that way never answered."""
+
+    async def scenario(k: KubeletEmulator) -> tuple[list[object], object]:
+        client = PodResourcesClient(str(k.pod_resources_socket))
+        try:
+            await client.list()  # connected before the storm
+            results = await asyncio.gather(*(client.list() for _ in range(40)), return_exceptions=True)
+            await asyncio.sleep(0.2)  # the limiter refills
+            return results, await client.list()
+        finally:
+            await client.close()
+
+    with tempfile.TemporaryDirectory(prefix="gfk", dir="/tmp") as root, KubeletEmulator(root) as k:
+        results, after = asyncio.run(scenario(k))
+    refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+    answered = [r for r in results if isinstance(r, list)]
+    assert refused and answered, results
+    assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)
+    assert len(refused) + len(answered) == len(results), [type(r).__name__ for r in results]
+    assert after == []  # the same client goes on working
+
+
 def test_slices_of_a_deleted_pod_go_to_the_next_pod_at_once(make_sim: Callable[..., Sim]) -> None:
     # No periodic release in this test: Allocate itself must notice the old holder is gone.
     sim = make_sim(reconcile_interval=300, release_grace=300)
