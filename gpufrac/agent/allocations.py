@@ -22,7 +22,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -98,6 +98,10 @@ class ContainerAlloc:
     whole_gpu: bool
     config: ContainerConfig
     created: float = field(default_factory=time.time)
+    # time.monotonic() when the kubelet was first seen to hold it (pod-resources listed it, or
+    # PreStartContainer came for it); None before. From then on, a pod-resources List asked
+    # later that lacks it means the container is gone: no grace needed.
+    recorded_at: float | None = None
     # Pod identity; None until pod-resources / the apiserver tell us.
     namespace: str | None = None
     pod: str | None = None
@@ -335,6 +339,10 @@ class Ledger:
     def owner(self, device_id: str) -> ContainerAlloc | None:
         key = self._owner.get(device_id)
         return self._allocs[key] if key else None
+
+    def booked(self) -> Container[str]:
+        """Every device ID some container holds (a live view)."""
+        return self._owner.keys()
 
     def requested(self, gpu_uuid: str) -> int:
         return self._requested[gpu_uuid]

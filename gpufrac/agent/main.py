@@ -53,6 +53,15 @@ RECONCILE_INTERVAL = 3.0
 # A fresh allocation is not released for missing from pod-resources this soon: the
 # kubelet records it only after Allocate returns.
 RELEASE_GRACE = 10.0
+# Changes within this long of the first are saved to the state file together. Under pod
+# churn every admission and release changes the ledger; a save per change (encode, write,
+# fsync) cost the agent about as much CPU as the admissions themselves. What a kill -9
+# loses from this window, recovery rebuilds from pod-resources and the config files.
+PERSIST_BATCH = 0.1
+
+
+def _recorded_before(alloc: ContainerAlloc, when: float) -> bool:
+    return alloc.recorded_at is not None and alloc.recorded_at < when
 
 
 class Agent:
@@ -295,6 +304,7 @@ class Agent:
         False when pod-resources did not answer (nothing changed then)."""
         assert self.ledger is not None
         grace = self.release_grace if grace is None else grace
+        asked = time.monotonic()
         try:
             listed = await self.pod_resources.list(slices.RESOURCES)
         except grpc.aio.AioRpcError as e:
@@ -312,9 +322,13 @@ class Agent:
         for alloc in self.ledger.containers():
             c = self.listing.get(alloc.key)
             if c is not None:
+                if alloc.recorded_at is None:
+                    alloc.recorded_at = asked
                 if alloc.pod is None:
                     self.ledger.bind(alloc.key, c.namespace, c.pod, c.container, alloc.pod_uid)
-            elif now - alloc.created >= grace:
+            elif now - alloc.created >= grace or _recorded_before(alloc, asked):
+                # Too old to be an Allocate the kubelet has yet to record, or recorded
+                # before this List was asked: the kubelet has let it go.
                 logs.decision(
                     log,
                     "release",
@@ -379,6 +393,7 @@ class Agent:
     async def _persist_loop(self) -> None:
         while True:
             await self._dirty.wait()
+            await asyncio.sleep(PERSIST_BATCH)
             self._dirty.clear()
             try:
                 await self.state.save(self.ledger)
@@ -443,6 +458,7 @@ class Agent:
             self.ledger.geometry,
             self.inventory,
             self.config.allocation_policy,
+            self.ledger.booked(),
         )
 
     async def allocate(self, resource: str, device_ids: Sequence[str]) -> ContainerAlloc:
@@ -504,6 +520,8 @@ class Agent:
                 f"PreStartContainer: {resource} devices {ids[:6]}{'…' if len(ids) > 6 else ''} were never "
                 "allocated by this agent",
             )
+        if alloc.recorded_at is None:
+            alloc.recorded_at = time.monotonic()  # the kubelet records an allocation before any start
         self._kick_identity()
         await self.admission.prestart(alloc)  # never fails the start: at worst it warns
 

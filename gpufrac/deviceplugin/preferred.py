@@ -13,7 +13,7 @@ explain the refusal.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 
 from gpufrac.agent.gpus import Inventory
 from gpufrac.deviceplugin import slices
@@ -23,7 +23,9 @@ from gpufrac.deviceplugin.slices import FRACTION, FRACTION_SLICES, GpuGeometry
 _MAX_COMBINATIONS = 20000
 
 
-def _by_gpu(ids: Sequence[str], geometry: Mapping[str, GpuGeometry]) -> dict[str, list[str]]:
+def _by_gpu(
+    ids: Sequence[str], geometry: Mapping[str, GpuGeometry], booked: Container[str]
+) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for dev in ids:
         try:
@@ -34,6 +36,8 @@ def _by_gpu(ids: Sequence[str], geometry: Mapping[str, GpuGeometry]) -> dict[str
             out.setdefault(s.gpu_uuid, []).append(dev)
     for devs in out.values():
         devs.sort(key=slices.sort_key)
+        if booked:
+            devs.sort(key=booked.__contains__)  # stable: booked slices last, each part in order
     return out
 
 
@@ -45,18 +49,25 @@ def preferred(
     geometry: Mapping[str, GpuGeometry],
     inventory: Inventory,
     policy: str = "binpack",
+    booked: Container[str] = frozenset(),
 ) -> list[str]:
-    """The device IDs to prefer (at most `size`), must_include first."""
+    """The device IDs to prefer (at most `size`), must_include first.
+
+    `booked`: slices the agent still books for a container the kubelet has let go of (it
+    reuses a deleted pod's slices before the agent's next reconcile). On the chosen GPU they
+    come last: an Allocate of slices still booked must first ask pod-resources who holds
+    them, a round trip on the kubelet's critical path, and would reuse that container's
+    directory name."""
     if size <= 0:
         return []
     must = list(dict.fromkeys(must_include))
     pool = list(dict.fromkeys([*must, *available]))
-    free = _by_gpu(pool, geometry)
+    free = _by_gpu(pool, geometry, booked)
     if resource == FRACTION and size > FRACTION_SLICES and size % FRACTION_SLICES == 0:
         gpus = _whole_gpus(size // FRACTION_SLICES, free, must, geometry, inventory)
         if gpus is not None:
             return [d for u in gpus for d in free[u]][:size]
-    return _share(size, free, must, geometry, policy)
+    return _share(size, free, must, geometry, policy, booked)
 
 
 def _fill(gpu: str, size: int, free: Mapping[str, list[str]], must: Sequence[str]) -> list[str]:
@@ -71,15 +82,22 @@ def _share(
     must: Sequence[str],
     geometry: Mapping[str, GpuGeometry],
     policy: str,
+    booked: Container[str],
 ) -> list[str]:
     must_gpus = {slices.parse(d).gpu_uuid for d in must if d in {x for v in free.values() for x in v}}
-    candidates = [u for u in geometry if len(free.get(u, ())) >= size and must_gpus <= {u}]
-    if candidates:
-        leftover = {u: len(free[u]) - size for u in candidates}
-        # binpack: least left over; spread: most left over; ties -> lowest GPU index.
-        sign = 1 if policy == "binpack" else -1
-        best = min(candidates, key=lambda u: (sign * leftover[u], geometry[u].index))
-        return _fill(best, size, free, must)
+    homes = [u for u in geometry if must_gpus <= {u}]
+    # binpack: least left over; spread: most left over; ties -> lowest GPU index. Slices still
+    # booked count as room only when no GPU fits without them: counted, they make the GPU
+    # they sit on look tightest, and binpack would pick exactly them.
+    sign = 1 if policy == "binpack" else -1
+    rooms = [{u: sum(d not in booked or d in must for d in free.get(u, ())) for u in homes}]
+    if booked:
+        rooms.append({u: len(free.get(u, ())) for u in homes})
+    for room in rooms:
+        candidates = [u for u in homes if room[u] >= size]
+        if candidates:
+            best = min(candidates, key=lambda u: (sign * (room[u] - size), geometry[u].index))
+            return _fill(best, size, free, must)
     # Nothing fits on one GPU: best effort from the GPU with the most room (Allocate
     # will refuse with the reason if the kubelet insists on spanning GPUs).
     if not free:

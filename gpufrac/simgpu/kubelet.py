@@ -33,7 +33,7 @@ import stat
 import threading
 import time
 import uuid as uuid_mod
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -121,33 +121,35 @@ class _Resource:
     registrations: list[float] = field(default_factory=list)  # time.monotonic() of each
 
     # The last snapshot, decoded lazily: a Go kubelet digests 800 devices in microseconds,
-    # Python would add milliseconds to the admissions the bench times.
+    # Python would add milliseconds to the admissions the bench times. Topology (a list per
+    # device) is read only for the devices asked about.
     _last: pb.ListAndWatchResponse | None = None
-    _decoded: tuple[dict[str, str], dict[str, list[int]], set[str]] | None = None
+    _decoded: tuple[dict[str, str], dict[str, pb.Device], set[str]] | None = None
     _override: dict[str, str] | None = None
 
     def update(self, msg: pb.ListAndWatchResponse | None, devices: dict[str, str] | None = None) -> None:
         self._last, self._decoded, self._override = msg, None, devices
 
-    def _decode(self) -> tuple[dict[str, str], dict[str, list[int]], set[str]]:
+    def _decode(self) -> tuple[dict[str, str], dict[str, pb.Device], set[str]]:
         if self._decoded is None:
             if self._override is not None:
-                devices, topo = self._override, {}
+                devices, msgs = self._override, {}
             elif self._last is None:
-                devices, topo = {}, {}
+                devices, msgs = {}, {}
             else:
-                devices = {d.ID: d.health for d in self._last.devices}
-                topo = {d.ID: [n.ID for n in d.topology.nodes] for d in self._last.devices}
-            self._decoded = (devices, topo, {d for d, h in devices.items() if h == HEALTHY})
+                msgs = {d.ID: d for d in self._last.devices}
+                devices = {i: d.health for i, d in msgs.items()}
+            self._decoded = (devices, msgs, {d for d, h in devices.items() if h == HEALTHY})
         return self._decoded
 
     @property
     def devices(self) -> dict[str, str]:
         return self._decode()[0]
 
-    @property
-    def topology(self) -> dict[str, list[int]]:
-        return self._decode()[1]
+    def numa_nodes(self, device_ids: Iterable[str]) -> list[int]:
+        """The NUMA nodes the last snapshot gives these devices, sorted, each once."""
+        msgs = self._decode()[1]
+        return sorted({n.ID for d in device_ids if d in msgs for n in msgs[d].topology.nodes})
 
     @property
     def healthy(self) -> set[str]:
@@ -159,6 +161,8 @@ class _Allocated:
     resource: str
     device_ids: list[str]
     response: pb.ContainerAllocateResponse
+    # The devices' NUMA nodes when allocated: the kubelet keeps them with its allocation record.
+    numa_nodes: list[int] = field(default_factory=list)
     # Time spent in the plugin's RPCs for this allocation (preferred + Allocate + PreStart).
     rpc_seconds: float = 0.0
 
@@ -224,7 +228,7 @@ class _PodResources(pr_grpc.PodResourcesListerServicer):
         for name, res in sorted(self.kubelet._resources.items()):
             for dev in sorted(res.healthy):
                 cd = resp.devices.add(resource_name=name, device_ids=[dev])
-                for n in res.topology.get(dev, []):
+                for n in res.numa_nodes([dev]):
                     cd.topology.nodes.add(ID=n)
         return resp
 
@@ -492,7 +496,8 @@ class KubeletEmulator:
             raise fail(_go_error(e)) from None
         if not aresp.container_responses:
             raise fail(f"no allocation response for {resource}")
-        return _Allocated(resource, chosen, aresp.container_responses[0], time.perf_counter() - t0)
+        rpc_seconds = time.perf_counter() - t0
+        return _Allocated(resource, chosen, aresp.container_responses[0], res.numa_nodes(chosen), rpc_seconds)
 
     async def _start_container(self, rec: _PodRecord, container: str) -> None:
         rec.start_errors.pop(container, None)
@@ -542,8 +547,7 @@ class KubeletEmulator:
             cr = out.containers.add(name=c.name)
             for resource, alloc in rec.allocations.get(c.name, {}).items():
                 cd = cr.devices.add(resource_name=resource, device_ids=alloc.device_ids)
-                topo = self._resources.get(resource, _Resource()).topology
-                for n in sorted({n for d in alloc.device_ids for n in topo.get(d, [])}):
+                for n in alloc.numa_nodes:
                     cd.topology.nodes.add(ID=n)
         return out
 

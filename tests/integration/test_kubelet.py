@@ -130,17 +130,50 @@ def test_a_refused_pod_resources_call_leaves_the_calls_beside_it_alone() -> None
 
 def test_slices_of_a_deleted_pod_go_to_the_next_pod_at_once(make_sim: Callable[..., Sim]) -> None:
     # No periodic release in this test: Allocate itself must notice the old holder is gone.
-    sim = make_sim(reconcile_interval=300, release_grace=300)
+    # Two GPUs, both booked: the kubelet has nothing else to hand out, whatever the agent prefers.
+    sim = make_sim("a100x2-nvlink", reconcile_interval=300, release_grace=300)
     k = sim.kubelet
     old = sim.admit("old", FRACTION, 100)
+    filler = sim.admit("filler", FRACTION, 100)
     old_devices = k.pod_devices(old.uid)
     k.delete(old)
-    new = sim.admit("new", FRACTION, 100)  # binpack: the very same 100 slices
+    new = sim.admit("new", FRACTION, 100)
     assert k.pod_devices(new.uid) == old_devices
-    part = sim.admit("part", FRACTION, 30)
+    k.delete(filler)
+    part = sim.admit("part", FRACTION, 30)  # the deleted filler's slices: all that is left
     part_ids = set(k.pod_devices(part.uid)["main"][FRACTION])
     k.delete(part)
-    again = sim.admit("again", FRACTION, 50)  # takes the deleted pod's 30 slices and 20 more
-    assert part_ids < set(k.pod_devices(again.uid)["main"][FRACTION])
+    again = sim.admit("again", FRACTION, 80)  # 70 unbooked slices, then 10 of the deleted pod's
+    again_ids = set(k.pod_devices(again.uid)["main"][FRACTION])
+    assert len(again_ids & part_ids) == 10
     k.wait_for(lambda: sorted(str(a["pod"]) for a in sim.agent.state()["allocations"]) == ["again", "new"])
     assert len(sim.agent.container_dirs()) == 2
+
+
+def test_slices_a_deleted_pod_still_books_are_preferred_last(make_sim: Callable[..., Sim]) -> None:
+    # The agent has not released the deleted pod yet (no reconcile ran). Its slices make their
+    # GPU look fullest, so binpack alone would pick exactly them, and Allocate would first have
+    # to ask pod-resources who holds them. Other slices fit, so the next pod gets those.
+    sim = make_sim(reconcile_interval=300, release_grace=300)
+    k = sim.kubelet
+    old = sim.admit("old", MEMORY, 4)
+    old_ids = set(k.pod_devices(old.uid)["main"][MEMORY])
+    old_gpus = sim.gpus_of(old)
+    k.delete(old)
+    new = sim.admit("new", MEMORY, 4)
+    assert not old_ids & set(k.pod_devices(new.uid)["main"][MEMORY])
+    assert sim.gpus_of(new) == old_gpus  # still binpack: the same GPU, its other slices
+
+
+def test_a_started_container_is_released_at_the_next_reconcile(make_sim: Callable[..., Sim]) -> None:
+    # The grace protects an Allocate the kubelet has not recorded yet. Once PreStartContainer
+    # has come, the kubelet holds it: missing from a later List means deleted, and its memory
+    # goes back then, not after the grace (300 s here).
+    sim = make_sim(reconcile_interval=0.2, release_grace=300)
+    k = sim.kubelet
+    pod = sim.admit("short", MEMORY, 8)
+    gpu = sim.gpus_of(pod).pop()
+    before = sim.healthy_on(FRACTION, gpu)
+    k.delete(pod)
+    k.wait_for(lambda: sim.agent.state()["allocations"] == [], 20)
+    k.wait_for(lambda: sim.healthy_on(FRACTION, gpu) > before, 20)

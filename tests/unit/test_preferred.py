@@ -30,10 +30,16 @@ def gpus_of(ids: list[str]) -> set[str]:
 
 
 def pick(
-    inv: Inventory, resource: str, avail: list[str], size: int, policy: str = "binpack", must=()
+    inv: Inventory,
+    resource: str,
+    avail: list[str],
+    size: int,
+    policy: str = "binpack",
+    must=(),
+    booked: frozenset[str] = frozenset(),
 ) -> list[str]:
     geo = slices.geometry(Config(), inv)
-    return preferred(resource, avail, list(must), size, geo, inv, policy)
+    return preferred(resource, avail, list(must), size, geo, inv, policy, booked)
 
 
 def test_binpack_picks_the_gpu_left_fullest() -> None:
@@ -83,3 +89,20 @@ def test_nothing_fits_on_one_gpu_still_answers_best_effort() -> None:
     avail = free(inv, FRACTION, {0: 20, 1: 30})
     got = pick(inv, FRACTION, avail, 40)
     assert gpus_of(got) == {"GPU-1"} and len(got) == 30  # the kubelet fills the rest; Allocate explains
+
+
+def test_slices_still_booked_come_last_on_the_chosen_gpu() -> None:
+    inv = node([0, 0])
+    avail = free(inv, MEMORY, {0: 10})
+    booked = frozenset(avail[:4])  # a deleted pod's slices, not yet released by the agent
+    assert pick(inv, MEMORY, avail, 6, booked=booked) == avail[4:10]
+
+
+def test_binpack_does_not_count_slices_still_booked_as_room() -> None:
+    inv = node([0, 0])
+    # GPU-0 shows 4 free slices, all still booked: counted, it would look the tightest fit.
+    avail = free(inv, MEMORY, {0: 4, 1: 9})
+    booked = frozenset(avail[:4])
+    assert gpus_of(pick(inv, MEMORY, avail, 4, booked=booked)) == {"GPU-1"}
+    # When only they fit, they are chosen (Allocate then asks pod-resources who holds them).
+    assert pick(inv, MEMORY, avail, 4, booked=booked | frozenset(avail[4:10])) == avail[:4]
