@@ -558,7 +558,14 @@ def test_the_agent_reaps_through_its_idle_task(make_sim: Callable[..., Sim], kub
         raise AssertionError(
             f"the idle pod was never evicted; agent log:\n{sim.agent.log()[-4000:]}"
         ) from None
-    reasons = {(e["involvedObject"]["name"], e["reason"]) for e in kube_server.events("default")}
-    assert {("nb", "IdleWarning"), ("nb", "IdleEvicted")} <= reasons
-    assert not [r for p, r in reasons if p == "train" and r.startswith("Idle")]
+
+    def reasons() -> set[tuple[str, str]]:
+        return {(e["involvedObject"]["name"], e["reason"]) for e in kube_server.events("default")}
+
+    # The Event recorder posts in the background: the eviction can land first.
+    try:
+        sim.kubelet.wait_for(lambda: {("nb", "IdleWarning"), ("nb", "IdleEvicted")} <= reasons(), 10)
+    except TimeoutError:
+        raise AssertionError(f"events: {sorted(reasons())}; agent log:\n{sim.agent.log()[-4000:]}") from None
+    assert not [r for p, r in reasons() if p == "train" and r.startswith("Idle")]
     assert evictions.attempts == {"nb": 1}
