@@ -354,6 +354,7 @@ class Agent:
                     "cannot rebuild allocation of %s/%s %s: %s", c.namespace, c.pod, c.container, e.message
                 )
                 continue
+            alloc.recorded_at = asked  # listed: the kubelet holds it
             self.ledger.bind(alloc.key, c.namespace, c.pod, c.container, None)
             log.info(
                 "rebuilt allocation %s of %s/%s %s from pod-resources", key, c.namespace, c.pod, c.container

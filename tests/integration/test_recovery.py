@@ -110,3 +110,19 @@ def test_corrupt_state_is_reported_and_rebuilt(make_sim: Callable[..., Sim]) -> 
     assert_no_double_booking(sim)
     # capacity sync follows the rebuilt ledger: exactly what was free before
     k.wait_for(lambda: {r: k.available(r) for r in (FRACTION, MEMORY)} == before)
+
+
+def test_a_rebuilt_allocation_goes_with_its_pod(make_sim: Callable[..., Sim]) -> None:
+    # Rebuilt from pod-resources (the state file lost): the kubelet listed it, so when its pod
+    # is deleted the next List releases it, without the grace a fresh Allocate gets (300 s).
+    sim = make_sim(reconcile_interval=0.2, release_grace=300)
+    k = sim.kubelet
+    pod = sim.admit("kept", MEMORY, 6)
+    k.wait_for(lambda: agent_agrees(sim))
+    sim.agent.kill()
+    (sim.agent.state_dir / "state.json").unlink()
+    sim.restart_agent()
+    k.wait_for(lambda: [a["pod"] for a in sim.agent.state()["allocations"]] == ["kept"], 60)
+    assert "rebuilt allocation" in sim.agent.log()
+    k.delete(pod)
+    k.wait_for(lambda: sim.agent.state()["allocations"] == [], 20)
