@@ -630,10 +630,11 @@ class Arbiter:
         # a limit (every burst) changes a config and needs no sweep of the handles kept here.
         if self.ledger.capacity_generation != self._handles_generation:
             self._handles_generation = self.ledger.capacity_generation
-            live = {a.key for a in self.ledger.containers()}
-            for key in [k for k in self._config_maps if k not in live]:
+            # Only the handles kept here are looked up (a release loop must not cost O(n²)).
+            booked = self.ledger.get
+            for key in [k for k in self._config_maps if booked(k) is None]:
                 self._config_maps.pop(key).close()
-            for key in [k for k in self._usage if k not in live]:
+            for key in [k for k in self._usage if booked(k) is None]:
                 self._usage.pop(key).close()
                 self._returned.pop(key, None)
                 self._unused_since.pop(key, None)

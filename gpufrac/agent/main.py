@@ -124,7 +124,7 @@ class Agent:
 
             self.inventory = await asyncio.to_thread(read_inventory)
         ledger = self.ledger = Ledger(cfg, self.inventory)
-        ledger.remove_dir = self.dirs.discard
+        ledger.retire = self.dirs.discard
         log.info(
             "agent on %s: %d GPUs, policy %s, memory unit %d bytes, reserved %d bytes per GPU",
             cfg.node_name,

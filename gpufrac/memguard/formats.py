@@ -177,18 +177,40 @@ def _map(
     return mm, s
 
 
-def _create(path: Path, struct: type[ctypes.Structure], magic: int, mode: int, durable: bool = True) -> None:
-    """Create a zeroed file with its header, atomically (write tmp, rename)."""
+def _blank(struct: type[ctypes.Structure], magic: int) -> bytes:
+    """A zeroed file with its header."""
     s = struct()
     s.magic, s.abi_version, s.file_size = magic, ABI_VERSION, ctypes.sizeof(struct)
+    return bytes(s)
+
+
+def _create(path: Path, struct: type[ctypes.Structure], magic: int, mode: int, durable: bool = True) -> None:
+    """Create a zeroed file with its header, atomically (write tmp, rename)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(bytes(s))
+        f.write(_blank(struct, magic))
         f.flush()
         if durable:
             os.fsync(f.fileno())
     os.chmod(tmp, mode)
     os.replace(tmp, path)
+
+
+def create_unpublished(directory: str | os.PathLike[str]) -> None:
+    """A container directory's config and usage files, blank, in a directory no reader sees
+    yet (the agent's spares, renamed into place later): written in place, with no temporary
+    file, rename or sync, each of which costs a journalled metadata write."""
+    for name, struct, magic, mode in (
+        (CONFIG_FILE, ConfigStruct, CONFIG_MAGIC, 0o644),
+        # World-writable: container processes may run as any uid (see create_usage).
+        (USAGE_FILE, UsageStruct, USAGE_MAGIC, 0o666),
+    ):
+        fd = os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        try:
+            os.fchmod(fd, mode)  # past the umask
+            os.write(fd, _blank(struct, magic))
+        finally:
+            os.close(fd)
 
 
 class ConfigFile:

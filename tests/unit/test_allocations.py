@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -264,19 +265,31 @@ def test_container_dirs_spares_discard_and_sweep(tmp_path: Path) -> None:
         dirs = ContainerDirs(str(containers), str(state), spares=2)
         await dirs.start()
         try:
-            for _ in range(3):  # the same key booked, released and booked again at once
-                handle = await dirs.create(a, cfg)
-                assert formats.read_config(a) == cfg
-                assert formats.read_usage(a).magic == formats.USAGE_MAGIC
-                handle.close()
-                dirs.discard(a)
-                assert not os.path.exists(a)  # the path is free right away
-            (await dirs.create(a, cfg)).close()
+            # Queued behind the spares: the next create renames a spare into place.
             (await dirs.write(str(containers / "m-orphan"), cfg)).close()
+            b = str(containers / "m-b")
+            (await dirs.create(b, cfg)).close()
+            # The modes containers rely on, whatever the agent's umask.
+            modes = {p.name: p.stat().st_mode & 0o777 for p in (Path(b), *Path(b).iterdir())}
+            assert modes == {"m-b": 0o755, formats.CONFIG_FILE: 0o644, formats.USAGE_FILE: 0o666}
+            assert formats.read_config(b) == cfg
+            for n in range(3):  # the same key booked, released and booked again at once
+                mine = dataclasses.replace(cfg, limit_bytes=(3 + n) * GiB)
+                handle = await dirs.create(a, mine)
+                # A fresh directory each time: the last one's deletion ran first.
+                assert formats.read_config(a) == mine
+                assert formats.read_usage(a).magic == formats.USAGE_MAGIC
+                assert not os.path.exists(os.path.join(a, "left-by-the-last"))
+                Path(a, "left-by-the-last").touch()
+                dirs.discard(a, handle)  # unmapped and deleted in the thread
+            (await dirs.create(a, cfg)).close()
             await dirs.sweep(lambda: ["m-a"])
-            assert os.listdir(containers) == ["m-a"]
         finally:
             await dirs.close()
 
-    asyncio.run(scenario())
-    assert os.listdir(state / "trash") == []  # deletions queued before close are done
+    umask = os.umask(0o077)
+    try:
+        asyncio.run(scenario())
+    finally:
+        os.umask(umask)
+    assert os.listdir(containers) == ["m-a"]  # deletions queued before close are done
