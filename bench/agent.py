@@ -9,6 +9,10 @@ Writes bench/results/agent.json:
   allocate_p50_ms_paced / _p99_ms_paced  the same, PACED more admit + delete cycles PACE_S apart
                                       (a busy node's rate, below what saturates the box): latency
                                       without the queueing of a saturated CPU
+  floor_p50_ms / floor_p99_ms (+ _paced)  the same calls and cycles against a device plugin that
+                                      does nothing (bench/_floor_plugin.py: grpc.aio on the agent's
+                                      loop), through the same emulator: gRPC, the Python emulator
+                                      and the box, without the agent; the difference is the agent's
   agent_handler_p50_ms / _p99_ms      the same three calls, time spent inside the agent's handlers
                                       (the summary it logs when it stops; warm-up included; the worse
                                       of the two resources): the rest is gRPC, the Python kubelet
@@ -30,6 +34,8 @@ import platform
 import re
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +43,7 @@ from typing import Any
 
 import psutil
 
+from bench._floor_plugin import FLOOR_RESOURCE
 from gpufrac.deviceplugin.slices import FRACTION, MEMORY
 from gpufrac.simgpu import faults
 from gpufrac.simgpu.kubelet import AgentProcess, Container, KubeletEmulator, Pod
@@ -79,6 +86,41 @@ def _handler_times(log: str) -> dict[str, Any]:
     }
 
 
+def _cycles(
+    k: KubeletEmulator, name: str, count: int, pace: float, requests: list[tuple[str, int]]
+) -> list[float]:
+    """Admit and delete `count` one-container pods, `pace` seconds apart, taking turns at
+    `requests` (resource, amount); their admission latencies in ms."""
+    before = len(k.rpc_times())
+    for i in range(count):
+        time.sleep(pace)
+        res, n = requests[i % len(requests)]
+        pod = Pod("bench", f"{name}-{i}", [Container("main", {res: n})])
+        k.admit(pod)
+        k.delete(pod)
+    return [t * 1000 for t in k.rpc_times()[before:]]
+
+
+def _floor(root: Path, k: KubeletEmulator) -> tuple[list[float], list[float]]:
+    """The same cycles against bench/_floor_plugin.py: back to back, then paced."""
+    log = open(root / "floor.log", "wb")  # noqa: SIM115 - the child keeps it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench._floor_plugin", str(k.device_plugin_dir)],
+        cwd=Path(__file__).resolve().parent.parent,
+        stdout=log,
+        stderr=log,
+    )
+    log.close()
+    try:
+        k.wait_for(lambda: k.connected(FLOOR_RESOURCE), 60)
+        req = [(FLOOR_RESOURCE, 2)]
+        back_to_back = _cycles(k, "floor", WARMUP + CHURN, 0.0, req)[WARMUP:]
+        return back_to_back, _cycles(k, "floor-paced", PACED, PACE_S, req)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def run(root: Path) -> dict[str, Any]:
     load_before = os.getloadavg()[0]  # a shared box: how busy it was before the bench began
     node_state = root / "node.state"
@@ -101,20 +143,12 @@ def run(root: Path) -> dict[str, Any]:
         for i in range(CONTAINERS):
             res, n = (FRACTION, 10) if i % 2 else (MEMORY, 4)
             k.admit(Pod("bench", f"steady-{i}", [Container("main", {res: n})]))
-        for i in range(CHURN):
-            res, n = (FRACTION, 5) if i % 2 else (MEMORY, 2)
-            pod = Pod("bench", f"churn-{i}", [Container("main", {res: n})])
-            k.admit(pod)
-            k.delete(pod)
-        lat = [t * 1000 for t in k.rpc_times()][WARMUP:]
-        fresh, churn = lat[: CONTAINERS - WARMUP], lat[CONTAINERS - WARMUP :]
-        for i in range(PACED):
-            time.sleep(PACE_S)
-            res, n = (FRACTION, 5) if i % 2 else (MEMORY, 2)
-            pod = Pod("bench", f"paced-{i}", [Container("main", {res: n})])
-            k.admit(pod)
-            k.delete(pod)
-        paced = [t * 1000 for t in k.rpc_times()][WARMUP + len(lat) :]
+        fresh = [t * 1000 for t in k.rpc_times()][WARMUP:]
+        both = [(MEMORY, 2), (FRACTION, 5)]
+        churn = _cycles(k, "churn", CHURN, 0.0, both)
+        lat = fresh + churn
+        paced = _cycles(k, "paced", PACED, PACE_S, both)
+        floor, floor_paced = _floor(root, k)
 
         # Idle footprint: 64 containers allocated, churn gone, steady state.
         proc = psutil.Process(agent.pid)
@@ -163,6 +197,10 @@ def run(root: Path) -> dict[str, Any]:
         "allocate_paced_interval_ms": PACE_S * 1000,
         "allocate_p50_ms_paced": round(statistics.median(paced), 3),
         "allocate_p99_ms_paced": round(_pct(paced, 0.99), 3),
+        "floor_p50_ms": round(statistics.median(floor), 3),
+        "floor_p99_ms": round(_pct(floor, 0.99), 3),
+        "floor_p50_ms_paced": round(statistics.median(floor_paced), 3),
+        "floor_p99_ms_paced": round(_pct(floor_paced, 0.99), 3),
         **_handler_times(agent.log()),
         "health_propagation_ms": round(statistics.median(prop), 1),
         "health_propagation_max_ms": round(max(prop), 1),

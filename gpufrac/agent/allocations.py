@@ -22,7 +22,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -307,6 +307,9 @@ class Ledger:
         self.geometry: dict[str, GpuGeometry] = slices.geometry(config, inventory)
         self._allocs: dict[str, ContainerAlloc] = {}
         self._owner: dict[str, str] = {}  # device ID -> container key
+        # Device ID -> when it was last released (a count of releases: higher is later).
+        self._released: dict[str, int] = {}
+        self._releases = 0
         self._requested: dict[str, int] = dict.fromkeys(self.geometry, 0)
         self._unhealthy: dict[str, str] = {}  # GPU UUID -> reason
         self._files: dict[str, ConfigFile] = {}
@@ -360,6 +363,10 @@ class Ledger:
     def booked(self) -> Container[str]:
         """Every device ID some container holds (a live view)."""
         return self._owner.keys()
+
+    def released(self) -> Mapping[str, int]:
+        """When each device ID was last released, as a count of releases (a live view)."""
+        return self._released
 
     def requested(self, gpu_uuid: str) -> int:
         return self._requested[gpu_uuid]
@@ -583,8 +590,10 @@ class Ledger:
         alloc = self._allocs.pop(key, None)
         if alloc is None:
             return None
+        self._releases += 1
         for d in alloc.device_ids:
             self._owner.pop(d, None)
+            self._released[d] = self._releases
         for u in alloc.gpus:
             self._requested[u] -= alloc.request_bytes
         self.retire(alloc.directory, self._files.pop(key, None))

@@ -460,6 +460,7 @@ class Agent:
             self.inventory,
             self.config.allocation_policy,
             self.ledger.booked(),
+            self.ledger.released(),
         )
 
     async def allocate(self, resource: str, device_ids: Sequence[str]) -> ContainerAlloc:

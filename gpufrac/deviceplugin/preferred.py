@@ -24,7 +24,10 @@ _MAX_COMBINATIONS = 20000
 
 
 def _by_gpu(
-    ids: Sequence[str], geometry: Mapping[str, GpuGeometry], booked: Container[str]
+    ids: Sequence[str],
+    geometry: Mapping[str, GpuGeometry],
+    booked: Container[str],
+    released: Mapping[str, int],
 ) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for dev in ids:
@@ -34,10 +37,15 @@ def _by_gpu(
             continue
         if s.gpu_uuid in geometry:
             out.setdefault(s.gpu_uuid, []).append(dev)
+    never = -1
     for devs in out.values():
         devs.sort(key=slices.sort_key)
+        # Stable sorts: booked slices last; before them, the longest released first, each
+        # part in slice order.
+        if released:
+            devs.sort(key=lambda d: released.get(d, never))
         if booked:
-            devs.sort(key=booked.__contains__)  # stable: booked slices last, each part in order
+            devs.sort(key=booked.__contains__)
     return out
 
 
@@ -50,6 +58,7 @@ def preferred(
     inventory: Inventory,
     policy: str = "binpack",
     booked: Container[str] = frozenset(),
+    released: Mapping[str, int] = {},
 ) -> list[str]:
     """The device IDs to prefer (at most `size`), must_include first.
 
@@ -57,12 +66,16 @@ def preferred(
     reuses a deleted pod's slices before the agent's next reconcile). On the chosen GPU they
     come last: an Allocate of slices still booked must first ask pod-resources who holds
     them, a round trip on the kubelet's critical path, and would reuse that container's
-    directory name."""
+    directory name.
+    `released`: when each slice was last released (higher: later). On the chosen GPU the
+    slices released longest ago come first (slices of one GPU are interchangeable): the
+    slices a container just let go of make the same container key again, and Allocate would
+    wait for the deletion of that container's directory before writing the new one."""
     if size <= 0:
         return []
     must = list(dict.fromkeys(must_include))
     pool = list(dict.fromkeys([*must, *available]))
-    free = _by_gpu(pool, geometry, booked)
+    free = _by_gpu(pool, geometry, booked, released)
     if resource == FRACTION and size > FRACTION_SLICES and size % FRACTION_SLICES == 0:
         gpus = _whole_gpus(size // FRACTION_SLICES, free, must, geometry, inventory)
         if gpus is not None:

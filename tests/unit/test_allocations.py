@@ -15,6 +15,7 @@ from gpufrac.agent.allocations import AllocationError, Ledger, container_key
 from gpufrac.agent.config import Config, GiB, PathsConfig
 from gpufrac.agent.gpus import Gpu, Inventory, Link, PcieLink
 from gpufrac.agent.state import StateStore, encode, restore
+from gpufrac.deviceplugin import slices
 from gpufrac.deviceplugin.slices import FRACTION, MEMORY, device_id
 from gpufrac.memguard import formats
 
@@ -39,6 +40,10 @@ def ledger(tmp_path: Path) -> Ledger:
 
 def ids(ledger: Ledger, gpu: int, resource: str, numbers: range | list[int]) -> list[str]:
     return [device_id(ledger.inventory.gpus[gpu].uuid, resource, n) for n in numbers]
+
+
+def slices_gpu(device: str) -> str:
+    return slices.parse(device).gpu_uuid
 
 
 def healthy(ledger: Ledger, resource: str, gpu: int) -> set[str]:
@@ -293,3 +298,33 @@ def test_container_dirs_spares_discard_and_sweep(tmp_path: Path) -> None:
     finally:
         os.umask(umask)
     assert os.listdir(containers) == ["m-a"]  # deletions queued before close are done
+
+
+def test_the_slices_a_release_frees_are_preferred_last(ledger: Ledger) -> None:
+    from gpufrac.deviceplugin.preferred import preferred
+
+    def prefer(size: int) -> list[str]:
+        free = [d for d, ok, _ in ledger.devices(MEMORY) if ok and ledger.owner(d) is None]
+        return preferred(
+            MEMORY,
+            free,
+            [],
+            size,
+            ledger.geometry,
+            ledger.inventory,
+            "binpack",
+            ledger.booked(),
+            ledger.released(),
+        )
+
+    first = ledger.allocate(MEMORY, prefer(2))
+    second = ledger.allocate(MEMORY, prefer(2))
+    ledger.release(first.key)
+    again = prefer(2)
+    # Same GPU (binpack), other slices: the new container does not get the key (and directory
+    # name) of the one just released, whose deletion may still be queued.
+    assert {slices_gpu(d) for d in again} == set(first.gpus)
+    assert not set(again) & set(first.device_ids)
+    assert container_key(MEMORY, again) != first.key
+    ledger.release(second.key)
+    assert set(prefer(2)).isdisjoint(second.device_ids)  # the most recent release comes last

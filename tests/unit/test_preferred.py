@@ -37,9 +37,10 @@ def pick(
     policy: str = "binpack",
     must=(),
     booked: frozenset[str] = frozenset(),
+    released: dict[str, int] | None = None,
 ) -> list[str]:
     geo = slices.geometry(Config(), inv)
-    return preferred(resource, avail, list(must), size, geo, inv, policy, booked)
+    return preferred(resource, avail, list(must), size, geo, inv, policy, booked, released or {})
 
 
 def test_binpack_picks_the_gpu_left_fullest() -> None:
@@ -106,3 +107,14 @@ def test_binpack_does_not_count_slices_still_booked_as_room() -> None:
     assert gpus_of(pick(inv, MEMORY, avail, 4, booked=booked)) == {"GPU-1"}
     # When only they fit, they are chosen (Allocate then asks pod-resources who holds them).
     assert pick(inv, MEMORY, avail, 4, booked=booked | frozenset(avail[4:10])) == avail[:4]
+
+
+def test_slices_released_last_come_last_on_the_chosen_gpu() -> None:
+    inv = node([0, 0])
+    avail = free(inv, MEMORY, {0: 6, 1: 9})
+    # GPU-0 is still the binpack choice; on it, the slices released longest ago (or never) first.
+    released = {avail[0]: 7, avail[1]: 7, avail[2]: 3}
+    assert pick(inv, MEMORY, avail, 4, released=released) == [avail[3], avail[4], avail[5], avail[2]]
+    # Still booked comes after released, and must_include before all.
+    got = pick(inv, MEMORY, avail, 5, must=[avail[1]], booked=frozenset(avail[3:5]), released=released)
+    assert got == [avail[1], avail[5], avail[2], avail[0], avail[3]]
