@@ -118,7 +118,11 @@ def _floor(root: Path, k: KubeletEmulator) -> tuple[list[float], list[float]]:
         return back_to_back, _cycles(k, "floor-paced", PACED, PACE_S, req)
     finally:
         proc.terminate()
-        proc.wait(10)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def run(root: Path) -> dict[str, Any]:

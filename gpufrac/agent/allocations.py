@@ -152,7 +152,10 @@ def retire_container_dir(directory: str, handle: ConfigFile | None) -> None:
 
 def _retire_all(batch: list[tuple[str, ConfigFile | None]]) -> None:
     for directory, handle in batch:
-        retire_container_dir(directory, handle)
+        try:
+            retire_container_dir(directory, handle)
+        except Exception as e:  # the rest of the batch still goes
+            log.warning("cannot remove the files of released container %s: %s", directory, e)
 
 
 def prepare_spare(directory: str) -> None:
@@ -184,7 +187,8 @@ class ContainerDirs:
     place on the loop (one rename and a mapping, no thread round trip on the kubelet's
     critical path). A release costs the loop nothing but a queued job: the thread unmaps
     the config and deletes the directory. A key booked again before that job ran gets its
-    directory written behind it, in order, not a spare renamed onto the old one."""
+    directory written behind it, in order, not a spare renamed onto the old one; until then
+    the old files are still at the path, so readers wait for Ledger.attached()."""
 
     def __init__(self, containers_dir: str, state_dir: str, spares: int = SPARE_DIRS) -> None:
         self.root = containers_dir
@@ -213,6 +217,9 @@ class ContainerDirs:
         os.makedirs(self.root, exist_ok=True)
         shutil.rmtree(self._spare_root, ignore_errors=True)
         os.makedirs(self._spare_root, exist_ok=True)
+        # What an earlier agent, which moved released directories to state/trash before
+        # deleting them, left there.
+        shutil.rmtree(os.path.join(os.path.dirname(self._spare_root), "trash"), ignore_errors=True)
 
     async def close(self) -> None:
         self._retire_queued()
@@ -277,10 +284,16 @@ class ContainerDirs:
         if not self._retiring:
             return
         batch, self._retiring = self._retiring, []
-        fut = asyncio.get_running_loop().run_in_executor(self._io, _retire_all, batch)
-        fut.add_done_callback(functools.partial(self._removed, [d for d, _ in batch]))
+        done = functools.partial(self._removed, [d for d, _ in batch])
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(self._io, _retire_all, batch)
+        except RuntimeError:  # released after close(): the thread is gone
+            _retire_all(batch)
+            done(None)
+        else:
+            fut.add_done_callback(done)
 
-    def _removed(self, directories: list[str], fut: asyncio.Future[None]) -> None:
+    def _removed(self, directories: list[str], fut: asyncio.Future[None] | None) -> None:
         for directory in directories:
             left = self._removing.pop(directory, 1) - 1
             if left > 0:
@@ -363,6 +376,11 @@ class Ledger:
     def booked(self) -> Container[str]:
         """Every device ID some container holds (a live view)."""
         return self._owner.keys()
+
+    def attached(self, key: str) -> bool:
+        """Whether the booking's directory has been written (attach()): until then its path
+        may still hold the files of a released container of the same key."""
+        return key in self._files
 
     def released(self) -> Mapping[str, int]:
         """When each device ID was last released, as a count of releases (a live view)."""

@@ -375,6 +375,8 @@ class Arbiter:
     def _usage_of(self, alloc: ContainerAlloc) -> UsageFile | None:
         u = self._usage.get(alloc.key)
         if u is None:
+            if not self.ledger.attached(alloc.key):
+                return None  # not written yet: the path may hold a released container's file
             try:
                 u = self._usage[alloc.key] = UsageFile(alloc.directory)
             except FormatError as e:
@@ -494,6 +496,8 @@ class Arbiter:
         """The config generation the reply names (read from a kept mapping: per request)."""
         mm = self._config_maps.get(alloc.key)
         if mm is None:
+            if not self.ledger.attached(alloc.key):
+                return 0  # as for _usage_of: no file of this booking to read yet
             try:
                 with open(os.path.join(alloc.directory, formats.CONFIG_FILE), "rb") as f:
                     mm = self._config_maps[alloc.key] = mmap.mmap(

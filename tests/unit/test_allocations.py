@@ -11,7 +11,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gpufrac.agent.allocations import AllocationError, Ledger, container_key
+from gpufrac.agent.allocations import (
+    AllocationError,
+    Ledger,
+    container_key,
+    retire_container_dir,
+    write_container_dir,
+)
 from gpufrac.agent.config import Config, GiB, PathsConfig
 from gpufrac.agent.gpus import Gpu, Inventory, Link, PcieLink
 from gpufrac.agent.state import StateStore, encode, restore
@@ -328,3 +334,53 @@ def test_the_slices_a_release_frees_are_preferred_last(ledger: Ledger) -> None:
     assert container_key(MEMORY, again) != first.key
     ledger.release(second.key)
     assert set(prefer(2)).isdisjoint(second.device_ids)  # the most recent release comes last
+
+
+def test_a_rebooked_key_is_read_from_its_own_files_only(ledger: Ledger, tmp_path: Path) -> None:
+    """Released and booked again under the same key: until the new directory is written, the
+    old one may still be on disk (its deletion queued); the arbiter must not read it as the
+    newcomer's usage, nor keep it mapped after."""
+    from gpufrac.agent.arbiter import Arbiter
+    from gpufrac.agent.peers import PeerLookup
+
+    arb = Arbiter(ledger.config, ledger, PeerLookup(ledger, lambda uid, cid: None), str(tmp_path / "a.sock"))
+    devs = ids(ledger, 0, MEMORY, range(2))
+    old = ledger.allocate(MEMORY, devs)
+    formats.UsageFile(old.directory).usage.total_used = 3 * GiB  # what the old container held
+    queued: list[tuple[str, object]] = []
+    ledger.retire = lambda directory, handle: queued.append((directory, handle))  # not run yet
+    ledger.release(old.key)
+    new = ledger.reserve(MEMORY, devs)
+    assert new.key == old.key and formats.read_usage(new.directory).total_used == 3 * GiB  # still there
+    assert arb._used(new) is None  # unknown (counted as all it may use), not the old 3 GiB
+    retire_container_dir(*queued.pop())  # type: ignore[arg-type]
+    ledger.attach(new.key, write_container_dir(new.directory, new.config))
+    assert arb._used(new) == 0
+
+
+def test_a_release_that_cannot_be_cleaned_up_does_not_stop_the_others(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from gpufrac.agent.allocations import ContainerDirs
+
+    state = tmp_path / "state"
+    containers = state / "containers"
+    cfg = formats.ContainerConfig(gpu_uuid="GPU-a", request_bytes=GiB, limit_bytes=GiB)
+
+    class Stuck:  # a mapping that cannot be closed (exported buffers)
+        def close(self) -> None:
+            raise BufferError("cannot close exported pointers exist")
+
+    async def scenario() -> None:
+        dirs = ContainerDirs(str(containers), str(state), spares=0)
+        await dirs.start()
+        for name in ("m-a", "m-b", "m-c"):
+            (await dirs.write(str(containers / name), cfg)).close()
+        dirs.discard(str(containers / "m-a"))
+        dirs.discard(str(containers / "m-b"), Stuck())  # type: ignore[arg-type]
+        dirs.discard(str(containers / "m-c"))  # the same job as the two before
+        await dirs.close()
+
+    asyncio.run(scenario())
+    assert os.listdir(containers) == ["m-b"]
+    assert "m-b" in caplog.text and "exported" in caplog.text
