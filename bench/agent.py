@@ -66,6 +66,13 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
+def _p50_p99(name: str, ms: list[float], suffix: str = "") -> dict[str, float]:
+    return {
+        f"{name}_p50_ms{suffix}": round(statistics.median(ms), 3),
+        f"{name}_p99_ms{suffix}": round(_pct(ms, 0.99), 3),
+    }
+
+
 def _healthy_on(k: KubeletEmulator, uuid: str) -> int:
     return sum(1 for d in k.healthy(MEMORY) if d.startswith(uuid + "::"))
 
@@ -189,22 +196,16 @@ def run(root: Path) -> dict[str, Any]:
         "preset": "dgx-h100",
         "containers_allocated": CONTAINERS,
         "allocate_samples": len(lat),
-        "allocate_p50_ms": round(statistics.median(lat), 3),
-        "allocate_p99_ms": round(_pct(lat, 0.99), 3),
+        **_p50_p99("allocate", lat),
         "allocate_max_ms": round(max(lat), 3),
         # The first 64 onto a fresh node vs admit/delete churn, where the kubelet hands out
         # slices of deleted pods the agent may not have released yet.
-        "allocate_p50_ms_fresh": round(statistics.median(fresh), 3),
-        "allocate_p99_ms_fresh": round(_pct(fresh, 0.99), 3),
-        "allocate_p50_ms_churn": round(statistics.median(churn), 3),
-        "allocate_p99_ms_churn": round(_pct(churn, 0.99), 3),
+        **_p50_p99("allocate", fresh, "_fresh"),
+        **_p50_p99("allocate", churn, "_churn"),
         "allocate_paced_interval_ms": PACE_S * 1000,
-        "allocate_p50_ms_paced": round(statistics.median(paced), 3),
-        "allocate_p99_ms_paced": round(_pct(paced, 0.99), 3),
-        "floor_p50_ms": round(statistics.median(floor), 3),
-        "floor_p99_ms": round(_pct(floor, 0.99), 3),
-        "floor_p50_ms_paced": round(statistics.median(floor_paced), 3),
-        "floor_p99_ms_paced": round(_pct(floor_paced, 0.99), 3),
+        **_p50_p99("allocate", paced, "_paced"),
+        **_p50_p99("floor", floor),
+        **_p50_p99("floor", floor_paced, "_paced"),
         **_handler_times(agent.log()),
         "health_propagation_ms": round(statistics.median(prop), 1),
         "health_propagation_max_ms": round(max(prop), 1),
