@@ -209,7 +209,7 @@ class ContainerDirs:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
     async def start(self) -> None:
-        """Leftover spares of an earlier run go; spares are made."""
+        """Leftovers of an earlier run (spares, an old trash folder) go; spares are made."""
         await self._call(self._reset)
         self.refill()
 
