@@ -139,15 +139,11 @@ def write_container_dir(directory: str, cfg: ContainerConfig) -> ConfigFile:
     return handle
 
 
-def remove_container_dir(directory: str) -> None:
-    shutil.rmtree(directory, ignore_errors=True)
-
-
 def retire_container_dir(directory: str, handle: ConfigFile | None) -> None:
     """A released container's files: its config unmapped, its directory deleted."""
     if handle is not None:
         handle.close()
-    remove_container_dir(directory)
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _retire_all(batch: list[tuple[str, ConfigFile | None]]) -> None:

@@ -155,6 +155,12 @@ class ContainerConfig:
         self.grant_bytes = max(0, min(self.grant_bytes, self.limit_bytes - self.request_bytes))
 
 
+# Modes of the agent-written files. The usage file is world-writable: container processes
+# may run as any uid, and it holds only that container's own counters.
+CONFIG_MODE = 0o644
+USAGE_MODE = 0o666
+
+
 def _map(
     path: Path, struct: type[ctypes.Structure], magic: int, writable: bool
 ) -> tuple[mmap.mmap, ctypes.Structure]:
@@ -201,9 +207,8 @@ def create_unpublished(directory: str | os.PathLike[str]) -> None:
     yet (the agent's spares, renamed into place later): written in place, with no temporary
     file, rename or sync, each of which costs a journalled metadata write."""
     for name, struct, magic, mode in (
-        (CONFIG_FILE, ConfigStruct, CONFIG_MAGIC, 0o644),
-        # World-writable: container processes may run as any uid (see create_usage).
-        (USAGE_FILE, UsageStruct, USAGE_MAGIC, 0o666),
+        (CONFIG_FILE, ConfigStruct, CONFIG_MAGIC, CONFIG_MODE),
+        (USAGE_FILE, UsageStruct, USAGE_MAGIC, USAGE_MODE),
     ):
         fd = os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
         try:
@@ -223,7 +228,7 @@ class ConfigFile:
         self._durable = durable
         self.path = Path(directory) / CONFIG_FILE
         if not self.path.exists():
-            _create(self.path, ConfigStruct, CONFIG_MAGIC, 0o644, durable)
+            _create(self.path, ConfigStruct, CONFIG_MAGIC, CONFIG_MODE, durable)
         self._mm, self._s = _map(self.path, ConfigStruct, CONFIG_MAGIC, writable=True)
 
     def write(self, cfg: ContainerConfig) -> int:
@@ -294,9 +299,7 @@ def create_usage(directory: str | os.PathLike[str], durable: bool = True) -> Pat
     """Create an empty usage file (agent side, when the container is allocated)."""
     path = Path(directory) / USAGE_FILE
     if not path.exists():
-        # World-writable: container processes may run as any uid; the file holds
-        # only this container's own counters.
-        _create(path, UsageStruct, USAGE_MAGIC, 0o666, durable)
+        _create(path, UsageStruct, USAGE_MAGIC, USAGE_MODE, durable)
     return path
 
 
