@@ -23,12 +23,8 @@ from gpufrac.deviceplugin.slices import FRACTION, FRACTION_SLICES, GpuGeometry
 _MAX_COMBINATIONS = 20000
 
 
-def _by_gpu(
-    ids: Sequence[str],
-    geometry: Mapping[str, GpuGeometry],
-    booked: Container[str],
-    released: Mapping[str, int],
-) -> dict[str, list[str]]:
+def _by_gpu(ids: Sequence[str], geometry: Mapping[str, GpuGeometry]) -> dict[str, list[str]]:
+    """Our IDs by GPU, in the order given: only the chosen GPUs' slices need sorting."""
     out: dict[str, list[str]] = {}
     for dev in ids:
         try:
@@ -37,15 +33,18 @@ def _by_gpu(
             continue
         if s.gpu_uuid in geometry:
             out.setdefault(s.gpu_uuid, []).append(dev)
-    never = -1
-    for devs in out.values():
-        devs.sort(key=slices.sort_key)
-        # Stable sorts: booked slices last; before them, the longest released first, each
-        # part in slice order.
-        if released:
-            devs.sort(key=lambda d: released.get(d, never))
-        if booked:
-            devs.sort(key=booked.__contains__)
+    return out
+
+
+def _ordered(devs: Sequence[str], booked: Container[str], released: Mapping[str, int]) -> list[str]:
+    """One GPU's slices in the order to hand them out. Stable sorts: booked slices last; before
+    them, the longest released first, each part in slice order."""
+    out = sorted(devs, key=slices.sort_key)
+    if released:
+        never = -1
+        out.sort(key=lambda d: released.get(d, never))
+    if booked:
+        out.sort(key=booked.__contains__)
     return out
 
 
@@ -75,29 +74,31 @@ def preferred(
         return []
     must = list(dict.fromkeys(must_include))
     pool = list(dict.fromkeys([*must, *available]))
-    free = _by_gpu(pool, geometry, booked, released)
+    free = _by_gpu(pool, geometry)
     if resource == FRACTION and size > FRACTION_SLICES and size % FRACTION_SLICES == 0:
         gpus = _whole_gpus(size // FRACTION_SLICES, free, must, geometry, inventory)
         if gpus is not None:
-            return [d for u in gpus for d in free[u]][:size]
-    return _share(size, free, must, geometry, policy, booked)
-
-
-def _fill(gpu: str, size: int, free: Mapping[str, list[str]], must: Sequence[str]) -> list[str]:
-    chosen = [d for d in must if d in set(free.get(gpu, ()))]
-    rest = [d for d in free.get(gpu, ()) if d not in set(chosen)]
+            return [d for u in gpus for d in _ordered(free[u], booked, released)][:size]
+    home = _share_home(size, free, must, geometry, policy, booked)
+    if home is None:
+        return list(must)[:size]
+    mine = free[home]
+    chosen = [d for d in must if d in set(mine)]
+    rest = [d for d in _ordered(mine, booked, released) if d not in set(chosen)]
     return (chosen + rest)[:size]
 
 
-def _share(
+def _share_home(
     size: int,
     free: Mapping[str, list[str]],
     must: Sequence[str],
     geometry: Mapping[str, GpuGeometry],
     policy: str,
     booked: Container[str],
-) -> list[str]:
-    must_gpus = {slices.parse(d).gpu_uuid for d in must if d in {x for v in free.values() for x in v}}
+) -> str | None:
+    """The GPU a share comes from (None: no free slice at all)."""
+    known = {x for v in free.values() for x in v} if must else set()
+    must_gpus = {slices.parse(d).gpu_uuid for d in must if d in known}
     homes = [u for u in geometry if must_gpus <= {u}]
     # binpack: least left over; spread: most left over; ties -> lowest GPU index. Slices still
     # booked count as room only when no GPU fits without them: counted, they make the GPU
@@ -109,14 +110,12 @@ def _share(
     for room in rooms:
         candidates = [u for u in homes if room[u] >= size]
         if candidates:
-            best = min(candidates, key=lambda u: (sign * (room[u] - size), geometry[u].index))
-            return _fill(best, size, free, must)
+            return min(candidates, key=lambda u: (sign * (room[u] - size), geometry[u].index))
     # Nothing fits on one GPU: best effort from the GPU with the most room (Allocate
     # will refuse with the reason if the kubelet insists on spanning GPUs).
     if not free:
-        return list(must)[:size]
-    home = next(iter(must_gpus)) if len(must_gpus) == 1 else max(free, key=lambda u: len(free[u]))
-    return _fill(home, size, free, must)
+        return None
+    return next(iter(must_gpus)) if len(must_gpus) == 1 else max(free, key=lambda u: len(free[u]))
 
 
 def _whole_gpus(
