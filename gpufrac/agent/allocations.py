@@ -154,22 +154,23 @@ def _retire_all(batch: list[tuple[str, ConfigFile | None]]) -> None:
             log.warning("cannot remove the files of released container %s: %s", directory, e)
 
 
-def prepare_spare(directory: str) -> None:
+def prepare_spare(directory: str) -> ConfigFile:
     """An empty container directory, made ahead of time: config and usage files with their
-    headers and nothing booked. Creating directories and files is most of Allocate's cost on
-    a busy node (journalled metadata, ~2 ms); Allocate then only renames a spare into place."""
+    headers and nothing booked, the config already mapped. Creating directories and files is
+    most of Allocate's cost on a busy node (journalled metadata, ~2 ms); Allocate then only
+    renames a spare into place (a mapping follows its file through a rename)."""
     os.mkdir(directory)  # a fresh name: never an existing directory
     os.chmod(directory, 0o755)
     formats.create_unpublished(directory)
+    return ConfigFile(directory, durable=False)
 
 
-def claim_spare(spare: str, directory: str, cfg: ContainerConfig) -> ConfigFile:
+def claim_spare(spare: str, handle: ConfigFile, directory: str, cfg: ContainerConfig) -> None:
     """Move a prepared spare to `directory` and publish the container's config in it.
     OSError when `directory` exists with files in it: a container's files are never replaced."""
     os.rename(spare, directory)
-    handle = ConfigFile(directory, durable=False)
+    handle.moved(directory)
     handle.write(cfg)
-    return handle
 
 
 class ContainerDirs:
@@ -191,7 +192,7 @@ class ContainerDirs:
         self._spare_root = os.path.join(state_dir, "spare")
         self._target = spares
         self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpufrac-dirs")
-        self._spares: list[str] = []
+        self._spares: list[tuple[str, ConfigFile]] = []  # directory, its mapped config
         self._making = 0
         self._seq = 0
         self._removing: dict[str, int] = {}  # container directory -> removals queued for it
@@ -199,6 +200,7 @@ class ContainerDirs:
         # reconcile's worth of releases, not one each (each costs the loop a GIL hand-off).
         self._retiring: list[tuple[str, ConfigFile | None]] = []
         self._spare_failed_at: float | None = None
+        self._closed = False
 
     async def _call(self, fn: Callable[..., _T], *args: object) -> _T:
         self._retire_queued()  # deletions asked for earlier run first
@@ -219,7 +221,11 @@ class ContainerDirs:
 
     async def close(self) -> None:
         self._retire_queued()
+        self._closed = True
         await asyncio.to_thread(self._io.shutdown)  # queued deletions finish
+        for _, handle in self._spares:
+            handle.close()
+        self._spares.clear()
 
     async def write(self, directory: str, cfg: ContainerConfig) -> ConfigFile:
         """Create or repair a container's directory (write_container_dir), in order."""
@@ -229,13 +235,15 @@ class ContainerDirs:
         """A new container's directory: a spare renamed into place when one is ready,
         otherwise write()."""
         if self._spares and directory not in self._removing:
-            spare = self._spares.pop()
+            spare, handle = self._spares.pop()
             try:
-                handle = claim_spare(spare, directory, cfg)
+                claim_spare(spare, handle, directory, cfg)
             except OSError as e:
                 log.debug("spare %s not used for %s: %s", spare, directory, e)
                 if os.path.isdir(spare):
-                    self._spares.append(spare)
+                    self._spares.append((spare, handle))
+                else:
+                    handle.close()
             else:
                 self.refill()
                 return handle
@@ -255,7 +263,7 @@ class ContainerDirs:
                 functools.partial(self._spare_made, path)
             )
 
-    def _spare_made(self, path: str, fut: asyncio.Future[None]) -> None:
+    def _spare_made(self, path: str, fut: asyncio.Future[ConfigFile]) -> None:
         self._making -= 1
         if fut.cancelled():
             return
@@ -266,7 +274,10 @@ class ContainerDirs:
             self._spare_failed_at = time.monotonic()
             return
         self._spare_failed_at = None
-        self._spares.append(path)
+        if self._closed:
+            fut.result().close()
+        else:
+            self._spares.append((path, fut.result()))
 
     def discard(self, directory: str, handle: ConfigFile | None = None) -> None:
         """Let go of a container's files in the thread: unmap its config, delete its directory.

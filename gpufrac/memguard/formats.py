@@ -231,6 +231,10 @@ class ConfigFile:
             _create(self.path, ConfigStruct, CONFIG_MAGIC, CONFIG_MODE, durable)
         self._mm, self._s = _map(self.path, ConfigStruct, CONFIG_MAGIC, writable=True)
 
+    def moved(self, directory: str | os.PathLike[str]) -> None:
+        """Its directory was renamed: the mapping follows the file, the path is told here."""
+        self.path = Path(directory) / CONFIG_FILE
+
     def write(self, cfg: ContainerConfig) -> int:
         """Publish a new config under the seqlock; returns the new generation."""
         s = self._s

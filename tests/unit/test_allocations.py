@@ -279,11 +279,16 @@ def test_container_dirs_spares_discard_and_sweep(tmp_path: Path) -> None:
             # Queued behind the spares: the next create renames a spare into place.
             (await dirs.write(str(containers / "m-orphan"), cfg)).close()
             b = str(containers / "m-b")
-            (await dirs.create(b, cfg)).close()
+            spare = await dirs.create(b, cfg)
             # The modes containers rely on, whatever the agent's umask.
             modes = {p.name: p.stat().st_mode & 0o777 for p in (Path(b), *Path(b).iterdir())}
             assert modes == {"m-b": 0o755, formats.CONFIG_FILE: 0o644, formats.USAGE_FILE: 0o666}
             assert formats.read_config(b) == cfg
+            # The spare's config was mapped before the rename: later writes land at the new path.
+            later = dataclasses.replace(cfg, limit_bytes=5 * GiB)
+            spare.write(later)
+            assert formats.read_config(b) == later and spare.read() == later
+            spare.close()
             for n in range(3):  # the same key booked, released and booked again at once
                 mine = dataclasses.replace(cfg, limit_bytes=(3 + n) * GiB)
                 handle = await dirs.create(a, mine)
