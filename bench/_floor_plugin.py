@@ -2,10 +2,12 @@
 
 `python -m bench._floor_plugin DEVICE_PLUGIN_DIR` serves the DevicePlugin service the way the
 agent does (grpc.aio on the agent's event loop, over a unix socket in the kubelet's directory),
-registers FLOOR_RESOURCE with DEVICES healthy devices, and answers each call with the least a
-kubelet accepts: the first IDs offered, an Allocate response with one variable, an empty
-PreStartContainer. bench/agent.py admits pods against it with the same kubelet emulator, so what
-the agent adds to gRPC and the emulator reads as the difference within one run.
+registers FLOOR_RESOURCE with as many healthy devices as the agent's gpu-fraction lists on a
+dgx-h100, with IDs of the same shape (the kubelet sends every available ID with each
+GetPreferredAllocation, so the size of that request is part of the floor), and answers each call
+with the least a kubelet accepts: the first IDs offered, an Allocate response with one variable, an
+empty PreStartContainer. bench/agent.py admits pods against it with the same kubelet emulator, so
+what the agent adds to gRPC and the emulator reads as the difference within one run.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,11 +23,21 @@ import grpc
 
 from gpufrac.agent import eventloop
 from gpufrac.deviceplugin.server import API_VERSION, HEALTHY
+from gpufrac.deviceplugin.slices import FRACTION, FRACTION_SLICES, device_id
 from gpufrac.proto import deviceplugin_pb2 as pb
 from gpufrac.proto import deviceplugin_pb2_grpc as pb_grpc
 
 FLOOR_RESOURCE = "bench.gpufrac.dev/floor"
-DEVICES = 100
+GPUS, NUMA_NODES = 8, 2  # a dgx-h100
+DEVICES = [
+    pb.Device(
+        ID=device_id(f"GPU-{uuid.UUID(int=g)}", FRACTION, n),
+        health=HEALTHY,
+        topology=pb.TopologyInfo(nodes=[pb.NUMANode(ID=g * NUMA_NODES // GPUS)]),
+    )
+    for g in range(GPUS)
+    for n in range(FRACTION_SLICES)
+]
 SOCKET = "gpufrac-bench-floor.sock"
 
 
@@ -33,9 +46,7 @@ class FloorPlugin(pb_grpc.DevicePluginServicer):
         return pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
 
     async def ListAndWatch(self, request: pb.Empty, context: Any) -> AsyncIterator[pb.ListAndWatchResponse]:
-        yield pb.ListAndWatchResponse(
-            devices=[pb.Device(ID=f"floor-{i}", health=HEALTHY) for i in range(DEVICES)]
-        )
+        yield pb.ListAndWatchResponse(devices=DEVICES)
         await asyncio.Event().wait()  # the list never changes
 
     async def GetPreferredAllocation(

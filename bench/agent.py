@@ -11,8 +11,9 @@ Writes bench/results/agent.json:
                                       without the queueing of a saturated CPU
   floor_p50_ms / floor_p99_ms (+ _paced)  the same calls and cycles against a device plugin that
                                       does nothing (bench/_floor_plugin.py: grpc.aio on the agent's
-                                      loop), through the same emulator: gRPC, the Python emulator
-                                      and the box, without the agent; the difference is the agent's
+                                      loop, as many devices as gpu-fraction's, IDs of the same shape),
+                                      through the same emulator: gRPC, the Python emulator and the
+                                      box, without the agent; the difference is the agent's
   agent_handler_p50_ms / _p99_ms      the same three calls, time spent inside the agent's handlers
                                       (the summary it logs when it stops; warm-up included; the worse
                                       of the two resources): the rest is gRPC, the Python kubelet
