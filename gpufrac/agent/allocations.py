@@ -180,12 +180,13 @@ class ContainerDirs:
     so a directory released and booked again under the same key is deleted before it is
     written, and a sweep never deletes a directory booked after it listed them.
 
-    Allocate's path is short: spares made ahead of time in that thread are renamed into
-    place on the loop (one rename and a mapping, no thread round trip on the kubelet's
-    critical path). A release costs the loop nothing but a queued job: the thread unmaps
-    the config and deletes the directory. A key booked again before that job ran gets its
-    directory written behind it, in order, not a spare renamed onto the old one; until then
-    the old files are still at the path, so readers wait for Ledger.attached()."""
+    Allocate's path is short: spares made ahead of time in that thread, their configs
+    already mapped, are renamed into place on the loop (a rename and a config write, no
+    thread round trip on the kubelet's critical path). A release costs the loop nothing but
+    a queued job: the thread unmaps the config and deletes the directory. A key booked
+    again before that job ran gets its directory written behind it, in order, not a spare
+    renamed onto the old one; until then the old files are still at the path, so readers
+    wait for Ledger.attached()."""
 
     def __init__(self, containers_dir: str, state_dir: str, spares: int = SPARE_DIRS) -> None:
         self.root = containers_dir

@@ -82,9 +82,10 @@ def preferred(
     home = _share_home(size, free, must, geometry, policy, booked)
     if home is None:
         return list(must)[:size]
-    mine = free[home]
-    chosen = [d for d in must if d in set(mine)]
-    rest = [d for d in _ordered(mine, booked, released) if d not in set(chosen)]
+    mine = set(free[home])
+    chosen = [d for d in must if d in mine]
+    taken = set(chosen)
+    rest = [d for d in _ordered(free[home], booked, released) if d not in taken]
     return (chosen + rest)[:size]
 
 
