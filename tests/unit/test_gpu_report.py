@@ -60,10 +60,12 @@ def junit_of(tmp_path: Path, body: str) -> str:
     return out.read_text()
 
 
+# The sample run the report tool reads: one pass, one failure (a limit breached), one skip.
 MIXED = """
 import pytest
+USED, LIMIT = 3 << 30, 2 << 30
 def test_ok(): pass
-def test_bad(): assert 1 == 2, "limit not held"
+def test_bad(): assert USED <= LIMIT, "limit not held"
 def test_skipped(): pytest.skip("driver capability: no cuCheckpointProcess*")
 """
 PASSING = """
