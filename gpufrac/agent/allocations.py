@@ -33,6 +33,7 @@ from gpufrac.agent.config import Config
 from gpufrac.agent.gpus import Inventory
 from gpufrac.agent.units import format_bytes
 from gpufrac.deviceplugin import slices
+from gpufrac.deviceplugin.podresources import ContainerDevices
 from gpufrac.deviceplugin.slices import FRACTION, FRACTION_SLICES, MEMORY, GpuGeometry
 from gpufrac.memguard import formats
 from gpufrac.memguard.formats import ConfigFile, ContainerConfig
@@ -83,6 +84,18 @@ def _container_key(resource: str, device_ids: tuple[str, ...]) -> str:
     ids = sorted(device_ids, key=slices.sort_key)
     digest = hashlib.sha256((resource + "\n" + "\n".join(ids)).encode()).hexdigest()[:20]
     return ("f-" if resource == FRACTION else "m-") + digest
+
+
+def keyed(listed: Iterable[ContainerDevices]) -> dict[str, ContainerDevices]:
+    """pod-resources entries (one per container and resource) by container key; entries
+    naming devices that are not slices of this node are logged and left out."""
+    out: dict[str, ContainerDevices] = {}
+    for c in listed:
+        try:
+            out[container_key(c.resource, c.device_ids)] = c
+        except ValueError:
+            log.warning("pod-resources lists unknown %s devices for %s/%s", c.resource, c.namespace, c.pod)
+    return out
 
 
 @dataclass

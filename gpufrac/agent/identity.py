@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import grpc
 
 from gpufrac.agent import annotations, events, metrics
-from gpufrac.agent.allocations import ContainerAlloc, Ledger, container_key
+from gpufrac.agent.allocations import ContainerAlloc, Ledger, keyed
 from gpufrac.agent.annotations import ContainerPolicy
 from gpufrac.agent.config import Config
 from gpufrac.agent.kube import EventRecorder, KubeConfigError, ObjectRef, PodCache, PodInfo, make_api_client
@@ -136,13 +136,7 @@ class PodIdentity:
         except grpc.aio.AioRpcError as e:
             log.debug("pod-resources List: %s", e.details())
             return {}
-        out = {}
-        for c in listed:
-            try:
-                out[container_key(c.resource, c.device_ids)] = c
-            except ValueError:
-                continue
-        return out
+        return keyed(listed)
 
     async def _resolve_one(self, alloc: ContainerAlloc, entry: ContainerDevices | None) -> bool:
         if entry is not None:

@@ -35,7 +35,7 @@ from gpufrac.agent.allocations import (
     ContainerAlloc,
     ContainerDirs,
     Ledger,
-    container_key,
+    keyed,
 )
 from gpufrac.agent.config import Config
 from gpufrac.agent.gpus import GpuHealth, Inventory
@@ -310,14 +310,7 @@ class Agent:
         except grpc.aio.AioRpcError as e:
             log.debug("pod-resources List: %s", e.details())
             return False
-        self.listing = {}
-        for c in listed:
-            try:
-                self.listing[container_key(c.resource, c.device_ids)] = c
-            except ValueError:
-                log.warning(
-                    "pod-resources lists unknown %s devices for %s/%s", c.resource, c.namespace, c.pod
-                )
+        self.listing = keyed(listed)
         now = time.time()
         for alloc in self.ledger.containers():
             c = self.listing.get(alloc.key)

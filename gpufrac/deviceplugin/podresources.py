@@ -26,6 +26,24 @@ class ContainerDevices:
     device_ids: tuple[str, ...]
 
 
+def grouped(resp: pr.ListPodResourcesResponse, resources: tuple[str, ...] | None) -> list[ContainerDevices]:
+    """A List answer as one entry per container and resource. The kubelet lists a container's
+    devices one ID per entry (and an ID once per NUMA node it sits on), not as the set its
+    Allocate got: the set is the union, each ID once, in the order listed."""
+    out = []
+    for pod in resp.pod_resources:
+        for c in pod.containers:
+            ids: dict[str, dict[str, None]] = {}  # resource -> IDs (a dict keeps order, drops repeats)
+            for d in c.devices:
+                if resources is None or d.resource_name in resources:
+                    ids.setdefault(d.resource_name, {}).update(dict.fromkeys(d.device_ids))
+            out.extend(
+                ContainerDevices(pod.namespace, pod.name, c.name, resource, tuple(devs))
+                for resource, devs in ids.items()
+            )
+    return out
+
+
 # Errors after which the next call dials afresh: the kubelet went away or re-created its
 # socket. A refusal (its rate limit's RESOURCE_EXHAUSTED, say) keeps the connection.
 _REDIAL = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
@@ -81,20 +99,11 @@ class PodResourcesClient:
             await conn.channel.close()
 
     async def list(self, resources: tuple[str, ...] | None = None) -> list[ContainerDevices]:
-        """All containers' devices (optionally only of `resources`). Raises grpc.aio.AioRpcError."""
+        """All containers' devices (optionally only of `resources`), one entry per container
+        and resource. Raises grpc.aio.AioRpcError."""
         resp = await self._call("List", pr.ListPodResourcesRequest())
         assert isinstance(resp, pr.ListPodResourcesResponse)
-        out = []
-        for pod in resp.pod_resources:
-            for c in pod.containers:
-                for d in c.devices:
-                    if resources is None or d.resource_name in resources:
-                        out.append(
-                            ContainerDevices(
-                                pod.namespace, pod.name, c.name, d.resource_name, tuple(d.device_ids)
-                            )
-                        )
-        return out
+        return grouped(resp, resources)
 
     async def allocatable(self) -> dict[str, list[str]]:
         """Healthy device IDs per resource, as the kubelet counts them allocatable."""

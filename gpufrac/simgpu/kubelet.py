@@ -17,7 +17,8 @@ It behaves as the real kubelet does towards device plugins
 * no deallocate call: deleting a pod just forgets its devices;
 * v1.PodResourcesLister (List, GetAllocatableResources, Get) on
   <root>/pod-resources/kubelet.sock from its own records, rate-limited like the
-  kubelet's (100 QPS, burst 10).
+  kubelet's (100 QPS, burst 10), each device of a container its own entry (once
+  per NUMA node), as the kubelet lists them.
 
 It runs its own asyncio loop in a background thread; the public methods are
 synchronous and thread-safe (tests and the demo call them from anywhere).
@@ -161,8 +162,8 @@ class _Allocated:
     resource: str
     device_ids: list[str]
     response: pb.ContainerAllocateResponse
-    # The devices' NUMA nodes when allocated: the kubelet keeps them with its allocation record.
-    numa_nodes: list[int] = field(default_factory=list)
+    # Each device's NUMA nodes when allocated: the kubelet keeps them with its allocation record.
+    numa_nodes: dict[str, list[int]] = field(default_factory=dict)
     # Time spent in the plugin's RPCs for this allocation (preferred + Allocate + PreStart).
     rpc_seconds: float = 0.0
 
@@ -497,7 +498,8 @@ class KubeletEmulator:
         if not aresp.container_responses:
             raise fail(f"no allocation response for {resource}")
         rpc_seconds = time.perf_counter() - t0
-        return _Allocated(resource, chosen, aresp.container_responses[0], res.numa_nodes(chosen), rpc_seconds)
+        numa = {d: res.numa_nodes([d]) for d in chosen}
+        return _Allocated(resource, chosen, aresp.container_responses[0], numa, rpc_seconds)
 
     async def _start_container(self, rec: _PodRecord, container: str) -> None:
         rec.start_errors.pop(container, None)
@@ -546,9 +548,13 @@ class KubeletEmulator:
         for c in rec.pod.containers:
             cr = out.containers.add(name=c.name)
             for resource, alloc in rec.allocations.get(c.name, {}).items():
-                cd = cr.devices.add(resource_name=resource, device_ids=alloc.device_ids)
-                for n in alloc.numa_nodes:
-                    cd.topology.nodes.add(ID=n)
+                # As the kubelet lists them: one entry per device and NUMA node, or one
+                # without topology for a device that has none.
+                for dev in alloc.device_ids:
+                    for n in alloc.numa_nodes.get(dev) or [None]:
+                        cd = cr.devices.add(resource_name=resource, device_ids=[dev])
+                        if n is not None:
+                            cd.topology.nodes.add(ID=n)
         return out
 
     def pods(self) -> list[Pod]:

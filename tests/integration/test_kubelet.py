@@ -14,6 +14,8 @@ from gpufrac.deviceplugin.podresources import PodResourcesClient
 from gpufrac.deviceplugin.slices import FRACTION, MEMORY, SOCKETS
 from gpufrac.proto import deviceplugin_pb2 as pb
 from gpufrac.proto import deviceplugin_pb2_grpc as pb_grpc
+from gpufrac.proto import podresources_pb2 as pr
+from gpufrac.proto import podresources_pb2_grpc as pr_grpc
 from gpufrac.simgpu.kubelet import AdmissionError, Container, KubeletEmulator, Pod
 
 
@@ -94,7 +96,21 @@ def test_pod_resources_lists_pods_and_agent_releases_deleted_ones(sim: Sim) -> N
     }
     assert len(alloc[FRACTION]) == sim.kubelet.allocatable(FRACTION)
     k = sim.kubelet
-    k.wait_for(lambda: len(sim.agent.container_dirs()) == 2)
+    # Like the kubelet, the emulator lists one device per entry. The agent still sees two
+    # containers of 40 and 8 slices, bound to their pods, across reconciles; reading each
+    # entry as a container released both and booked 48 one-slice containers in their place.
+    with grpc.insecure_channel(f"unix://{k.pod_resources_socket}") as ch:
+        raw = pr_grpc.PodResourcesListerStub(ch).List(pr.ListPodResourcesRequest(), timeout=30)
+    (pod_a,) = [p for p in raw.pod_resources if p.name == "a"]
+    assert [len(d.device_ids) for d in pod_a.containers[0].devices] == [1] * 40
+    k.wait_for(
+        lambda: (
+            sorted((x["pod"], len(x["device_ids"])) for x in sim.agent.state()["allocations"])
+            == [("a", 40), ("b", 8)]
+        ),
+        30,
+    )
+    assert len(sim.agent.container_dirs()) == 2
     (g,) = sim.gpus_of(a)
     k.delete(a)  # no RPC: the agent learns it from pod-resources
     k.wait_for(lambda: len(sim.agent.container_dirs()) == 1, 30)
