@@ -42,8 +42,9 @@ def _bytes(default: int) -> Any:
     return field(default=default, metadata={"kind": "bytes"})
 
 
-def _seconds(default: float) -> Any:
-    return field(default=default, metadata={"kind": "seconds"})
+def _seconds(default: float, *, positive: bool = False) -> Any:
+    """A duration; `positive` for the period of a loop, where 0 would make it spin."""
+    return field(default=default, metadata={"kind": "seconds", "positive": positive})
 
 
 def _choice(default: str, *choices: str) -> Any:
@@ -78,14 +79,14 @@ class HealthConfig:
     ignored_xids: list[int] = field(default_factory=lambda: [13, 31, 43, 45, 68, 109])
     # A GPU made Unhealthy by an XID is Healthy again after this long without a new one.
     xid_recovery: float = _seconds(300.0)
-    poll_interval: float = _seconds(1.0)
+    poll_interval: float = _seconds(1.0, positive=True)
 
 
 @dataclass
 class WatchdogConfig:
     mode: str = _choice("report", "off", "report", "enforce")
     tolerance: int = _bytes(256 << 20)
-    interval: float = _seconds(5.0)
+    interval: float = _seconds(5.0, positive=True)
 
 
 @dataclass
@@ -113,7 +114,7 @@ class IdleConfig:
     exempt_namespaces: list[str] = field(default_factory=lambda: ["kube-system"])
     # Classes reaped besides "interactive".
     reap_classes: list[str] = field(default_factory=list)
-    interval: float = _seconds(10.0)
+    interval: float = _seconds(10.0, positive=True)
 
 
 @dataclass
@@ -149,6 +150,9 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def validate(self) -> None:
+        if not self.node_name.strip():
+            # The pod watch selects spec.nodeName=<this>: empty would select unscheduled pods.
+            raise ConfigError("nodeName: empty; set it or the NODE_NAME environment variable")
         if self.memory_unit < (1 << 20):
             raise ConfigError(f"memoryUnit: {self.memory_unit} bytes is below the 1Mi minimum")
         bad = [r for r in self.resolvers if r not in RESOLVERS]
@@ -173,7 +177,10 @@ def _convert(path: str, f: dataclasses.Field[Any], hint: Any, value: Any) -> Any
         if kind == "bytes":
             return parse_bytes(value)
         if kind == "seconds":
-            return parse_duration(value)
+            seconds = parse_duration(value)
+            if f.metadata["positive"] and seconds <= 0:
+                raise ValueError(f"{value!r} must be more than 0")
+            return seconds
     except ValueError as e:
         raise ConfigError(f"{path}: {e}") from None
     if kind == "choice":

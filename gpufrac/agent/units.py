@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from decimal import Decimal, InvalidOperation
 
@@ -35,6 +36,8 @@ def parse_duration(value: str | int | float) -> float:
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a duration")
     if isinstance(value, (int, float)):
+        if not math.isfinite(value):  # YAML reads .nan and .inf as floats
+            raise ValueError(f"{value!r} is not a finite duration")
         if value < 0:
             raise ValueError(f"{value!r} is negative")
         return float(value)
