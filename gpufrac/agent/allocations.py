@@ -139,11 +139,14 @@ def write_container_dir(directory: str, cfg: ContainerConfig) -> ConfigFile:
     kubelet's record, so durability here would only add latency to Allocate."""
     Path(directory).mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o755)
-    for name, check in ((formats.CONFIG_FILE, formats.read_config), (formats.USAGE_FILE, formats.read_usage)):
+    # Headers only: a config an agent killed mid-write left with an odd seq is repaired in
+    # place by ConfigFile.write. A new file would be a new inode, and a running container
+    # keeps the old one mounted: the shim would never see a config again.
+    for name, check in ((formats.CONFIG_FILE, formats.generation), (formats.USAGE_FILE, formats.read_usage)):
         if os.path.exists(os.path.join(directory, name)):
             try:
                 check(directory)
-            except formats.FormatError as e:  # torn by a crash: start it afresh
+            except formats.FormatError as e:  # truncated or foreign: start it afresh
                 log.warning("recreating %s: %s", os.path.join(directory, name), e)
                 os.unlink(os.path.join(directory, name))
     handle = ConfigFile(directory, durable=False)

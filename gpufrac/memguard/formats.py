@@ -268,13 +268,25 @@ class ConfigFile:
         self._mm.close()
 
 
+def _seq(mm: mmap.mmap) -> int:
+    """The config's seqlock counter, read from the live mapping."""
+    return int(u64.from_buffer_copy(mm, ConfigStruct.seq.offset).value)
+
+
 def read_config(directory: str | os.PathLike[str]) -> ContainerConfig:
     """A consistent snapshot of a container's config (retries while a write is in flight)."""
     path = Path(directory) / CONFIG_FILE
-    for _ in range(1000):
-        mm, s = _map(path, ConfigStruct, CONFIG_MAGIC, writable=False)
-        mm.close()
-        if s.seq % 2 == 0:
+    mm, _ = _map(path, ConfigStruct, CONFIG_MAGIC, writable=False)
+    try:
+        for _ in range(1000):
+            # The seqlock: seq even before the copy and unchanged after it, read from the live
+            # mapping (the copy's own seq may predate a write that began during the copy).
+            before = _seq(mm)
+            if before % 2:
+                continue
+            s = ConfigStruct.from_buffer_copy(mm)
+            if _seq(mm) != before:
+                continue
             return ContainerConfig(
                 gpu_uuid=s.gpu_uuid.decode(),
                 request_bytes=s.request_bytes,
@@ -290,6 +302,8 @@ def read_config(directory: str | os.PathLike[str]) -> ContainerConfig:
                 container=s.container.decode(),
                 pod_uid=s.pod_uid.decode(),
             )
+    finally:
+        mm.close()
     raise FormatError(f"{path}: a write never completed (seq stays odd)")
 
 

@@ -389,3 +389,23 @@ def test_a_release_that_cannot_be_cleaned_up_does_not_stop_the_others(
     asyncio.run(scenario())
     assert os.listdir(containers) == ["m-b"]
     assert "m-b" in caplog.text and "exported" in caplog.text
+
+
+def test_a_config_an_agent_left_mid_write_is_repaired_in_the_same_file(tmp_path: Path) -> None:
+    """A kill -9 during a config write leaves seq odd. The running container has that inode
+    bind-mounted: recovery must finish the write in it, not put a new file beside it."""
+    directory = str(tmp_path / "m-1")
+    handle = write_container_dir(directory, formats.ContainerConfig("GPU-a", GiB, GiB))
+    path = os.path.join(directory, formats.CONFIG_FILE)
+    mounted = os.open(path, os.O_RDONLY)  # what the container holds
+    try:
+        handle._s.seq |= 1  # the killed agent's write: begun, never ended
+        handle._s.limit_bytes = 3 * GiB
+        handle.close()
+        with pytest.raises(formats.FormatError, match="never completed"):
+            formats.read_config(directory)
+        write_container_dir(directory, formats.ContainerConfig("GPU-a", GiB, 2 * GiB)).close()
+        assert os.fstat(mounted).st_nlink == 1 and os.fstat(mounted).st_ino == os.stat(path).st_ino
+    finally:
+        os.close(mounted)
+    assert formats.read_config(directory).limit_bytes == 2 * GiB
