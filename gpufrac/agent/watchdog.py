@@ -5,8 +5,8 @@ program that bypasses it (a static binary, LD_PRELOAD unset, its own dlopen of
 the driver by path) is invisible to the shim but not to NVML: every interval the
 watchdog reads NVML's per-process used memory, maps each process to its
 container through /proc/<pid>/cgroup (gpufrac.agent.peers), sums per container
-and GPU, and compares with the container's limit plus a tolerance (NVML also
-counts the CUDA context, which the shim does not).
+and GPU, and compares with the container's limit plus a tolerance per process (NVML also
+counts each process's CUDA context, which the shim does not).
 
 Modes (config.watchdog.mode):
 * off      - not started;
@@ -80,7 +80,7 @@ class Verdict:
     gpu: str
     usage: int  # bytes NVML shows for the container on that GPU
     limit: int  # the container's limit there (0 on a GPU it was not given)
-    allowed: int  # limit + tolerance
+    allowed: int  # limit + tolerance per process
     procs: list[GpuProcess]  # the container's processes on that GPU, largest first
     kill: list[GpuProcess] = field(default_factory=list)
 
@@ -154,15 +154,16 @@ def plan(owned: Iterable[tuple[ContainerAlloc, GpuProcess]], tolerance: int, enf
         usage = sum(p.used for p in procs)
         # On a GPU the container was not given, any memory is a breach.
         limit = alloc.config.limit_bytes if gpu in alloc.gpus else 0
-        allowed = limit + tolerance
+        # Tolerance per process: each has a CUDA context NVML counts and the shim does not.
+        allowed = limit + tolerance * len(procs)
         if usage <= allowed:
             continue
         procs = sorted(procs, key=lambda p: (-p.used, p.pid))
         v = Verdict(alloc, gpu, usage, limit, allowed, procs)
         if enforce:
             left = usage
-            for p in procs:
-                if left <= allowed:
+            for i, p in enumerate(procs):
+                if left <= limit + tolerance * (len(procs) - i):
                     break
                 v.kill.append(p)
                 left -= p.used
@@ -296,7 +297,7 @@ class Watchdog:
         return (
             f"container {container_name(v.alloc)} uses {format_bytes(v.usage)} of GPU memory on GPU "
             f"{v.gpu}{where} as NVML counts it, over its limit {format_bytes(v.limit)} "
-            f"(+{format_bytes(self.config.tolerance)} tolerance)"
+            f"(+{format_bytes(self.config.tolerance)} tolerance per process)"
         )
 
     def _report(self, v: Verdict) -> None:

@@ -25,11 +25,25 @@ def test_within_limit_plus_tolerance_is_left_alone() -> None:
     assert plan(owned, TOL, enforce=True) == []
 
 
+def test_each_process_has_its_tolerance_for_the_context_nvml_counts() -> None:
+    """Four processes at the limit between them, each with a context the shim does not count:
+    not a breach. One process more than its share over is."""
+    a = alloc("a", 4 * GiB)
+    ctx = 200 * MiB
+    owned = [(a, GpuProcess(p, GPU0, GiB + ctx)) for p in (1, 2, 3, 4)]
+    assert plan(owned, TOL, enforce=True) == []
+    (v,) = plan([*owned, (a, GpuProcess(5, GPU0, GiB))], TOL, enforce=True)
+    assert v.allowed == 4 * GiB + 5 * TOL
+    # 5 GiB + 800 MiB against 4 GiB + 1280 MiB: one 1.2 GiB process goes; the rest
+    # (4 GiB + 600 MiB) fits in 4 GiB + 1 GiB.
+    assert [p.pid for p in v.kill] == [1]
+
+
 def test_enforce_kills_largest_first_until_the_rest_fits() -> None:
     a = alloc("a", 2 * GiB)
     small, big, mid = GpuProcess(1, GPU0, 512 * MiB), GpuProcess(2, GPU0, 3 * GiB), GpuProcess(3, GPU0, GiB)
     (v,) = plan([(a, small), (a, big), (a, mid)], TOL, enforce=True)
-    assert (v.usage, v.limit, v.allowed) == (4.5 * GiB, 2 * GiB, 2 * GiB + TOL)
+    assert (v.usage, v.limit, v.allowed) == (4.5 * GiB, 2 * GiB, 2 * GiB + 3 * TOL)
     # 4.5 GiB - 3 GiB = 1.5 GiB fits: the 1 GiB and 512 MiB processes stay.
     assert v.kill == [big]
     assert v.procs == [big, mid, small]
