@@ -1,7 +1,9 @@
 """Persistence of the allocation ledger: <state_dir>/state.json.
 
-Written after every change by atomic replace (tmp + fsync + rename + fsync of the
-directory), so a kill -9 at any moment leaves either the old or the new file.
+Written after bookings, releases, identity and limit changes (batched over
+PERSIST_BATCH; grants alone are not saved: recovery reads them back from the config
+files), by atomic replace (tmp + fsync + rename + fsync of the directory), so a
+kill -9 at any moment leaves either the old or the new file.
 A file that cannot be read or parsed is reported, moved aside
 (state.json.corrupt-<timestamp>) and the ledger is rebuilt from pod-resources.
 """
@@ -112,7 +114,7 @@ def restore(ledger: Ledger, entries: list[dict[str, Any]]) -> list[ContainerAllo
                 config=cfg,
                 created=float(e["created"]),
             )
-        except (AllocationError, KeyError, TypeError, ValueError) as err:
+        except (AllocationError, AttributeError, KeyError, TypeError, ValueError) as err:
             reason = err.message if isinstance(err, AllocationError) else f"malformed entry ({err!r})"
             log.error("state: dropping allocation %s: %s", e.get("key", "?"), reason)
             continue

@@ -232,6 +232,19 @@ def test_state_roundtrip_rebooks_the_same(ledger: Ledger, tmp_path: Path) -> Non
     assert len(healthy(fresh, FRACTION, 0)) == 75
 
 
+def test_a_malformed_state_entry_is_dropped_and_the_others_rebooked(
+    ledger: Ledger, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = ledger.allocate(MEMORY, ids(ledger, 0, MEMORY, range(4)))
+    b = ledger.allocate(MEMORY, ids(ledger, 1, MEMORY, range(2)))
+    entries = json.loads(json.dumps(encode(ledger)))["allocations"]
+    (bad,) = [e for e in entries if e["key"] == a.key]
+    bad["config"] = "limit=9Gi"  # an object once, a string now
+    fresh = Ledger(ledger.config, ledger.inventory)
+    assert [x.key for x in restore(fresh, entries)] == [b.key]
+    assert f"dropping allocation {a.key}: malformed entry" in caplog.text
+
+
 def test_corrupt_state_is_reported_and_moved_aside(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     store = StateStore(str(tmp_path))
     store.path.write_text('{"version": 1, "allocations": [')
