@@ -185,13 +185,18 @@ class HealthMonitor:
             self._closed.wait(timeout_ms / 1000)
             return
         wait = timeout_ms
+        start = time.monotonic()
         for _ in range(MAX_EVENTS_PER_POLL):
             try:
                 event = pynvml.nvmlEventSetWait(self._event_set, wait)
             except pynvml.NVMLError as e:
                 if e.value != pynvml.NVML_ERROR_TIMEOUT:
                     # GPU_IS_LOST and friends: the per-GPU probe that follows says which GPU.
+                    # A driver that keeps failing at once must not make the caller's loop spin:
+                    # the rest of the wait is spent here.
                     log.debug("nvmlEventSetWait: %s", e)
+                    if wait:
+                        self._closed.wait(max(0.0, timeout_ms / 1000 - (time.monotonic() - start)))
                 return
             self._on_event(event)
             wait = 0  # drain what is queued, do not wait again

@@ -232,3 +232,21 @@ def test_close_waits_for_a_poll_in_progress(in_process_nvml: SimNode, clock: Fak
         m.close()
         assert waiting.done()
         assert waiting.result() == []
+
+
+def test_an_event_wait_that_keeps_failing_at_once_still_paces_the_poll(
+    in_process_nvml: SimNode, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A driver whose event wait fails straight away (not a timeout) every time: poll still
+    takes its timeout, so the agent's health loop does not spin on NVML."""
+    import pynvml
+
+    def failing(event_set: object, timeout_ms: int) -> object:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    with _monitor(clock) as m:
+        monkeypatch.setattr(pynvml, "nvmlEventSetWait", failing)
+        start = time.monotonic()
+        for _ in range(3):
+            assert m.poll(100) == []
+        assert time.monotonic() - start >= 0.3  # a lower bound: three waits of 100 ms
