@@ -129,7 +129,12 @@ class _Counts:
     oom_retired: int = 0
     oom_slots: dict[tuple[int, int], int] = field(default_factory=dict)
 
-    def oom_total(self, slots: dict[tuple[int, int], int]) -> int:
+    def oom_total(self, slots: dict[tuple[int, int], int] | None) -> int:
+        """OOM refusals so far. `slots`: per live process slot, from this scrape's usage file
+        (a slot gone is a process gone: its count is kept); None when the file could not be
+        read this time, which says nothing about the slots."""
+        if slots is None:
+            return self.oom_retired + sum(self.oom_slots.values())
         for slot, seen in self.oom_slots.items():
             if slot not in slots:
                 self.oom_retired += seen
@@ -270,13 +275,16 @@ class Metrics(Collector):
                 self.scrape_errors += 1
                 log.warning("metrics: agent state unavailable for this scrape: %s", e)
                 snap = None
+        # Built under the lock, yielded after it: prometheus-client formats each family as it
+        # comes, and the loop's count_* calls must not wait for a slow scrape.
         with self._lock:
+            families: list[Metric] = []
             if snap is not None:
                 self._prune(snap)
-            if snap is not None:
-                yield from self._gpu_families(snap)
-                yield from self._container_families(snap, views)
-            yield from self._agent_families(snap)
+                families += self._gpu_families(snap)
+                families += self._container_families(snap, views)
+            families += self._agent_families(snap)
+        yield from families
 
     def _prune(self, snap: NodeStatus) -> None:
         held = {c.key for c in snap.containers}
@@ -367,7 +375,7 @@ class Metrics(Collector):
                     row.swapped += view.swapped_bytes
                 if c.idle_seconds is not None:  # enrich: the activity tracker's or the usage file's
                     row.idle = c.idle_seconds if row.idle is None else min(row.idle, c.idle_seconds)
-                row.oom += counts.oom_total(view.slot_refusals if view is not None else {})
+                row.oom += counts.oom_total(view.slot_refusals if view is not None else None)
                 row.evictions += counts.evictions
                 for d in SWAP_DIRECTIONS:
                     row.swaps[d] += counts.swaps[d]

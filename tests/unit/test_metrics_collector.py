@@ -9,6 +9,7 @@ import io
 import json
 import logging
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -144,6 +145,39 @@ def test_oom_refusals_never_go_down_when_a_process_leaves(tmp_path: Path) -> Non
         del slot  # the mapping closes only when no slot refers to it
     finally:
         usage.close()
+
+
+def test_a_scrape_that_cannot_read_the_usage_file_counts_no_refusal_twice(tmp_path: Path) -> None:
+    c = container(tmp_path, "m-a", "pod-a")
+    m = Metrics(source=lambda: node(c))
+    usage = formats.UsageFile(c.directory)
+    path = Path(c.directory) / formats.USAGE_FILE
+    try:
+        slot = usage.usage.slots[0]
+        slot.pid, slot.start_time, slot.oom_refusals = 1234, 99, 5
+        assert value(scrape(m), "gpufrac_container_oom_refusals_total", pod="pod-a") == 5
+        path.rename(path.with_name("away"))  # unreadable for one scrape
+        assert value(scrape(m), "gpufrac_container_oom_refusals_total", pod="pod-a") == 5
+        path.with_name("away").rename(path)
+        assert value(scrape(m), "gpufrac_container_oom_refusals_total", pod="pod-a") == 5
+        del slot
+    finally:
+        usage.close()
+
+
+def test_counting_does_not_wait_for_a_scrape_in_progress(tmp_path: Path) -> None:
+    """prometheus-client formats families as the collector yields them: the agent's loop,
+    counting meanwhile, must not wait on that."""
+    m = Metrics(source=lambda: node(container(tmp_path, "m-a", "pod-a")))
+    scraping = m.collect()
+    next(scraping), next(scraping)  # the build info, then the first GPU family
+    counter = threading.Thread(target=m.count_eviction, args=("m-a",))
+    counter.start()
+    counter.join(10)
+    alive = counter.is_alive()
+    scraping.close()
+    counter.join()
+    assert not alive
 
 
 def test_usage_file_figures(tmp_path: Path) -> None:
