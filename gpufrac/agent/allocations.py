@@ -611,8 +611,11 @@ class Ledger:
         old = self._files.pop(key, None)
         if old is not None:
             old.close()
-        if key in self._allocs:
+        alloc = self._allocs.get(key)
+        if alloc is not None:
             self._files[key] = handle
+            if handle.written != alloc.config:  # changed (identity, a limit) while being written
+                handle.write(alloc.config)
         else:  # released while its directory was being written
             handle.close()
 

@@ -535,8 +535,12 @@ class Agent:
             # kubelet's pod-resources rate limit).
             await asyncio.sleep(0.2)
             self._identity_again = False
-            await self.reconcile()  # the kubelet has recorded the new allocation by now
-            await self._resolve_identity()
+            try:
+                await self.reconcile()  # the kubelet has recorded the new allocation by now
+                await self._resolve_identity()
+            except Exception:  # the reconcile loop tries again; say why this pass failed
+                self.metrics.count_reconcile_error()
+                log.exception("identity pass after an admission failed")
             if not self._identity_again:
                 return
 

@@ -230,6 +230,7 @@ class ConfigFile:
         if not self.path.exists():
             _create(self.path, ConfigStruct, CONFIG_MAGIC, CONFIG_MODE, durable)
         self._mm, self._s = _map(self.path, ConfigStruct, CONFIG_MAGIC, writable=True)
+        self.written: ContainerConfig | None = None  # the last config write() published
 
     def moved(self, directory: str | os.PathLike[str]) -> None:
         """Its directory was renamed: the mapping follows the file, the path is told here."""
@@ -256,6 +257,7 @@ class ConfigFile:
         s.container = cfg.container.encode()[:63]
         s.pod_uid = cfg.pod_uid.encode()[:39]
         s.seq += 1  # even: consistent
+        self.written = cfg
         if self._durable:
             self._mm.flush()
         return int(s.generation)

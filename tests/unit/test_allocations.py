@@ -422,3 +422,13 @@ def test_a_config_an_agent_left_mid_write_is_repaired_in_the_same_file(tmp_path:
     finally:
         os.close(mounted)
     assert formats.read_config(directory).limit_bytes == 2 * GiB
+
+
+def test_a_limit_set_while_the_directory_is_being_written_reaches_the_file(ledger: Ledger) -> None:
+    """Identity may apply a pod's limit while the directory thread writes a rebuilt
+    container's files with the config it was given: attach() publishes the newer one."""
+    alloc = ledger.reserve(MEMORY, ids(ledger, 0, MEMORY, range(2)))
+    handle = write_container_dir(alloc.directory, alloc.config)  # in the thread, meanwhile:
+    ledger.update_config(alloc.key, limit_bytes=6 * GiB)
+    ledger.attach(alloc.key, handle)
+    assert formats.read_config(alloc.directory).limit_bytes == 6 * GiB
