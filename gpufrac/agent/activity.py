@@ -224,7 +224,6 @@ class ActivityTracker:
         # One poll at a time: the reaper and the arbiter may both ask, and NVML's
         # "samples since" cursor must move forward once per sample.
         self._poll_lock = asyncio.Lock()
-        self.polls = 0
 
     @classmethod
     def with_nvml(
@@ -248,9 +247,6 @@ class ActivityTracker:
         a = self._current.get(key)
         return None if a is None else a.idle_seconds(self.clock.monotonic())
 
-    def snapshot(self) -> dict[str, ContainerActivity]:
-        return dict(self._current)
-
     # -- polling ----------------------------------------------------------------------------------
 
     async def poll(self, containers: Iterable[Tracked]) -> dict[str, ContainerActivity]:
@@ -259,11 +255,6 @@ class ActivityTracker:
         async with self._poll_lock:
             sample = await asyncio.to_thread(self.sample, tracked)
             return self.apply(tracked, sample)
-
-    def poll_now(self, containers: Iterable[Tracked]) -> dict[str, ContainerActivity]:
-        """poll() for synchronous callers (tests, tools): blocks."""
-        tracked = [Tracked(c.key, c.directory, tuple(c.gpus), c.created) for c in containers]
-        return self.apply(tracked, self.sample(tracked))
 
     def sample(self, tracked: list[Tracked]) -> _Sample:
         """The blocking part: usage files and NVML. Touches no tracker state but NVML's cursor."""
@@ -305,7 +296,6 @@ class ActivityTracker:
     def apply(self, tracked: list[Tracked], sample: _Sample) -> dict[str, ContainerActivity]:
         """Fold a sample into the per-container state (on the loop)."""
         now = sample.mono
-        self.polls += 1
         current: dict[str, ContainerActivity] = {}
         for t in tracked:
             state = self._states.get(t.key)
@@ -313,12 +303,14 @@ class ActivityTracker:
                 if t.key not in self._warned:
                     self._warned.add(t.key)
                     log.warning("activity of %s unknown: %s", t.key, sample.unreadable[t.key])
-                if state is None:
-                    continue
-                slots: list[_Slot] = []
-            else:
-                self._warned.discard(t.key)
-                slots = sample.slots.get(t.key, [])
+                # The sample says nothing of this container: what the last good read showed
+                # stands (forgetting its launch counters would make them all look new next time).
+                prev = self._current.get(t.key)
+                if prev is not None:
+                    current[t.key] = prev
+                continue
+            self._warned.discard(t.key)
+            slots = sample.slots.get(t.key, [])
             if state is None:
                 # First sight: nothing known before the later of its allocation and our start
                 # (after an agent restart, activity before the restart is unknown: the

@@ -16,7 +16,11 @@ When, per pod (annotation first, node config second; DESIGN.md section 1):
   and never before its own timeout.
 * max-runtime: allocated longer than `max-runtime` -> Warning Event
   MaxRuntimeWarning `idle.gracePeriod` before the limit, the action AT the limit.
-  Work does not cancel it: the limit is on runtime, not idleness.
+  Work does not cancel it: the limit is on runtime, not idleness. A pod the reaper
+  first meets inside that window or past its limit (agent restart, a limit just set
+  or lowered) still gets the whole `idle.gracePeriod` between warning and action.
+  An action that leaves the pod running (notify, swap, dry run) is taken once per
+  limit; from then on the pod is judged for idleness like any other.
 
 Actions (`idle.action`): notify (an Event only), swap (the swap resolver moves the
 pod's GPU memory to host RAM; unavailable -> said in the Event, notify instead),
@@ -38,7 +42,7 @@ import enum
 import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from kubernetes import client
@@ -71,6 +75,12 @@ BACKOFF_MAX = 300.0
 def action_reason(trigger: str, done: str) -> str:
     """The Event reason recording an action: IdleEvicted, MaxRuntimeNotify, IdleDryRun…"""
     return _PREFIX[trigger] + _DONE[done]
+
+
+def _most_lenient(seconds: Iterable[float]) -> float:
+    """The most lenient of some idle-timeouts or max-runtimes: 0 (off) before any limit."""
+    values = list(seconds)
+    return 0.0 if any(v <= 0 for v in values) else max(values)
 
 
 # -- eviction ------------------------------------------------------------------------------------------
@@ -267,9 +277,9 @@ class Pending:
     trigger: str  # IDLE or MAX_RUNTIME
     due: float  # clock.monotonic() when the action is taken
     done: bool = False  # acted (or reported) for this episode
+    ended: bool = False  # the action ended the pod (evicted, deleted, gone)
     attempts: int = 0  # eviction attempts
     next_try: float = 0.0
-    blocked_reported: bool = False
 
 
 class IdleReaper:
@@ -295,9 +305,14 @@ class IdleReaper:
         self.metrics: ReapCounter = metrics if metrics is not None else metrics_mod
         self.clock = clock or tracker.clock
         self.pending: dict[PodKey, Pending] = {}
+        # Pods a max-runtime action left running (notify, swap, dry run) -> the limit it was for:
+        # that limit is not acted on again, and the pod's idleness is judged from then on.
+        self.runtime_done: dict[PodKey, float] = {}
         # Counters (tests, status): action records by Event reason.
         self.records: dict[str, int] = {}
-        self.blocked = 0  # evictions refused by a PodDisruptionBudget
+        # clock.monotonic() of the latest pass and of the one before it (None: none yet).
+        self._last_pass: float | None = None
+        self._prev_pass: float | None = None
 
     # -- loop -------------------------------------------------------------------------------------
 
@@ -314,8 +329,10 @@ class IdleReaper:
         """One pass: refresh activity, judge every pod. Returns the pods judged."""
         allocs = self.ledger.containers()
         await self.tracker.poll(allocs)
+        self._prev_pass, self._last_pass = self._last_pass, self.clock.monotonic()
         if not self.cfg.idle.enabled:
             self.pending.clear()
+            self.runtime_done.clear()
             return []
         ident = self._identity()
         views = self.pods(allocs, ident)
@@ -328,6 +345,8 @@ class IdleReaper:
                 log.exception("idle reaper: judging pod %s failed", view.who())
         for key in set(self.pending) - seen:
             del self.pending[key]  # the pod is gone (evicted, deleted) or no longer ours
+        for key in set(self.runtime_done) - seen:
+            del self.runtime_done[key]
         return views
 
     def pods(self, allocs: Iterable[ContainerAlloc], ident: Identity | None) -> list[PodView]:
@@ -350,9 +369,14 @@ class IdleReaper:
                 act = self.tracker.get(a.key)
                 # Not polled yet (its usage file is unreadable): treat as busy.
                 idles.append(0.0 if act is None else act.idle_seconds(now))
-            # One policy per pod (annotations are pod-level); on any mismatch the most lenient wins.
+            # One policy per pod (annotations are pod-level); on any mismatch the most lenient
+            # idle-timeout and max-runtime win, each on its own, 0 (off) being the most lenient.
             policies = [p for _, p in members]
-            policy = max(policies, key=lambda p: (p.idle_timeout, p.max_runtime))
+            policy = replace(
+                policies[0],
+                idle_timeout=_most_lenient(p.idle_timeout for p in policies),
+                max_runtime=_most_lenient(p.max_runtime for p in policies),
+            )
             out.append(
                 PodView(
                     key=key,
@@ -393,7 +417,11 @@ class IdleReaper:
                     self._event(view, ident, "Normal", REASON_CANCELLED, f"idle reaping cancelled: {why_not}")
             return
         trigger: str | None = None
-        if p.max_runtime > 0 and view.runtime_s >= p.max_runtime - grace:
+        if (
+            p.max_runtime > 0
+            and view.runtime_s >= p.max_runtime - grace
+            and self.runtime_done.get(view.key) != p.max_runtime
+        ):
             trigger = MAX_RUNTIME
         elif p.idle_timeout > 0 and view.idle_s >= p.idle_timeout:
             trigger = IDLE
@@ -414,12 +442,27 @@ class IdleReaper:
         if trigger is None:
             return
         if pending is None:
-            left = grace if trigger == IDLE else max(0.0, p.max_runtime - view.runtime_s)
+            left = grace if trigger == IDLE else self._runtime_left(view, now)
             pending = self.pending[view.key] = Pending(trigger, due=now + left)
             self._warn(view, ident, pending, left)
         if pending.done or now < pending.due or now < pending.next_try:
             return
         await self._act(view, ident, pending)
+        if pending.trigger == MAX_RUNTIME and pending.done and not pending.ended:
+            # The pod runs on past its limit: that limit is done with, and only idleness may
+            # call for the action from now on.
+            del self.pending[view.key]
+            self.runtime_done[view.key] = p.max_runtime
+
+    def _runtime_left(self, view: PodView, now: float) -> float:
+        """Seconds from a MaxRuntimeWarning to its action: to the limit, when the warning comes
+        in time; the whole grace period for a pod met inside the warning window or past its
+        limit (it was there at the previous pass already, or there was none)."""
+        grace = self.cfg.idle.grace_period
+        left = view.policy.max_runtime - view.runtime_s
+        prev = self._prev_pass
+        late = prev is None or view.runtime_s - (now - prev) >= view.policy.max_runtime - grace
+        return grace if late or left <= 0 else left
 
     def _warn(self, view: PodView, ident: Identity | None, pending: Pending, left: float) -> None:
         dry = "dry run: " if self.cfg.idle.dry_run else ""
@@ -501,7 +544,7 @@ class IdleReaper:
         pending.attempts += 1
         out = await self.evictor.evict(view.key.namespace, view.key.name, view.key.uid)
         if out.result in (EvictResult.EVICTED, EvictResult.DELETED):
-            pending.done = True
+            pending.done = pending.ended = True
             done = "evict" if out.result is EvictResult.EVICTED else "delete"
             how = (
                 "evicted through the Eviction API"
@@ -512,7 +555,7 @@ class IdleReaper:
             self._record(view, ident, pending.trigger, done, "Warning", f"{what}; {how}")
             return
         if out.result is EvictResult.GONE:
-            pending.done = True
+            pending.done = pending.ended = True
             log.info("pod %s: already gone (%s)", view.who(), out.detail)
             return
         delay = min(BACKOFF_MAX, max(BACKOFF_MIN, self.cfg.idle.interval) * 2 ** (pending.attempts - 1))
@@ -523,7 +566,6 @@ class IdleReaper:
         # into one Event's count.
         policy = self._policy_words(view, pending.trigger)
         if out.result is EvictResult.BLOCKED:
-            self.blocked += 1
             text = (
                 f"eviction refused: {out.detail}; retrying with back-off, never forcing past a "
                 f"PodDisruptionBudget ({policy})"

@@ -37,7 +37,8 @@ from gpufrac.memguard import formats
 
 log = logging.getLogger(__name__)
 
-# Requests bigger than this are not ours to parse (a status query is one line).
+# Request heads bigger than this are refused with 431 (a status query is one line): the
+# stream reader's limit, so a client cannot make the agent buffer more.
 MAX_REQUEST = 8192
 REQUEST_TIMEOUT = 5.0
 # How long a reader in another thread waits for the loop to take a snapshot.
@@ -338,7 +339,7 @@ class StatusServer:
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISSOCK(os.lstat(self.path).st_mode):
                 os.unlink(self.path)  # stale socket of an earlier run
-        self._server = await asyncio.start_unix_server(self._handle, path=self.path)
+        self._server = await asyncio.start_unix_server(self._handle, path=self.path, limit=MAX_REQUEST)
         # Root and the node's operators (group) may read the node's workload names; others not.
         os.chmod(self.path, 0o660)
         st = os.stat(self.path)
@@ -365,7 +366,8 @@ class StatusServer:
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
             except asyncio.LimitOverrunError:
-                writer.write(_reply(431, "Request Header Fields Too Large", b'{"error":"request too large"}'))
+                too_large = json.dumps({"error": f"request too large: the limit is {MAX_REQUEST} bytes"})
+                writer.write(_reply(431, "Request Header Fields Too Large", too_large.encode()))
                 return
             except (asyncio.IncompleteReadError, asyncio.TimeoutError):
                 return

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -11,12 +12,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pynvml
 import yaml
 from metrics_support import GiB, InprocNode, finish, read_line
 
+from gpufrac.agent.status import MAX_REQUEST, StatusServer
 from gpufrac.deviceplugin import slices
 from gpufrac.deviceplugin.slices import FRACTION, MEMORY
 
@@ -142,3 +145,30 @@ def test_status_without_an_agent_says_so_in_one_line() -> None:
         p = gpufrac("status", "--json", "--socket", stale)
         assert p.returncode == 1 and p.stdout == ""
         assert p.stderr.count("\n") == 1 and stale in p.stderr and "not running" in p.stderr, p.stderr
+
+
+def test_status_endpoint_refuses_a_request_over_its_limit() -> None:
+    """The agent buffers at most MAX_REQUEST bytes of a request head: a bigger one is answered
+    431 with the limit named, never parsed."""
+
+    async def ask(path: str, request: bytes) -> bytes:
+        reader, writer = await asyncio.open_unix_connection(path)
+        writer.write(request)
+        await writer.drain()
+        reply = await asyncio.wait_for(reader.read(), 30)
+        writer.close()
+        return reply
+
+    async def main() -> bytes:
+        with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+            # No agent behind it: a request that got as far as reading the status would fail (500).
+            server = await StatusServer(SimpleNamespace(), os.path.join(tmp, "status.sock")).start()
+            try:
+                return await ask(server.path, b"GET / HTTP/1.0\r\nX-Pad: " + b"a" * MAX_REQUEST + b"\r\n\r\n")
+            finally:
+                await server.stop()
+
+    reply = asyncio.run(main())
+    assert reply.startswith(b"HTTP/1.0 431"), reply[:100]
+    body = json.loads(reply.split(b"\r\n\r\n", 1)[1])
+    assert body == {"error": f"request too large: the limit is {MAX_REQUEST} bytes"}

@@ -12,13 +12,13 @@ import asyncio
 import itertools
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gpufrac.agent import annotations
+from gpufrac.agent import activity, annotations
 from gpufrac.agent.activity import ActivityTracker, proc_identity
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.annotations import ContainerPolicy
@@ -233,6 +233,32 @@ def test_a_counter_that_moves_is_work_even_with_a_stale_stamp(make_node: Any) ->
     assert n.tracker.idle_seconds(a.key) == 2.0
 
 
+def test_an_unreadable_usage_file_does_not_reset_the_idle_time(
+    make_node: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    n = make_node()
+    a = n.pod("nb")
+    n.launch(a)
+    n.run(4)
+    assert n.tracker.idle_seconds(a.key) == pytest.approx(4.0)
+    read_usage = formats.read_usage
+
+    def torn(directory: Any) -> Any:
+        if str(directory) == a.directory:
+            raise formats.FormatError("usage: short read")
+        return read_usage(directory)
+
+    # One poll cannot read the file: it says nothing, so what was known stands...
+    monkeypatch.setattr(activity.formats, "read_usage", torn)
+    n.run(0.5)
+    assert n.tracker.idle_seconds(a.key) == pytest.approx(4.5)
+    # ...and the next good read does not take the old launch counter for new work.
+    monkeypatch.setattr(activity.formats, "read_usage", read_usage)
+    n.run(1)
+    assert n.tracker.idle_seconds(a.key) == pytest.approx(5.5)
+    assert n.tracker.get(a.key).launches == 1  # type: ignore[union-attr]
+
+
 def test_process_identity_matches_the_shims_naming() -> None:
     pid = os.getpid()
     ns_pid, start = proc_identity(pid)  # type: ignore[misc]
@@ -352,6 +378,77 @@ def test_max_runtime_reaps_a_busy_pod_at_its_limit(make_node: Any) -> None:
     reaps = n.metrics.registry.get_sample_value
     assert reaps("gpufrac_idle_reaps_total", {"action": "evict", "reason": "max_runtime"}) == 1
     assert reaps("gpufrac_idle_reaps_total", {"action": "evict", "reason": "idle"}) == 0
+
+
+@pytest.mark.parametrize("age", [27.0, 3600.0])
+def test_a_pod_met_inside_the_max_runtime_window_still_gets_the_grace_period(
+    make_node: Any, age: float
+) -> None:
+    """maxRuntime turned on (or the agent restarted) with pods near or long past their limit:
+    each is warned a whole grace period before the action, not evicted on sight."""
+    ev = Evictor()
+    n = make_node(ev)
+    a = n.pod("nb", {annotations.WORKLOAD_CLASS: "interactive", annotations.MAX_RUNTIME: "30s"})
+    a.created = n.clock.time() - age
+    n.run(0.5)
+    assert n.ident.events.reasons("nb") == ["MaxRuntimeWarning"]
+    assert "will evict the pod in 5s" in n.ident.events.message("nb", "MaxRuntimeWarning")
+    assert ev.calls == []
+    n.run(4.5)
+    assert ev.calls == []
+    n.run(0.5)
+    assert [c[1] for c in ev.calls] == ["nb"]
+    assert n.ident.events.reasons("nb") == ["MaxRuntimeWarning", "MaxRuntimeEvicted"]
+
+
+@pytest.mark.parametrize(
+    ("action", "records"),
+    [
+        ("swap", ["MaxRuntimeNotify", "IdleWarning", "IdleSwapped"]),
+        ("notify", ["MaxRuntimeNotify", "IdleWarning", "IdleNotify"]),
+        ("evict", ["MaxRuntimeEvicted"]),  # the pod is on its way out: nothing more
+    ],
+)
+def test_an_idle_pod_is_still_reaped_after_its_max_runtime_notice(
+    make_node: Any, action: str, records: list[str]
+) -> None:
+    swapped: list[str] = []
+
+    async def swapper(alloc: ContainerAlloc, reason: str) -> tuple[bool, str]:
+        swapped.append(alloc.key)
+        return True, "swapped 1Gi"
+
+    ev = Evictor()
+    n = make_node(ev, swapper, action=action, maxRuntime="8s")
+    a = n.pod("nb", {annotations.WORKLOAD_CLASS: "interactive"})
+    n.run(8)  # warned at 3 s, the limit at 8 s: swapping does not end a runtime, so a notice
+    assert n.ident.events.reasons("nb") == ["MaxRuntimeWarning", records[0]]
+    n.run(22)  # idle 10 s at 10 s, the action 5 s later; the max-runtime notice is not repeated
+    assert n.ident.events.reasons("nb") == ["MaxRuntimeWarning", *records]
+    assert swapped == ([a.key] if action == "swap" else [])
+    assert len(ev.calls) == (1 if action == "evict" else 0)
+
+
+def test_the_most_lenient_policy_of_a_pods_containers_wins(make_node: Any) -> None:
+    """Containers of one pod that disagree (a policy resolved before an annotation changed):
+    each limit takes its most lenient value, and 0 (off) is the most lenient of all."""
+    ev = Evictor()
+    n = make_node(ev, maxRuntime="20s")
+    a = n.pod("nb", {annotations.WORKLOAD_CLASS: "interactive"})
+    side = n.ledger.allocate(MEMORY, [device_id(GPU, MEMORY, n._slice)])
+    n._slice += 1
+    side.created = a.created
+    n.ledger.bind(side.key, "default", "nb", "side", "uid-nb")
+    n.usage[side.key] = formats.UsageFile(side.directory)
+    # main: idle-timeout 10 s, max-runtime 20 s; side: no idle-timeout, max-runtime 40 s.
+    n.ident.policies[side.key] = replace(n.ident.policies[a.key], idle_timeout=0.0, max_runtime=40.0)
+    n.run(34.5)
+    assert n.ident.events.got == [] and ev.calls == []
+    n.run(0.5)
+    assert n.ident.events.reasons("nb") == ["MaxRuntimeWarning"]
+    assert "max-runtime 40s" in n.ident.events.message("nb", "MaxRuntimeWarning")
+    n.run(5)
+    assert [c[1] for c in ev.calls] == ["nb"]
 
 
 def test_dry_run_reports_and_changes_nothing(make_node: Any, caplog: pytest.LogCaptureFixture) -> None:
