@@ -32,7 +32,6 @@ SYMBOLS = (
     "cuCheckpointProcessUnlock",
 )
 CUDA_SUCCESS = 0
-CUDA_ERROR_OUT_OF_MEMORY = 2
 CUDA_ERROR_NOT_PERMITTED = 800
 CUDA_ERROR_NOT_SUPPORTED = 801
 
@@ -54,10 +53,6 @@ class CheckpointError(RuntimeError):
     def __init__(self, message: str, code: int = -1) -> None:
         super().__init__(message)
         self.code = code
-
-    @property
-    def out_of_memory(self) -> bool:
-        return self.code == CUDA_ERROR_OUT_OF_MEMORY
 
 
 @dataclass(frozen=True)

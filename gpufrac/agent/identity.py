@@ -81,9 +81,7 @@ class PodIdentity:
         self._pending: asyncio.Task[None] | None = None
         # resolve() awaits the apiserver; a watch-triggered pass must not interleave with it.
         self._lock = asyncio.Lock()
-        # Counters (read by metrics and tests).
-        self.annotation_problems = 0
-        self.resolved = 0
+        self.annotation_problems = 0  # bad annotations seen (tests read it)
         if pods is not None:
             pods.subscribe(self._on_pod)
 
@@ -125,7 +123,6 @@ class PodIdentity:
         for key in set(self._policies) - held:
             self._policies.pop(key, None)
             self._applied.pop(key, None)
-        self.resolved += changed
         return changed
 
     async def _list(self) -> dict[str, ContainerDevices]:

@@ -432,10 +432,6 @@ class Agent:
 
     # -- Backend for the device-plugin servers --------------------------------------------
 
-    def devices(self, resource: str) -> list[tuple[str, bool, int | None]]:
-        assert self.ledger is not None
-        return self.ledger.devices(resource)
-
     def device_sections(
         self, resource: str
     ) -> list[tuple[Hashable, Callable[[], list[tuple[str, bool, int | None]]]]]:

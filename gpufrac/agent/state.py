@@ -128,7 +128,6 @@ class StateStore:
     def __init__(self, state_dir: str) -> None:
         self.path = Path(state_dir) / STATE_FILE
         self._lock = asyncio.Lock()
-        self.saves = 0
 
     def load(self) -> list[dict[str, Any]] | None:
         """Persisted entries, or None (no file, or a corrupt one moved aside and reported)."""
@@ -150,4 +149,3 @@ class StateStore:
         async with self._lock:
             data = encode(ledger)
             await asyncio.to_thread(write_atomic, self.path, data)
-            self.saves += 1

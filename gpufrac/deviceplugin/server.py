@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 rpc_log = logging.getLogger("gpufrac.deviceplugin.rpc")
 # Per-container handler times kept for the summary the agent logs when it stops.
 TIMES_KEPT = 4096
+# What both resources ask of the kubelet: PreStartContainer at every start (the container's
+# guarantee is made physically free then) and GetPreferredAllocation before Allocate.
+OPTIONS = pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
 
 API_VERSION = "v1beta1"
 HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
@@ -52,7 +55,6 @@ class Backend(Protocol):
 
     config: Config
 
-    def devices(self, resource: str) -> list[tuple[str, bool, int | None]]: ...
     def device_sections(
         self, resource: str
     ) -> list[tuple[Hashable, Callable[[], list[tuple[str, bool, int | None]]]]]: ...
@@ -129,17 +131,14 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         self._sections: dict[Hashable, bytes] = {}  # encoded part of the list, by backend key
         self.active_streams = 0
         self.stream_ended = asyncio.Event()
-        self.snapshots_sent = 0
-        # Seconds spent inside the handlers: per call by RPC name, and per container admitted
-        # (its GetPreferredAllocation + Allocate + PreStartContainer, as the kubelet calls them).
-        self.handler_seconds: dict[str, deque[float]] = {}
+        # Seconds spent inside the handlers per container admitted (its GetPreferredAllocation
+        # + Allocate + PreStartContainer, as the kubelet calls them).
         self.admission_seconds: deque[float] = deque(maxlen=TIMES_KEPT)
         self._preferred_s = 0.0
         self._admitting: dict[str, float] = {}  # container key -> seconds so far
 
     def _handled(self, rpc: str, t0: float, key: str | None = None) -> None:
         dt = time.perf_counter() - t0
-        self.handler_seconds.setdefault(rpc, deque(maxlen=TIMES_KEPT)).append(dt)
         rpc_log.debug("%s %s handled in %.3f ms", self.resource, rpc, dt * 1000)
         if rpc == "GetPreferredAllocation":  # the kubelet's Allocate for that container follows
             self._preferred_s = dt
@@ -224,7 +223,7 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
     async def GetDevicePluginOptions(
         self, request: pb.Empty, context: grpc.aio.ServicerContext
     ) -> pb.DevicePluginOptions:
-        return pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
+        return OPTIONS
 
     async def ListAndWatch(
         self, request: pb.Empty, context: grpc.aio.ServicerContext
@@ -238,7 +237,6 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
                 if snap is not sent:  # the kubelet has this list already otherwise
                     yield snap
                     sent = snap
-                    self.snapshots_sent += 1
                 if self._version == version:
                     await changed.wait()
         finally:
@@ -304,7 +302,6 @@ class PluginServer:
         self._socket_id: tuple[int, int, int] | None = None
         self._task: asyncio.Task[None] | None = None
         self.registrations = 0
-        self.last_registered = 0.0
         self.registered = asyncio.Event()
 
     async def start(self) -> None:
@@ -343,7 +340,7 @@ class PluginServer:
             version=API_VERSION,
             endpoint=self.socket_name,
             resource_name=self.plugin.resource,
-            options=pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True),
+            options=OPTIONS,
         )
         async with grpc.aio.insecure_channel(f"unix://{self.kubelet_socket}") as ch:
             await pb_grpc.RegistrationStub(ch).Register(req, timeout=REGISTER_TIMEOUT)
@@ -379,7 +376,6 @@ class PluginServer:
                 continue
             backoff = WATCH_INTERVAL
             self.registrations += 1
-            self.last_registered = time.monotonic()
             self.registered.set()
             log.info("%s: registered with the kubelet (%d)", self.plugin.resource, self.registrations)
             reason = await self._watch(kubelet_id)
