@@ -147,6 +147,8 @@ class PodIdentity:
         else:
             return False  # not listed yet: stays limit = request
         pod = await self._pod(ns, name)
+        if self.ledger.get(alloc.key) is not alloc:
+            return False  # released (and maybe booked again by another pod) during the wait
         if pod is None:
             if (alloc.namespace, alloc.pod, alloc.container) != (ns, name, container):
                 self.ledger.bind(alloc.key, ns, name, container, None)

@@ -87,6 +87,10 @@ class Agent:
         self.pod_resources = PodResourcesClient(config.paths.pod_resources_socket)
         # Last pod-resources answer: container key -> who holds those devices.
         self.listing: dict[str, ContainerDevices] = {}
+        # Lists asked and the latest applied (reconciles overlap: the loop, identity passes,
+        # Allocate and PreStartContainer; an answer older than the one applied is dropped).
+        self._lists_asked = 0
+        self._list_applied = 0
         self.plugins: dict[str, DevicePlugin] = {}
         self.servers: dict[str, PluginServer] = {}
         self.started = asyncio.Event()
@@ -305,11 +309,18 @@ class Agent:
         assert self.ledger is not None
         grace = self.release_grace if grace is None else grace
         asked = time.monotonic()
+        self._lists_asked += 1
+        seq = self._lists_asked
         try:
             listed = await self.pod_resources.list(slices.RESOURCES)
         except grpc.aio.AioRpcError as e:
             log.debug("pod-resources List: %s", e.details())
             return False
+        if seq < self._list_applied:
+            # A List asked after this one was applied meanwhile: this answer is older than
+            # what the ledger now follows (it may name a released key's former pod).
+            return True
+        self._list_applied = seq
         self.listing = keyed(listed)
         now = time.time()
         for alloc in self.ledger.containers():
