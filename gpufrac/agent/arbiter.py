@@ -19,6 +19,11 @@ Grants come back: the shim's release op, its grant_returned counter, and a sweep
 that lowers grants a container has not used for STALE_AFTER seconds. Every release
 wakes the waiters of that GPU at once (no polling period).
 
+Order. Per GPU, nobody is granted while a request ranks ahead of it: a waiter of
+higher priority, or of equal priority that came first (FIFO), or a request for
+which an eviction or a swap is freeing memory right now (Arbiter.claim): memory a
+resolver wins goes to the requester that caused it first, then to the queue.
+
 Runs entirely on the agent's event loop; NVML reads go to a worker thread.
 """
 
@@ -33,7 +38,7 @@ import mmap
 import os
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -43,9 +48,10 @@ from gpufrac.agent.admission import reclaim_guarantee
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.config import Config
 from gpufrac.agent.events import container_ref
-from gpufrac.agent.peers import Caller, PeerError, PeerLookup, kill_and_wait
+from gpufrac.agent.peers import Caller, CgroupIdentity, PeerError, PeerLookup, read_cgroup
 from gpufrac.agent.resolvers import Chain, Holding, Need, build_chain
 from gpufrac.agent.units import format_bytes
+from gpufrac.agent.watchdog import kill_if_same
 from gpufrac.memguard import formats
 from gpufrac.memguard.formats import (
     FLAG_DISABLED,
@@ -82,21 +88,17 @@ RECLAIM_INTERVAL = 1.0
 STALE_AFTER = 10.0  # a grant unused this long is taken back
 STALE_SLACK = 64 << 20  # "well below": unused grant beyond this counts as stale
 Result = tuple[int, int]  # (reply status, config generation)
+_LAST = float("inf")  # the queue order's arrival part for a request not yet queued
 
 
 @dataclass
 class Stats:
-    """Counters (metrics and tests read them)."""
+    """Counters (tests and the bench read them)."""
 
-    connections: int = 0
     granted: int = 0
     denied: int = 0
     refused: int = 0  # caller not identified
-    invalid: int = 0  # malformed requests
     dropped: int = 0  # short reads, timeouts, early disconnects
-    released: int = 0
-    reclaimed_bytes: int = 0
-    waits: int = 0
     wait_timeouts: int = 0
 
 
@@ -107,7 +109,7 @@ class _Waiter:
 
     @property
     def order(self) -> tuple[int, int]:
-        return (-self.need.priority, self.need.seq)
+        return self.need.order
 
 
 class Arbiter:
@@ -147,6 +149,7 @@ class Arbiter:
         self._usage: dict[str, UsageFile] = {}
         self._config_maps: dict[str, mmap.mmap] = {}
         self._waiters: dict[str, list[_Waiter]] = {}
+        self._claims: dict[str, list[Need]] = {}  # per GPU: needs a resolver is freeing memory for
         self._seq = itertools.count(1)
         self._tasks: list[asyncio.Task[Any]] = []
         self._connections: set[_Connection] = set()
@@ -210,17 +213,12 @@ class Arbiter:
             if keep < g:
                 log.info("reconcile: %s grant %s -> %s", alloc.who(), format_bytes(g), format_bytes(keep))
                 self.ledger.update_config(alloc.key, grant_bytes=keep)
-                self.stats.reclaimed_bytes += g - keep
 
     # -- the socket ------------------------------------------------------------------------------
 
     def _handle(self, req: BurstRequest, sock: Any) -> Result | Coroutine[Any, Any, Result]:
         """A request's answer now, or a coroutine that finds it (waiting, resolvers, swap-in)."""
-        if req.magic != formats.BURST_MAGIC or req.version != formats.ABI_VERSION:
-            self.stats.invalid += 1
-            return formats.BURST_INVALID, 0
-        if req.op not in OP_NAMES:
-            self.stats.invalid += 1
+        if req.magic != formats.BURST_MAGIC or req.version != formats.ABI_VERSION or req.op not in OP_NAMES:
             return formats.BURST_INVALID, 0
         try:
             caller = self.peers.identify(sock)
@@ -229,7 +227,7 @@ class Arbiter:
             log.warning("arbiter: refused a request: %s", e)
             return formats.BURST_REFUSED, 0
         if req.op == formats.BURST_OP_RELEASE:
-            return formats.BURST_GRANTED, self._release(caller.alloc, shim_returned=True)
+            return formats.BURST_GRANTED, self._release(caller.alloc)
         if req.op == formats.BURST_OP_SWAP_IN:
             return self._swap_in(caller)
         if req.op == formats.BURST_OP_RECLAIM:
@@ -274,10 +272,10 @@ class Arbiter:
     def _burst_decide(
         self, alloc: ContainerAlloc, target: int, used: int
     ) -> Result | Coroutine[Any, Any, Result]:
-        """Granted now if the GPU has the bytes and nobody of equal or higher priority waits;
-        otherwise the wait and the resolvers, as a coroutine."""
+        """Granted now if the GPU has the bytes and nobody ranks ahead (a waiter of equal or
+        higher priority, a claim); otherwise the wait and the resolvers, as a coroutine."""
         # The common case first, without building a Need: nobody waits ahead and it fits.
-        if not self._queued_ahead(alloc.gpus[0], alloc.config.priority) and self._grant(alloc, target):
+        if not self._ahead(alloc.gpus[0], (-alloc.config.priority, _LAST)) and self._grant(alloc, target):
             return formats.BURST_GRANTED, self._generation(alloc)
         deadline = asyncio.get_running_loop().time() + alloc.config.wait_timeout_ms / 1000.0
         need = Need(
@@ -339,16 +337,21 @@ class Arbiter:
             return formats.BURST_GRANTED, self._generation(alloc)
         self.stats.denied += 1
         log.info(
-            "could not reclaim the guarantee of %s on GPU %s (%s missing)",
+            "could not reclaim the guarantee of %s on GPU %s (%s)",
             alloc.who(),
             alloc.gpus[0],
-            format_bytes(left or 0),
+            "no NVML memory reading" if left is None else f"{format_bytes(left)} missing",
         )
         return formats.BURST_DENIED, 0
 
     def _try_grant(self, need: Need, target: int) -> bool:
-        """A waiting need's grant (it is granted once, whoever tries)."""
-        if not need.granted and self._grant(need.requester, target):
+        """A need's grant, unless a request ranks ahead of it on its GPU (it is granted once,
+        whoever tries)."""
+        if (
+            not need.granted
+            and not self._ahead(need.gpu, need.order, need)
+            and self._grant(need.requester, target)
+        ):
             need.granted = True
         return need.granted
 
@@ -366,9 +369,32 @@ class Arbiter:
         self._unused_since.pop(alloc.key, None)
         return True
 
-    def _queued_ahead(self, gpu: str, priority: int) -> bool:
-        """Waiters of equal or higher priority on the GPU are served first."""
-        return any(w.need.priority >= priority for w in self._waiters.get(gpu, ()))
+    def _ahead(self, gpu: str, order: tuple[int, float], need: Need | None = None) -> bool:
+        """Whether another request is to be served on `gpu` before one of queue `order`
+        (Need.order; a request not yet queued comes last among its priority): a claim (a
+        need a resolver is freeing memory for) or a waiter not yet served that ranks ahead.
+        A claim's own need ranks ahead of every waiter: what was won for it is its first."""
+        claims = self._claims.get(gpu, ())
+        if any(c is need for c in claims):
+            return any(c.order < order for c in claims if c is not need)
+        if any(c.order < order for c in claims):
+            return True
+        return any(w.order < order and not w.done.done() for w in self._waiters.get(gpu, ()))
+
+    @contextlib.contextmanager
+    def claim(self, need: Need) -> Iterator[None]:
+        """While a resolver frees memory for `need` (evicts, swaps), nobody who ranks below it
+        is granted on its GPU, and it ranks ahead of every waiter: the resolver tries its grant
+        before the claim ends, and only then are the waiters woken."""
+        claims = self._claims.setdefault(need.gpu, [])
+        claims.append(need)
+        try:
+            yield
+        finally:
+            claims[:] = [c for c in claims if c is not need]
+            if not claims:
+                self._claims.pop(need.gpu, None)
+            self.notify(need.gpu)
 
     # -- accounting ------------------------------------------------------------------------------
 
@@ -408,10 +434,9 @@ class Arbiter:
         committed = unused = 0
         for a in self._on_gpu(gpu):
             used = self._used(a)
-            if used is None:
+            if used is None:  # unknown usage: it may use everything it was promised
                 used = a.request_bytes + a.config.grant_bytes
-            burst = max(a.config.grant_bytes, used - a.request_bytes, 0)
-            c = (min(used, a.request_bytes) if lend else a.request_bytes) + burst
+            c = (min(used, a.request_bytes) if lend else a.request_bytes) + self._burst_held(a, used)
             committed += c
             unused += max(0, c - used)
         pool = self.ledger.geometry[gpu].allocatable - committed
@@ -441,7 +466,7 @@ class Arbiter:
                     used=used,
                     request=a.request_bytes,
                     grant=a.config.grant_bytes,
-                    burst=max(a.config.grant_bytes, used - a.request_bytes, 0),
+                    burst=self._burst_held(a, used),
                     priority=a.config.priority,
                     flags=a.config.flags,
                     idle_s=(now - last) / 1e9 if last else float("inf"),
@@ -540,7 +565,7 @@ class Arbiter:
 
     # -- releases and waiters ----------------------------------------------------------------------
 
-    def _release(self, alloc: ContainerAlloc, *, shim_returned: bool = False) -> int:
+    def _release(self, alloc: ContainerAlloc) -> int:
         """Take back the part of a container's grant it does not use; wakes waiters."""
         used = self._used(alloc)
         g = alloc.config.grant_bytes
@@ -548,9 +573,6 @@ class Arbiter:
             keep = min(g, max(0, used - alloc.request_bytes))
             if keep < g:
                 self.ledger.update_config(alloc.key, grant_bytes=keep)
-                self.stats.reclaimed_bytes += g - keep
-        if shim_returned:
-            self.stats.released += 1
         self._unused_since.pop(alloc.key, None)
         gpu = alloc.gpus[0]
         self.notify(gpu)
@@ -563,9 +585,10 @@ class Arbiter:
         return self._generation(alloc)
 
     def revoke_burst(self, alloc: ContainerAlloc) -> None:
-        """Evicted: the container keeps its guarantee, loses every burst byte."""
+        """Evicted or swapped out: the container keeps its guarantee, loses every burst byte.
+        Waiters are woken; during a claim (the resolver that revokes it) only once the
+        requester has had its turn."""
         if self.ledger.get(alloc.key) is not None and alloc.config.grant_bytes:
-            self.stats.reclaimed_bytes += alloc.config.grant_bytes
             self.ledger.update_config(alloc.key, grant_bytes=0)
         self.notify(alloc.gpus[0])
 
@@ -591,7 +614,7 @@ class Arbiter:
                         waiters.pop(0)
                         continue
                     if not w.need.try_grant():
-                        break  # strict order: nobody overtakes the head
+                        break  # strict order: nobody overtakes the head (nor a claim)
                     waiters.pop(0)
                     w.done.set_result(True)
                 pending |= self._renotify
@@ -605,7 +628,6 @@ class Arbiter:
         waiters = self._waiters.setdefault(need.gpu, [])
         waiters.append(w)
         waiters.sort(key=lambda x: x.order)
-        self.stats.waits += 1
         self.notify(need.gpu)  # it may fit already (something was freed since the first try)
         loop = asyncio.get_running_loop()
         try:
@@ -686,14 +708,36 @@ class Arbiter:
 
     async def kill_container(self, alloc: ContainerAlloc) -> int:
         """SIGKILL every process of the container (host pids from its cgroup); returns the
-        count once they are gone. Their dead usage slots are reaped here, since no shim
-        of that container may be left to do it."""
-        pids = await asyncio.to_thread(self.peers.pids_of, alloc)
-        killed = await asyncio.to_thread(kill_and_wait, pids)
+        count once they are gone. A pid is signalled only while it is still in that
+        container, as the watchdog kills (kill_if_same: a pidfd pins it against pid reuse).
+        Their dead usage slots are reaped here, since no shim of that container may be left
+        to do it."""
+        targets = await asyncio.to_thread(self._pids_in_cgroups, alloc)
+        done = await asyncio.gather(
+            *(asyncio.to_thread(kill_if_same, pid, ident, self.peers.proc) for pid, ident in targets)
+        )
+        killed = sum(done)
         if not await asyncio.to_thread(self.peers.pids_of, alloc):
             self._reap_all(alloc)
         await self._refresh_nvml()  # the victims' memory is free now: let the grant see it
         return killed
+
+    def _pids_in_cgroups(self, alloc: ContainerAlloc) -> list[tuple[int, CgroupIdentity]]:
+        """The container's host pids, each with the container its cgroup names (blocking): the
+        one a caller of it was seen in, else each pid's as read now (still in the pod)."""
+        seen = self.peers.seen.get(alloc.key)
+        out = []
+        for pid in self.peers.pids_of(alloc):
+            ident: CgroupIdentity | None = seen
+            if ident is None:
+                try:
+                    ident = read_cgroup(pid, self.peers.proc)
+                except PeerError:
+                    continue  # exited
+                if ident is None or ident.pod_uid != alloc.pod_uid:
+                    continue  # the pid was reused meanwhile
+            out.append((pid, ident))
+        return out
 
     def _reap_all(self, alloc: ContainerAlloc) -> None:
         u = self._usage_of(alloc)
@@ -795,7 +839,6 @@ class _Connection(asyncio.Protocol):
         # uvloop's transports do not subclass asyncio.Transport; both have its methods.
         self.transport = cast(asyncio.Transport, transport)
         arb = self.arb
-        arb.stats.connections += 1
         if len(arb._connections) >= MAX_CONNECTIONS:
             arb.stats.dropped += 1
             transport.abort()

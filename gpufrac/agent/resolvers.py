@@ -12,12 +12,17 @@ Interface (for every resolver, gpufrac/agent/swap.py included):
         async def resolve(self, need: Need) -> Outcome
 
 `resolve` runs on the agent's event loop; blocking work goes to a thread. It
-returns when it has done what it can (freed bytes, or nothing); it never grants
-itself: the chain calls `need.try_grant()`, which grants only if the memory is
-really there (ledger and NVML). A resolver that cannot work on this node (no
-checkpoint API) returns Outcome(available=False, ...) and the chain moves on; it
-should log that once, not per request. A resolver that waits must honour
-`need.deadline` (loop time) and give up by then.
+returns when it has done what it can (freed bytes, or nothing). Grants come only
+from `need.try_grant()`, which grants only if the memory is really there (ledger
+and NVML) and no request ranks ahead of it on the GPU (a waiter of higher
+priority, or of equal priority that came first); the chain calls it before each
+resolver and after the last. A resolver that frees memory for the need (evict,
+swap) does so under `ctx.claim(need)` and calls `need.try_grant()` before the
+claim ends: what it won goes to the requester that caused it first, then to the
+queue. A resolver that cannot work on this node (no checkpoint API) returns
+Outcome(available=False, ...) and the chain moves on; it should log that once,
+not per request. A resolver that waits must honour `need.deadline` (loop time)
+and give up by then.
 
 What resolvers may ask of the arbiter is `ResolverContext` below.
 """
@@ -28,6 +33,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -62,6 +68,11 @@ class Need:
 
     def who(self) -> str:
         return self.requester.who()
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Who is served first on a GPU: higher priority, then earlier arrival."""
+        return (-self.priority, self.seq)
 
 
 @dataclass
@@ -102,6 +113,7 @@ class ResolverContext(Protocol):
     evict_idle_threshold: float
 
     def holdings(self, gpu: str) -> list[Holding]: ...
+    def claim(self, need: Need) -> AbstractContextManager[None]: ...
     async def wait_turn(self, need: Need) -> bool: ...
     async def kill_container(self, alloc: ContainerAlloc) -> int: ...
     def revoke_burst(self, alloc: ContainerAlloc) -> None: ...
@@ -167,6 +179,7 @@ class EvictResolver:
 
     def __init__(self, ctx: ResolverContext) -> None:
         self.ctx = ctx
+        self._evicting: set[asyncio.Task[int | None]] = set()  # per-victim work, run to its end
 
     def victims(self, need: Need) -> list[Holding]:
         out = []
@@ -197,34 +210,56 @@ class EvictResolver:
             # Killing cannot free enough: kill nobody (a partial eviction helps no one).
             return Outcome(detail=f"preemptible lower-priority bursts hold {format_bytes(won)} < "
                                   f"{format_bytes(missing)} needed")  # fmt: skip
-        freed = 0
-        for h in chosen:
+        freed, n = 0, 0
+        # Nobody else is granted on the GPU until the requester has tried (ctx.claim).
+        with self.ctx.claim(need):
+            for h in chosen:
+                # Shielded: a requester cancelled mid-kill (its deadline, a hang-up) must not
+                # leave a victim killed but still charged, unreaped and unannounced.
+                task = asyncio.ensure_future(self._evict(h, need))
+                self._evicting.add(task)
+                task.add_done_callback(self._evicting.discard)
+                if await asyncio.shield(task) is None:
+                    break
+                freed += h.burst
+                n += 1
+            satisfied = need.try_grant()
+        if not n:
+            return Outcome(detail="no victim could be evicted")
+        return Outcome(freed=freed, satisfied=satisfied, detail=f"evicted {n} container(s)")
+
+    async def _evict(self, h: Holding, need: Need) -> int | None:
+        """Kill one victim, take its burst back, count and announce it: how many processes
+        were killed, None when it failed (logged)."""
+        try:
             killed = await self.ctx.kill_container(h.alloc)
             self.ctx.revoke_burst(h.alloc)
-            metrics.count_eviction(h.alloc)
-            freed += h.burst
-            why = (
-                f"priority {h.priority} < {need.priority}"
-                if h.priority < need.priority
-                else f"idle {h.idle_s:.0f}s"
-            )
-            self.ctx.event(
-                h.alloc,
-                WARNING,
-                REASON_EVICTED,
-                f"{killed} process(es) of container {container_name(h.alloc)} killed to reclaim "
-                f"{format_bytes(h.burst)} of burst GPU memory on GPU {need.gpu}: {need.who()} needed "
-                f"{format_bytes(need.bytes)} ({why})",
-            )
-            self.ctx.event(
-                need.requester,
-                NORMAL,
-                REASON_PREEMPTED,
-                f"{format_bytes(h.burst)} of burst GPU memory on GPU {need.gpu} reclaimed from "
-                f"{h.alloc.who()} for {format_bytes(need.bytes)} needed by this container ({why})",
-            )
-            log.warning("evicted %s (burst %s) for %s", h.alloc.who(), format_bytes(h.burst), need.who())
-        return Outcome(freed=freed, detail=f"evicted {len(chosen)} container(s)")
+        except Exception:
+            log.exception("evicting %s for %s failed", h.alloc.who(), need.who())
+            return None
+        metrics.count_eviction(h.alloc)
+        why = (
+            f"priority {h.priority} < {need.priority}"
+            if h.priority < need.priority
+            else f"idle {h.idle_s:.0f}s"
+        )
+        self.ctx.event(
+            h.alloc,
+            WARNING,
+            REASON_EVICTED,
+            f"{killed} process(es) of container {container_name(h.alloc)} killed to reclaim "
+            f"{format_bytes(h.burst)} of burst GPU memory on GPU {need.gpu}: {need.who()} needed "
+            f"{format_bytes(need.bytes)} ({why})",
+        )
+        self.ctx.event(
+            need.requester,
+            NORMAL,
+            REASON_PREEMPTED,
+            f"{format_bytes(h.burst)} of burst GPU memory on GPU {need.gpu} reclaimed from "
+            f"{h.alloc.who()} for {format_bytes(need.bytes)} needed by this container ({why})",
+        )
+        log.warning("evicted %s (burst %s) for %s", h.alloc.who(), format_bytes(h.burst), need.who())
+        return killed
 
 
 def build_chain(names: Sequence[str], ctx: ResolverContext) -> Chain:

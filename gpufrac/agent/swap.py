@@ -35,6 +35,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -80,6 +81,7 @@ class SwapHost(Protocol):
     chain: Chain
 
     def holdings(self, gpu: str) -> list[Holding]: ...
+    def claim(self, need: Need) -> AbstractContextManager[None]: ...
     def revoke_burst(self, alloc: ContainerAlloc) -> None: ...
     def event(self, alloc: ContainerAlloc, type_: str, reason: str, message: str) -> None: ...
     def free_for(self, alloc: ContainerAlloc) -> int: ...
@@ -254,9 +256,6 @@ class SwapResolver:
     def host_ram_used(self) -> int:
         return sum(s.bytes for s in self.swapped.values())
 
-    def swapped_bytes(self, gpu: str | None = None) -> int:
-        return sum(s.bytes for s in self.swapped.values() if gpu is None or s.gpu == gpu)
-
     @property
     def idle_threshold(self) -> float:
         return self.config.swap.idle_threshold or self.config.evict_idle_threshold
@@ -310,17 +309,20 @@ class SwapResolver:
                 f"{format_bytes(missing)} needed within the host RAM left ({format_bytes(self.ram_left())})"
             )
         freed, moved, n = 0, 0, 0
-        for h in chosen:
-            if await self._swap_victim(h, need):
-                freed += win(h, lend)
-                moved += h.used
-                n += 1
-        if not n:
-            return Outcome(detail="no victim could be swapped out")
-        await self.ctx.refresh_memory()  # NVML now shows the victims' memory free
+        # What the swap wins goes to the requester first, then to the waiters (ctx.claim).
+        with self.ctx.claim(need):
+            for h in chosen:
+                if await self._swap_victim(h, need):
+                    freed += win(h, lend)
+                    moved += h.used
+                    n += 1
+            if not n:
+                return Outcome(detail="no victim could be swapped out")
+            await self.ctx.refresh_memory()  # NVML now shows the victims' memory free
+            satisfied = need.try_grant()
         return Outcome(
             freed=freed,
-            satisfied=need.try_grant(),
+            satisfied=satisfied,
             detail=f"swapped {n} container(s), {format_bytes(moved)}, to host RAM",
         )
 
@@ -469,9 +471,10 @@ class SwapResolver:
         after = await asyncio.to_thread(launches_of, alloc.directory, slots)
         if after != before:
             # It launched work while being swapped; a launch that passed the flag check just
-            # before it was set is blocked in the driver with nobody to ask for it: restore now.
+            # before it was set is blocked in the driver with nobody to ask for it: restore now
+            # (a swap-out undone, not a swap-in: neither counted nor announced as one).
             self.stats.reverted += 1
-            if await self._restore(entry):
+            if await self._restore(entry, reverted=True):
                 raise _Skip("it became active during the swap-out")
         self.swapped[alloc.key] = entry
         self.ctx.revoke_burst(alloc)  # the burst goes with it; it is arbitrated again on the way back
@@ -556,7 +559,7 @@ class SwapResolver:
         log.info("swap: %s is swapped out (%s); taken over", alloc.who(), format_bytes(entry.bytes))
         return entry
 
-    def _swap_in_need(self, entry: Swapped) -> tuple[Need, int]:
+    def _swap_in_need(self, entry: Swapped) -> Need:
         """The request a swap-in makes of the chain: its burst part re-granted, and all of
         its memory physically free (its guarantee part is already held for it, unless lent)."""
         alloc = entry.alloc
@@ -586,16 +589,16 @@ class SwapResolver:
 
         need.try_grant = try_grant
         need.shortfall = lambda: max(0, needed - self.ctx.free_for(alloc))
-        return need, target
+        return need
 
     async def _swap_in(self, entry: Swapped) -> bool:
         alloc = entry.alloc
         if self.ctx.ledger.get(alloc.key) is not alloc:
             self.swapped.pop(alloc.key, None)
             return True
-        need, _ = self._swap_in_need(entry)
+        need = self._swap_in_need(entry)
         await self.ctx.refresh_memory()
-        ok = need.try_grant()
+        ok = need.try_grant()  # refused while a request ranks ahead: then the chain (or the queue)
         if not ok:
             left = need.deadline - asyncio.get_running_loop().time()
             try:
@@ -617,8 +620,9 @@ class SwapResolver:
             return False
         return True
 
-    async def _restore(self, entry: Swapped) -> bool:
-        """Restore + unlock the processes, clear the flags, forget the entry."""
+    async def _restore(self, entry: Swapped, *, reverted: bool = False) -> bool:
+        """Restore + unlock the processes, clear the flags, forget the entry. `reverted`: the
+        swap-out of it is being undone (it was never counted or announced as swapped out)."""
         alloc = entry.alloc
         t0 = time.monotonic()
         pids = [p for p in entry.pids if psutil.pid_exists(p)]
@@ -633,6 +637,9 @@ class SwapResolver:
         await asyncio.to_thread(set_swapped, alloc.directory, entry.slots, 0)
         await self.ctx.refresh_memory()
         secs = time.monotonic() - t0
+        if reverted:
+            log.info("swap: swap-out of %s undone in %.2fs (it became active)", alloc.who(), secs)
+            return True
         self.stats.swapped_in += 1
         metrics.count_swap(alloc, "in")
         away = time.monotonic() - entry.since

@@ -3,6 +3,7 @@ socket; identity comes from SO_PEERCRED -> cgroup -> the pod's status in the api
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from kube_fixtures import pod_manifest
 
 from gpufrac.agent import arbiter as arbiter_mod
+from gpufrac.agent.peers import Caller, CgroupIdentity, Credentials
 from gpufrac.memguard import formats
 from gpufrac.simgpu.nodestate import NodeState
 
@@ -212,3 +214,23 @@ def test_random_bytes_never_crash_or_stall_the_agent(
 @pytest.fixture
 def fuzz_node(node: ArbiterNode) -> ArbiterNode:
     return node
+
+
+def test_a_reclaim_without_an_nvml_reading_says_there_was_none(
+    node: ArbiterNode, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = node.add("a", 4, "8Gi")
+    assert a.workload is not None and a.workload.do(f"alloc {2 * GiB}") == "fast"
+    assert a.container is not None
+    caller = Caller(Credentials(a.container.proc.pid, 0, 0), CgroupIdentity(a.uid, "0" * 64, ""), a.alloc)
+
+    def no_reading() -> dict[str, object]:
+        raise RuntimeError("NVML is down")
+
+    node.arbiter._read_memory = no_reading
+    with caplog.at_level(logging.INFO, logger=arbiter_mod.__name__):
+        # The driver refused 1 GiB within a's 4 GiB guarantee (the shim's RECLAIM op).
+        out = node.on_loop(lambda: node.arbiter._reclaim(caller, GiB, 3 * GiB))
+    assert out == (formats.BURST_DENIED, 0)
+    said = [m for m in caplog.messages if "could not reclaim the guarantee" in m]
+    assert len(said) == 1 and "no NVML memory reading" in said[0] and "missing" not in said[0], said

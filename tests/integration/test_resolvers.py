@@ -3,11 +3,17 @@ real cgroups on the real socket, pods and Events in the apiserver emulator."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
 from collections.abc import Callable
+from typing import Any
 
+import pytest
 from arbiter_harness import ArbiterNode, Box, GiB
 from kube_fixtures import KubeServer
 
+from gpufrac.agent import arbiter as arbiter_mod
 from gpufrac.agent.resolvers import REASON_EVICTED, REASON_PREEMPTED
 from gpufrac.agent.units import format_bytes
 
@@ -156,3 +162,125 @@ def test_evict_spares_non_preemptible_higher_priority_and_guaranteed(make_node: 
     for box in (keep, boss, calm):
         assert box.container is not None and box.container.alive(), box.pod
     assert keep.config().grant_bytes == free // 2 and boss.config().grant_bytes == free - free // 2
+
+
+def guarantees(*boxes: Box) -> None:
+    for box in boxes:
+        assert box.workload is not None and box.workload.do(f"alloc {box.alloc.request_bytes}") == "fast"
+
+
+@pytest.mark.parametrize("waiter_priority", [0, 100], ids=["equal-priority-fifo", "higher-priority"])
+def test_a_burst_that_fits_does_not_overtake_a_waiter_that_ranks_ahead(
+    make_node: Make, waiter_priority: int
+) -> None:
+    # a waits for 8 GiB with 4 GiB free; b (same priority, later; or lower priority) asks for 2 GiB
+    # that are free. b queues behind a rather than being granted at once: a stream of small bursts
+    # must not starve a. Evict sees nothing to do for b (its burst fits) and kills nobody.
+    node = make_node(resolvers=["evict", "wait"])
+    a = node.add("a", 2, "20Gi", priority=waiter_priority, wait_timeout="120s")
+    b = node.add("b", 2, "20Gi", priority=0, wait_timeout="1s")
+    filler = node.add("filler", 30, "78Gi", priority=1000, preemptible=False)
+    guarantees(a, b)
+    fill(node, filler, leave_gib=4)
+    wa, wb = a.workload, b.workload
+    assert wa is not None and wb is not None
+    wa.send(f"alloc {8 * GiB}")
+    waiting(node, 1)
+    assert wb.do(f"alloc {2 * GiB}") == "denied"  # it waited its 1 s behind a
+    assert b.config().grant_bytes == 0
+    assert filler.workload is not None and filler.workload.do(f"free {5 * GiB}") == "granted"
+    assert wa.line() == "granted"
+    assert a.config().grant_bytes == 8 * GiB
+
+
+def test_memory_won_by_an_eviction_goes_to_its_requester_not_to_a_lower_waiter(make_node: Make) -> None:
+    # low (priority 0) waits for 6 GiB; high (priority 100) needs 8 GiB and evicts victim
+    # (priority 50). What victim's death frees is high's first: victim must not die so that a
+    # lower-priority pod than itself gets its memory while high waits on.
+    node = make_node(resolvers=["evict", "wait"])
+    low = node.add("low", 2, "20Gi", priority=0, wait_timeout="120s")
+    high = node.add("high", 2, "20Gi", priority=100, wait_timeout="3s")
+    victim = node.add("victim", 2, "30Gi", priority=50)
+    guarantees(low, high)
+    free = node.on_loop(lambda: node.arbiter.grantable(victim.alloc))
+    node.add("big", free // GiB - 10, priority=1000, preemptible=False, start=False)  # 10.x GiB left
+    burst = fill(node, victim, leave_gib=2)
+    assert 8 * GiB <= burst < 9 * GiB
+    wl, wh = low.workload, high.workload
+    assert wl is not None and wh is not None and victim.container is not None
+    wl.send(f"alloc {6 * GiB}")  # 2 GiB free; nobody below low to evict: it waits
+    waiting(node, 1)
+    assert wh.do(f"alloc {8 * GiB}") == "granted"
+    assert victim.container.proc.wait(30) == -9
+    assert high.config().grant_bytes == 8 * GiB
+    assert low.config().grant_bytes == 0  # 6 GiB do not fit in what is left
+    waiting(node, 1)
+    assert wh.do(f"free {8 * GiB}") == "granted"
+    assert wl.line() == "granted"
+    assert low.config().grant_bytes == 6 * GiB
+
+
+def test_an_eviction_cut_short_by_the_deadline_still_completes(
+    make_node: Make, kube_server: KubeServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node = make_node(resolvers=["evict", "wait"])
+    low = node.add("low", 30, "78Gi", priority=0)
+    high = node.add("high", 30, "60Gi", priority=1000, wait_timeout="2s")
+    fill(node, low)
+    gate = threading.Event()
+    real = arbiter_mod.kill_if_same
+
+    def slow_kill(*args: Any) -> bool:
+        try:
+            return bool(real(*args))
+        finally:
+            gate.wait(60)  # killed, but the kill "returns" only once the requester gave up
+
+    monkeypatch.setattr(arbiter_mod, "kill_if_same", slow_kill)
+    wh = high.workload
+    assert wh is not None and low.container is not None
+    assert wh.do(f"alloc {30 * GiB}") == "fast"
+    try:
+        assert wh.do(f"alloc {4 * GiB}") == "denied"  # its 2 s passed during the kill
+        assert low.container.proc.wait(30) == -9
+    finally:
+        gate.set()
+    # The eviction runs to its end all the same: slots reaped, burst revoked, Events posted.
+    node.until(lambda: low.config().grant_bytes == 0 and low.used() == 0, timeout=15, what="low revoked")
+    node.on_loop(lambda: node.identity.events.flush(30))  # type: ignore[union-attr]
+    evicted = [e["involvedObject"]["name"] for e in kube_server.events() if e["reason"] == REASON_EVICTED]
+    assert evicted == ["low"]
+    assert high.config().grant_bytes == 0
+
+
+def test_eviction_kills_only_processes_still_in_the_victims_container(
+    make_node: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node = make_node(resolvers=["evict", "wait"])
+    low = node.add("low", 30, "78Gi", priority=0)
+    high = node.add("high", 30, "60Gi", priority=1000, wait_timeout="30s")
+    fill(node, low)
+    # A pid of low's listed by the /proc scan, then reused by an unrelated process before the
+    # signal: here the scan's list names a process in no container at all (this test's child).
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    real = node.arbiter.peers.pids_of
+    listed: list[int] = []
+
+    def pids_of(alloc: Any) -> list[int]:
+        pids = real(alloc)
+        if alloc.key == low.alloc.key and not listed:  # the scan before the kill
+            listed.append(stranger.pid)
+            pids.append(stranger.pid)
+        return pids
+
+    monkeypatch.setattr(node.arbiter.peers, "pids_of", pids_of)
+    try:
+        wh = high.workload
+        assert wh is not None and low.container is not None
+        assert wh.do(f"alloc {30 * GiB}") == "fast"
+        assert wh.do(f"alloc {4 * GiB}") == "granted"
+        assert low.container.proc.wait(30) == -9
+        assert listed and stranger.poll() is None  # not in low's container: never signalled
+    finally:
+        stranger.kill()
+        stranger.wait()

@@ -14,13 +14,14 @@ from typing import Any
 
 import pynvml
 import pytest
-from arbiter_harness import ArbiterNode, Box, GiB
+from arbiter_harness import ArbiterNode, Box, GiB, MiB
 from kube_fixtures import KubeServer
 from polling import until
 from simnode_fixtures import nvml_node
 
 from gpufrac import native
 from gpufrac.agent import swap as swap_mod
+from gpufrac.agent.checkpoint import Support
 from gpufrac.memguard import formats
 from gpufrac.simgpu.nodestate import NodeState
 from gpufrac.simgpu.workload import RESULT_BYTES
@@ -239,3 +240,68 @@ def test_host_ram_budget_bounds_what_is_swapped(sim_state: Path, kube_server: Ku
         assert node.arbiter.swap is not None and node.arbiter.swap.host_ram_used == 0
     finally:
         node.close()
+
+
+class NoopCheckpointer:
+    """The checkpoint API as a no-op: for swap-outs and swap-ins of the stand-in workload."""
+
+    available = True
+
+    def detect(self) -> Support:
+        return Support(True, driver_version=12080)
+
+    def swap_out(self, pids: list[int], lock_ms: int) -> None:
+        pass
+
+    def swap_in(self, pids: list[int]) -> None:
+        pass
+
+
+def test_a_swap_out_undone_is_not_counted_or_announced_as_a_swap_in(
+    node: ArbiterNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    box = node.add("victim", 2, "8Gi")
+    assert box.workload is not None and box.workload.do(f"alloc {64 * MiB}") == "fast"
+    assert box.container is not None
+    swap = node.arbiter.swap
+    assert swap is not None
+    swap.ckpt = NoopCheckpointer()  # type: ignore[assignment]
+    pid = box.container.proc.pid
+    monkeypatch.setattr(swap, "_prepare", lambda alloc: [(pid, (1, 1))])
+    monkeypatch.setattr(swap_mod, "launches_of", lambda directory, slots: 1)  # it launched meanwhile
+    posted: list[str] = []
+    monkeypatch.setattr(node.arbiter, "event", lambda alloc, type_, reason, message: posted.append(reason))
+    (h,) = [h for h in node.on_loop(lambda: node.arbiter.holdings(node.gpu)) if h.alloc.key == box.alloc.key]
+    with pytest.raises(swap_mod._Skip, match="became active"):
+        node.on_loop(lambda: swap._swap_out(h, node.gpu, "a test", needed_by="a test"))
+    assert swap.stats.reverted == 1
+    assert (swap.stats.swapped_out, swap.stats.swapped_in) == (0, 0)
+    assert posted == []  # neither SwappedOut nor SwappedIn: for its pod nothing happened
+    assert not swap.is_swapped(box.alloc.key)
+
+
+def test_a_swap_in_does_not_overtake_a_waiter_that_ranks_ahead(node: ArbiterNode) -> None:
+    # a waits for 8 GiB with 4 GiB free; the swapped-out v asks for its 2 GiB of burst back. v
+    # queues behind a (same priority, later) instead of being restored at once.
+    filler = node.add("filler", 30, "78Gi", priority=1000, preemptible=False)
+    a = node.add("a", 2, "20Gi", wait_timeout="120s")
+    v = node.add("v", 2, "8Gi", wait_timeout="1s")
+    for box in (filler, a, v):
+        assert box.workload is not None and box.workload.do(f"alloc {box.alloc.request_bytes}") == "fast"
+    free = node.on_loop(lambda: node.arbiter.grantable(filler.alloc))
+    assert filler.workload is not None and filler.workload.do(f"alloc {free - 4 * GiB}") == "granted"
+    assert a.workload is not None and v.container is not None
+    a.workload.send(f"alloc {8 * GiB}")
+    node.until(lambda: sum(len(w) for w in node.arbiter._waiters.values()) == 1, what="a waiting")
+    swap = node.arbiter.swap
+    assert swap is not None
+    swap.ckpt = NoopCheckpointer()  # type: ignore[assignment]
+    entry = swap_mod.Swapped(v.alloc, node.gpu, 4 * GiB, (v.container.proc.pid,), ())
+    node.on_loop(lambda: swap.swapped.__setitem__(v.alloc.key, entry))
+    try:
+        assert node.on_loop(lambda: swap.swap_in(v.alloc)) is False  # waited its 1 s behind a
+        assert v.config().grant_bytes == 0 and swap.is_swapped(v.alloc.key)
+    finally:
+        node.on_loop(lambda: swap.swapped.pop(v.alloc.key, None))
+    assert filler.workload.do(f"free {5 * GiB}") == "granted"
+    assert a.workload.line() == "granted"
