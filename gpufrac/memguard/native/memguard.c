@@ -60,6 +60,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -174,6 +175,9 @@ static const char *const g_lib_names[] = {"libcuda.so.1", "libnvidia-ml.so.1"};
     X(cuMemFree_v2, "cuMemFree", 3020, LIB_CUDA, 0)                            \
     X(cuMemCreate, "cuMemCreate", 10020, LIB_CUDA, 0)                          \
     X(cuMemRelease, "cuMemRelease", 10020, LIB_CUDA, 0)                        \
+    X(cuMemMap, "cuMemMap", 10020, LIB_CUDA, 0)                                \
+    X(cuMemUnmap, "cuMemUnmap", 10020, LIB_CUDA, 0)                            \
+    X(cuMemRetainAllocationHandle, "cuMemRetainAllocationHandle", 11000, LIB_CUDA, 0) \
     X(cuArrayCreate_v2, "cuArrayCreate", 3020, LIB_CUDA, 0)                    \
     X(cuArray3DCreate_v2, "cuArray3DCreate", 3020, LIB_CUDA, 0)                \
     X(cuArrayDestroy, "cuArrayDestroy", 2000, LIB_CUDA, 0)                     \
@@ -277,6 +281,7 @@ static uint64_t mg_coarse_now_ns(void) {
 typedef struct {
     _Atomic uint64_t key;
     _Atomic uint64_t size;
+    _Atomic uint64_t aux; /* g_handles: references; g_maps: the mapped handle */
 } mg_ent_t;
 
 typedef struct {
@@ -285,7 +290,7 @@ typedef struct {
     unsigned shift;
 } mg_tab_t;
 
-static mg_tab_t g_ptrs, g_arrays, g_handles;
+static mg_tab_t g_ptrs, g_arrays, g_handles, g_maps;
 
 static int mg_tab_init(mg_tab_t *t, unsigned bits) {
     size_t bytes = sizeof(mg_ent_t) << bits;
@@ -303,7 +308,7 @@ static inline uint64_t mg_hash(const mg_tab_t *t, uint64_t key) {
 }
 
 /* Returns 0, or -1 if the key cannot be stored (then it stays counted). */
-static int mg_tab_put(mg_tab_t *t, uint64_t key, uint64_t size) {
+static int mg_tab_put(mg_tab_t *t, uint64_t key, uint64_t size, uint64_t aux) {
     mg_ent_t *e = atomic_load_explicit(&t->ents, memory_order_acquire);
     if (!e || key == KEY_EMPTY || key == KEY_TOMB) return -1;
     uint64_t h = mg_hash(t, key);
@@ -312,14 +317,15 @@ static int mg_tab_put(mg_tab_t *t, uint64_t key, uint64_t size) {
         if (k != KEY_EMPTY && k != KEY_TOMB) continue;
         if (atomic_compare_exchange_strong_explicit(&e[h].key, &k, key, memory_order_acq_rel, memory_order_relaxed)) {
             atomic_store_explicit(&e[h].size, size, memory_order_release);
+            atomic_store_explicit(&e[h].aux, aux, memory_order_release);
             return 0;
         }
     }
     return -1;
 }
 
-/* Removes `key`; returns 1 and its size if it was there. */
-static int mg_tab_take(mg_tab_t *t, uint64_t key, uint64_t *size) {
+/* Removes `key`; returns 1 and its size (and aux, if asked) if it was there. */
+static int mg_tab_take(mg_tab_t *t, uint64_t key, uint64_t *size, uint64_t *aux) {
     mg_ent_t *e = atomic_load_explicit(&t->ents, memory_order_acquire);
     if (!e || key == KEY_EMPTY || key == KEY_TOMB) return 0;
     uint64_t h = mg_hash(t, key);
@@ -328,14 +334,29 @@ static int mg_tab_take(mg_tab_t *t, uint64_t key, uint64_t *size) {
         if (k == KEY_EMPTY) return 0;
         if (k != key) continue;
         uint64_t sz = atomic_load_explicit(&e[h].size, memory_order_acquire);
+        uint64_t ax = atomic_load_explicit(&e[h].aux, memory_order_acquire);
         if (atomic_compare_exchange_strong_explicit(&e[h].key, &k, KEY_TOMB, memory_order_acq_rel,
                                                     memory_order_relaxed)) {
             *size = sz;
+            if (aux) *aux = ax;
             return 1;
         }
         return 0; /* another thread freed the same pointer first */
     }
     return 0;
+}
+
+/* The live entry of `key`, or NULL. */
+static mg_ent_t *mg_tab_find(mg_tab_t *t, uint64_t key) {
+    mg_ent_t *e = atomic_load_explicit(&t->ents, memory_order_acquire);
+    if (!e || key == KEY_EMPTY || key == KEY_TOMB) return NULL;
+    uint64_t h = mg_hash(t, key);
+    for (unsigned n = 0; n < MAX_PROBE; n++, h = (h + 1) & t->mask) {
+        uint64_t k = atomic_load_explicit(&e[h].key, memory_order_acquire);
+        if (k == KEY_EMPTY) return NULL;
+        if (k == key) return &e[h];
+    }
+    return NULL;
 }
 
 static void mg_tab_reset(mg_tab_t *t) {
@@ -449,6 +470,7 @@ static unsigned mg_track_bits(void) {
 }
 
 static void mg_atfork_child(void);
+static void mg_reap_earlier_images(void);
 
 static int mg_do_init(void) {
     char err[PATH_MAX + 200], path[PATH_MAX + 16];
@@ -485,11 +507,12 @@ static int mg_do_init(void) {
     g_usage = usage;
     unsigned bits = mg_track_bits();
     if (mg_tab_init(&g_ptrs, bits) || mg_tab_init(&g_arrays, bits > 16 ? 16 : bits) ||
-        mg_tab_init(&g_handles, bits)) {
+        mg_tab_init(&g_handles, bits) || mg_tab_init(&g_maps, bits)) {
         mg_log("cannot map allocation tables: %s; refusing GPU allocations", strerror(errno));
         return MODE_BROKEN;
     }
     pthread_atfork(NULL, NULL, mg_atfork_child);
+    mg_reap_earlier_images();
     return MODE_ON;
 }
 
@@ -578,14 +601,33 @@ static MG_COLD int mg_reap(int full) {
         if (pid <= 0 || s == atomic_load_explicit(&g_slot, memory_order_relaxed)) continue;
         if (pid == g_pid) {
             /* Our pid, not our slot: a previous process with this pid died
-             * without giving it back (its start time differs from ours). */
+             * without giving it back (its start time differs from ours), or an
+             * earlier image of this very process (same start time) that called
+             * exec, which skips destructors; the driver freed that image's
+             * memory at exec. Only this process claims slots under its pid and
+             * it claims one (g_slot), so either way the slot is stale. */
             uint64_t st = __atomic_load_n(&s->start_time, __ATOMIC_ACQUIRE);
-            if (full && st != 0 && g_start != 0 && st != g_start && mg_release_slot(s, pid)) reaped++;
+            if (st != 0 && g_start != 0 && (full || st == g_start) && mg_release_slot(s, pid)) reaped++;
             continue;
         }
         if (mg_owner_dead(s, pid, full) && mg_release_slot(s, pid)) reaped++;
     }
     return reaped;
+}
+
+/* At init: give back the slots of earlier images of this process (exec keeps the
+ * pid and start time but runs no destructor; the driver freed their memory).
+ * Done at init, not at the first allocation, so an exec'd program that never
+ * allocates does not keep its predecessor's bytes counted. One pass of loads
+ * over the slots; /proc is read only if one carries our pid. */
+static MG_COLD void mg_reap_earlier_images(void) {
+    for (int i = 0; i < MG_MAX_PROCS; i++) {
+        if (atomic_load_explicit(&g_usage->slots[i].pid, memory_order_relaxed) != g_pid) continue;
+        if (!g_start) g_start = mg_proc_start(g_pid, NULL);
+        if (!g_start) return;
+        mg_reap(0);
+        return;
+    }
 }
 
 static mg_proc_slot_t *mg_try_claim(uint64_t start) {
@@ -644,6 +686,7 @@ static void mg_atfork_child(void) {
         mg_tab_reset(&g_ptrs);
         mg_tab_reset(&g_arrays);
         mg_tab_reset(&g_handles);
+        mg_tab_reset(&g_maps);
     }
 }
 
@@ -725,6 +768,38 @@ static int mg_poll(int fd, short events, int ms) {
     return r == 1 && (p.revents & events) ? 0 : -1;
 }
 
+static uint64_t mg_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* Milliseconds left until `deadline` (mg_now_ms() clock), 0 once it passed. */
+static int mg_left_ms(uint64_t deadline) {
+    uint64_t now = mg_now_ms();
+    return now >= deadline ? 0 : (int)(deadline - now);
+}
+
+/* Connect the (blocking) socket fd by `deadline`. On a unix socket a full listen
+ * backlog is EAGAIN, never EINPROGRESS, so a non-blocking connect cannot wait
+ * for room; a blocking one waits up to SO_SNDTIMEO and is woken as soon as the
+ * agent accepts. Should the kernel still answer EAGAIN early (or a signal
+ * interrupt the wait), retry after a short sleep, until the deadline. */
+static MG_COLD int mg_connect_by(int fd, const struct sockaddr_un *addr, uint64_t deadline) {
+    for (long nap_ms = 1;; nap_ms = nap_ms < 5 ? nap_ms + 1 : 5) {
+        int left = mg_left_ms(deadline);
+        if (left <= 0) return -1;
+        struct timeval tv = {.tv_sec = left / 1000, .tv_usec = (left % 1000) * 1000};
+        setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+        if (connect(fd, (const struct sockaddr *)addr, sizeof *addr) == 0 || errno == EISCONN) return 0;
+        if (errno != EAGAIN && errno != EINTR) return -1; /* no socket, nobody listening: no at once */
+        left = mg_left_ms(deadline);
+        if (left <= 0) return -1;
+        struct timespec ts = {0, (nap_ms < left ? nap_ms : left) * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+}
+
 /*
  * THE single place the shim asks the agent for burst memory.
  *
@@ -737,30 +812,33 @@ static int mg_poll(int fd, short events, int ms) {
  * Protocol (mg_burst_req_t / mg_burst_rep_t in memguard_abi.h): one request
  * per connection on $GPUFRAC_CONTAINER_DIR/arbiter.sock; the agent identifies
  * the caller by SO_PEERCRED, not by the message. Connect and send are bounded
- * by arbiter_timeout_ms; the reply by arbiter_timeout_ms + wait_timeout_ms,
- * since the agent's wait resolver may hold the request that long.
+ * by arbiter_timeout_ms (a full backlog is waited out within it); the reply by
+ * arbiter_timeout_ms + wait_timeout_ms, since the agent's wait resolver may
+ * hold the request that long. Without await_reply (RELEASE): one non-blocking
+ * connect and send, failing at once.
  */
 static MG_COLD int mg_arbiter_io(uint16_t op, uint64_t bytes, uint64_t total_after, const mg_limits_t *l,
                                  int await_reply) {
     if (!g_sock_path[0]) return 0;
     struct stat st;
     if (stat(g_sock_path, &st) != 0 || !S_ISSOCK(st.st_mode)) return 0;
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | (await_reply ? 0 : SOCK_NONBLOCK), 0);
     if (fd < 0) return 0;
     int granted = 0;
     int timeout = l->arbiter_timeout_ms ? (int)(l->arbiter_timeout_ms > 600000 ? 600000 : l->arbiter_timeout_ms) : 2000;
     int reply_timeout = timeout + (int)(l->wait_timeout_ms > 600000 ? 600000 : l->wait_timeout_ms);
+    uint64_t deadline = mg_now_ms() + (uint64_t)timeout;
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
     memcpy(addr.sun_path, g_sock_path, strlen(g_sock_path) + 1);
-    if (connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
-        if ((errno != EINPROGRESS && errno != EAGAIN) || mg_poll(fd, POLLOUT, timeout) != 0) goto out;
-        int soerr = 0;
-        socklen_t len = sizeof soerr;
-        if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len) != 0 || soerr != 0) goto out;
+    if (!await_reply) {
+        if (connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) goto out; /* full backlog: EAGAIN, at once */
+    } else if (mg_connect_by(fd, &addr, deadline) != 0 || fcntl(fd, F_SETFL, O_NONBLOCK) != 0) {
+        goto out;
     }
     mg_burst_req_t req = {.magic = MG_BURST_MAGIC, .version = MG_ABI_VERSION, .op = op,
                           .pid = g_pid, .bytes = bytes, .total_after = total_after, .generation = l->generation};
-    if (mg_poll(fd, POLLOUT, timeout) != 0 || send(fd, &req, sizeof req, MSG_NOSIGNAL) != (ssize_t)sizeof req)
+    if (mg_poll(fd, POLLOUT, mg_left_ms(deadline)) != 0 ||
+        send(fd, &req, sizeof req, MSG_NOSIGNAL) != (ssize_t)sizeof req)
         goto out;
     if (!await_reply) {
         granted = 1; /* sent: the agent reads it after we close (a unix socket keeps queued bytes) */
@@ -936,7 +1014,7 @@ static MG_COLD int mg_reclaim(CUresult rc, uint64_t bytes) {
 static void mg_settle(mg_tab_t *t, CUresult rc, uint64_t key, uint64_t bytes) {
     if (rc != CUDA_SUCCESS) {
         mg_uncharge(bytes);
-    } else if (bytes && mg_tab_put(t, key, bytes) != 0) {
+    } else if (bytes && mg_tab_put(t, key, bytes, 1) != 0) {
         MG_WARN_ONCE(g_warned_track,
                      "allocation table full (MEMGUARD_TRACK_BITS): some memory stays counted after free");
     }
@@ -949,7 +1027,7 @@ static void mg_freed(mg_tab_t *t, CUresult rc, uint64_t key, int found, uint64_t
         mg_uncharge(bytes);
         mg_maybe_return_grant();
     } else {
-        mg_tab_put(t, key, bytes);
+        mg_tab_put(t, key, bytes, 1);
     }
 }
 
@@ -1096,21 +1174,20 @@ ALLOC_HOOK(cuMemAllocFromPoolAsync_ptsz, g_ptrs, dptr, bytesize,
 /* Take the size out of the table before the real free (another thread's
  * allocation may get the same address right after it); put it back if the
  * driver refuses the free. */
-#define FREE_HOOK(sym, tab, key, params, ...)              \
-    HOOK CUresult mg_h_##sym params {                      \
-        if (!mg_on()) return CALL_REAL(sym, __VA_ARGS__);  \
-        uint64_t bytes = 0, key_ = (uint64_t)(key);        \
-        int found = mg_tab_take(&(tab), key_, &bytes);     \
-        CUresult rc = CALL_REAL(sym, __VA_ARGS__);         \
-        mg_freed(&(tab), rc, key_, found, bytes);          \
-        return rc;                                         \
+#define FREE_HOOK(sym, tab, key, params, ...)                 \
+    HOOK CUresult mg_h_##sym params {                         \
+        if (!mg_on()) return CALL_REAL(sym, __VA_ARGS__);     \
+        uint64_t bytes = 0, key_ = (uint64_t)(key);           \
+        int found = mg_tab_take(&(tab), key_, &bytes, NULL);  \
+        CUresult rc = CALL_REAL(sym, __VA_ARGS__);            \
+        mg_freed(&(tab), rc, key_, found, bytes);             \
+        return rc;                                            \
     }
 
 FREE_HOOK(cuMemFree_v2, g_ptrs, dptr, (CUdeviceptr dptr), dptr)
 FREE_HOOK(cuMemFree, g_ptrs, dptr, (CUdeviceptr_v1 dptr), dptr)
 FREE_HOOK(cuMemFreeAsync, g_ptrs, dptr, (CUdeviceptr dptr, CUstream hStream), dptr, hStream)
 FREE_HOOK(cuMemFreeAsync_ptsz, g_ptrs, dptr, (CUdeviceptr dptr, CUstream hStream), dptr, hStream)
-FREE_HOOK(cuMemRelease, g_handles, handle, (CUmemGenericAllocationHandle handle), handle)
 FREE_HOOK(cuArrayDestroy, g_arrays, (uintptr_t)hArray, (CUarray hArray), hArray)
 
 static CUresult mg_free_v1_adapter(CUdeviceptr p) {
@@ -1119,12 +1196,132 @@ static CUresult mg_free_v1_adapter(CUdeviceptr p) {
 }
 
 /* --- virtual memory management: physical memory is cuMemCreate's; address
- * reservations (cuMemAddressReserve) are not memory and are not hooked --- */
+ * reservations (cuMemAddressReserve) are not memory and are not hooked.
+ *
+ * The driver frees a cuMemCreate allocation only when its handle is released
+ * AND every mapping of it is unmapped (cuMemRelease, cuMemUnmap in the driver
+ * API reference); cuMemRetainAllocationHandle adds a handle reference. Releasing
+ * the handle right after cuMemMap is the documented pattern (vectorAddMMAP), so
+ * the bytes stay counted until the last reference goes:
+ *   g_handles: handle -> bytes, refs (cuMemCreate's + retains + live mappings);
+ *   g_maps:    mapping base -> mapping size, handle.
+ * refs only ever rises from a non-zero value (CAS); whoever takes it from 1 to 0
+ * removes the entry and uncounts the bytes, exactly once. References are dropped
+ * before the real call (the driver may hand the same handle or address out again
+ * right after it) and restored if the driver refuses. Handles this process did
+ * not count (created before the shim was on, imported) pass through. --- */
 
 ALLOC_HOOK(cuMemCreate, g_handles, handle, size,
            (CUmemGenericAllocationHandle * handle, size_t size, const CUmemAllocationProp *prop,
             unsigned long long flags),
            handle, size, prop, flags)
+
+/* One more reference to a counted handle; 0 if it is not counted here. */
+static int mg_href_get(uint64_t h) {
+    mg_ent_t *e = mg_tab_find(&g_handles, h);
+    if (!e) return 0;
+    uint64_t r = atomic_load_explicit(&e->aux, memory_order_acquire);
+    do {
+        if (r == 0) return 0; /* its last reference is going: not ours to revive */
+    } while (!atomic_compare_exchange_weak_explicit(&e->aux, &r, r + 1, memory_order_acq_rel, memory_order_acquire));
+    return 1;
+}
+
+enum { HREF_NONE, HREF_DROPPED, HREF_LAST };
+
+/* Drop one reference. HREF_LAST: it was the last one; the entry is gone and
+ * *bytes are to be uncounted once the driver call succeeded. */
+static int mg_href_drop(uint64_t h, uint64_t *bytes) {
+    mg_ent_t *e = mg_tab_find(&g_handles, h);
+    if (!e) return HREF_NONE;
+    uint64_t r = atomic_load_explicit(&e->aux, memory_order_acquire);
+    do {
+        if (r == 0) return HREF_NONE;
+    } while (!atomic_compare_exchange_weak_explicit(&e->aux, &r, r - 1, memory_order_acq_rel, memory_order_acquire));
+    if (r > 1) return HREF_DROPPED;
+    *bytes = atomic_load_explicit(&e->size, memory_order_acquire);
+    uint64_t k = h;
+    atomic_compare_exchange_strong_explicit(&e->key, &k, KEY_TOMB, memory_order_acq_rel, memory_order_relaxed);
+    return HREF_LAST;
+}
+
+/* The driver refused the call a reference was dropped for: take it back. */
+static void mg_href_undo(uint64_t h, int dropped, uint64_t bytes) {
+    if (dropped == HREF_DROPPED) mg_href_get(h);
+    else if (dropped == HREF_LAST) mg_tab_put(&g_handles, h, bytes, 1);
+}
+
+static void mg_vmm_freed(uint64_t bytes) {
+    if (!bytes) return;
+    mg_uncharge(bytes);
+    mg_maybe_return_grant();
+}
+
+HOOK CUresult mg_h_cuMemRelease(CUmemGenericAllocationHandle handle) {
+    if (!mg_on()) return CALL_REAL(cuMemRelease, handle);
+    uint64_t bytes = 0;
+    int dropped = mg_href_drop(handle, &bytes);
+    CUresult rc = CALL_REAL(cuMemRelease, handle);
+    if (rc != CUDA_SUCCESS) mg_href_undo(handle, dropped, bytes);
+    else if (dropped == HREF_LAST) mg_vmm_freed(bytes);
+    return rc;
+}
+
+HOOK CUresult mg_h_cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr) {
+    CUresult rc = CALL_REAL(cuMemRetainAllocationHandle, handle, addr);
+    if (rc == CUDA_SUCCESS && handle && mg_on()) mg_href_get(*handle);
+    return rc;
+}
+
+HOOK CUresult mg_h_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                            unsigned long long flags) {
+    CUresult rc = CALL_REAL(cuMemMap, ptr, size, offset, handle, flags);
+    /* The mapping holds the allocation: a reference, dropped at its unmap. One
+     * that cannot be recorded is kept (counted until exit, never under). */
+    if (rc == CUDA_SUCCESS && mg_on() && mg_href_get(handle) && mg_tab_put(&g_maps, ptr, size, handle) != 0)
+        MG_WARN_ONCE(g_warned_track,
+                     "allocation table full (MEMGUARD_TRACK_BITS): some memory stays counted after free");
+    return rc;
+}
+
+/* The range is whole mappings (the driver refuses anything else), usually one. */
+#define MG_UNMAP_BATCH 32
+
+HOOK CUresult mg_h_cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    if (!mg_on()) return CALL_REAL(cuMemUnmap, ptr, size);
+    struct {
+        uint64_t base, size, handle, bytes;
+        int dropped;
+    } m[MG_UNMAP_BATCH];
+    unsigned n = 0;
+    uint64_t cur = ptr, end = ptr + size < ptr ? UINT64_MAX : ptr + size;
+    while (cur < end && n < MG_UNMAP_BATCH && mg_tab_take(&g_maps, cur, &m[n].size, &m[n].handle)) {
+        m[n].base = cur;
+        m[n].bytes = 0;
+        m[n].dropped = mg_href_drop(m[n].handle, &m[n].bytes);
+        cur = m[n].size && cur + m[n].size > cur ? cur + m[n].size : end;
+        n++;
+    }
+    CUresult rc = CALL_REAL(cuMemUnmap, ptr, size);
+    if (rc != CUDA_SUCCESS) {
+        while (n--) {
+            mg_href_undo(m[n].handle, m[n].dropped, m[n].bytes);
+            mg_tab_put(&g_maps, m[n].base, m[n].size, m[n].handle);
+        }
+        return rc;
+    }
+    uint64_t freed = 0;
+    for (unsigned i = 0; i < n; i++)
+        if (m[i].dropped == HREF_LAST) freed += m[i].bytes;
+    /* More mappings than one batch: the rest, after the fact. */
+    uint64_t msize, h, bytes = 0;
+    while (cur < end && mg_tab_take(&g_maps, cur, &msize, &h)) {
+        if (mg_href_drop(h, &bytes) == HREF_LAST) freed += bytes;
+        cur = msize && cur + msize > cur ? cur + msize : end;
+    }
+    mg_vmm_freed(freed);
+    return rc;
+}
 
 /* --- arrays --- */
 

@@ -12,12 +12,19 @@
  *   freeptr HEX                              -> free a pointer nobody allocated
  *   create N | release                       -> cuMemCreate / cuMemRelease
  *   vmm N | unvmm                            -> reserve+create+map+access / undo
+ *   unmaponly | releasevmm                   -> the vmm mapping's cuMemUnmap / its handle's cuMemRelease
+ *   retain                                   -> cuMemRetainAllocationHandle on the vmm mapping
+ *                                               (the handle is pushed for `release`)
+ *   mapped N | unmapall                      -> reserve+create+map+access, then release the handle
+ *                                               at once (vectorAddMMAP) / unmap and free them all
  *   reserve N | unreserve                    -> cuMemAddressReserve alone / free
  *   array W H | array3d W H D | destroy      -> CUDA arrays (FLOAT, 1 channel)
  *   info | info1 | total | total1            -> memory queries
  *   launch | launchptsz | launchex | launchexptsz | coop | coopptsz
  *   graph | graphptsz                        -> launches (fake kernel "busy_us")
  *   hold                                     -> print "hold" and wait for stdin
+ *   exec                                     -> exec this program with the rest of the script
+ *                                               (a new image: same pid, no destructors)
  *   stress THREADS ITERS MAXBYTES SEED       -> threads allocating/freeing at random
  *   loop N BYTES                             -> N alloc+free pairs (kill target)
  *   getproc NAME VER FLAGS WANT | getproc1 ... -> cuGetProcAddress_v2 / legacy: is the
@@ -69,6 +76,7 @@ CUresult cuMemAddressFree(CUdeviceptr, size_t);
 CUresult cuMemMap(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
 CUresult cuMemUnmap(CUdeviceptr, size_t);
 CUresult cuMemSetAccess(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *, void *);
 CUresult cuArrayCreate_v2(CUarray *, const CUDA_ARRAY_DESCRIPTOR *);
 CUresult cuArray3DCreate_v2(CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *);
 CUresult cuArrayDestroy(CUarray);
@@ -110,6 +118,9 @@ static CUcontext ctx;
 static CUdeviceptr vmm_va, reserve_va;
 static size_t vmm_size, reserve_size;
 static CUmemGenericAllocationHandle vmm_handle;
+static CUdeviceptr mapped_va[MAXP];
+static size_t mapped_size[MAXP];
+static int nmapped;
 
 static unsigned long long num(const char *s) { return strtoull(s, NULL, 0); }
 
@@ -326,6 +337,46 @@ int main(int argc, char **argv) {
             printf("unvmm.release %d\n", rc);
             if (!rc) rc = cuMemAddressFree(vmm_va, vmm_size);
             printf("unvmm %d\n", rc);
+        } else if (!strcmp(c, "unmaponly")) {
+            printf("unmaponly %d\n", cuMemUnmap(vmm_va, vmm_size));
+        } else if (!strcmp(c, "releasevmm")) {
+            printf("releasevmm %d\n", cuMemRelease(vmm_handle));
+        } else if (!strcmp(c, "retain")) {
+            CUmemGenericAllocationHandle h = 0;
+            rc = cuMemRetainAllocationHandle(&h, (void *)(uintptr_t)vmm_va);
+            if (rc == 0 && nhandles < MAXP) handles[nhandles++] = h;
+            printf("retain %d same=%d\n", rc, h == vmm_handle);
+        } else if (!strcmp(c, "mapped")) {
+            CUmemAllocationProp prop = device_prop();
+            CUmemAccessDesc acc = {{1, dev}, 3};
+            CUmemGenericAllocationHandle h = 0;
+            CUdeviceptr va = 0;
+            size_t n = num(a1);
+            rc = cuMemAddressReserve(&va, n, 0, 0, 0);
+            CUresult create = rc ? rc : cuMemCreate(&h, n, &prop, 0);
+            if (!rc) rc = create;
+            if (!rc) rc = cuMemMap(va, n, 0, h, 0);
+            if (!rc) rc = cuMemSetAccess(va, n, &acc, 1);
+            if (!create) {
+                CUresult r2 = cuMemRelease(h); /* the mapping keeps the memory */
+                if (!rc) rc = r2;
+            }
+            if (!rc && nmapped < MAXP) {
+                mapped_va[nmapped] = va;
+                mapped_size[nmapped++] = n;
+            } else if (va) {
+                cuMemAddressFree(va, n);
+            }
+            printf("mapped %d\n", rc), i++;
+        } else if (!strcmp(c, "unmapall")) {
+            rc = 0;
+            while (nmapped) {
+                nmapped--;
+                CUresult r = cuMemUnmap(mapped_va[nmapped], mapped_size[nmapped]);
+                if (!r) r = cuMemAddressFree(mapped_va[nmapped], mapped_size[nmapped]);
+                if (!rc) rc = r;
+            }
+            printf("unmapall %d\n", rc);
         } else if (!strcmp(c, "array") || !strcmp(c, "array3d")) {
             CUarray arr = NULL;
             if (c[5]) {
@@ -389,6 +440,15 @@ int main(int argc, char **argv) {
             void *p = h ? dlsym(h, a1) : NULL;
             printf("dlsym %d found=%d shim=%d\n", h ? 0 : 1, p != NULL, in_shim(p));
             i++;
+        } else if (!strcmp(c, "exec")) {
+            /* The rest of the script runs in a new image of this same process
+             * (same pid and start time; exec runs no destructor). */
+            char **rest = &argv[i];
+            rest[0] = argv[0];
+            printf("exec 0\n");
+            execv("/proc/self/exe", rest);
+            printf("exec 1\n");
+            return 2;
         } else if (!strcmp(c, "used")) {
             print_usage();
         } else if (!strcmp(c, "maps")) {
