@@ -49,7 +49,10 @@ def parse(device: str) -> SliceId:
     uuid, sep, tail = device.rpartition("::")
     if not sep or not uuid or len(tail) < 2 or tail[0] not in _RESOURCE_OF or not tail[1:].isdigit():
         raise ValueError(f"{device!r} is not a gpufrac device ID (<gpu-uuid>::fNN or <gpu-uuid>::mNNN)")
-    return SliceId(uuid, _RESOURCE_OF[tail[0]], int(tail[1:]))
+    s = SliceId(uuid, _RESOURCE_OF[tail[0]], int(tail[1:]))
+    if str(s) != device:  # one spelling per slice, or "::f1" and "::f01" could both be booked
+        raise ValueError(f"{device!r} is not a gpufrac device ID as advertised (that slice is {str(s)!r})")
+    return s
 
 
 def sort_key(device: str) -> tuple[str, str, int]:

@@ -135,6 +135,8 @@ def test_whole_gpus_take_every_slice_and_flag(ledger: Ledger) -> None:
         ),
         (MEMORY, lambda L: ids(L, 0, MEMORY, [16]), "INVALID_ARGUMENT", "unknown device IDs"),
         (MEMORY, lambda L: [], "INVALID_ARGUMENT", "names no devices"),
+        # Another spelling of slice f01 (never advertised): it must not book f01 a second time.
+        (FRACTION, lambda L: [L.inventory.gpus[0].uuid + "::f1"], "INVALID_ARGUMENT", "unknown device IDs"),
     ],
 )
 def test_refusals_name_ids_and_rule(ledger: Ledger, resource: str, make, code: str, words: str) -> None:
