@@ -364,7 +364,14 @@ class Agent:
                 "rebuilt allocation %s of %s/%s %s from pod-resources", key, c.namespace, c.pod, c.container
             )
             if materialize:
-                handle = await self.dirs.write(alloc.directory, alloc.config)
+                try:
+                    handle = await self.dirs.write(alloc.directory, alloc.config)
+                except OSError as e:
+                    # Unbooked again, so the next reconcile rebuilds it (and tries the files again).
+                    log.error("cannot write the directory of rebuilt allocation %s: %s", key, e)
+                    if self.ledger.get(key) is alloc:
+                        self.ledger.release(key)
+                    continue
                 self.ledger.attach(alloc.key, handle)
         return True
 

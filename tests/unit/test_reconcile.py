@@ -50,3 +50,33 @@ def test_an_older_list_answer_arriving_last_is_not_applied(tmp_path: Path) -> No
         return ledger.get(alloc.key).pod, agent.listing[alloc.key].pod  # type: ignore[union-attr]
 
     assert asyncio.run(scenario()) == ("new", "new")
+
+
+class FixedLister:
+    def __init__(self, listed: list[ContainerDevices]) -> None:
+        self.listed = listed
+
+    async def list(self, resources: tuple[str, ...] | None = None) -> list[ContainerDevices]:
+        return self.listed
+
+
+def test_a_rebuilt_allocation_whose_files_cannot_be_written_is_rebuilt_next_time(tmp_path: Path) -> None:
+    cfg = Config(paths=PathsConfig(state_dir=str(tmp_path / "state"), kubelet_dir=str(tmp_path / "kubelet")))
+    blocker = Path(cfg.paths.containers_dir)
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("")  # a file where the containers directory goes: every write fails
+
+    async def scenario() -> tuple[int, bool, bool]:
+        agent = Agent(cfg)
+        agent.ledger = ledger = Ledger(cfg, make_inventory())
+        devs = ids(ledger, 0, MEMORY, range(2))
+        agent.pod_resources = FixedLister([ContainerDevices("ns", "p", "main", MEMORY, tuple(devs))])  # type: ignore[assignment]
+        assert await agent.reconcile()
+        booked_while_broken = len(ledger.containers())
+        blocker.unlink()
+        assert await agent.reconcile()
+        (alloc,) = ledger.containers()
+        await agent.dirs.close()
+        return booked_while_broken, ledger.attached(alloc.key), Path(alloc.directory).is_dir()
+
+    assert asyncio.run(scenario()) == (0, True, True)
