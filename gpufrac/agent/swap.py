@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -243,14 +243,19 @@ class SwapResolver:
         if (await self.detect()).available:
             for alloc in self.ctx.ledger.containers():
                 try:
-                    await self._rediscover(alloc)
+                    async with self._busy_with(alloc.key):
+                        if alloc.key not in self.swapped and self.ctx.ledger.get(alloc.key) is alloc:
+                            await self._rediscover(alloc)
                 except Exception:
                     log.exception("swap: cannot recover the swap state of %s", alloc.who())
 
     # -- state the arbiter reads ----------------------------------------------------------------
 
     def is_swapped(self, key: str) -> bool:
-        return key in self.swapped
+        """Whether the container booked under `key` now is swapped out. A key is the device
+        set's: a new container on the same slices has it too, and is not swapped."""
+        s = self.swapped.get(key)
+        return s is not None and self.ctx.ledger.get(key) is s.alloc
 
     @property
     def host_ram_used(self) -> int:
@@ -414,8 +419,7 @@ class SwapResolver:
                 f"its {format_bytes(h.used)} would not fit in the host RAM left for swap "
                 f"({format_bytes(left)} of swap.hostRamBudget {format_bytes(budget)})"
             )
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._busy[key] = done
+        done = self._mark_busy(key)
         self._inflight += h.used
         try:
             return await self._swap_out_locked(h, gpu, cause, needed_by)
@@ -424,8 +428,29 @@ class SwapResolver:
             raise
         finally:
             self._inflight -= h.used
+            self._unmark_busy(key, done)
+
+    def _mark_busy(self, key: str) -> asyncio.Future[None]:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._busy[key] = done
+        return done
+
+    def _unmark_busy(self, key: str, done: asyncio.Future[None]) -> None:
+        if self._busy.get(key) is done:
             del self._busy[key]
-            done.set_result(None)
+        done.set_result(None)
+
+    @contextlib.asynccontextmanager
+    async def _busy_with(self, key: str) -> AsyncIterator[None]:
+        """The container to oneself: after any swap of it under way, and before any await,
+        so two swap-ins (or a swap-in and the start's takeover) never interleave."""
+        while key in self._busy:
+            await asyncio.shield(self._busy[key])
+        done = self._mark_busy(key)
+        try:
+            yield
+        finally:
+            self._unmark_busy(key, done)
 
     def _prepare(self, alloc: ContainerAlloc) -> list[tuple[int, SlotId]]:
         """The container's CUDA processes (host pid, usage slot). Every one must be RUNNING
@@ -506,20 +531,13 @@ class SwapResolver:
         swapped): the shim may go on. False: not now, the shim asks again."""
         key = alloc.key
         await self.detect()
-        while key in self._busy:  # a swap-out or another swap-in of it is under way
-            await asyncio.shield(self._busy[key])
-        entry = self.swapped.get(key)
-        if entry is None:
-            entry = await self._rediscover(alloc)
+        async with self._busy_with(key):
+            entry = self.swapped.get(key)
             if entry is None:
-                return True
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._busy[key] = done
-        try:
+                entry = await self._rediscover(alloc)
+                if entry is None:
+                    return True
             return await self._swap_in(entry)
-        finally:
-            del self._busy[key]
-            done.set_result(None)
 
     async def _rediscover(self, alloc: ContainerAlloc) -> Swapped | None:
         """A container flagged swapped that this agent did not swap (a previous agent did):

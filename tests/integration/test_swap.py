@@ -7,6 +7,8 @@ back, the arbiter arbitrates that like any burst, and its buffers hold the same 
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -305,3 +307,53 @@ def test_a_swap_in_does_not_overtake_a_waiter_that_ranks_ahead(node: ArbiterNode
         node.on_loop(lambda: swap.swapped.pop(v.alloc.key, None))
     assert filler.workload.do(f"free {5 * GiB}") == "granted"
     assert a.workload.line() == "granted"
+
+
+def test_a_new_container_on_a_swapped_out_ones_slices_is_not_taken_for_it(node: ArbiterNode) -> None:
+    """Keys are the device set's: a container booked on the slices of one that went while
+    swapped out (not yet pruned) has its key. It is not swapped: its usage counts as it is."""
+    box = node.add("new", 2, "8Gi")
+    assert box.workload is not None and box.workload.do(f"alloc {GiB}") == "fast"
+    swap = node.arbiter.swap
+    assert swap is not None
+    gone = dataclasses.replace(box.alloc)  # the released container that held these slices
+    entry = swap_mod.Swapped(gone, node.gpu, 4 * GiB, (1,), ())
+    node.on_loop(lambda: swap.swapped.__setitem__(box.alloc.key, entry))
+    try:
+        assert not swap.is_swapped(box.alloc.key)
+        assert node.on_loop(lambda: node.arbiter._used(box.alloc)) == GiB
+    finally:
+        node.on_loop(lambda: swap.swapped.pop(box.alloc.key, None))
+
+
+def test_an_agent_after_a_restart_takes_over_a_swapped_container_once(
+    node: ArbiterNode, sim_state: Path
+) -> None:
+    """A new agent knows nothing of a container the previous one swapped out: the first
+    SWAP_IN finds it from its usage file. Two processes of it asking at once must restore it
+    once, and both go on."""
+    victim = node.add("victim", 2, "8Gi", start=False)
+    swappable(node, victim)
+    v = node.start_cuda(victim, sim_state)
+    assert v.do(f"alloc {2 * GiB} 1111") == "ok 1"
+    assert v.do(f"alloc {4 * GiB} 2222") == "ok 2"
+    requester = node.add("requester", 2, "8Gi", start=False)
+    r = node.start_cuda(requester, sim_state)
+    assert r.do(f"alloc {2 * GiB} 3333") == "ok 1"
+    fill_gpu(node, sim_state, leave_free=2 * GiB)
+    idle(node, victim)
+    assert r.do(f"alloc {4 * GiB} 4444") == "ok 2"  # the victim is swapped out for it
+    swap = node.arbiter.swap
+    assert swap is not None and swap.is_swapped(victim.alloc.key)
+    assert r.do("free 1") == "ok" and r.do("free 2") == "ok"
+    r.c.stop()
+
+    async def two_at_once() -> list[bool]:
+        swap.swapped.clear()  # what an agent started afresh knows
+        return list(await asyncio.gather(swap.swap_in(victim.alloc), swap.swap_in(victim.alloc)))
+
+    assert node.on_loop(two_at_once) == [True, True]
+    assert not swap.is_swapped(victim.alloc.key) and not swap._busy
+    assert swap.stats.swapped_in == 1
+    assert v.do("check 1") == "ok" and v.do("check 2") == "ok"
+    assert gpu_pids()[v.pid] == 6 * GiB + RESULT
