@@ -87,6 +87,9 @@ NVML_STALE = 1.0  # older than this, a request waits for a new one
 RECLAIM_INTERVAL = 1.0
 STALE_AFTER = 10.0  # a grant unused this long is taken back
 STALE_SLACK = 64 << 20  # "well below": unused grant beyond this counts as stale
+# A grant this young is not lowered to the container's usage: the shim it was given to
+# charges its allocation right after the reply, so usage may not show it yet.
+GRANT_SETTLE = 0.1
 Result = tuple[int, int]  # (reply status, config generation)
 _LAST = float("inf")  # the queue order's arrival part for a request not yet queued
 
@@ -155,6 +158,8 @@ class Arbiter:
         self._connections: set[_Connection] = set()
         self._returned: dict[str, int] = {}  # last grant_returned seen per container
         self._unused_since: dict[str, float] = {}
+        self._granted_at: dict[str, float] = {}  # container key -> time.monotonic() of its last grant
+        self._settling: set[str] = set()  # keys whose lowered release waits out GRANT_SETTLE
         self._notifying = False
         self._renotify: set[str] = set()
         self._handles_generation = -1  # the ledger's capacity_generation at the last handle sweep
@@ -367,6 +372,7 @@ class Arbiter:
             self.ledger.update_config(alloc.key, grant_bytes=target)
         self.stats.granted += 1
         self._unused_since.pop(alloc.key, None)
+        self._granted_at[alloc.key] = time.monotonic()
         return True
 
     def _ahead(self, gpu: str, order: tuple[int, float], need: Need | None = None) -> bool:
@@ -571,7 +577,12 @@ class Arbiter:
         g = alloc.config.grant_bytes
         if used is not None and g > 0:
             keep = min(g, max(0, used - alloc.request_bytes))
-            if keep < g:
+            young = self._granted_at.get(alloc.key, -GRANT_SETTLE) + GRANT_SETTLE - time.monotonic()
+            if keep < g and young > 0:
+                # Another process's free (or the returned counter) right after a grant: the
+                # shim given it may not have charged its allocation yet. Lower it once it has.
+                self._settle_later(alloc, young)
+            elif keep < g:
                 self.ledger.update_config(alloc.key, grant_bytes=keep)
         self._unused_since.pop(alloc.key, None)
         gpu = alloc.gpus[0]
@@ -583,6 +594,18 @@ class Arbiter:
             # every release would sit on the fast path of the bursts that follow.
             self._refresh_soon()
         return self._generation(alloc)
+
+    def _settle_later(self, alloc: ContainerAlloc, delay: float) -> None:
+        if alloc.key in self._settling:
+            return
+        self._settling.add(alloc.key)
+
+        def settled() -> None:
+            self._settling.discard(alloc.key)
+            if self.ledger.get(alloc.key) is alloc:
+                self._release(alloc)
+
+        asyncio.get_running_loop().call_later(delay, settled)
 
     def revoke_burst(self, alloc: ContainerAlloc) -> None:
         """Evicted or swapped out: the container keeps its guarantee, loses every burst byte.
@@ -664,6 +687,8 @@ class Arbiter:
                 self._usage.pop(key).close()
                 self._returned.pop(key, None)
                 self._unused_since.pop(key, None)
+            for key in [k for k in self._granted_at if booked(k) is None]:
+                del self._granted_at[key]
         for gpu in list(self._waiters):
             self.notify(gpu)
 
