@@ -91,6 +91,7 @@ class Agent:
         # Allocate and PreStartContainer; an answer older than the one applied is dropped).
         self._lists_asked = 0
         self._list_applied = 0
+        self._listing_asked = 0.0  # time.monotonic() when the applied List was asked
         self.plugins: dict[str, DevicePlugin] = {}
         self.servers: dict[str, PluginServer] = {}
         self.started = asyncio.Event()
@@ -318,11 +319,12 @@ class Agent:
             return False
         if seq < self._list_applied:
             # A List asked after this one was applied meanwhile: this answer is older than
-            # what the ledger now follows (it may name a released key's former pod).
+            # what the ledger now follows (it may name a released key's former pod). The
+            # caller's release rule (Allocate asks with grace 0) goes over the newer one.
+            self._release_unlisted(grace, self._listing_asked)
             return True
-        self._list_applied = seq
+        self._list_applied, self._listing_asked = seq, asked
         self.listing = keyed(listed)
-        now = time.time()
         for alloc in self.ledger.containers():
             c = self.listing.get(alloc.key)
             if c is not None:
@@ -330,25 +332,10 @@ class Agent:
                     alloc.recorded_at = asked
                 if alloc.pod is None:
                     self.ledger.bind(alloc.key, c.namespace, c.pod, c.container, alloc.pod_uid)
-            elif now - alloc.created >= grace or _recorded_before(alloc, asked):
-                # Too old to be an Allocate the kubelet has yet to record, or recorded
-                # before this List was asked: the kubelet has let it go.
-                logs.decision(
-                    log,
-                    "release",
-                    "releasing %s (%s): pod-resources no longer lists it",
-                    alloc.key,
-                    alloc.who(),
-                    container=alloc.key,
-                    resource=alloc.resource,
-                    gpus=",".join(alloc.gpus),
-                    request_bytes=alloc.request_bytes,
-                    namespace=alloc.namespace or "",
-                    pod=alloc.pod or "",
-                )
-                self.ledger.release(alloc.key)
-                self.metrics.forget(alloc.key)
+        self._release_unlisted(grace, asked)
         for key, c in self.listing.items():
+            if seq != self._list_applied:
+                break  # a newer List was applied during the last await: it decides the rest
             if self.ledger.get(key) is not None:
                 continue
             try:
@@ -374,6 +361,33 @@ class Agent:
                     continue
                 self.ledger.attach(alloc.key, handle)
         return True
+
+    def _release_unlisted(self, grace: float, asked: float) -> None:
+        """Release the bookings the last applied List (asked at `asked`) lacks, unless younger
+        than `grace` and not yet recorded by the kubelet."""
+        assert self.ledger is not None
+        now = time.time()
+        for alloc in self.ledger.containers():
+            if alloc.key in self.listing:
+                continue
+            if now - alloc.created >= grace or _recorded_before(alloc, asked):
+                # Too old to be an Allocate the kubelet has yet to record, or recorded
+                # before this List was asked: the kubelet has let it go.
+                logs.decision(
+                    log,
+                    "release",
+                    "releasing %s (%s): pod-resources no longer lists it",
+                    alloc.key,
+                    alloc.who(),
+                    container=alloc.key,
+                    resource=alloc.resource,
+                    gpus=",".join(alloc.gpus),
+                    request_bytes=alloc.request_bytes,
+                    namespace=alloc.namespace or "",
+                    pod=alloc.pod or "",
+                )
+                self.ledger.release(alloc.key)
+                self.metrics.forget(alloc.key)
 
     async def _reconcile_loop(self) -> None:
         while True:

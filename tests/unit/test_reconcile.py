@@ -27,29 +27,55 @@ class HeldLister:
         return await fut
 
 
-def test_an_older_list_answer_arriving_last_is_not_applied(tmp_path: Path) -> None:
+def test_an_older_list_answer_arriving_last_does_not_rebook_a_gone_pod(tmp_path: Path) -> None:
+    """The older answer still lists a pod the newer one no longer does: applied last, it
+    would book that pod's slices again (and bind the key to the old listing), holding
+    capacity for a pod that is gone."""
     cfg = Config(paths=PathsConfig(state_dir=str(tmp_path / "state"), kubelet_dir=str(tmp_path / "kubelet")))
 
-    async def scenario() -> tuple[str | None, str | None]:
+    async def scenario() -> list[str]:
         agent = Agent(cfg)
         agent.ledger = ledger = Ledger(cfg, make_inventory())
-        devs = ids(ledger, 0, MEMORY, range(2))
-        alloc = ledger.allocate(MEMORY, devs)
         lister = HeldLister()
         agent.pod_resources = lister  # type: ignore[assignment]
-        first = asyncio.create_task(agent.reconcile())  # asked while the old pod held the slices
+        first = asyncio.create_task(agent.reconcile())  # asked while the pod was there
         await asyncio.sleep(0)
-        second = asyncio.create_task(agent.reconcile())  # asked after the new pod got them
+        second = asyncio.create_task(agent.reconcile())  # asked after it was deleted
         await asyncio.sleep(0)
-        old, new = (ContainerDevices("ns", pod, "main", MEMORY, tuple(devs)) for pod in ("old", "new"))
-        lister.calls[1].set_result([new])
+        gone = ContainerDevices("ns", "gone", "main", MEMORY, tuple(ids(ledger, 0, MEMORY, range(2))))
+        lister.calls[1].set_result([])
         await second
-        lister.calls[0].set_result([old])
+        lister.calls[0].set_result([gone])
         await first
         await agent.dirs.close()
-        return ledger.get(alloc.key).pod, agent.listing[alloc.key].pod  # type: ignore[union-attr]
+        return [a.pod or "" for a in ledger.containers()]
 
-    assert asyncio.run(scenario()) == ("new", "new")
+    assert asyncio.run(scenario()) == []
+
+
+def test_allocate_grace_zero_release_uses_the_newer_answer(tmp_path: Path) -> None:
+    """Allocate asks with grace 0 to free the slices of a deleted pod the kubelet hands out
+    again; when its answer is superseded, the release still happens over the newer one."""
+    cfg = Config(paths=PathsConfig(state_dir=str(tmp_path / "state"), kubelet_dir=str(tmp_path / "kubelet")))
+
+    async def scenario() -> list[str]:
+        agent = Agent(cfg)
+        agent.ledger = ledger = Ledger(cfg, make_inventory())
+        ledger.allocate(MEMORY, ids(ledger, 0, MEMORY, range(2)))  # its pod was just deleted
+        lister = HeldLister()
+        agent.pod_resources = lister  # type: ignore[assignment]
+        mine = asyncio.create_task(agent.reconcile(grace=0.0))
+        await asyncio.sleep(0)
+        loop_pass = asyncio.create_task(agent.reconcile())  # the loop's, with its usual grace
+        await asyncio.sleep(0)
+        lister.calls[1].set_result([])
+        await loop_pass
+        lister.calls[0].set_result([])
+        assert await mine
+        await agent.dirs.close()
+        return [a.key for a in ledger.containers()]
+
+    assert asyncio.run(scenario()) == []
 
 
 class FixedLister:
