@@ -48,10 +48,17 @@ from gpufrac.agent.admission import reclaim_guarantee
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.config import Config
 from gpufrac.agent.events import container_ref
-from gpufrac.agent.peers import Caller, CgroupIdentity, PeerError, PeerLookup, read_cgroup
+from gpufrac.agent.peers import (
+    Caller,
+    CgroupIdentity,
+    PeerError,
+    PeerLookup,
+    in_container,
+    kill_and_wait,
+    read_cgroup,
+)
 from gpufrac.agent.resolvers import Chain, Holding, Need, build_chain
 from gpufrac.agent.units import format_bytes
-from gpufrac.agent.watchdog import kill_if_same
 from gpufrac.memguard import formats
 from gpufrac.memguard.formats import (
     FLAG_DISABLED,
@@ -734,14 +741,13 @@ class Arbiter:
     async def kill_container(self, alloc: ContainerAlloc) -> int:
         """SIGKILL every process of the container (host pids from its cgroup); returns the
         count once they are gone. A pid is signalled only while it is still in that
-        container, as the watchdog kills (kill_if_same: a pidfd pins it against pid reuse).
-        Their dead usage slots are reaped here, since no shim of that container may be left
-        to do it."""
-        targets = await asyncio.to_thread(self._pids_in_cgroups, alloc)
-        done = await asyncio.gather(
-            *(asyncio.to_thread(kill_if_same, pid, ident, self.peers.proc) for pid, ident in targets)
+        container (a pidfd pins it against pid reuse), all signalled, then waited for at once,
+        in one worker thread. Their dead usage slots are reaped here, since no shim of that
+        container may be left to do it."""
+        targets = dict(await asyncio.to_thread(self._pids_in_cgroups, alloc))
+        killed = await asyncio.to_thread(
+            kill_and_wait, list(targets), still_ours=lambda p: in_container(p, targets[p], self.peers.proc)
         )
-        killed = sum(done)
         if not await asyncio.to_thread(self.peers.pids_of, alloc):
             self._reap_all(alloc)
         await self._refresh_nvml()  # the victims' memory is free now: let the grant see it

@@ -171,6 +171,15 @@ def container_pids(pod_uid: str, container_id: str, proc: str = "/proc") -> list
     return scan_pids(lambda c: (c.pod_uid, c.container_id) == (pod_uid, container_id), proc)
 
 
+def in_container(pid: int, ident: CgroupIdentity, proc: str = "/proc") -> bool:
+    """Whether `pid` is (still) a process of the container `ident` names (its cgroup now)."""
+    try:
+        now = read_cgroup(pid, proc)
+    except PeerError:
+        return False
+    return now is not None and (now.pod_uid, now.container_id) == (ident.pod_uid, ident.container_id)
+
+
 def kill_and_wait(
     pids: Sequence[int], timeout: float = KILL_WAIT, still_ours: Callable[[int], bool] | None = None
 ) -> int:

@@ -46,7 +46,7 @@ from gpufrac.agent.events import (
 )
 from gpufrac.agent.inventory import NvmlError, query_gpus
 from gpufrac.agent.kube import ObjectRef
-from gpufrac.agent.peers import KILL_WAIT, CgroupIdentity, PeerError, kill_and_wait, read_cgroup
+from gpufrac.agent.peers import KILL_WAIT, CgroupIdentity, PeerError, in_container, kill_and_wait, read_cgroup
 from gpufrac.agent.units import format_bytes
 from gpufrac.memguard.formats import FLAG_WHOLE_GPU
 
@@ -127,14 +127,7 @@ def kill_if_same(
     """SIGKILL `pid` only if it is still the process of that container (a pidfd pins it
     against pid reuse between the check and the signal); wait for it to exit. Blocking."""
 
-    def same_container(p: int) -> bool:
-        try:
-            now = read_cgroup(p, proc_root)
-        except PeerError:
-            return False
-        return now is not None and (now.pod_uid, now.container_id) == (ident.pod_uid, ident.container_id)
-
-    return kill_and_wait([pid], timeout, still_ours=same_container) == 1
+    return kill_and_wait([pid], timeout, still_ours=lambda p: in_container(p, ident, proc_root)) == 1
 
 
 # -- the decision (pure) -------------------------------------------------------------------------

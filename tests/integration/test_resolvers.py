@@ -228,15 +228,15 @@ def test_an_eviction_cut_short_by_the_deadline_still_completes(
     high = node.add("high", 30, "60Gi", priority=1000, wait_timeout="2s")
     fill(node, low)
     gate = threading.Event()
-    real = arbiter_mod.kill_if_same
+    real = arbiter_mod.kill_and_wait
 
-    def slow_kill(*args: Any) -> bool:
+    def slow_kill(*args: Any, **kw: Any) -> int:
         try:
-            return bool(real(*args))
+            return int(real(*args, **kw))
         finally:
             gate.wait(60)  # killed, but the kill "returns" only once the requester gave up
 
-    monkeypatch.setattr(arbiter_mod, "kill_if_same", slow_kill)
+    monkeypatch.setattr(arbiter_mod, "kill_and_wait", slow_kill)
     wh = high.workload
     assert wh is not None and low.container is not None
     assert wh.do(f"alloc {30 * GiB}") == "fast"
