@@ -357,11 +357,13 @@ class Arbiter:
         return formats.BURST_DENIED, 0
 
     def _try_grant(self, need: Need, target: int) -> bool:
-        """A need's grant, unless a request ranks ahead of it on its GPU (it is granted once,
-        whoever tries)."""
+        """A need's grant, unless it asks for burst bytes while a request ranks ahead of it on
+        its GPU (it is granted once, whoever tries). No new bytes (a swap-in within its
+        guarantee) never queue: a guarantee never waits."""
+        asks_more = target > need.requester.config.grant_bytes
         if (
             not need.granted
-            and not self._ahead(need.gpu, need.order, need)
+            and not (asks_more and self._ahead(need.gpu, need.order, need))
             and self._grant(need.requester, target)
         ):
             need.granted = True

@@ -309,6 +309,33 @@ def test_a_swap_in_does_not_overtake_a_waiter_that_ranks_ahead(node: ArbiterNode
     assert a.workload.line() == "granted"
 
 
+def test_a_swap_in_within_its_guarantee_does_not_queue_behind_a_burst(node: ArbiterNode) -> None:
+    # As above, but v was swapped out holding no more than its 8 GiB request: what it asks
+    # back is guaranteed, and a guarantee never waits, whoever queues for a burst.
+    filler = node.add("filler", 30, "78Gi", priority=1000, preemptible=False)
+    a = node.add("a", 2, "20Gi", wait_timeout="120s")
+    v = node.add("v", 8, "8Gi", wait_timeout="1s")
+    for box in (filler, a, v):
+        assert box.workload is not None and box.workload.do(f"alloc {box.alloc.request_bytes}") == "fast"
+    free = node.on_loop(lambda: node.arbiter.grantable(filler.alloc))
+    assert filler.workload is not None and filler.workload.do(f"alloc {free - 4 * GiB}") == "granted"
+    assert a.workload is not None and v.container is not None
+    a.workload.send(f"alloc {8 * GiB}")
+    node.until(lambda: sum(len(w) for w in node.arbiter._waiters.values()) == 1, what="a waiting")
+    swap = node.arbiter.swap
+    assert swap is not None
+    swap.ckpt = NoopCheckpointer()  # type: ignore[assignment]
+    entry = swap_mod.Swapped(v.alloc, node.gpu, 2 * GiB, (v.container.proc.pid,), ())
+    node.on_loop(lambda: swap.swapped.__setitem__(v.alloc.key, entry))
+    try:
+        assert node.on_loop(lambda: swap.swap_in(v.alloc)) is True
+        assert not swap.is_swapped(v.alloc.key)
+    finally:
+        node.on_loop(lambda: swap.swapped.pop(v.alloc.key, None))
+    assert filler.workload.do(f"free {5 * GiB}") == "granted"
+    assert a.workload.line() == "granted"
+
+
 def test_a_new_container_on_a_swapped_out_ones_slices_is_not_taken_for_it(node: ArbiterNode) -> None:
     """Keys are the device set's: a container booked on the slices of one that went while
     swapped out (not yet pruned) has its key. It is not swapped: its usage counts as it is."""
