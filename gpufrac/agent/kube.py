@@ -131,6 +131,7 @@ class PodCache:
         self._request_timeout = request_timeout
         self._backoff = backoff
         self._pods: dict[tuple[str, str], PodInfo] = {}
+        self._deletions = 0  # pods the cache has dropped so far (fetch() checks it)
         self._by_uid: dict[str, tuple[str, str]] = {}
         self._listeners: list[PodListener] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -181,6 +182,7 @@ class PodCache:
             )
             return _decode(resp)
 
+        before, deletions = self.get(namespace, name), self._deletions
         try:
             raw = await asyncio.to_thread(get)
         except ApiException as e:
@@ -193,8 +195,11 @@ class PodCache:
             log.warning("GET pod %s/%s failed: %s", namespace, name, e)
             return None
         pod = PodInfo.from_dict(raw)
-        if pod.node_name == self.node_name:
-            self._apply("MODIFIED" if self.get(namespace, name) else "ADDED", pod)
+        # The watch may have moved on while the GET was in flight: a change it delivered
+        # meanwhile is at least as new, and a pod it deleted meanwhile must not come back.
+        changed = self.get(namespace, name) is not before or self._deletions != deletions
+        if pod.node_name == self.node_name and not changed:
+            self._apply("MODIFIED" if before else "ADDED", pod)
         return pod
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -327,6 +332,7 @@ class PodCache:
                 return
             del self._pods[key]
             self._by_uid.pop(old.uid, None)
+            self._deletions += 1
             self._notify("DELETED", old)
             return
         if old == pod:

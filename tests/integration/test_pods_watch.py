@@ -205,3 +205,37 @@ def test_a_watch_resumed_from_a_version_replays_what_changed_since(kube_server: 
     assert [(t, n) for t, n, _ in got] == [("ADDED", "new"), ("DELETED", "goes")]
     # The deletion carries the version it happened at, so resuming after it does not replay it.
     assert got[1][2] > got[0][2] > int(rv)
+
+
+def test_a_pod_deleted_while_fetched_does_not_come_back(kube_server: KubeServer) -> None:
+    """fetch() GETs a pod; the watch delivers its deletion before the answer is read. The
+    stale answer must not put the pod back in the cache (nothing would take it out again
+    until a relist)."""
+    v1 = kube_server.core_v1()
+    v1.create_namespaced_pod("ns1", pod_manifest("brief", node=NODE, namespace="ns1"))
+
+    async def scenario() -> None:
+        cache = PodCache(make_api_client(host=kube_server.url), NODE)
+        cache.start()
+        try:
+            assert await cache.wait_synced(30)
+            await until_async(lambda: cache.get("ns1", "brief") is not None, what="brief in the cache")
+            real = cache._v1.read_namespaced_pod
+            loop = asyncio.get_running_loop()
+
+            def get_then_lose_the_race(*args: object, **kw: object) -> object:
+                answer = real(*args, **kw)  # read before the deletion ...
+                v1.delete_namespaced_pod("brief", "ns1")
+                asyncio.run_coroutine_threadsafe(
+                    until_async(lambda: cache.get("ns1", "brief") is None, what="the DELETED event"), loop
+                ).result(30)
+                return answer  # ... and handed over after the watch saw it go
+
+            cache._v1.read_namespaced_pod = get_then_lose_the_race  # type: ignore[method-assign]
+            pod = await cache.fetch("ns1", "brief")
+            assert pod is not None and pod.name == "brief"  # the caller still gets what was read
+            assert cache.get("ns1", "brief") is None
+        finally:
+            await cache.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
