@@ -174,6 +174,10 @@ class _PodRecord:
     # container name -> resource -> allocation
     allocations: dict[str, dict[str, _Allocated]] = field(default_factory=dict)
     start_errors: dict[str, str] = field(default_factory=dict)
+    # Its pod-resources entry, built once per set of allocations: a Go kubelet answers List
+    # in microseconds, Python building ~10 messages a pod would tax every admission the
+    # bench times while the agent asks.
+    listed: tuple[int, pr.PodResources] | None = None
 
 
 class _Registration(pb_grpc.RegistrationServicer):
@@ -544,6 +548,12 @@ class KubeletEmulator:
     # -- what the kubelet knows ---------------------------------------------------------------------
 
     def _pod_resources(self, rec: _PodRecord) -> pr.PodResources:
+        n = sum(len(per) for per in rec.allocations.values())
+        if rec.listed is None or rec.listed[0] != n:
+            rec.listed = (n, self._build_pod_resources(rec))
+        return rec.listed[1]
+
+    def _build_pod_resources(self, rec: _PodRecord) -> pr.PodResources:
         out = pr.PodResources(name=rec.pod.name, namespace=rec.pod.namespace)
         for c in rec.pod.containers:
             cr = out.containers.add(name=c.name)
