@@ -133,6 +133,12 @@ PROC_CASES = [
     ("cuLaunchCooperativeKernel", 12000, 2, "cuLaunchCooperativeKernel_ptsz"),
     ("cuGraphLaunch", 12000, 0, "cuGraphLaunch"),
     ("cuGraphLaunch", 12000, 2, "cuGraphLaunch_ptsz"),
+    ("cuMemPoolTrimTo", 12000, 0, "cuMemPoolTrimTo"),
+    ("cuMemPoolDestroy", 12000, 0, "cuMemPoolDestroy"),
+    ("cuStreamSynchronize", 12000, 0, "cuStreamSynchronize"),
+    ("cuStreamSynchronize", 12000, 2, "cuStreamSynchronize_ptsz"),
+    ("cuEventSynchronize", 12000, 0, "cuEventSynchronize"),
+    ("cuCtxSynchronize", 12000, 0, "cuCtxSynchronize"),
 ]
 
 
@@ -145,18 +151,18 @@ def test_cu_get_proc_address_hands_out_the_right_hook(
     script: list[object] = []
     for name, ver, flags, want in PROC_CASES:
         script += ["getproc", name, ver, flags, want, "getproc1", name, ver, flags, want]
-    script += ["getproc", "cuCtxSynchronize", 12000, 0, "cuCtxSynchronize"]
+    script += ["getproc", "cuCtxGetDevice", 12000, 0, "cuCtxGetDevice"]
     lines = shim.ctest(container(), *script)
     results = by_cmd(lines, "getproc") + by_cmd(lines, "getproc1")
     assert len(results) == 2 * len(PROC_CASES) + 1
     assert all(ln.rc == 0 and ln.kv["match"] == "1" for ln in results), results
     hooked = [ln for ln in results if ln.kv["shim"] == "1"]
-    assert len(hooked) == 2 * len(PROC_CASES)  # all but cuCtxSynchronize
+    assert len(hooked) == 2 * len(PROC_CASES)  # all but cuCtxGetDevice
 
 
 def test_dlsym_on_the_driver_handle_returns_hooks(shim: Shim, container: Callable[..., Container]) -> None:
     names = sorted({want for *_, want in PROC_CASES})
-    script = [x for n in [*names, "cuCtxSynchronize"] for x in ("dlsym", n)]
+    script = [x for n in [*names, "cuCtxGetDevice"] for x in ("dlsym", n)]
     lines = by_cmd(shim.ctest(container(), *script), "dlsym")
     assert [ln.kv["shim"] for ln in lines] == ["1"] * len(names) + ["0"]
     assert all(ln.kv["found"] == "1" for ln in lines)

@@ -41,6 +41,11 @@
  * Fast path (within request + grant): atomic loads of the config under its
  * seqlock, one CAS on the total, relaxed atomics on the slot and one table
  * insert: no syscall, no getenv, no lock, no scan.
+ *
+ * Memory pools (cuMemAllocAsync & co.) also count what a pool keeps reserved
+ * after frees; see "stream-ordered allocation" below. Those calls take a
+ * process-local mutex (never one in a shared file) and read the pool's
+ * attributes through the driver.
  */
 #include <dlfcn.h>
 #include <errno.h>
@@ -107,6 +112,8 @@ typedef int CUdevice;
 typedef unsigned long long cuuint64_t;
 typedef unsigned long long CUmemGenericAllocationHandle;
 typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
+typedef struct CUctx_st *CUcontext;
 typedef struct CUfunc_st *CUfunction;
 typedef struct CUgraphExec_st *CUgraphExec;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
@@ -171,6 +178,13 @@ static const char *const g_lib_names[] = {"libcuda.so.1", "libnvidia-ml.so.1"};
     X(cuMemAllocFromPoolAsync_ptsz, "cuMemAllocFromPoolAsync", 11020, LIB_CUDA, 1) \
     X(cuMemFreeAsync, "cuMemFreeAsync", 11020, LIB_CUDA, 0)                    \
     X(cuMemFreeAsync_ptsz, "cuMemFreeAsync", 11020, LIB_CUDA, 1)               \
+    X(cuMemPoolTrimTo, "cuMemPoolTrimTo", 11020, LIB_CUDA, 0)                  \
+    X(cuMemPoolDestroy, "cuMemPoolDestroy", 11020, LIB_CUDA, 0)                \
+    X(cuStreamSynchronize, "cuStreamSynchronize", 2000, LIB_CUDA, 0)           \
+    X(cuStreamSynchronize_ptsz, "cuStreamSynchronize", 7000, LIB_CUDA, 1)      \
+    X(cuEventSynchronize, "cuEventSynchronize", 2000, LIB_CUDA, 0)             \
+    X(cuCtxSynchronize, "cuCtxSynchronize", 2000, LIB_CUDA, 0)                 \
+    X(cuCtxSynchronize_v2, "cuCtxSynchronize", 13000, LIB_CUDA, 0)             \
     X(cuMemFree, "cuMemFree", 2000, LIB_CUDA, 0)                               \
     X(cuMemFree_v2, "cuMemFree", 3020, LIB_CUDA, 0)                            \
     X(cuMemCreate, "cuMemCreate", 10020, LIB_CUDA, 0)                          \
@@ -425,6 +439,22 @@ static inline void *mg_real(int i) {
                                                                 : CUDA_ERROR_NOT_FOUND); \
     })
 
+/* Driver functions the shim calls for itself and does not hook (memory pools). */
+enum { P_cuMemPoolGetAttribute, P_cuPointerGetAttribute, P_cuCtxGetDevice, P_cuDeviceGetMemPool, P_COUNT };
+static const char *const g_plain_names[P_COUNT] = {"cuMemPoolGetAttribute", "cuPointerGetAttribute",
+                                                   "cuCtxGetDevice", "cuDeviceGetMemPool"};
+static void *_Atomic g_plain[P_COUNT];
+
+static void *mg_plain(int i) {
+    void *p = atomic_load_explicit(&g_plain[i], memory_order_acquire);
+    if (MG_LIKELY(p != NULL)) return p;
+    void *h = mg_lib(LIB_CUDA);
+    dlsym_fn real_dlsym = mg_real_dlsym();
+    p = h && real_dlsym ? real_dlsym(h, g_plain_names[i]) : NULL;
+    if (p) atomic_store_explicit(&g_plain[i], p, memory_order_release);
+    return p;
+}
+
 /* ------------------------------------------------------------------------ */
 /* Files and init.                                                           */
 
@@ -675,10 +705,13 @@ static inline mg_proc_slot_t *mg_slot(void) {
     return MG_LIKELY(s != NULL) ? s : mg_claim_slot();
 }
 
+static void mg_pools_reset(void);
+
 static void mg_atfork_child(void) {
     /* The child owns none of the parent's allocations (CUDA contexts do not
      * survive fork) and is another process: fresh slot, fresh tables. */
     pthread_mutex_init(&g_claim_mu, NULL);
+    mg_pools_reset();
     g_pid = (int32_t)getpid();
     g_start = 0;
     atomic_store(&g_slot, NULL);
@@ -947,6 +980,53 @@ static MG_COLD CUresult mg_refuse(mg_proc_slot_t *s) {
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
+/* This process's share of bytes already added to the total (and its peak). */
+static void mg_slot_add(mg_proc_slot_t *s, uint64_t bytes) {
+    uint64_t mine = atomic_fetch_add_explicit(&s->used_bytes, bytes, memory_order_relaxed) + bytes;
+    uint64_t peak = atomic_load_explicit(&s->peak_bytes, memory_order_relaxed);
+    while (mine > peak && !atomic_compare_exchange_weak_explicit(&s->peak_bytes, &peak, mine, memory_order_relaxed,
+                                                                 memory_order_relaxed)) {
+    }
+}
+
+/* Count bytes the driver already holds, limit or not (the truth is never
+ * left uncounted; a limit check comes before or right after, see mg_admit). */
+static void mg_force_charge(uint64_t bytes) {
+    mg_proc_slot_t *s = mg_slot();
+    if (!s || bytes == 0) return; /* no slot: this process has no allocation to count either */
+    uint64_t cur = atomic_load_explicit(&g_usage->total_used, memory_order_relaxed), next;
+    do {
+        next = cur + bytes < cur ? UINT64_MAX : cur + bytes;
+    } while (!atomic_compare_exchange_weak_explicit(&g_usage->total_used, &cur, next, memory_order_acq_rel,
+                                                    memory_order_relaxed));
+    mg_slot_add(s, bytes);
+}
+
+/* `bytes` were counted by force (the driver had already reserved them): may
+ * the container keep them? Yes within request + grant; past it, the arbiter
+ * decides as for any burst (the total already holds them); past the limit, no. */
+static MG_COLD int mg_admit(uint64_t bytes) {
+    mg_proc_slot_t *s = mg_slot();
+    if (!s) return 0;
+    int reaped = 0, asked = 0;
+    for (;;) {
+        mg_limits_t l;
+        if (mg_read_limits(&l) != 0 || (l.flags & MG_FLAG_DISABLED)) return 0;
+        if (l.flags & MG_FLAG_WHOLE_GPU) return 1;
+        uint64_t fast = l.request + l.grant;
+        if (fast > l.limit || fast < l.request) fast = l.limit;
+        uint64_t cur = atomic_load_explicit(&g_usage->total_used, memory_order_relaxed);
+        if (cur <= fast) return 1;
+        if (!reaped) {
+            reaped = 1;
+            if (mg_reap(1) > 0) continue;
+        }
+        if (cur > l.limit || asked) return 0;
+        asked = 1;
+        if (!mg_ask_arbiter(MG_BURST_OP_BURST, bytes, cur, &l)) return 0;
+    }
+}
+
 /* Count `bytes` for this process before the real allocation. */
 static CUresult mg_charge(uint64_t bytes) {
     mg_proc_slot_t *s = mg_slot();
@@ -967,12 +1047,7 @@ static CUresult mg_charge(uint64_t bytes) {
             if (want < cur) want = UINT64_MAX; /* overflow: certainly past the limit */
             if (want > fast) break;
             if (atomic_compare_exchange_weak_explicit(total, &cur, want, memory_order_acq_rel, memory_order_relaxed)) {
-                uint64_t mine = atomic_fetch_add_explicit(&s->used_bytes, bytes, memory_order_relaxed) + bytes;
-                uint64_t peak = atomic_load_explicit(&s->peak_bytes, memory_order_relaxed);
-                while (mine > peak && !atomic_compare_exchange_weak_explicit(&s->peak_bytes, &peak, mine,
-                                                                             memory_order_relaxed,
-                                                                             memory_order_relaxed)) {
-                }
+                mg_slot_add(s, bytes);
                 return CUDA_SUCCESS;
             }
         }
@@ -1156,32 +1231,425 @@ static CUresult mg_free_v1_adapter(CUdeviceptr p);
 PITCH_HOOK(cuMemAllocPitch_v2, CUdeviceptr, size_t, REAL(cuMemFree_v2))
 PITCH_HOOK(cuMemAllocPitch, CUdeviceptr_v1, unsigned int, mg_free_v1_adapter)
 
-/* --- stream-ordered allocation: counted when enqueued, uncounted when the
- * free is enqueued. What the pool keeps cached after a free is the driver's
- * reserve, not the container's allocation (cudaMallocAsync's design). --- */
+/* --- stream-ordered allocation: memory pools ---
+ *
+ * A pool reserves physical memory and hands allocations out of it. After
+ * cuMemFreeAsync the block stays reserved in the pool (NVML shows it used) until
+ * the pool gives it back: at a stream/event/context synchronize, down to its
+ * CU_MEMPOOL_ATTR_RELEASE_THRESHOLD (default 0; PyTorch's cudaMallocAsync
+ * backend sets UINT64_MAX, i.e. never), at cuMemPoolTrimTo, or when the pool is
+ * destroyed (with its last outstanding allocation). So per pool the container is
+ * charged for
+ *     its live allocations (per pointer, at their size, as for cuMemAlloc)
+ *   + its idle reservation = RESERVED_MEM_CURRENT - USED_MEM_CURRENT,
+ * the latter read from the driver after every call that can change it (alloc,
+ * free, trim, synchronize, destroy) and charged or uncharged by the difference
+ * from what was last counted (g_pool[], process-local: pools are per process).
+ *
+ * The limit is checked BEFORE a pool grows: an allocation first takes what the
+ * pool holds idle (already counted: no new charge), and charges only the rest
+ * through mg_charge (fast path, arbiter, or CUDA_ERROR_OUT_OF_MEMORY). If the
+ * pool could not serve it from the idle memory after all (fragmentation, or
+ * another pool than expected), the pool grew by more than was charged: the
+ * extra is counted at once (never under) and must pass mg_admit; if it does
+ * not, the allocation is freed, the pool trimmed back and the caller gets
+ * CUDA_ERROR_OUT_OF_MEMORY.
+ *
+ * Order, so a count is never below what the driver holds: idle is charged
+ * before a freed block's live bytes are uncharged. Races between threads can
+ * only over-count for a moment (until the next reconcile of that pool). Not
+ * counted: the rounding of each live allocation up to the pool's granularity
+ * (USED_MEM - sizes), as for every other allocation kind.
+ *
+ * g_pool_mu is a process-local mutex (a dead process takes it with it); it is
+ * held across the driver's pool calls (non-blocking) but never across a
+ * synchronize, an arbiter request or mg_charge.
+ */
 
-ALLOC_HOOK(cuMemAllocAsync, g_ptrs, dptr, bytesize, (CUdeviceptr * dptr, size_t bytesize, CUstream hStream),
-           dptr, bytesize, hStream)
-ALLOC_HOOK(cuMemAllocAsync_ptsz, g_ptrs, dptr, bytesize,
-           (CUdeviceptr * dptr, size_t bytesize, CUstream hStream), dptr, bytesize, hStream)
-ALLOC_HOOK(cuMemAllocFromPoolAsync, g_ptrs, dptr, bytesize,
-           (CUdeviceptr * dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream), dptr, bytesize, pool, hStream)
-ALLOC_HOOK(cuMemAllocFromPoolAsync_ptsz, g_ptrs, dptr, bytesize,
-           (CUdeviceptr * dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream), dptr, bytesize, pool, hStream)
+#define MG_POOL_SLOTS 512 /* pools one process may have counted at once (power of two) */
+#define CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT 5
+#define CU_MEMPOOL_ATTR_USED_MEM_CURRENT 7
+#define CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE 17
+
+typedef struct {
+    uint64_t key;  /* the CUmemoryPool; KEY_EMPTY, KEY_TOMB */
+    uint64_t idle; /* bytes counted for its idle reservation */
+    uint64_t live; /* this process's counted allocations from it */
+    int destroyed; /* cuMemPoolDestroy returned while allocations were live */
+    unsigned pos;  /* 1 + index in g_pool_active while idle > 0, else 0 */
+} mg_pool_t;
+
+static pthread_mutex_t g_pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static mg_pool_t g_pool[MG_POOL_SLOTS];
+static uint16_t g_pool_active[MG_POOL_SLOTS]; /* pools with idle > 0: what a synchronize may shrink */
+static _Atomic unsigned g_pool_nactive;
+static _Atomic int g_warned_pools;
+
+typedef CUresult (*mg_pool_attr_fn)(CUmemoryPool, int, void *);
+typedef CUresult (*mg_ptr_attr_fn)(void *, int, CUdeviceptr);
+typedef CUresult (*mg_ctx_dev_fn)(CUdevice *);
+typedef CUresult (*mg_dev_pool_fn)(CUmemoryPool *, CUdevice);
+
+static void mg_pools_reset(void) {
+    pthread_mutex_init(&g_pool_mu, NULL);
+    memset(g_pool, 0, sizeof g_pool);
+    atomic_store(&g_pool_nactive, 0);
+}
+
+static inline unsigned mg_pool_hash(uint64_t key) {
+    return (unsigned)((key * 0x9E3779B97F4A7C15ull) >> 40) & (MG_POOL_SLOTS - 1);
+}
+
+/* The pool's record (created if asked), or NULL. Callers hold g_pool_mu. */
+static mg_pool_t *mg_pool_find(uint64_t key, int create) {
+    if (key == KEY_EMPTY || key == KEY_TOMB) return NULL;
+    mg_pool_t *free_slot = NULL;
+    unsigned h = mg_pool_hash(key);
+    for (unsigned n = 0; n < MG_POOL_SLOTS; n++, h = (h + 1) & (MG_POOL_SLOTS - 1)) {
+        mg_pool_t *p = &g_pool[h];
+        if (p->key == key) return p;
+        if (p->key == KEY_TOMB && !free_slot) free_slot = p;
+        if (p->key == KEY_EMPTY) {
+            if (!free_slot) free_slot = p;
+            break;
+        }
+    }
+    if (!create || !free_slot) return NULL;
+    *free_slot = (mg_pool_t){.key = key};
+    return free_slot;
+}
+
+static void mg_pool_set_idle(mg_pool_t *p, uint64_t idle) {
+    unsigned n = atomic_load_explicit(&g_pool_nactive, memory_order_relaxed);
+    if (idle && !p->pos) {
+        g_pool_active[n] = (uint16_t)(p - g_pool);
+        p->pos = ++n;
+    } else if (!idle && p->pos) {
+        unsigned last = g_pool_active[--n];
+        g_pool_active[p->pos - 1] = (uint16_t)last;
+        g_pool[last].pos = p->pos;
+        p->pos = 0;
+    }
+    p->idle = idle;
+    atomic_store_explicit(&g_pool_nactive, n, memory_order_release);
+}
+
+/* Drop the record (its idle already uncounted). */
+static void mg_pool_remove(mg_pool_t *p) {
+    mg_pool_set_idle(p, 0);
+    p->key = KEY_TOMB;
+    unsigned i = (unsigned)(p - g_pool);
+    if (g_pool[(i + 1) & (MG_POOL_SLOTS - 1)].key != KEY_EMPTY) return;
+    while (g_pool[i].key == KEY_TOMB) { /* the end of a probe run: tombstones there are dead weight */
+        g_pool[i].key = KEY_EMPTY;
+        i = (i - 1) & (MG_POOL_SLOTS - 1);
+    }
+}
+
+static int mg_pool_read(uint64_t pool, uint64_t *reserved, uint64_t *used) {
+    mg_pool_attr_fn get = (mg_pool_attr_fn)mg_plain(P_cuMemPoolGetAttribute);
+    cuuint64_t r = 0, u = 0;
+    if (!get || get((CUmemoryPool)(uintptr_t)pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &r) != CUDA_SUCCESS ||
+        get((CUmemoryPool)(uintptr_t)pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &u) != CUDA_SUCCESS)
+        return -1;
+    *reserved = r;
+    if (used) *used = u;
+    return 0;
+}
+
+/* Count the pool's idle reservation as the driver reports it now. Returns the
+ * bytes charged by force (0 if it shrank or stayed). Callers hold g_pool_mu. */
+static uint64_t mg_pool_reconcile(mg_pool_t *p) {
+    uint64_t r, u;
+    if (p->destroyed || mg_pool_read(p->key, &r, &u) != 0) return 0; /* cannot tell: keep what is counted */
+    uint64_t truth = r > u ? r - u : 0, grew = 0;
+    if (truth > p->idle)
+        mg_force_charge(grew = truth - p->idle);
+    else
+        mg_uncharge(p->idle - truth);
+    mg_pool_set_idle(p, truth);
+    return grew;
+}
+
+/* After a synchronize: pools release what they hold above their threshold. */
+static void mg_pools_synced(void) {
+    if (MG_LIKELY(atomic_load_explicit(&g_pool_nactive, memory_order_acquire) == 0)) return;
+    pthread_mutex_lock(&g_pool_mu);
+    /* Backwards: a pool leaving the list is replaced by the last one, already seen. */
+    for (unsigned i = atomic_load_explicit(&g_pool_nactive, memory_order_relaxed); i-- > 0;)
+        if (i < atomic_load_explicit(&g_pool_nactive, memory_order_relaxed))
+            mg_pool_reconcile(&g_pool[g_pool_active[i]]);
+    pthread_mutex_unlock(&g_pool_mu);
+    mg_maybe_return_grant();
+}
+
+/* The pool cuMemAllocAsync will use: the current pool of the calling thread's device. */
+static uint64_t mg_current_pool(void) {
+    mg_ctx_dev_fn ctx_dev = (mg_ctx_dev_fn)mg_plain(P_cuCtxGetDevice);
+    mg_dev_pool_fn dev_pool = (mg_dev_pool_fn)mg_plain(P_cuDeviceGetMemPool);
+    CUdevice dev;
+    CUmemoryPool pool = NULL;
+    if (!ctx_dev || !dev_pool || ctx_dev(&dev) != CUDA_SUCCESS || dev_pool(&pool, dev) != CUDA_SUCCESS) return 0;
+    return (uint64_t)(uintptr_t)pool;
+}
+
+enum { PA_ASYNC, PA_ASYNC_PTSZ, PA_POOL, PA_POOL_PTSZ };
+
+/* Hooks defined further down whose real functions are called from here. */
+HOOK CUresult mg_h_cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
+HOOK CUresult mg_h_cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
+HOOK CUresult mg_h_cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream);
+HOOK CUresult mg_h_cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+                                                CUstream hStream);
+HOOK CUresult mg_h_cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream);
+HOOK CUresult mg_h_cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream);
+HOOK CUresult mg_h_cuStreamSynchronize(CUstream hStream);
+HOOK CUresult mg_h_cuStreamSynchronize_ptsz(CUstream hStream);
+HOOK CUresult mg_h_cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep);
+
+static CUresult mg_pool_real_alloc(int how, CUdeviceptr *d, size_t n, CUmemoryPool pool, CUstream s) {
+    switch (how) {
+    case PA_ASYNC: return CALL_REAL(cuMemAllocAsync, d, n, s);
+    case PA_ASYNC_PTSZ: return CALL_REAL(cuMemAllocAsync_ptsz, d, n, s);
+    case PA_POOL: return CALL_REAL(cuMemAllocFromPoolAsync, d, n, pool, s);
+    default: return CALL_REAL(cuMemAllocFromPoolAsync_ptsz, d, n, pool, s);
+    }
+}
+
+/* Give back `take` bytes an allocation borrowed from the pool's idle count. */
+static void mg_pool_untake(uint64_t pool, uint64_t take) {
+    if (!take) return;
+    pthread_mutex_lock(&g_pool_mu);
+    mg_pool_t *p = mg_pool_find(pool, 0);
+    if (p) {
+        mg_pool_set_idle(p, p->idle + take);
+        mg_pool_reconcile(p);
+    } else {
+        mg_uncharge(take);
+    }
+    pthread_mutex_unlock(&g_pool_mu);
+}
+
+/* A counted pool allocation went away (freed, or undone). Callers hold g_pool_mu. */
+static void mg_pool_dropped(uint64_t pool) {
+    mg_pool_t *p = mg_pool_find(pool, 0);
+    if (!p) return;
+    if (p->live) p->live--;
+    if (!p->destroyed) {
+        mg_pool_reconcile(p);
+    } else if (p->live == 0) { /* the destroyed pool's last allocation: the driver frees the pool now */
+        mg_uncharge(p->idle);
+        mg_pool_remove(p);
+    }
+}
+
+/* The driver granted more than was checked against the limit and the
+ * container may not keep it: free the allocation, let the pool release what
+ * it grew by (down to `keep`), and refuse. */
+static MG_COLD CUresult mg_pool_undo(int how, CUdeviceptr d, CUstream hs, uint64_t pool, uint64_t n, uint64_t keep,
+                                     int can_trim) {
+    uint64_t bytes = 0, aux = 0;
+    int mine = mg_tab_take(&g_ptrs, d, &bytes, &aux);
+    CUresult rc = how == PA_ASYNC_PTSZ || how == PA_POOL_PTSZ ? CALL_REAL(cuMemFreeAsync_ptsz, d, hs)
+                                                              : CALL_REAL(cuMemFreeAsync, d, hs);
+    if (rc == CUDA_SUCCESS) { /* the freed block must be seen completed before the pool may release it */
+        if (how == PA_ASYNC_PTSZ || how == PA_POOL_PTSZ)
+            (void)CALL_REAL(cuStreamSynchronize_ptsz, hs);
+        else
+            (void)CALL_REAL(cuStreamSynchronize, hs);
+    }
+    pthread_mutex_lock(&g_pool_mu);
+    if (rc == CUDA_SUCCESS && can_trim) (void)CALL_REAL(cuMemPoolTrimTo, (CUmemoryPool)(uintptr_t)pool, keep);
+    if (rc == CUDA_SUCCESS && mine) mg_pool_dropped(aux);
+    pthread_mutex_unlock(&g_pool_mu);
+    if (rc == CUDA_SUCCESS) {
+        mg_pools_synced(); /* the synchronize released other pools' memory too */
+        mg_uncharge(mine ? bytes : n);
+    } else if (mine) {
+        mg_tab_put(&g_ptrs, d, bytes, aux); /* still allocated: still counted */
+    } /* else: still allocated and never recorded: stays counted (never under) */
+    return mg_refuse(atomic_load_explicit(&g_slot, memory_order_acquire));
+}
+
+static CUresult mg_pool_alloc(int how, CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream hs) {
+    if (!mg_on()) return mg_refusing() ? CUDA_ERROR_OUT_OF_MEMORY : mg_pool_real_alloc(how, dptr, size, pool, hs);
+    if (!dptr || size == 0) return mg_pool_real_alloc(how, dptr, size, pool, hs); /* refused, nothing to count */
+    uint64_t n = size;
+    uint64_t want_pool = how == PA_POOL || how == PA_POOL_PTSZ ? (uint64_t)(uintptr_t)pool : mg_current_pool();
+
+    /* 1. What the pool holds idle serves first: those bytes are counted already. */
+    uint64_t take = 0;
+    pthread_mutex_lock(&g_pool_mu);
+    mg_pool_t *p = mg_pool_find(want_pool, 0);
+    if (p && !p->destroyed && p->idle) {
+        mg_pool_reconcile(p);
+        take = p->idle < n ? p->idle : n;
+        mg_pool_set_idle(p, p->idle - take);
+    }
+    pthread_mutex_unlock(&g_pool_mu);
+
+    /* 2. The rest against the limit: fast path, the arbiter, or a refusal. */
+    CUresult rc = mg_charge(n - take);
+    if (rc != CUDA_SUCCESS) {
+        mg_pool_untake(want_pool, take);
+        return rc;
+    }
+
+    /* 3. The driver call, with the pool's reservation before and after. */
+    uint64_t r0 = 0, r1 = 0, extra = 0, got = want_pool;
+    int have_r0 = 0, reclaimed = 0;
+    for (;;) {
+        pthread_mutex_lock(&g_pool_mu);
+        have_r0 = want_pool && mg_pool_read(want_pool, &r0, NULL) == 0;
+        rc = mg_pool_real_alloc(how, dptr, size, pool, hs);
+        if (rc == CUDA_SUCCESS) break; /* still holding g_pool_mu */
+        pthread_mutex_unlock(&g_pool_mu);
+        if (rc != CUDA_ERROR_OUT_OF_MEMORY || reclaimed || !mg_reclaim(rc, n)) {
+            mg_pool_untake(want_pool, take);
+            mg_uncharge(n - take);
+            return rc;
+        }
+        reclaimed = 1;
+    }
+    uint64_t d = *dptr;
+    if (how == PA_ASYNC || how == PA_ASYNC_PTSZ) { /* which pool it really came from */
+        mg_ptr_attr_fn attr = (mg_ptr_attr_fn)mg_plain(P_cuPointerGetAttribute);
+        void *h = NULL;
+        if (attr && attr(&h, CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, d) == CUDA_SUCCESS && h) got = (uint64_t)(uintptr_t)h;
+    }
+    if (got != want_pool) {
+        /* Another pool than the one that lent its idle bytes: they go back to
+         * it, this allocation is counted in full, and all of it needs admission. */
+        mg_pool_t *lender = mg_pool_find(want_pool, 0);
+        if (lender && take) mg_pool_set_idle(lender, lender->idle + take);
+        else mg_uncharge(take);
+        if (lender) mg_pool_reconcile(lender);
+        mg_force_charge(take);
+        extra = n;
+    } else if (have_r0 && mg_pool_read(got, &r1, NULL) == 0 && r1 > r0 && r1 - r0 > n - take) {
+        extra = r1 - r0 - (n - take); /* the pool grew by more than was checked */
+    }
+    mg_pool_t *rec = mg_pool_find(got, 1);
+    if (rec && rec->destroyed) rec->destroyed = 0; /* the handle of a destroyed pool came back: a new pool */
+    int put = rec && mg_tab_put(&g_ptrs, d, n, got) == 0;
+    if (put) rec->live++;
+    uint64_t forced = rec ? mg_pool_reconcile(rec) : 0;
+    if (forced > extra) extra = forced;
+    pthread_mutex_unlock(&g_pool_mu);
+    if (!rec) {
+        MG_WARN_ONCE(g_warned_pools, "more than %d memory pools: refusing allocations from more", MG_POOL_SLOTS);
+        *dptr = 0;
+        return mg_pool_undo(how, d, hs, got, n, 0, 0);
+    }
+    if (!put)
+        MG_WARN_ONCE(g_warned_track,
+                     "allocation table full (MEMGUARD_TRACK_BITS): some memory stays counted after free");
+
+    /* 4. Whatever the pool grew by beyond the check must still fit. */
+    if (MG_UNLIKELY(extra) && !mg_admit(extra)) {
+        *dptr = 0;
+        return mg_pool_undo(how, d, hs, got, n, r0, have_r0 && got == want_pool);
+    }
+    return CUDA_SUCCESS;
+}
+
+HOOK CUresult mg_h_cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) {
+    return mg_pool_alloc(PA_ASYNC, dptr, bytesize, NULL, hStream);
+}
+HOOK CUresult mg_h_cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) {
+    return mg_pool_alloc(PA_ASYNC_PTSZ, dptr, bytesize, NULL, hStream);
+}
+HOOK CUresult mg_h_cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream) {
+    return mg_pool_alloc(PA_POOL, dptr, bytesize, pool, hStream);
+}
+HOOK CUresult mg_h_cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+                                                CUstream hStream) {
+    return mg_pool_alloc(PA_POOL_PTSZ, dptr, bytesize, pool, hStream);
+}
+
+/* A pool allocation was freed (any free entry point): its pool now holds the
+ * block idle (counted first), then its live bytes go. */
+static void mg_pool_freed(CUresult rc, uint64_t key, uint64_t bytes, uint64_t pool) {
+    if (rc != CUDA_SUCCESS) {
+        mg_tab_put(&g_ptrs, key, bytes, pool);
+        return;
+    }
+    pthread_mutex_lock(&g_pool_mu);
+    mg_pool_dropped(pool);
+    pthread_mutex_unlock(&g_pool_mu);
+    mg_uncharge(bytes);
+    mg_maybe_return_grant();
+}
+
+HOOK CUresult mg_h_cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep) {
+    CUresult rc = CALL_REAL(cuMemPoolTrimTo, pool, minBytesToKeep);
+    if (rc != CUDA_SUCCESS || !mg_on()) return rc;
+    pthread_mutex_lock(&g_pool_mu);
+    mg_pool_t *p = mg_pool_find((uint64_t)(uintptr_t)pool, 0);
+    if (p) mg_pool_reconcile(p);
+    pthread_mutex_unlock(&g_pool_mu);
+    mg_maybe_return_grant();
+    return rc;
+}
+
+/* The driver frees a destroyed pool's memory at once if nothing allocated from
+ * it is outstanding, else with the last outstanding allocation: its idle stays
+ * counted until then (the driver's reservation cannot be read any more). */
+HOOK CUresult mg_h_cuMemPoolDestroy(CUmemoryPool pool) {
+    if (!mg_on()) return CALL_REAL(cuMemPoolDestroy, pool);
+    uint64_t freed = 0;
+    pthread_mutex_lock(&g_pool_mu);
+    CUresult rc = CALL_REAL(cuMemPoolDestroy, pool);
+    mg_pool_t *p = rc == CUDA_SUCCESS ? mg_pool_find((uint64_t)(uintptr_t)pool, 0) : NULL;
+    if (p && p->live == 0) {
+        freed = p->idle;
+        mg_pool_remove(p);
+    } else if (p) {
+        p->destroyed = 1;
+    }
+    pthread_mutex_unlock(&g_pool_mu);
+    if (freed) {
+        mg_uncharge(freed);
+        mg_maybe_return_grant();
+    }
+    return rc;
+}
+
+/* Synchronize points: where pools release memory above their threshold. */
+#define SYNC_HOOK(sym, params, ...)                  \
+    HOOK CUresult mg_h_##sym params {                \
+        CUresult rc = CALL_REAL(sym, __VA_ARGS__);   \
+        if (mg_on()) mg_pools_synced();              \
+        return rc;                                   \
+    }
+
+SYNC_HOOK(cuStreamSynchronize, (CUstream hStream), hStream)
+SYNC_HOOK(cuStreamSynchronize_ptsz, (CUstream hStream), hStream)
+SYNC_HOOK(cuEventSynchronize, (CUevent hEvent), hEvent)
+HOOK CUresult mg_h_cuCtxSynchronize(void) {
+    CUresult rc = CALL_REAL(cuCtxSynchronize);
+    if (mg_on()) mg_pools_synced();
+    return rc;
+}
+SYNC_HOOK(cuCtxSynchronize_v2, (CUcontext ctx), ctx)
 
 /* --- frees --- */
 
 /* Take the size out of the table before the real free (another thread's
  * allocation may get the same address right after it); put it back if the
- * driver refuses the free. */
-#define FREE_HOOK(sym, tab, key, params, ...)                 \
-    HOOK CUresult mg_h_##sym params {                         \
-        if (!mg_on()) return CALL_REAL(sym, __VA_ARGS__);     \
-        uint64_t bytes = 0, key_ = (uint64_t)(key);           \
-        int found = mg_tab_take(&(tab), key_, &bytes, NULL);  \
-        CUresult rc = CALL_REAL(sym, __VA_ARGS__);            \
-        mg_freed(&(tab), rc, key_, found, bytes);             \
-        return rc;                                            \
+ * driver refuses the free. Pool allocations (any free entry point may free
+ * them) leave their block idle in the pool: see mg_pool_freed. */
+#define FREE_HOOK(sym, tab, key, params, ...)                       \
+    HOOK CUresult mg_h_##sym params {                               \
+        if (!mg_on()) return CALL_REAL(sym, __VA_ARGS__);           \
+        uint64_t bytes = 0, aux = 0, key_ = (uint64_t)(key);        \
+        int found = mg_tab_take(&(tab), key_, &bytes, &aux);        \
+        CUresult rc = CALL_REAL(sym, __VA_ARGS__);                  \
+        if (found && aux > 1) /* a pool allocation (aux: its pool) */ \
+            mg_pool_freed(rc, key_, bytes, aux);                    \
+        else                                                        \
+            mg_freed(&(tab), rc, key_, found, bytes);               \
+        return rc;                                                  \
     }
 
 FREE_HOOK(cuMemFree_v2, g_ptrs, dptr, (CUdeviceptr dptr), dptr)

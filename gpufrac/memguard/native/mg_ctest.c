@@ -27,9 +27,22 @@
  *                                               (a new image: same pid, no destructors)
  *   stress THREADS ITERS MAXBYTES SEED       -> threads allocating/freeing at random
  *   loop N BYTES                             -> N alloc+free pairs (kill target)
+ *   pstress THREADS ITERS MAXBYTES SEED      -> threads allocating/freeing from two new pools
+ *                                               (threshold UINT64_MAX and 0) and the default
+ *                                               pool, synchronizing and trimming at random; then
+ *                                               counted (usage total) vs truth (the pools'
+ *                                               reserved - used), then trims and destroys them
  *   getproc NAME VER FLAGS WANT | getproc1 ... -> cuGetProcAddress_v2 / legacy: is the
  *                                               answer the export WANT, and memguard's?
  *   dlsym NAME                               -> dlsym on a libcuda handle: memguard's?
+ *   defpool | mkpool THRESHOLD               -> push the device's default pool / a new pool
+ *                                               (cuMemPoolCreate) with that release threshold
+ *   thresh T                                 -> set the top pool's release threshold
+ *   palloc N                                 -> cuMemAllocFromPoolAsync from the top pool
+ *   afree                                    -> pop and cuMemFreeAsync the last pointer, no sync
+ *   trim N | rmpool                          -> cuMemPoolTrimTo / cuMemPoolDestroy (pops) the top pool
+ *   poolinfo                                 -> the top pool's reserved and used bytes
+ *   ssync | esync                            -> cuStreamSynchronize / cuEventSynchronize (NULL stream)
  *   used                                     -> the container's usage file: total, this
  *                                               process's bytes and launches
  *   maps                                     -> which builds this process runs: the paths of
@@ -69,6 +82,14 @@ CUresult cuMemFree_v2(CUdeviceptr);
 CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
 CUresult cuMemFreeAsync_ptsz(CUdeviceptr, CUstream);
 CUresult cuStreamSynchronize(CUstream);
+CUresult cuEventCreate(CUevent *, unsigned int);
+CUresult cuEventRecord(CUevent, CUstream);
+CUresult cuEventSynchronize(CUevent);
+CUresult cuMemPoolCreate(CUmemoryPool *, const CUmemPoolProps *);
+CUresult cuMemPoolDestroy(CUmemoryPool);
+CUresult cuMemPoolTrimTo(CUmemoryPool, size_t);
+CUresult cuMemPoolSetAttribute(CUmemoryPool, int, void *);
+CUresult cuMemPoolGetAttribute(CUmemoryPool, int, void *);
 CUresult cuMemCreate(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
 CUresult cuMemRelease(CUmemGenericAllocationHandle);
 CUresult cuMemAddressReserve(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
@@ -122,7 +143,18 @@ static CUdeviceptr mapped_va[MAXP];
 static size_t mapped_size[MAXP];
 static int nmapped;
 
+static CUmemoryPool pools[MAXP];
+static int npools;
+
 static unsigned long long num(const char *s) { return strtoull(s, NULL, 0); }
+
+static CUmemoryPool top_pool(void) { return npools ? pools[npools - 1] : NULL; }
+
+/* CU_MEMPOOL_ATTR_RELEASE_THRESHOLD of the top pool. */
+static CUresult set_threshold(unsigned long long t) {
+    cuuint64_t v = t;
+    return cuMemPoolSetAttribute(top_pool(), 4 /* RELEASE_THRESHOLD */, &v);
+}
 
 /* The usage file as the shim keeps it (read-only here). */
 static void print_usage(void) {
@@ -258,6 +290,106 @@ static void *stress_thread(void *p) {
     return NULL;
 }
 
+typedef struct {
+    unsigned iters, seed;
+    unsigned long long maxbytes;
+    CUmemoryPool pools[3];
+    unsigned long ok, oom, other;
+} pstress_arg_t;
+
+static void *pstress_thread(void *p) {
+    pstress_arg_t *a = p;
+    CUdeviceptr mine[32];
+    int n = 0;
+    unsigned s = a->seed;
+    unsigned long long gran = 2ull << 20, units = a->maxbytes / gran ? a->maxbytes / gran : 1;
+    cuCtxSetCurrent(ctx);
+    for (unsigned i = 0; i < a->iters; i++) {
+        s = s * 1103515245u + 12345u;
+        unsigned r = s >> 8;
+        CUresult rc = 0;
+        if (r % 16 == 0) rc = cuStreamSynchronize(NULL);
+        else if (r % 32 == 1) rc = cuCtxSynchronize();
+        else if (r % 64 == 2) rc = cuMemPoolTrimTo(a->pools[r % 2], 0);
+        if (rc) a->other++;
+        if (n == 32 || (n > 0 && (r >> 6) % 2)) {
+            int k = (int)((r >> 7) % (unsigned)n);
+            rc = (r >> 12) % 4 ? cuMemFreeAsync(mine[k], NULL) : cuMemFree_v2(mine[k]);
+            if (rc) a->other++;
+            mine[k] = mine[--n];
+            continue;
+        }
+        size_t bytes = (size_t)(gran * (1 + (r >> 9) % units)); /* whole granules: no rounding slop */
+        CUdeviceptr d;
+        unsigned which = (r >> 13) % 3;
+        rc = which == 2 ? cuMemAllocAsync(&d, bytes, NULL) : cuMemAllocFromPoolAsync(&d, bytes, a->pools[which], NULL);
+        if (rc == 0) {
+            mine[n++] = d;
+            a->ok++;
+        } else if (rc == 2) {
+            a->oom++;
+        } else {
+            a->other++;
+        }
+    }
+    while (n) cuMemFreeAsync(mine[--n], NULL);
+    return NULL;
+}
+
+static unsigned long long usage_total(void) {
+    const char *dir = getenv("GPUFRAC_CONTAINER_DIR");
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", dir ? dir : MG_DEFAULT_DIR, MG_USAGE_FILE);
+    int fd = open(path, O_RDONLY);
+    void *p = fd < 0 ? MAP_FAILED : mmap(NULL, sizeof(mg_usage_t), PROT_READ, MAP_SHARED, fd, 0);
+    if (fd >= 0) close(fd);
+    if (p == MAP_FAILED) return ~0ull;
+    unsigned long long t = atomic_load(&((mg_usage_t *)p)->total_used);
+    munmap(p, sizeof(mg_usage_t));
+    return t;
+}
+
+static void pstress(unsigned nt, unsigned iters, unsigned long long maxbytes, unsigned seed) {
+    pstress_arg_t args[64];
+    pthread_t th[64];
+    CUmemoryPool created[2] = {NULL, NULL}, def = NULL;
+    CUmemPoolProps props;
+    memset(&props, 0, sizeof props);
+    props.allocType = 1, props.location.type = 1, props.location.id = dev;
+    CUresult rc = cuMemPoolCreate(&created[0], &props);
+    if (!rc) rc = cuMemPoolCreate(&created[1], &props);
+    if (!rc) rc = cuDeviceGetDefaultMemPool(&def, dev);
+    cuuint64_t keep = ~0ull;
+    if (!rc) rc = cuMemPoolSetAttribute(created[0], 4, &keep);
+    if (rc) {
+        printf("pstress %d\n", rc);
+        return;
+    }
+    if (nt < 1) nt = 1;
+    if (nt > 64) nt = 64;
+    for (unsigned t = 0; t < nt; t++) {
+        args[t] = (pstress_arg_t){iters, seed * 977u + t, maxbytes, {created[0], created[1], def}, 0, 0, 0};
+        pthread_create(&th[t], NULL, pstress_thread, &args[t]);
+    }
+    unsigned long ok = 0, oom = 0, other = 0;
+    for (unsigned t = 0; t < nt; t++) {
+        pthread_join(th[t], NULL);
+        ok += args[t].ok, oom += args[t].oom, other += args[t].other;
+    }
+    CUmemoryPool all[3] = {created[0], created[1], def};
+    unsigned long long truth = 0;
+    for (int k = 0; k < 3; k++) {
+        cuuint64_t reserved = 0, inuse = 0;
+        if (cuMemPoolGetAttribute(all[k], 5, &reserved) || cuMemPoolGetAttribute(all[k], 7, &inuse)) other++;
+        truth += reserved - inuse;
+    }
+    unsigned long long counted = usage_total();
+    for (int k = 0; k < 3; k++)
+        if (cuMemPoolTrimTo(all[k], 0)) other++;
+    if (cuCtxSynchronize() || cuMemPoolDestroy(created[0]) || cuMemPoolDestroy(created[1])) other++;
+    printf("pstress 0 ok=%lu oom=%lu other=%lu counted=%llu truth=%llu\n", ok, oom, other, counted, truth);
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     CUresult rc = cuInit(0);
@@ -295,6 +427,50 @@ int main(int argc, char **argv) {
                 rc = c[4] ? cuMemAllocFromPoolAsync_ptsz(&d, num(a1), pool, NULL)
                           : cuMemAllocFromPoolAsync(&d, num(a1), pool, NULL);
             push(rc, d, c), i++;
+        } else if (!strcmp(c, "defpool")) {
+            CUmemoryPool pool = NULL;
+            rc = cuDeviceGetDefaultMemPool(&pool, dev);
+            if (rc == 0 && npools < MAXP) pools[npools++] = pool;
+            printf("defpool %d\n", rc);
+        } else if (!strcmp(c, "mkpool")) {
+            CUmemPoolProps props;
+            CUmemoryPool pool = NULL;
+            memset(&props, 0, sizeof props);
+            props.allocType = 1;     /* CU_MEM_ALLOCATION_TYPE_PINNED */
+            props.location.type = 1; /* CU_MEM_LOCATION_TYPE_DEVICE */
+            props.location.id = dev;
+            rc = cuMemPoolCreate(&pool, &props);
+            if (rc == 0 && npools < MAXP) pools[npools++] = pool;
+            if (rc == 0) rc = set_threshold(num(a1));
+            printf("mkpool %d\n", rc), i++;
+        } else if (!strcmp(c, "thresh")) {
+            printf("thresh %d\n", set_threshold(num(a1))), i++;
+        } else if (!strcmp(c, "palloc")) {
+            rc = cuMemAllocFromPoolAsync(&d, num(a1), top_pool(), NULL);
+            push(rc, d, c), i++;
+        } else if (!strcmp(c, "afree")) {
+            last_freed = pop();
+            printf("afree %d\n", cuMemFreeAsync(last_freed, NULL));
+        } else if (!strcmp(c, "trim")) {
+            printf("trim %d\n", cuMemPoolTrimTo(top_pool(), num(a1))), i++;
+        } else if (!strcmp(c, "rmpool")) {
+            rc = cuMemPoolDestroy(top_pool());
+            if (rc == 0) npools--;
+            printf("rmpool %d\n", rc);
+        } else if (!strcmp(c, "poolinfo")) {
+            cuuint64_t reserved = 0, inuse = 0;
+            rc = cuMemPoolGetAttribute(top_pool(), 5 /* RESERVED_MEM_CURRENT */, &reserved);
+            if (rc == 0) rc = cuMemPoolGetAttribute(top_pool(), 7 /* USED_MEM_CURRENT */, &inuse);
+            printf("poolinfo %d reserved=%llu used=%llu\n", rc, (unsigned long long)reserved,
+                   (unsigned long long)inuse);
+        } else if (!strcmp(c, "ssync")) {
+            printf("ssync %d\n", cuStreamSynchronize(NULL));
+        } else if (!strcmp(c, "esync")) {
+            CUevent ev = NULL;
+            rc = cuEventCreate(&ev, 0);
+            if (rc == 0) rc = cuEventRecord(ev, NULL);
+            if (rc == 0) rc = cuEventSynchronize(ev);
+            printf("esync %d\n", rc);
         } else if (!strcmp(c, "free")) {
             last_freed = pop();
             printf("free %d\n", cuMemFree_v2(last_freed));
@@ -465,6 +641,9 @@ int main(int argc, char **argv) {
                 if (cuMemAlloc_v2(&d, num(a2)) == 0 && cuMemFree_v2(d) == 0) ok++;
             printf("loop 0 ok=%lu\n", ok);
             i += 2;
+        } else if (!strcmp(c, "pstress")) {
+            pstress((unsigned)num(a1), (unsigned)num(a2), num(a3), (unsigned)num(a4));
+            i += 4;
         } else if (!strcmp(c, "stress")) {
             unsigned nt = (unsigned)num(a1);
             if (nt < 1) nt = 1;

@@ -6,7 +6,9 @@
  *   - A pool reserves backing memory in blocks of whole 2 MiB granules, charged
  *     to the GPU when reserved (so NVML counts a pool's reserved memory, not what
  *     the application is using from it).
- *   - Freed blocks stay reserved in the pool and are reused by later allocations.
+ *   - Freed blocks stay reserved in the pool and are reused by later allocations;
+ *     a larger free block is split (sub-allocated), so USED_MEM grows by the
+ *     allocation's granules, not by the whole block it came from.
  *   - At every synchronize (stream, event, context) each pool releases free
  *     blocks back to the GPU until its reserved memory is at or below its
  *     CU_MEMPOOL_ATTR_RELEASE_THRESHOLD (default 0: everything free goes back).
@@ -102,7 +104,18 @@ static CUresult pool_alloc(CUdeviceptr *dptr, size_t size, struct CUmemPoolHandl
     for (block_t **bp = &p->free; *bp; bp = &(*bp)->next) /* reuse a free block that fits */
         if ((*bp)->size >= bsize) {
             b = *bp;
-            *bp = b->next;
+            if (b->size > bsize) { /* sub-allocate: the rest stays free in the pool */
+                block_t *rest = malloc(sizeof *rest);
+                if (!rest) {
+                    b = NULL;
+                    break;
+                }
+                rest->base = b->base + bsize, rest->size = b->size - bsize, rest->next = b->next;
+                b->size = bsize;
+                *bp = rest;
+            } else {
+                *bp = b->next;
+            }
             break;
         }
     if (!b) {
