@@ -282,12 +282,24 @@ def test_a_swap_out_undone_is_not_counted_or_announced_as_a_swap_in(
     assert not swap.is_swapped(box.alloc.key)
 
 
-def test_a_swap_in_does_not_overtake_a_waiter_that_ranks_ahead(node: ArbiterNode) -> None:
-    # a waits for 8 GiB with 4 GiB free; the swapped-out v asks for its 2 GiB of burst back. v
-    # queues behind a (same priority, later) instead of being restored at once.
+@pytest.mark.parametrize(
+    ("slices", "swapped", "restored_at_once"),
+    [
+        # v asks for 2 GiB of burst back (4 GiB swapped, 2 GiB request): it queues behind a
+        # (same priority, earlier) instead of being restored at once.
+        (2, 4 * GiB, False),
+        # v was swapped holding no more than its 8 GiB request: what it asks back is guaranteed,
+        # and a guarantee never waits, whoever queues for a burst.
+        (8, 2 * GiB, True),
+    ],
+)
+def test_a_swap_in_queues_behind_a_waiter_for_burst_bytes_only(
+    node: ArbiterNode, slices: int, swapped: int, restored_at_once: bool
+) -> None:
+    # a waits for 8 GiB with 4 GiB free when the swapped-out v asks to come back.
     filler = node.add("filler", 30, "78Gi", priority=1000, preemptible=False)
     a = node.add("a", 2, "20Gi", wait_timeout="120s")
-    v = node.add("v", 2, "8Gi", wait_timeout="1s")
+    v = node.add("v", slices, "8Gi", wait_timeout="1s")
     for box in (filler, a, v):
         assert box.workload is not None and box.workload.do(f"alloc {box.alloc.request_bytes}") == "fast"
     free = node.on_loop(lambda: node.arbiter.grantable(filler.alloc))
@@ -298,38 +310,13 @@ def test_a_swap_in_does_not_overtake_a_waiter_that_ranks_ahead(node: ArbiterNode
     swap = node.arbiter.swap
     assert swap is not None
     swap.ckpt = NoopCheckpointer()  # type: ignore[assignment]
-    entry = swap_mod.Swapped(v.alloc, node.gpu, 4 * GiB, (v.container.proc.pid,), ())
+    entry = swap_mod.Swapped(v.alloc, node.gpu, swapped, (v.container.proc.pid,), ())
     node.on_loop(lambda: swap.swapped.__setitem__(v.alloc.key, entry))
     try:
-        assert node.on_loop(lambda: swap.swap_in(v.alloc)) is False  # waited its 1 s behind a
-        assert v.config().grant_bytes == 0 and swap.is_swapped(v.alloc.key)
-    finally:
-        node.on_loop(lambda: swap.swapped.pop(v.alloc.key, None))
-    assert filler.workload.do(f"free {5 * GiB}") == "granted"
-    assert a.workload.line() == "granted"
-
-
-def test_a_swap_in_within_its_guarantee_does_not_queue_behind_a_burst(node: ArbiterNode) -> None:
-    # As above, but v was swapped out holding no more than its 8 GiB request: what it asks
-    # back is guaranteed, and a guarantee never waits, whoever queues for a burst.
-    filler = node.add("filler", 30, "78Gi", priority=1000, preemptible=False)
-    a = node.add("a", 2, "20Gi", wait_timeout="120s")
-    v = node.add("v", 8, "8Gi", wait_timeout="1s")
-    for box in (filler, a, v):
-        assert box.workload is not None and box.workload.do(f"alloc {box.alloc.request_bytes}") == "fast"
-    free = node.on_loop(lambda: node.arbiter.grantable(filler.alloc))
-    assert filler.workload is not None and filler.workload.do(f"alloc {free - 4 * GiB}") == "granted"
-    assert a.workload is not None and v.container is not None
-    a.workload.send(f"alloc {8 * GiB}")
-    node.until(lambda: sum(len(w) for w in node.arbiter._waiters.values()) == 1, what="a waiting")
-    swap = node.arbiter.swap
-    assert swap is not None
-    swap.ckpt = NoopCheckpointer()  # type: ignore[assignment]
-    entry = swap_mod.Swapped(v.alloc, node.gpu, 2 * GiB, (v.container.proc.pid,), ())
-    node.on_loop(lambda: swap.swapped.__setitem__(v.alloc.key, entry))
-    try:
-        assert node.on_loop(lambda: swap.swap_in(v.alloc)) is True
-        assert not swap.is_swapped(v.alloc.key)
+        # Not restored: it waited its 1 s behind a, with no burst granted.
+        assert node.on_loop(lambda: swap.swap_in(v.alloc)) is restored_at_once
+        assert swap.is_swapped(v.alloc.key) is not restored_at_once
+        assert restored_at_once or v.config().grant_bytes == 0
     finally:
         node.on_loop(lambda: swap.swapped.pop(v.alloc.key, None))
     assert filler.workload.do(f"free {5 * GiB}") == "granted"
