@@ -9,9 +9,11 @@ snippets using cuda-python (cuGetProcAddress_v2), ctypes and pynvml (dlsym).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import queue
+import socket
 import subprocess
 import sys
 import textwrap
@@ -49,6 +51,26 @@ class Container:
 
     def live_slots(self) -> list[formats.ProcSlot]:
         return [s for s in self.usage().slots if s.pid != 0]
+
+
+def grant_burst(c: Container, conn: socket.socket) -> formats.BurstRequest | None:
+    """Play the agent for one connection to the arbiter socket: a BURST gets its grant
+    raised in the container's config, then GRANTED with the new generation. Any other
+    request (a RELEASE) is returned unanswered; a short read (EOF) gives None."""
+    data = conn.recv(64)
+    if len(data) != ctypes.sizeof(formats.BurstRequest):
+        return None
+    req = formats.BurstRequest.from_buffer_copy(data)
+    if req.op == formats.BURST_OP_BURST:
+        gen = c.set(grant_bytes=req.total_after - c.cfg.request_bytes)
+        reply = formats.BurstReply(
+            magic=formats.BURST_MAGIC,
+            version=formats.ABI_VERSION,
+            status=formats.BURST_GRANTED,
+            generation=gen,
+        )
+        conn.sendall(bytes(reply))
+    return req
 
 
 def make_container(directory: Path, request: int, limit: int, **kw: Any) -> Container:

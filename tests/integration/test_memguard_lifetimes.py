@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from memguard_fixtures import CUDA_ERROR_OUT_OF_MEMORY, REQUEST, Container, MiB, Shim, read_line
+from memguard_fixtures import CUDA_ERROR_OUT_OF_MEMORY, REQUEST, Container, MiB, Shim, grant_burst, read_line
 
 from gpufrac.memguard import formats
 from gpufrac.simgpu.nodestate import NodeState
@@ -83,19 +83,9 @@ def test_burst_waits_out_a_full_arbiter_backlog(shim: Shim, container: Callable[
                 continue
             conn.settimeout(30)
             with conn:
-                data = conn.recv(64)
-                if len(data) != 40:
-                    continue  # a filler
-                req = formats.BurstRequest.from_buffer_copy(data)
-                gen = c.set(grant_bytes=req.total_after - c.cfg.request_bytes)
-                rep = formats.BurstReply(
-                    magic=formats.BURST_MAGIC,
-                    version=formats.ABI_VERSION,
-                    status=formats.BURST_GRANTED,
-                    generation=gen,
-                )
-                conn.sendall(bytes(rep))
-                served.append(req)
+                req = grant_burst(c, conn)
+                if req is not None:  # None: a filler
+                    served.append(req)
 
     t = threading.Thread(target=agent, daemon=True)
     t.start()

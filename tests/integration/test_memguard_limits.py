@@ -25,6 +25,7 @@ from memguard_fixtures import (
     Container,
     MiB,
     Shim,
+    grant_burst,
     read_line,
 )
 from polling import until
@@ -266,16 +267,8 @@ def test_burst_granted_by_the_agent_is_used(shim: Shim, container: Callable[...,
 
     def agent() -> None:
         conn, _ = server.accept()
-        req = formats.BurstRequest.from_buffer_copy(conn.recv(64))
-        gen = c.set(grant_bytes=req.total_after - c.cfg.request_bytes)
-        rep = formats.BurstReply(
-            magic=formats.BURST_MAGIC,
-            version=formats.ABI_VERSION,
-            status=formats.BURST_GRANTED,
-            generation=gen,
-        )
-        conn.sendall(bytes(rep))
-        conn.close()
+        with conn:
+            grant_burst(c, conn)
 
     t = threading.Thread(target=agent)
     t.start()
