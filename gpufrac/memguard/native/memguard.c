@@ -305,6 +305,7 @@ typedef struct {
 } mg_tab_t;
 
 static mg_tab_t g_ptrs, g_arrays, g_handles, g_maps;
+static mg_tab_t g_pslop; /* pool allocations: footprint - size, when not 0 (see mg_pool_alloc) */
 
 static int mg_tab_init(mg_tab_t *t, unsigned bits) {
     size_t bytes = sizeof(mg_ent_t) << bits;
@@ -537,7 +538,7 @@ static int mg_do_init(void) {
     g_usage = usage;
     unsigned bits = mg_track_bits();
     if (mg_tab_init(&g_ptrs, bits) || mg_tab_init(&g_arrays, bits > 16 ? 16 : bits) ||
-        mg_tab_init(&g_handles, bits) || mg_tab_init(&g_maps, bits)) {
+        mg_tab_init(&g_handles, bits) || mg_tab_init(&g_maps, bits) || mg_tab_init(&g_pslop, bits)) {
         mg_log("cannot map allocation tables: %s; refusing GPU allocations", strerror(errno));
         return MODE_BROKEN;
     }
@@ -720,6 +721,7 @@ static void mg_atfork_child(void) {
         mg_tab_reset(&g_arrays);
         mg_tab_reset(&g_handles);
         mg_tab_reset(&g_maps);
+        mg_tab_reset(&g_pslop);
     }
 }
 
@@ -1275,9 +1277,21 @@ typedef struct {
     uint64_t key;  /* the CUmemoryPool; KEY_EMPTY, KEY_TOMB */
     uint64_t idle; /* bytes counted for its idle reservation */
     uint64_t live; /* this process's counted allocations from it */
+    uint64_t res;  /* RESERVED_MEM_CURRENT as last read (valid if known; can only be high) */
+    uint64_t used; /* USED_MEM_CURRENT as last read, followed through frees (valid if known) */
+    int known;     /* res/used were read; each later change went through a hook under g_pool_mu */
     int destroyed; /* cuMemPoolDestroy returned while allocations were live */
     unsigned pos;  /* 1 + index in g_pool_active while idle > 0, else 0 */
 } mg_pool_t;
+
+/* Pool frees whose real call runs without g_pool_mu (cuMemFree on a pool
+ * pointer, which may block; mg_pool_undo): while any is in flight, USED may
+ * drop under an allocation's feet, so no footprint is derived from it. */
+static _Atomic unsigned g_pool_unlocked;
+#define MG_FOOT_UNKNOWN UINT64_MAX /* g_pslop: the footprint could not be told */
+/* The pool this thread's last cuMemAllocAsync came from: the guess for the next
+ * one (checked after the call with cuPointerGetAttribute). */
+static _Thread_local uint64_t t_pool_guess __attribute__((tls_model("initial-exec")));
 
 static pthread_mutex_t g_pool_mu = PTHREAD_MUTEX_INITIALIZER;
 static mg_pool_t g_pool[MG_POOL_SLOTS];
@@ -1294,6 +1308,8 @@ static void mg_pools_reset(void) {
     pthread_mutex_init(&g_pool_mu, NULL);
     memset(g_pool, 0, sizeof g_pool);
     atomic_store(&g_pool_nactive, 0);
+    atomic_store(&g_pool_unlocked, 0);
+    t_pool_guess = 0;
 }
 
 static inline unsigned mg_pool_hash(uint64_t key) {
@@ -1359,16 +1375,24 @@ static int mg_pool_read(uint64_t pool, uint64_t *reserved, uint64_t *used) {
 
 /* Count the pool's idle reservation as the driver reports it now. Returns the
  * bytes charged by force (0 if it shrank or stayed). Callers hold g_pool_mu. */
-static uint64_t mg_pool_reconcile(mg_pool_t *p) {
-    uint64_t r, u;
-    if (p->destroyed || mg_pool_read(p->key, &r, &u) != 0) return 0; /* cannot tell: keep what is counted */
+static uint64_t mg_pool_apply(mg_pool_t *p, uint64_t r, uint64_t u) {
     uint64_t truth = r > u ? r - u : 0, grew = 0;
     if (truth > p->idle)
         mg_force_charge(grew = truth - p->idle);
     else
         mg_uncharge(p->idle - truth);
     mg_pool_set_idle(p, truth);
+    p->res = r, p->used = u, p->known = 1;
     return grew;
+}
+
+static uint64_t mg_pool_reconcile(mg_pool_t *p) {
+    uint64_t r, u;
+    if (p->destroyed || mg_pool_read(p->key, &r, &u) != 0) { /* cannot tell: keep what is counted */
+        p->known = 0;
+        return 0;
+    }
+    return mg_pool_apply(p, r, u);
 }
 
 /* After a synchronize: pools release what they hold above their threshold. */
@@ -1448,8 +1472,10 @@ static void mg_pool_dropped(uint64_t pool) {
  * it grew by (down to `keep`), and refuse. */
 static MG_COLD CUresult mg_pool_undo(int how, CUdeviceptr d, CUstream hs, uint64_t pool, uint64_t n, uint64_t keep,
                                      int can_trim) {
-    uint64_t bytes = 0, aux = 0;
+    uint64_t bytes = 0, aux = 0, slop = 0;
     int mine = mg_tab_take(&g_ptrs, d, &bytes, &aux);
+    (void)mg_tab_take(&g_pslop, d, &slop, NULL);
+    atomic_fetch_add(&g_pool_unlocked, 1); /* the free and synchronize below run without g_pool_mu */
     CUresult rc = how == PA_ASYNC_PTSZ || how == PA_POOL_PTSZ ? CALL_REAL(cuMemFreeAsync_ptsz, d, hs)
                                                               : CALL_REAL(cuMemFreeAsync, d, hs);
     if (rc == CUDA_SUCCESS) { /* the freed block must be seen completed before the pool may release it */
@@ -1461,46 +1487,66 @@ static MG_COLD CUresult mg_pool_undo(int how, CUdeviceptr d, CUstream hs, uint64
     pthread_mutex_lock(&g_pool_mu);
     if (rc == CUDA_SUCCESS && can_trim) (void)CALL_REAL(cuMemPoolTrimTo, (CUmemoryPool)(uintptr_t)pool, keep);
     if (rc == CUDA_SUCCESS && mine) mg_pool_dropped(aux);
+    else if (rc == CUDA_SUCCESS) { /* never recorded: still follow what the pool holds now */
+        mg_pool_t *p = mg_pool_find(pool, 0);
+        if (p) mg_pool_reconcile(p);
+    }
+    atomic_fetch_sub(&g_pool_unlocked, 1);
     pthread_mutex_unlock(&g_pool_mu);
     if (rc == CUDA_SUCCESS) {
         mg_pools_synced(); /* the synchronize released other pools' memory too */
         mg_uncharge(mine ? bytes : n);
     } else if (mine) {
         mg_tab_put(&g_ptrs, d, bytes, aux); /* still allocated: still counted */
+        if (slop) mg_tab_put(&g_pslop, d, slop, 0);
     } /* else: still allocated and never recorded: stays counted (never under) */
     return mg_refuse(atomic_load_explicit(&g_slot, memory_order_acquire));
 }
 
+/* Steady state (the pool known, the guess right): g_pool_mu held once across
+ * the real call, cuPointerGetAttribute (cuMemAllocAsync only) and one
+ * RESERVED + USED read after it; no charge at all when the pool served the
+ * allocation from idle memory already counted. The reservation before the call
+ * is the one last read (the driver only grows a pool inside a hooked call made
+ * under g_pool_mu; releases it misses can only make it high, never low). */
 static CUresult mg_pool_alloc(int how, CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream hs) {
     if (!mg_on()) return mg_refusing() ? CUDA_ERROR_OUT_OF_MEMORY : mg_pool_real_alloc(how, dptr, size, pool, hs);
     if (!dptr || size == 0) return mg_pool_real_alloc(how, dptr, size, pool, hs); /* refused, nothing to count */
     uint64_t n = size;
-    uint64_t want_pool = how == PA_POOL || how == PA_POOL_PTSZ ? (uint64_t)(uintptr_t)pool : mg_current_pool();
+    int by_stream = how == PA_ASYNC || how == PA_ASYNC_PTSZ;
+    uint64_t want_pool = (uint64_t)(uintptr_t)pool;
+    if (by_stream) want_pool = t_pool_guess ? t_pool_guess : mg_current_pool();
 
     /* 1. What the pool holds idle serves first: those bytes are counted already. */
     uint64_t take = 0;
     pthread_mutex_lock(&g_pool_mu);
     mg_pool_t *p = mg_pool_find(want_pool, 0);
     if (p && !p->destroyed && p->idle) {
-        mg_pool_reconcile(p);
         take = p->idle < n ? p->idle : n;
         mg_pool_set_idle(p, p->idle - take);
     }
-    pthread_mutex_unlock(&g_pool_mu);
 
     /* 2. The rest against the limit: fast path, the arbiter, or a refusal. */
-    CUresult rc = mg_charge(n - take);
-    if (rc != CUDA_SUCCESS) {
-        mg_pool_untake(want_pool, take);
-        return rc;
+    CUresult rc;
+    if (take < n) {
+        pthread_mutex_unlock(&g_pool_mu);
+        rc = mg_charge(n - take);
+        if (rc != CUDA_SUCCESS) {
+            mg_pool_untake(want_pool, take);
+            return rc;
+        }
+        pthread_mutex_lock(&g_pool_mu);
     }
 
-    /* 3. The driver call, with the pool's reservation before and after. */
-    uint64_t r0 = 0, r1 = 0, extra = 0, got = want_pool;
+    /* 3. The driver call; the pool's reservation before it as last read. */
+    uint64_t r0 = 0, extra = 0, got = want_pool;
     int have_r0 = 0, reclaimed = 0;
     for (;;) {
-        pthread_mutex_lock(&g_pool_mu);
-        have_r0 = want_pool && mg_pool_read(want_pool, &r0, NULL) == 0;
+        p = mg_pool_find(want_pool, 0);
+        if (p && p->known && !p->destroyed)
+            r0 = p->res, have_r0 = 1;
+        else
+            have_r0 = want_pool && mg_pool_read(want_pool, &r0, NULL) == 0;
         rc = mg_pool_real_alloc(how, dptr, size, pool, hs);
         if (rc == CUDA_SUCCESS) break; /* still holding g_pool_mu */
         pthread_mutex_unlock(&g_pool_mu);
@@ -1510,12 +1556,24 @@ static CUresult mg_pool_alloc(int how, CUdeviceptr *dptr, size_t size, CUmemoryP
             return rc;
         }
         reclaimed = 1;
+        pthread_mutex_lock(&g_pool_mu);
     }
-    uint64_t d = *dptr;
-    if (how == PA_ASYNC || how == PA_ASYNC_PTSZ) { /* which pool it really came from */
-        mg_ptr_attr_fn attr = (mg_ptr_attr_fn)mg_plain(P_cuPointerGetAttribute);
-        void *h = NULL;
-        if (attr && attr(&h, CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, d) == CUDA_SUCCESS && h) got = (uint64_t)(uintptr_t)h;
+    uint64_t d = *dptr, r1 = 0, u1 = 0;
+    int have_ru = 0;
+    if (by_stream) { /* which pool it really came from */
+        /* The guessed pool's USED grew: it was that one. Only a hooked
+         * allocation, made under g_pool_mu, can make a pool's USED grow (frees
+         * made without the mutex only lower it, and none is in flight). */
+        if (p && p->known && !p->destroyed && atomic_load(&g_pool_unlocked) == 0 &&
+            mg_pool_read(want_pool, &r1, &u1) == 0 && u1 > p->used)
+            have_ru = 1;
+        else {
+            mg_ptr_attr_fn attr = (mg_ptr_attr_fn)mg_plain(P_cuPointerGetAttribute);
+            void *h = NULL;
+            if (attr && attr(&h, CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, d) == CUDA_SUCCESS && h)
+                got = (uint64_t)(uintptr_t)h;
+        }
+        t_pool_guess = got;
     }
     if (got != want_pool) {
         /* Another pool than the one that lent its idle bytes: they go back to
@@ -1526,14 +1584,26 @@ static CUresult mg_pool_alloc(int how, CUdeviceptr *dptr, size_t size, CUmemoryP
         if (lender) mg_pool_reconcile(lender);
         mg_force_charge(take);
         extra = n;
-    } else if (have_r0 && mg_pool_read(got, &r1, NULL) == 0 && r1 > r0 && r1 - r0 > n - take) {
-        extra = r1 - r0 - (n - take); /* the pool grew by more than was checked */
     }
     mg_pool_t *rec = mg_pool_find(got, 1);
-    if (rec && rec->destroyed) rec->destroyed = 0; /* the handle of a destroyed pool came back: a new pool */
+    if (rec && rec->destroyed) rec->destroyed = 0, rec->known = 0; /* the handle of a destroyed pool came back */
     int put = rec && mg_tab_put(&g_ptrs, d, n, got) == 0;
     if (put) rec->live++;
-    uint64_t forced = rec ? mg_pool_reconcile(rec) : 0;
+    uint64_t forced = 0;
+    if (rec && (have_ru || mg_pool_read(got, &r1, &u1) == 0)) {
+        if (got == want_pool && have_r0 && r1 > r0 && r1 - r0 > n - take)
+            extra = r1 - r0 - (n - take); /* the pool grew by more than was checked */
+        /* The footprint (USED grew by it; at least n): what a free will make idle. */
+        uint64_t foot = MG_FOOT_UNKNOWN;
+        if (rec->known && u1 >= rec->used && u1 - rec->used >= n && atomic_load(&g_pool_unlocked) == 0)
+            foot = u1 - rec->used;
+        forced = mg_pool_apply(rec, r1, u1);
+        if (put && foot != n && mg_tab_put(&g_pslop, d, foot == MG_FOOT_UNKNOWN ? foot : foot - n, 0) != 0)
+            rec->known = 0; /* its free cannot be told: keep reading there */
+    } else if (rec) {
+        rec->known = 0;
+        if (put) (void)mg_tab_put(&g_pslop, d, MG_FOOT_UNKNOWN, 0);
+    }
     if (forced > extra) extra = forced;
     pthread_mutex_unlock(&g_pool_mu);
     if (!rec) {
@@ -1567,18 +1637,55 @@ HOOK CUresult mg_h_cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesi
     return mg_pool_alloc(PA_POOL_PTSZ, dptr, bytesize, pool, hStream);
 }
 
-/* A pool allocation was freed (any free entry point): its pool now holds the
- * block idle (counted first), then its live bytes go. */
-static void mg_pool_freed(CUresult rc, uint64_t key, uint64_t bytes, uint64_t pool) {
+/* Before the real free of a pool allocation: a stream-ordered free only
+ * enqueues (never blocks), so it runs under g_pool_mu and the pool's USED is
+ * followed without a read; cuMemFree may block, so it runs unlocked. */
+static int mg_pool_free_begin(int in_order) {
+    if (in_order) {
+        pthread_mutex_lock(&g_pool_mu);
+        return 1;
+    }
+    atomic_fetch_add(&g_pool_unlocked, 1);
+    return 0;
+}
+
+/* A pool allocation was freed (any free entry point). The driver keeps the
+ * block reserved (it releases only at a synchronize, a trim or a destroy), so
+ * its footprint moves from USED to idle: counted as idle before the live bytes
+ * go, with no driver call when the footprint is known and the free was made
+ * under g_pool_mu; else the pool is read. */
+static void mg_pool_freed(CUresult rc, uint64_t key, uint64_t bytes, uint64_t pool, int locked) {
+    if (!locked) pthread_mutex_lock(&g_pool_mu);
     if (rc != CUDA_SUCCESS) {
         mg_tab_put(&g_ptrs, key, bytes, pool);
-        return;
+    } else {
+        uint64_t slop = 0, foot;
+        (void)mg_tab_take(&g_pslop, key, &slop, NULL);
+        foot = slop == MG_FOOT_UNKNOWN || bytes + slop < bytes ? MG_FOOT_UNKNOWN : bytes + slop;
+        mg_pool_t *p = mg_pool_find(pool, 0);
+        uint64_t idle_in = 0, gone = bytes;
+        if (p) {
+            if (p->live) p->live--;
+            if (p->destroyed && p->live == 0) { /* its last allocation: the driver frees the pool now */
+                gone += p->idle;
+                mg_pool_remove(p);
+            } else if (p->destroyed) { /* the block stays with the dying pool */
+                if (foot != MG_FOOT_UNKNOWN) mg_pool_set_idle(p, p->idle + (idle_in = foot));
+            } else if (locked && p->known && foot != MG_FOOT_UNKNOWN && p->used >= foot) {
+                p->used -= foot;
+                mg_pool_set_idle(p, p->idle + (idle_in = foot));
+            } else {
+                mg_pool_reconcile(p);
+            }
+        }
+        if (idle_in >= gone) /* idle counted before the live bytes go: never under */
+            mg_force_charge(idle_in - gone);
+        else
+            mg_uncharge(gone - idle_in);
     }
-    pthread_mutex_lock(&g_pool_mu);
-    mg_pool_dropped(pool);
+    if (!locked) atomic_fetch_sub(&g_pool_unlocked, 1);
     pthread_mutex_unlock(&g_pool_mu);
-    mg_uncharge(bytes);
-    mg_maybe_return_grant();
+    if (rc == CUDA_SUCCESS) mg_maybe_return_grant();
 }
 
 HOOK CUresult mg_h_cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep) {
@@ -1639,24 +1746,27 @@ SYNC_HOOK(cuCtxSynchronize_v2, (CUcontext ctx), ctx)
  * allocation may get the same address right after it); put it back if the
  * driver refuses the free. Pool allocations (any free entry point may free
  * them) leave their block idle in the pool: see mg_pool_freed. */
-#define FREE_HOOK(sym, tab, key, params, ...)                       \
-    HOOK CUresult mg_h_##sym params {                               \
-        if (!mg_on()) return CALL_REAL(sym, __VA_ARGS__);           \
-        uint64_t bytes = 0, aux = 0, key_ = (uint64_t)(key);        \
-        int found = mg_tab_take(&(tab), key_, &bytes, &aux);        \
-        CUresult rc = CALL_REAL(sym, __VA_ARGS__);                  \
-        if (found && aux > 1) /* a pool allocation (aux: its pool) */ \
-            mg_pool_freed(rc, key_, bytes, aux);                    \
-        else                                                        \
-            mg_freed(&(tab), rc, key_, found, bytes);               \
-        return rc;                                                  \
+#define FREE_HOOK(sym, tab, key, in_order, params, ...)                 \
+    HOOK CUresult mg_h_##sym params {                                   \
+        if (!mg_on()) return CALL_REAL(sym, __VA_ARGS__);               \
+        uint64_t bytes = 0, aux = 0, key_ = (uint64_t)(key);            \
+        int found = mg_tab_take(&(tab), key_, &bytes, &aux);            \
+        if (found && aux > 1) { /* a pool allocation (aux: its pool) */ \
+            int locked_ = mg_pool_free_begin(in_order);                 \
+            CUresult rc = CALL_REAL(sym, __VA_ARGS__);                  \
+            mg_pool_freed(rc, key_, bytes, aux, locked_);               \
+            return rc;                                                  \
+        }                                                               \
+        CUresult rc = CALL_REAL(sym, __VA_ARGS__);                      \
+        mg_freed(&(tab), rc, key_, found, bytes);                       \
+        return rc;                                                      \
     }
 
-FREE_HOOK(cuMemFree_v2, g_ptrs, dptr, (CUdeviceptr dptr), dptr)
-FREE_HOOK(cuMemFree, g_ptrs, dptr, (CUdeviceptr_v1 dptr), dptr)
-FREE_HOOK(cuMemFreeAsync, g_ptrs, dptr, (CUdeviceptr dptr, CUstream hStream), dptr, hStream)
-FREE_HOOK(cuMemFreeAsync_ptsz, g_ptrs, dptr, (CUdeviceptr dptr, CUstream hStream), dptr, hStream)
-FREE_HOOK(cuArrayDestroy, g_arrays, (uintptr_t)hArray, (CUarray hArray), hArray)
+FREE_HOOK(cuMemFree_v2, g_ptrs, dptr, 0, (CUdeviceptr dptr), dptr)
+FREE_HOOK(cuMemFree, g_ptrs, dptr, 0, (CUdeviceptr_v1 dptr), dptr)
+FREE_HOOK(cuMemFreeAsync, g_ptrs, dptr, 1, (CUdeviceptr dptr, CUstream hStream), dptr, hStream)
+FREE_HOOK(cuMemFreeAsync_ptsz, g_ptrs, dptr, 1, (CUdeviceptr dptr, CUstream hStream), dptr, hStream)
+FREE_HOOK(cuArrayDestroy, g_arrays, (uintptr_t)hArray, 0, (CUarray hArray), hArray)
 
 static CUresult mg_free_v1_adapter(CUdeviceptr p) {
     __typeof__(&mg_h_cuMemFree) f = REAL(cuMemFree);
