@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import itertools
 import socket
+import subprocess
 import threading
 from collections.abc import Callable
 
-from memguard_fixtures import CUDA_ERROR_OUT_OF_MEMORY, Container, Line, MiB, Shim, read_line
+from memguard_fixtures import CUDA_ERROR_OUT_OF_MEMORY, Container, Line, MiB, Shim, grant_burst, read_line
 
 from gpufrac.memguard import formats
 from gpufrac.simgpu.nodestate import NodeState
@@ -36,6 +37,14 @@ def rcs(lines: list[Line], cmd: str) -> list[int]:
     return [ln.rc for ln in lines if ln.cmd == cmd]
 
 
+def let_go(p: subprocess.Popen[str]) -> None:
+    """End an mg_ctest `hold`: it exits cleanly (its destructor gives its slot back)."""
+    assert p.stdin is not None
+    p.stdin.write("\n")
+    p.stdin.close()
+    assert p.wait(timeout=120) == 0
+
+
 def held_while(shim: Shim, c: Container, *script: object) -> tuple[list[str], int, int]:
     """Run `script` then hold: the lines printed, the bytes the fake driver holds
     for the process at that moment (what NVML shows), and the container's count."""
@@ -49,10 +58,7 @@ def held_while(shim: Shim, c: Container, *script: object) -> tuple[list[str], in
             lines.append(line)
         physical = sum(pr.used_bytes for pr in node.live_procs() if pr.pid == p.pid)
         counted = c.total()
-        assert p.stdin is not None
-        p.stdin.write("\n")
-        p.stdin.close()
-        assert p.wait(timeout=120) == 0
+        let_go(p)
     finally:
         if p.poll() is None:
             p.kill()
@@ -95,10 +101,7 @@ def test_another_process_sees_a_pools_idle_reservation(
         assert lines[-1].startswith("hold"), lines
         assert f"total={60 * MiB}" in lines[-2]
         other = shim.ctest(c, "alloc", 60 * MiB, "async", 60 * MiB, "used")
-        assert p.stdin is not None
-        p.stdin.write("\n")
-        p.stdin.close()
-        assert p.wait(timeout=120) == 0
+        let_go(p)
     finally:
         if p.poll() is None:
             p.kill()
@@ -129,21 +132,9 @@ def test_growing_a_pool_past_the_limit_asks_for_a_burst(
                 continue
             conn.settimeout(30)
             with conn:
-                data = conn.recv(64)
-                if len(data) != 40:
-                    continue
-                req = formats.BurstRequest.from_buffer_copy(data)
-                served.append(req)
-                if req.op != formats.BURST_OP_BURST:
-                    continue
-                gen = c.set(grant_bytes=req.total_after - c.cfg.request_bytes)
-                rep = formats.BurstReply(
-                    magic=formats.BURST_MAGIC,
-                    version=formats.ABI_VERSION,
-                    status=formats.BURST_GRANTED,
-                    generation=gen,
-                )
-                conn.sendall(bytes(rep))
+                req = grant_burst(c, conn)  # a BURST is granted; a RELEASE only recorded
+                if req is not None:
+                    served.append(req)
 
     t = threading.Thread(target=agent, daemon=True)
     t.start()
