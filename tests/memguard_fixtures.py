@@ -73,6 +73,23 @@ def grant_burst(c: Container, conn: socket.socket) -> formats.BurstRequest | Non
     return req
 
 
+def answer_bursts(
+    server: socket.socket, c: Container, served: list[formats.BurstRequest], until: Callable[[], bool]
+) -> None:
+    """Play the agent on `server` (a listening socket with a short timeout) until `until()`:
+    each connection goes through grant_burst, and each request read is added to `served`."""
+    while not until():
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            continue
+        conn.settimeout(30)
+        with conn:
+            req = grant_burst(c, conn)
+            if req is not None:  # None: a connection that sent nothing (EOF)
+                served.append(req)
+
+
 def make_container(directory: Path, request: int, limit: int, **kw: Any) -> Container:
     directory.mkdir(parents=True, exist_ok=True)
     cfg = formats.ContainerConfig(gpu_uuid="", request_bytes=request, limit_bytes=limit, **kw)

@@ -18,7 +18,15 @@ import threading
 import time
 from collections.abc import Callable
 
-from memguard_fixtures import CUDA_ERROR_OUT_OF_MEMORY, REQUEST, Container, MiB, Shim, grant_burst, read_line
+from memguard_fixtures import (
+    CUDA_ERROR_OUT_OF_MEMORY,
+    REQUEST,
+    Container,
+    MiB,
+    Shim,
+    answer_bursts,
+    read_line,
+)
 
 from gpufrac.memguard import formats
 from gpufrac.simgpu.nodestate import NodeState
@@ -76,16 +84,7 @@ def test_burst_waits_out_a_full_arbiter_backlog(shim: Shim, container: Callable[
         time.sleep(0.3)  # the shim has long found the backlog full
         for f in fillers:
             f.close()  # their queued connections read as EOF
-        while not served and not done.is_set():
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                continue
-            conn.settimeout(30)
-            with conn:
-                req = grant_burst(c, conn)
-                if req is not None:  # None: a filler
-                    served.append(req)
+        answer_bursts(server, c, served, lambda: bool(served) or done.is_set())
 
     t = threading.Thread(target=agent, daemon=True)
     t.start()

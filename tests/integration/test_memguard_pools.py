@@ -20,7 +20,7 @@ import subprocess
 import threading
 from collections.abc import Callable
 
-from memguard_fixtures import CUDA_ERROR_OUT_OF_MEMORY, Container, Line, MiB, Shim, grant_burst, read_line
+from memguard_fixtures import CUDA_ERROR_OUT_OF_MEMORY, Container, Line, MiB, Shim, answer_bursts, read_line
 
 from gpufrac.memguard import formats
 from gpufrac.simgpu.nodestate import NodeState
@@ -125,16 +125,7 @@ def test_growing_a_pool_past_the_limit_asks_for_a_burst(
     done = threading.Event()
 
     def agent() -> None:
-        while not done.is_set():
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                continue
-            conn.settimeout(30)
-            with conn:
-                req = grant_burst(c, conn)  # a BURST is granted; a RELEASE only recorded
-                if req is not None:
-                    served.append(req)
+        answer_bursts(server, c, served, done.is_set)  # a BURST is granted; a RELEASE only recorded
 
     t = threading.Thread(target=agent, daemon=True)
     t.start()
