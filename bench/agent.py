@@ -1,6 +1,6 @@
 """Agent benchmark on a simulated dgx-h100: the kubelet-facing latencies and footprint.
 
-Writes bench/results/agent.json:
+Writes bench/results/agent.json (quick mode: tiny counts, a smoke run; see bench/__init__.py):
   allocate_p50_ms / allocate_p99_ms   GetPreferredAllocation + Allocate + PreStartContainer, per
                                       container and resource, as the kubelet emulator waits for them
                                       (the first WARMUP admissions left out: imports, first connections);
@@ -44,6 +44,7 @@ from typing import Any
 
 import psutil
 
+from bench import quick
 from bench._floor_plugin import FLOOR_RESOURCE
 from gpufrac.deviceplugin.slices import FRACTION, MEMORY
 from gpufrac.simgpu import faults
@@ -51,14 +52,17 @@ from gpufrac.simgpu.kubelet import AgentProcess, Container, KubeletEmulator, Pod
 from gpufrac.simgpu.nodestate import NodeState
 from gpufrac.simgpu.spec import create_node, load_preset
 
-RESULTS = Path(__file__).resolve().parent / "results"
 CONTAINERS = 64
 WARMUP = 8  # first admissions, not counted: imports, first gRPC connections
 CHURN = 400  # admit + delete cycles after the 64, for enough samples behind a p99
 PACED = 200  # then admit + delete cycles PACE_S apart
 PACE_S = 0.05
 XID_SAMPLES = 5
+IDLE_SETTLE_S = 5.0  # after the churn, before the idle CPU is measured
 IDLE_SECONDS = 20.0
+if quick():
+    CONTAINERS, WARMUP, CHURN, PACED, XID_SAMPLES = 4, 1, 4, 2, 1
+    IDLE_SETTLE_S, IDLE_SECONDS = 0.1, 0.5
 _SUMMARY = re.compile(r"resource=(\S+) admissions=(\d+) handler_p50_ms=([0-9.]+) handler_p99_ms=([0-9.]+)")
 
 
@@ -164,7 +168,7 @@ def run(root: Path) -> dict[str, Any]:
 
         # Idle footprint: 64 containers allocated, churn gone, steady state.
         proc = psutil.Process(agent.pid)
-        time.sleep(5.0)
+        time.sleep(IDLE_SETTLE_S)
         proc.cpu_percent(None)
         time.sleep(IDLE_SECONDS)
         cpu_idle = proc.cpu_percent(None)

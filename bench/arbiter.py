@@ -6,9 +6,13 @@ the shim's protocol on the real socket, so identity (SO_PEERCRED -> /proc -> cgr
 the measured path. Times are CLOCK_MONOTONIC, shared by all processes on the node.
 
 * burst_grant_*_us: a burst request sent -> its GRANTED reply received (the grant already
-  written to the config file), with free memory available.
+  written to the config file), with free memory available. Each burst starts from no grant:
+  a RELEASE lowers a grant only once it is GRANT_SETTLE old (docs/arbiter-protocol.md), so
+  the bench waits for that after each release; otherwise the next burst would find the
+  grant still there and take the shim's fast path, never reaching the arbiter.
 * wait_handoff_*_ms: one container's release sent -> the waiting container's GRANTED reply
-  received (DESIGN.md: wake-up follows a release, no polling period).
+  received (docs/arbiter-protocol.md: wake-up follows a release, no polling period). The
+  releasing grant is older than GRANT_SETTLE, so the release frees its bytes at once.
 * swap_roundtrip_ms_per_gib_sim is not measured here: bench/swap.py (the swap resolver's
   bench) reports it; `notes` says which applies.
 """
@@ -31,9 +35,12 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from bench import quick, results_dir
+
 T = TypeVar("T")
 GiB = 1 << 30
-RESULTS = Path(__file__).resolve().parent / "results" / "arbiter.json"
+BURSTS, HANDOFFS = 300, 100
+QUICK_BURSTS, QUICK_HANDOFFS = 4, 3
 
 
 def _pct(xs: Sequence[float], p: float) -> float:
@@ -57,12 +64,12 @@ class _Loop:
         self.thread.join(30)
 
 
-def run(bursts: int = 300, handoffs: int = 100) -> dict[str, Any]:
+def run(bursts: int = BURSTS, handoffs: int = HANDOFFS) -> dict[str, Any]:
     import pynvml
 
     from gpufrac import native
     from gpufrac.agent.allocations import Ledger
-    from gpufrac.agent.arbiter import Arbiter
+    from gpufrac.agent.arbiter import GRANT_SETTLE, Arbiter
     from gpufrac.agent.config import load
     from gpufrac.agent.inventory import read_inventory
     from gpufrac.agent.peers import PeerLookup
@@ -134,7 +141,9 @@ def run(bursts: int = 300, handoffs: int = 100) -> dict[str, Any]:
 
     def shim_bursts(n: int) -> tuple[list[float], int]:
         """Burst latency as an application sees it: cuMemAlloc past the request under the real
-        shim (C client). Returns the samples (µs) and how many bursts the arbiter granted."""
+        shim (C client). Returns the samples (µs) and how many bursts the arbiter granted.
+        The driver pauses after each free until the shim's release has settled (twice
+        GRANT_SETTLE: slack for a busy loop), so the next alloc needs a new grant."""
         _, uid, resp = book("shim", 1, 8)
         env = dict(
             os.environ, SIMGPU_STATE=str(root / "node.state"), LD_LIBRARY_PATH=str(native.native_dir())
@@ -143,7 +152,7 @@ def run(bursts: int = 300, handoffs: int = 100) -> dict[str, Any]:
         c = runtime.start(
             uid,
             "main",
-            [str(shim_driver), "burst", "1", str(n), str(2 * GiB)],
+            [str(shim_driver), "burst", "1", str(n), str(2 * GiB), str(round(2000 * GRANT_SETTLE))],
             env=env,
             envs=dict(resp.envs),
             mounts=mounts_of(resp),
@@ -158,7 +167,35 @@ def run(bursts: int = 300, handoffs: int = 100) -> dict[str, Any]:
         samples = [
             int(line.split("=")[1]) / 1e3 for line in out.decode().split() if line.startswith("burst_ns=")
         ]
-        return samples, arb.stats.granted - granted
+        granted = arb.stats.granted - granted
+        # The figure is the arbiter's only if (nearly) every burst went to it: a release that
+        # no longer frees the grant in time would leave the shim on its fast path.
+        if 2 * granted <= len(samples):
+            raise RuntimeError(
+                f"the arbiter granted {granted} of {len(samples)} shim bursts: "
+                "the rest took the fast path (a grant not yet released)"
+            )
+        return samples, granted
+
+    def grant_of(alloc: Any) -> int:
+        async def get() -> int:
+            return ledger.get(alloc.key).config.grant_bytes
+
+        return lt.run(get())
+
+    def released(alloc: Any) -> None:
+        """Wait until the arbiter has taken the container's grant back (GRANT_SETTLE after the
+        grant, docs/arbiter-protocol.md), so its next burst needs a new one."""
+        deadline = time.monotonic() + 10 * GRANT_SETTLE + 10
+        while grant_of(alloc) > 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{alloc.pod}: grant of {grant_of(alloc)} bytes never released")
+            time.sleep(0.002)
+
+    def settled(granted_ns: int) -> None:
+        """Sleep until a grant whose reply came at `granted_ns` (CLOCK_MONOTONIC) is older than
+        GRANT_SETTLE: a release lowers it at once from then on."""
+        time.sleep(max(0.0, granted_ns / 1e9 + GRANT_SETTLE + 0.005 - time.monotonic()))
 
     def timed(w: WorkloadDriver, cmd: str, want: str = "granted") -> tuple[int, int]:
         status, t0, t1 = w.do("t " + cmd).split()
@@ -175,15 +212,16 @@ def run(bursts: int = 300, handoffs: int = 100) -> dict[str, Any]:
             t0, t1 = timed(a, f"alloc {GiB}")
             grant_us.append((t1 - t0) / 1e3)
             timed(a, f"free {GiB}")
+            released(a_alloc)
         shim_us, shim_granted = shim_bursts(bursts)
 
         # -- wait handoff: b holds everything grantable; c waits; b's release wakes c.
         _, b = container("b", 20, 78)
-        _, c = container("c", 20, 40)
+        c_alloc, c = container("c", 20, 40)
         assert b.do(f"alloc {20 * GiB}") == "fast" and c.do(f"alloc {20 * GiB}") == "fast"
         b_alloc = ledger.get(next(k.key for k in ledger.containers() if k.pod == "b"))
         free = lt.run(arb.grantable(b_alloc))
-        assert b.do(f"alloc {free}") == "granted"
+        _, b_granted = timed(b, f"alloc {free}")
         handoff_ms = []
         for _ in range(handoffs):
             c.send(f"t alloc {GiB}")
@@ -192,13 +230,15 @@ def run(bursts: int = 300, handoffs: int = 100) -> dict[str, Any]:
                 if time.monotonic() > deadline:
                     raise RuntimeError("c never waited")
                 time.sleep(0.001)
+            settled(b_granted)
             r0, _ = timed(b, f"free {GiB}")
             status, _, c1 = c.line().split()
             if status != "granted":
                 raise RuntimeError(f"c: waited alloc -> {status}")
             handoff_ms.append((int(c1) - r0) / 1e6)
             timed(c, f"free {GiB}")
-            timed(b, f"alloc {GiB}")
+            released(c_alloc)
+            _, b_granted = timed(b, f"alloc {GiB}")
         del a_alloc
     finally:
         runtime.close()
@@ -247,9 +287,9 @@ async def _waiters(arb: Any) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.arbiter", description=__doc__.splitlines()[0])
-    p.add_argument("--bursts", type=int, default=300)
-    p.add_argument("--handoffs", type=int, default=100)
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--bursts", type=int, default=QUICK_BURSTS if quick() else BURSTS)
+    p.add_argument("--handoffs", type=int, default=QUICK_HANDOFFS if quick() else HANDOFFS)
+    p.add_argument("--out", type=Path, default=results_dir() / "arbiter.json")
     args = p.parse_args(argv)
     result = run(args.bursts, args.handoffs)
     args.out.parent.mkdir(parents=True, exist_ok=True)

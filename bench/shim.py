@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import quick, results_dir
 from gpufrac import native
 from gpufrac.memguard import build as mg_build
 from gpufrac.memguard import formats
 from gpufrac.simgpu.spec import create_node, load_preset
 
 ROOT = native.REPO_ROOT
-RESULTS = ROOT / "bench" / "results" / "shim.json"
 DRIVER_SRC = ROOT / "bench" / "shim_bench.c"
 DRIVER = ROOT / "build" / "bench" / "shim_bench"
 GiB = 1 << 30
@@ -38,6 +38,10 @@ GiB = 1 << 30
 ROUNDS, LOOP_N, ALTERNATIONS = 20, 20000, 5
 STARTUP_PROCS, STARTUP_CONTAINERS = 300, 3  # 100 processes per container: within its 256 slots
 CONTENTION_PROCS = 8
+STARTUP_RUNS = 3
+if quick():  # a smoke run (bench/__init__.py): every figure, from tiny loops
+    ROUNDS, LOOP_N, ALTERNATIONS = 2, 200, 1
+    STARTUP_PROCS, STARTUP_RUNS, CONTENTION_PROCS = 6, 1, 2
 
 
 def build_driver() -> Path:
@@ -165,7 +169,7 @@ def main() -> int:
         alloc_mmap = b.overhead("allocfree", 4096)
         launch = b.overhead("launch")
         getinfo = b.overhead("getinfo")
-        runs = [(b.startup(False), b.startup(True)) for _ in range(3)]  # interleaved
+        runs = [(b.startup(False), b.startup(True)) for _ in range(STARTUP_RUNS)]  # interleaved
         plain_s, plain_cpu = min(r[0] for r in runs)
         shim_s, shim_cpu = min(r[1] for r in runs)
         cont = b.contention()
@@ -200,8 +204,9 @@ def main() -> int:
             "cc": shutil.which(os.environ.get("CC", "cc")),
         },
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    out = results_dir() / "shim.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0
 

@@ -9,10 +9,12 @@
  *   shim_bench launch ROUNDS N           -> ns per cuLaunchKernel
  *   shim_bench getinfo ROUNDS N          -> ns per cuMemGetInfo_v2
  *   shim_bench start                     -> init, one alloc+free, exit (start-up cost)
- *   shim_bench burst 1 N BYTES           -> N allocations of BYTES past the container's request
+ *   shim_bench burst 1 N BYTES [PAUSE_MS] -> N allocations of BYTES past the container's request
  *                                           (each a burst request to the agent's arbiter), each
- *                                           freed and followed by a 5 ms pause in which the shim's
- *                                           release is served; one "burst_ns=<ns>" line per alloc
+ *                                           freed and followed by a pause (default 5 ms) in which
+ *                                           the shim's release is served (the agent lowers a young
+ *                                           grant only once it has settled: the caller passes a
+ *                                           pause past that); one "burst_ns=<ns>" line per alloc
  *
  * Output: one line "<op> wall_ns=<min wall ns/op> cpu_ns=<min thread-CPU ns/op>".
  * The minimum over rounds filters out preemption on a shared machine; CPU time
@@ -77,7 +79,8 @@ int main(int argc, char **argv) {
         return 0;
     }
     if (!strcmp(op, "burst")) {
-        struct timespec pause = {0, 5000000};
+        unsigned long pause_ms = argc > 5 ? strtoul(argv[5], NULL, 0) : 5;
+        struct timespec pause = {(time_t)(pause_ms / 1000), (long)(pause_ms % 1000) * 1000000L};
         for (unsigned long i = 0; i < n; i++) {
             uint64_t t0 = now(CLOCK_MONOTONIC);
             if ((rc = cuMemAlloc_v2(&d, bytes)) != 0) die("cuMemAlloc_v2 (burst)", rc);

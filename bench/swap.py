@@ -4,7 +4,7 @@ libcuda.so.1). `swap_roundtrip_ms_per_gib_sim` is what bench/results/arbiter.jso
 reports; the fake driver keeps device memory in host RAM and moves no bytes, so this
 measures the agent's and driver API's overhead, not PCIe (reference/cuda-facts.md 4).
 
-`python -m bench swap` writes bench/results/swap.json.
+`python -m bench swap` writes bench/results/swap.json (`--quick`: one small size, once).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import textwrap
 import time
 from pathlib import Path
 from typing import Any
+
+from bench import quick
 
 GiB = 1 << 30
 
@@ -91,6 +93,8 @@ def measure_roundtrip(sizes_gib: tuple[int, ...] = (1, 4), repeats: int = 5) -> 
 
 
 def main() -> dict[str, Any]:
+    if quick():
+        return measure_roundtrip((1,), repeats=1)
     return measure_roundtrip()
 
 
