@@ -26,7 +26,7 @@ MG_HDR  := $(wildcard $(MG_SRC)/*.h)
 
 NATIVE_LIBS = libnvidia-ml.so.1 libcuda.so.1 libmemguard.so mg_ctest
 
-.PHONY: all setup native native-asan proto run test test-fast bench lint clean tools
+.PHONY: all setup native native-asan proto run test test-fast bench lint clean tools floors
 
 all: setup
 
@@ -117,7 +117,20 @@ tools: $(HELM)
 	$(call need_tool,kubectl,kubernetes-client)
 	$(call need_tool,promtool,prometheus)
 
-test: setup native-asan tools
+# The runtime dependencies at the lowest versions pyproject.toml declares, in a venv of
+# their own (tests/dependency_floors.py; test_dependency_floors.py runs gpufrac in it).
+# Rebuilt only when pyproject.toml changes; wheels only, so no compiler is involved.
+FLOORS_VENV := build/floors-venv
+floors: $(FLOORS_VENV)/.installed
+$(FLOORS_VENV)/.installed: pyproject.toml tests/dependency_floors.py
+	@test -n "$(PYTHON)" || { echo "error: make floors needs Python 3.11 or newer on PATH" >&2; exit 1; }
+	rm -rf $(FLOORS_VENV)
+	$(PYTHON) -m venv $(FLOORS_VENV)
+	$(PYTHON) tests/dependency_floors.py pins > $(FLOORS_VENV)/floors.txt
+	$(FLOORS_VENV)/bin/pip install -q --disable-pip-version-check --only-binary=:all: -r $(FLOORS_VENV)/floors.txt
+	touch $@
+
+test: setup native-asan tools floors
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 test-fast: setup tools
