@@ -26,7 +26,7 @@ MG_HDR  := $(wildcard $(MG_SRC)/*.h)
 
 NATIVE_LIBS = libnvidia-ml.so.1 libcuda.so.1 libmemguard.so mg_ctest
 
-.PHONY: all setup native native-asan proto run test test-fast bench lint clean tools floors
+.PHONY: all setup native native-asan proto run test test-fast bench lint clean tools floors image-lock
 
 all: setup
 
@@ -129,6 +129,23 @@ $(FLOORS_VENV)/.installed: pyproject.toml tests/dependency_floors.py
 	$(PYTHON) tests/dependency_floors.py pins > $(FLOORS_VENV)/floors.txt
 	$(FLOORS_VENV)/bin/pip install -q --disable-pip-version-check --only-binary=:all: -r $(FLOORS_VENV)/floors.txt
 	touch $@
+
+# The image's Python dependencies locked with hashes (the Dockerfile installs them with
+# --require-hashes): requirements.lock (runtime) and build-requirements.lock (the wheel
+# stage). Regenerate after changing pyproject.toml's dependencies. uv is pinned and
+# project-local, like helm.
+UV_VERSION := 0.13.9
+UV_VENV    := build/tools/uv-$(UV_VERSION)
+IMAGE_DIR  := deploy/daemonset
+$(UV_VENV)/bin/uv:
+	$(PYTHON) -m venv $(UV_VENV)
+	$(UV_VENV)/bin/pip install -q --disable-pip-version-check uv==$(UV_VERSION)
+image-lock: $(UV_VENV)/bin/uv
+	$(UV_VENV)/bin/uv pip compile pyproject.toml --universal --python-version 3.11 --generate-hashes \
+	  --constraints $(IMAGE_DIR)/image-constraints.txt --custom-compile-command "make image-lock" \
+	  --quiet -o $(IMAGE_DIR)/requirements.lock
+	$(UV_VENV)/bin/uv pip compile $(IMAGE_DIR)/build-requirements.in --universal --python-version 3.11 \
+	  --generate-hashes --custom-compile-command "make image-lock" --quiet -o $(IMAGE_DIR)/build-requirements.lock
 
 test: setup native-asan tools floors
 	$(PY) -m pytest -q -p no:cacheprovider tests
