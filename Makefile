@@ -77,9 +77,10 @@ run: setup
 	$(VENV)/bin/gpufrac run
 
 # Command-line tools the tests use besides the venv: kubectl (tests/integration/
-# test_deploy_manifests.py runs `kubectl kustomize`) and promtool (tests/integration/
-# test_metrics.py runs `promtool check metrics`). An existing one is kept; otherwise
-# its Debian package is installed when we are root. $(call need_tool,COMMAND,PACKAGE)
+# test_deploy_manifests.py runs `kubectl kustomize`), promtool (tests/integration/
+# test_metrics.py runs `promtool check metrics`) and helm (below). For kubectl and
+# promtool an existing one is kept; otherwise its Debian package is installed when we
+# are root. $(call need_tool,COMMAND,PACKAGE)
 define need_tool
 	@command -v $(1) >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \

@@ -283,6 +283,21 @@ def test_install_refuses_without_an_image_repository() -> None:
     assert "image/digest" in _render_error(**{"image.digest": "latest"})
 
 
+def test_a_namespace_managed_elsewhere() -> None:
+    objs = _render(**{"namespace.create": False, "namespace.name": "gpu-infra"})
+    assert "Namespace" not in {o["kind"] for o in objs}
+    assert {o["metadata"].get("namespace") for o in objs} == {None, "gpu-infra"}
+    (binding,) = [o for o in objs if o["kind"] == "ClusterRoleBinding"]
+    assert binding["subjects"][0]["namespace"] == "gpu-infra"
+
+
+def test_chart_refuses_kubernetes_older_than_the_manifests_support() -> None:
+    args = ("template", "gpufrac", str(CHART), *_sets({"image.repository": PLACEHOLDER}))
+    assert _helm(*args, "--kube-version", "1.28.0").returncode == 0
+    old = _helm(*args, "--kube-version", "1.27.9", check=False)
+    assert old.returncode != 0 and "kubeVersion" in old.stderr
+
+
 def test_allow_delete_needs_the_pod_delete_grant() -> None:
     err = _render_error(config={"idle": {"allowDelete": True}})
     assert "rbac.podDelete" in err
