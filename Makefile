@@ -151,7 +151,7 @@ image-lock: $(UV_VENV)/bin/uv
 test: setup native-asan tools floors
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
-test-fast: setup tools
+test-fast: setup tools floors
 	$(PY) -m pytest -q -x -p no:cacheprovider tests -m 'not slow'
 
 bench: setup
