@@ -2128,7 +2128,12 @@ static void *mg_proc_hook(const char *symbol, void *p, int version, cuuint64_t f
     int best = -1, best_any = -1;
     for (int i = 0; i < S_COUNT; i++) {
         const mg_sym_t *e = &g_syms[i];
-        if (e->lib != LIB_CUDA || strcmp(e->base, symbol) != 0) continue;
+        if (e->lib != LIB_CUDA) continue;
+        /* Asked by a variant's own name (cuGraphInstantiateWithFlags): the driver's export. */
+        if (strcmp(e->base, symbol) != 0) {
+            if (strcmp(e->name, symbol) == 0 && mg_real(i) == p) return e->hook;
+            continue;
+        }
         if (p == e->hook) return p;
         if (mg_real(i) == p) return e->hook; /* the driver's own choice, matched by address */
         if (e->version > version) continue;
