@@ -86,16 +86,13 @@ def nvml_used(shim: Shim, pid: int) -> int:
         return sum(p.used_bytes for p in node.live_procs() if p.pid == pid)
 
 
-HOLD = (
-    """
+HOLD = f"""
 ctx = chk(cu.cuDevicePrimaryCtxRetain(dev))
 chk(cu.cuCtxSetCurrent(ctx))
-mod = chk(cu.cuModuleLoadData(b"SIMGPU-MODULE:%d\\0"))
+mod = chk(cu.cuModuleLoadData(b"SIMGPU-MODULE:{MOD}\\0"))
 say(step="held", used=used())
 sys.stdin.readline()
 """
-    % MOD
-)
 
 
 def test_each_process_context_and_module_count_and_the_third_does_not_fit(
@@ -176,8 +173,8 @@ def test_context_module_and_limits_counted_and_released(
         r = cu.cuMemAlloc(int(free) + 2 * 2**20)
         say(step="too-big", rc=rc(r))
         r = cu.cuCtxSetLimit(cu.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE, 8 * 2**20 + 512 * 2**20)
-        say(step="heap-too-big", rc=rc(r), heap=int(chk(cu.cuCtxGetLimit(cu.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE))),
-            used=used())
+        heap_now = int(chk(cu.cuCtxGetLimit(cu.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE)))
+        say(step="heap-too-big", rc=rc(r), heap=heap_now, used=used())
         chk(cu.cuCtxSetLimit(cu.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE, 8 * 2**20))
         say(step="heap-lowered", used=used(), nvml=nvml())
         chk(cu.cuModuleUnload(mod))
@@ -238,3 +235,50 @@ def test_no_context_cost_counts_nothing_more(shim: Shim, container: Callable[...
         """,
     )
     assert out == {"used": 4 * MiB}
+
+
+def test_workers_starting_together_are_each_charged_their_own_context(
+    ctx_shim: Shim, container: Callable[..., Container]
+) -> None:
+    """Four workers of one container create their contexts and load their modules at
+    the same moment (a context takes time to set up, so the calls overlap): the
+    measurements are taken in turn across the container, so no worker is charged
+    for a sibling's context, and each one's count is what NVML shows for it."""
+    c = container(request=4096 * MiB, limit=4096 * MiB)
+    body = (
+        """
+import sys
+sys.stdin.readline()
+"""
+        + HOLD
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", PRE + body],
+            env=ctx_shim.env(c),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    try:
+        for p in procs:  # all of them up, waiting
+            assert p.stdin is not None
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        for p in procs:
+            line = read_line(p)
+            assert json.loads(line)["step"] == "held", line
+        per_process = [nvml_used(ctx_shim, p.pid) for p in procs]
+        slots = {s.pid: int(s.used_bytes) for s in c.live_slots()}
+        assert per_process == [CTX + MOD] * 4
+        assert [slots.get(p.pid) for p in procs] == per_process
+        assert c.total() == 4 * (CTX + MOD)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.stdin.close()
+                p.wait(timeout=TIMEOUT)

@@ -1001,6 +1001,8 @@ static MG_COLD CUresult mg_refuse(mg_proc_slot_t *s) {
 
 CUresult mg_x_refuse(void) { return mg_refuse(atomic_load_explicit(&g_slot, memory_order_acquire)); }
 
+const char *mg_container_dir(void) { return g_dir; }
+
 uint64_t mg_container_total(void) {
     return g_usage ? atomic_load_explicit(&g_usage->total_used, memory_order_acquire) : 0;
 }

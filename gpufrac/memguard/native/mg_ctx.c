@@ -15,13 +15,19 @@
  * unloaded, limit lowered) uncounts exactly what was charged for it; a context
  * going also uncounts its modules and limits, which the driver frees with it.
  *
- * Concurrency. One process-local mutex serialises this process's measured
- * calls. The reading is device-wide, so memory other processes take or give
- * back during the call would be misattributed; two corrections bound it:
+ * Concurrency. The reading is device-wide, so memory other processes take or
+ * give back during the call would be misattributed. Three things bound it:
+ *   - measured calls are serialised: within the process by a process-local
+ *     mutex, across the container's processes by flock() on its usage file
+ *     (the kernel drops it when its holder dies, so no dead process can hold
+ *     it; a holder that keeps it past MG_MEASURE_WAIT_MS, which only a tenant's
+ *     own process could do, is waited out and the call measured anyway) — so
+ *     two workers of one container starting together never count each other's
+ *     contexts;
  *   - the container's own counted total (the usage file) is read at both ends
- *     and its change subtracted: explicit allocations and measured objects of
- *     the container's other processes (and of this process's other threads)
- *     counted in that window do not land on this object;
+ *     and its change subtracted: explicit allocations of the container's other
+ *     processes (and this process's other threads) counted in that window do
+ *     not land on this object;
  *   - the result is clamped to [0, the memory that was free before the call].
  * What is left is the net memory other containers' processes took or freed
  * during the call itself (a context creation: milliseconds on simgpu, up to a
@@ -39,7 +45,14 @@
  * default, loads kernels at first launch) is not seen here.
  */
 #include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
+#include <stdio.h>
+#include <sys/file.h>
+#include <time.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -109,23 +122,55 @@ static int mg_dev_mem(CUdevice dev, uint64_t *used, uint64_t *free_) {
     return -1;
 }
 
+#define MG_MEASURE_WAIT_MS 2000
+static int g_ov_fd = -1; /* the usage file, for flock (under g_ov_mu) */
+
+/* Take the container's measuring turn (see the top): 1 if held. */
+static int turn_take(void) {
+    if (g_ov_fd < 0) {
+        char path[PATH_MAX + 16];
+        snprintf(path, sizeof path, "%s/usage", mg_container_dir());
+        g_ov_fd = open(path, O_RDWR | O_CLOEXEC);
+        if (g_ov_fd < 0) return 0;
+    }
+    for (int waited = 0; waited < MG_MEASURE_WAIT_MS; waited++) {
+        if (flock(g_ov_fd, LOCK_EX | LOCK_NB) == 0) return 1;
+        if (errno != EWOULDBLOCK && errno != EINTR) return 0;
+        struct timespec ts = {0, 1000000L};
+        nanosleep(&ts, NULL);
+    }
+    return 0;
+}
+
 typedef struct {
     CUdevice dev;
     uint64_t used0, free0, total0;
-    int ok;
+    int ok, turn;
 } mg_meas_t;
 
-/* Callers hold g_ov_mu from meas_begin to meas_end. */
+/* Callers hold g_ov_mu from meas_begin to meas_release, which must follow every
+ * meas_begin, after the measured bytes are charged (or the call undone): a sibling
+ * measuring next must see them in the container's total before its window. */
 static void meas_begin(mg_meas_t *m, CUdevice dev) {
     m->dev = dev;
+    m->turn = turn_take();
     m->total0 = mg_container_total();
     m->ok = mg_dev_mem(dev, &m->used0, &m->free0) == 0;
 }
 
-/* The memory the call took (negative: gave back), corrected and clamped (see top). */
-static int64_t meas_end(mg_meas_t *m) {
-    uint64_t used1, free1;
-    if (!m->ok || mg_dev_mem(m->dev, &used1, &free1) != 0) {
+static void meas_release(mg_meas_t *m) {
+    if (m->turn) flock(g_ov_fd, LOCK_UN);
+    m->turn = 0;
+}
+
+/* The memory the call took (negative: gave back), corrected and clamped (see top);
+ * `rc`: the call's result (a failed call took nothing). */
+static int64_t meas_end(mg_meas_t *m, CUresult rc) {
+    uint64_t used1 = 0, free1;
+    int ok = m->ok && rc == CUDA_SUCCESS && mg_dev_mem(m->dev, &used1, &free1) == 0;
+    uint64_t total1 = mg_container_total();
+    if (rc != CUDA_SUCCESS) return 0;
+    if (!ok) {
         if (!g_warned_measure) {
             g_warned_measure = 1;
             mg_log("cannot read the device's memory (NVML or cuMemGetInfo): context and module memory "
@@ -134,7 +179,7 @@ static int64_t meas_end(mg_meas_t *m) {
         return 0;
     }
     int64_t d = (int64_t)(used1 - m->used0);
-    int64_t others = (int64_t)(mg_container_total() - m->total0);
+    int64_t others = (int64_t)(total1 - m->total0);
     d -= others;
     if (d > (int64_t)m->free0) d = (int64_t)m->free0;
     return d;
@@ -240,12 +285,13 @@ CUresult mg_h_cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     pthread_mutex_lock(&g_ov_mu);
     mg_ov_t *o = ov_find(OV_PRIMARY, 0, dev);
     mg_meas_t m;
-    if (!o || o->refs == 0) meas_begin(&m, dev);
+    int measure = !o || o->refs == 0;
+    if (measure) meas_begin(&m, dev);
     CUresult rc = XCALL(cuDevicePrimaryCtxRetain, pctx, dev);
-    if (rc == CUDA_SUCCESS && o && o->refs > 0) {
+    int64_t d = measure ? meas_end(&m, rc) : 0;
+    if (rc == CUDA_SUCCESS && !measure) {
         o->refs++;
     } else if (rc == CUDA_SUCCESS) { /* it became active now: it took its memory */
-        int64_t d = meas_end(&m);
         if (!o) o = ov_add(OV_PRIMARY, 0, dev, 0);
         if (o) o->key = 0, o->ctx = (uint64_t)(uintptr_t)*pctx, o->refs = 1;
         else ov_warn_full();
@@ -256,6 +302,7 @@ CUresult mg_h_cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
             rc = mg_x_refuse();
         }
     }
+    if (measure) meas_release(&m);
     pthread_mutex_unlock(&g_ov_mu);
     return rc;
 }
@@ -296,8 +343,8 @@ CUresult mg_h_cuDevicePrimaryCtxReset_v2(CUdevice dev) { return primary_release(
         mg_meas_t m_;                                                          \
         meas_begin(&m_, (dev));                                                \
         CUresult rc_ = (rc_expr);                                              \
+        int64_t d_ = meas_end(&m_, rc_);                                       \
         if (rc_ == CUDA_SUCCESS && (handle_ptr)) {                             \
-            int64_t d_ = meas_end(&m_);                                        \
             mg_ov_t *o_ = ov_add((kind), (uint64_t)(uintptr_t)*(handle_ptr), 0, 0); \
             if (!o_) ov_warn_full();                                           \
             if (ov_charge(o_, d_) != 0) {                                      \
@@ -307,6 +354,7 @@ CUresult mg_h_cuDevicePrimaryCtxReset_v2(CUdevice dev) { return primary_release(
                 rc_ = mg_x_refuse();                                           \
             }                                                                  \
         }                                                                      \
+        meas_release(&m_);                                                     \
         pthread_mutex_unlock(&g_ov_mu);                                        \
         return rc_;                                                            \
     } while (0)
@@ -367,9 +415,9 @@ CUresult mg_h_cuCtxSetLimit(int limit, size_t value) {
     mg_meas_t m;
     meas_begin(&m, mg_cur_dev());
     CUresult rc = XCALL(cuCtxSetLimit, limit, value);
+    int64_t d = meas_end(&m, rc);
     uint64_t freed = 0;
     if (rc == CUDA_SUCCESS) {
-        int64_t d = meas_end(&m);
         mg_ov_t *o = ov_find(OV_LIMIT, ctx, limit);
         if (d < 0 && o) { /* lowered: give back what it gave back, at most what was counted for it */
             freed = (uint64_t)-d < o->bytes ? (uint64_t)-d : o->bytes;
@@ -384,6 +432,7 @@ CUresult mg_h_cuCtxSetLimit(int limit, size_t value) {
             }
         }
     }
+    meas_release(&m);
     pthread_mutex_unlock(&g_ov_mu);
     ov_freed(freed);
     return rc;
@@ -400,8 +449,8 @@ CUresult mg_h_cuCtxSetLimit(int limit, size_t value) {
         mg_meas_t m_;                                                          \
         meas_begin(&m_, mg_cur_dev());                                         \
         CUresult rc_ = (rc_expr);                                              \
+        int64_t d_ = meas_end(&m_, rc_);                                       \
         if (rc_ == CUDA_SUCCESS && (handle_ptr)) {                             \
-            int64_t d_ = meas_end(&m_);                                        \
             mg_ov_t *o_ = ov_add((kind), (uint64_t)(uintptr_t)*(handle_ptr), 0, (kind) == OV_MODULE ? ctx_ : 0); \
             if (!o_) ov_warn_full();                                           \
             if (ov_charge(o_, d_) != 0) {                                      \
@@ -411,6 +460,7 @@ CUresult mg_h_cuCtxSetLimit(int limit, size_t value) {
                 rc_ = mg_x_refuse();                                           \
             }                                                                  \
         }                                                                      \
+        meas_release(&m_);                                                     \
         pthread_mutex_unlock(&g_ov_mu);                                        \
         return rc_;                                                            \
     } while (0)
@@ -470,6 +520,8 @@ CUresult mg_h_cuLibraryUnload(CUlibrary library) {
 static void mg_ctx_atfork_child(void) {
     pthread_mutex_init(&g_ov_mu, NULL);
     g_ov_n = 0;
+    if (g_ov_fd >= 0) close(g_ov_fd); /* its own open file: flock is per open file */
+    g_ov_fd = -1;
 }
 
 __attribute__((constructor)) static void mg_ctx_init(void) { pthread_atfork(NULL, NULL, mg_ctx_atfork_child); }

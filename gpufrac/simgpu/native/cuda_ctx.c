@@ -48,6 +48,10 @@ static CUresult ctx_charge(struct CUctx_st *c) {
     uint64_t bytes = (uint64_t)cu_node()->gpus[c->gpu].ctx_mib << 20;
     if (bytes && cu_charge(c->gpu, bytes)) return CUDA_ERROR_OUT_OF_MEMORY;
     c->charged = bytes;
+    /* Setting a context up takes time on a GPU (hundreds of ms on real hardware); a
+     * node whose contexts take memory also makes them take 20 ms, so what else
+     * happens on the GPU meanwhile is part of the picture, as there. */
+    if (bytes) cu_sleep_until(sim_now_ns() + 20 * 1000 * 1000);
     return CUDA_SUCCESS;
 }
 
