@@ -17,13 +17,15 @@
  *
  * Concurrency. The reading is device-wide, so memory other processes take or
  * give back during the call would be misattributed. Three things bound it:
- *   - measured calls are serialised: within the process by a process-local
- *     mutex, across the container's processes by flock() on its usage file
- *     (the kernel drops it when its holder dies, so no dead process can hold
- *     it; a holder that keeps it past MG_MEASURE_WAIT_MS, which only a tenant's
- *     own process could do, is waited out and the call measured anyway) — so
- *     two workers of one container starting together never count each other's
- *     contexts;
+ *   - measured calls on one device take turns: within the process under a
+ *     process-local mutex, across the container's processes by an
+ *     open-file-description lock on that device's byte of the usage file (the
+ *     kernel drops it when its holder dies, so no dead process can hold it; a
+ *     holder that keeps it past MG_MEASURE_WAIT_MS, which only a tenant's own
+ *     process could do, is waited out and the call measured anyway) — so two
+ *     workers of one container starting together never count each other's
+ *     contexts. The price: their context creations on one GPU run one after
+ *     the other;
  *   - the container's own counted total (the usage file) is read at both ends
  *     and its change subtracted: explicit allocations of the container's other
  *     processes (and this process's other threads) counted in that window do
@@ -50,7 +52,6 @@
 #include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
-#include <sys/file.h>
 #include <time.h>
 #include <unistd.h>
 #include <stdlib.h>
@@ -123,10 +124,18 @@ static int mg_dev_mem(CUdevice dev, uint64_t *used, uint64_t *free_) {
 }
 
 #define MG_MEASURE_WAIT_MS 2000
-static int g_ov_fd = -1; /* the usage file, for flock (under g_ov_mu) */
+static int g_ov_fd = -1; /* the usage file, for the turn locks (under g_ov_mu) */
 
-/* Take the container's measuring turn (see the top): 1 if held. */
-static int turn_take(void) {
+/* An open-file-description lock on byte `dev` of the usage file: one turn per
+ * device, so processes on different GPUs of a container never wait for each other. */
+static int turn_lock(CUdevice dev, short type) {
+    struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = dev, .l_len = 1};
+    return fcntl(g_ov_fd, F_OFD_SETLK, &fl);
+}
+
+/* Take the container's measuring turn on `dev` (see the top): 1 if held. */
+static int turn_take(CUdevice dev) {
+    if (dev < 0) return 0;
     if (g_ov_fd < 0) {
         char path[PATH_MAX + 16];
         snprintf(path, sizeof path, "%s/usage", mg_container_dir());
@@ -134,8 +143,8 @@ static int turn_take(void) {
         if (g_ov_fd < 0) return 0;
     }
     for (int waited = 0; waited < MG_MEASURE_WAIT_MS; waited++) {
-        if (flock(g_ov_fd, LOCK_EX | LOCK_NB) == 0) return 1;
-        if (errno != EWOULDBLOCK && errno != EINTR) return 0;
+        if (turn_lock(dev, F_WRLCK) == 0) return 1;
+        if (errno != EAGAIN && errno != EACCES && errno != EINTR) return 0;
         struct timespec ts = {0, 1000000L};
         nanosleep(&ts, NULL);
     }
@@ -153,13 +162,13 @@ typedef struct {
  * measuring next must see them in the container's total before its window. */
 static void meas_begin(mg_meas_t *m, CUdevice dev) {
     m->dev = dev;
-    m->turn = turn_take();
+    m->turn = turn_take(dev);
     m->total0 = mg_container_total();
     m->ok = mg_dev_mem(dev, &m->used0, &m->free0) == 0;
 }
 
 static void meas_release(mg_meas_t *m) {
-    if (m->turn) flock(g_ov_fd, LOCK_UN);
+    if (m->turn) turn_lock(m->dev, F_UNLCK);
     m->turn = 0;
 }
 
@@ -520,7 +529,7 @@ CUresult mg_h_cuLibraryUnload(CUlibrary library) {
 static void mg_ctx_atfork_child(void) {
     pthread_mutex_init(&g_ov_mu, NULL);
     g_ov_n = 0;
-    if (g_ov_fd >= 0) close(g_ov_fd); /* its own open file: flock is per open file */
+    if (g_ov_fd >= 0) close(g_ov_fd); /* its own open file: the turn locks are per open file */
     g_ov_fd = -1;
 }
 
