@@ -282,3 +282,34 @@ sys.stdin.readline()
             if p.poll() is None:
                 p.stdin.close()
                 p.wait(timeout=TIMEOUT)
+
+
+def test_a_module_that_does_not_fit_is_refused_and_unloaded(
+    ctx_shim: Shim, container: Callable[..., Container], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A module whose code and data would take the container past its limit fails
+    to load with OUT_OF_MEMORY and leaves nothing on the GPU (NVML shows only the
+    context); one loaded from a file (cuModuleLoad) is charged like one from memory."""
+    image = tmp_path_factory.mktemp("mod") / "kernels.simgpu"
+    image.write_bytes(b"SIMGPU-MODULE:%d\0" % (32 * MiB))
+    c = container(request=600 * MiB, limit=600 * MiB)
+    out = run(
+        ctx_shim,
+        c,
+        f"""
+        pid = os.getpid()
+        def nvml():
+            from gpufrac.simgpu.nodestate import NodeState
+            with NodeState(os.environ["SIMGPU_STATE"]) as n:
+                return sum(p.used_bytes for p in n.live_procs() if p.pid == pid)
+        ctx = chk(cu.cuDevicePrimaryCtxRetain(dev))
+        chk(cu.cuCtxSetCurrent(ctx))
+        r = cu.cuModuleLoadData(b"SIMGPU-MODULE:{128 * MiB}\\0")
+        say(step="big", rc=rc(r), used=used(), nvml=nvml())
+        mod = chk(cu.cuModuleLoad({str(image)!r}.encode()))
+        say(step="file", used=used(), nvml=nvml())
+        """,
+    )
+    by = {o["step"]: o for o in out}
+    assert by["big"] == {"step": "big", "rc": OOM, "used": CTX, "nvml": CTX}
+    assert by["file"]["used"] == by["file"]["nvml"] == CTX + 32 * MiB
