@@ -23,6 +23,8 @@ SIM_HDR := $(wildcard $(SIM_SRC)/*.h)
 # The fake libcuda is split by area: cuda.c (core, symbol table), cuda_*.c (the rest).
 CUDA_SRC := $(sort $(wildcard $(SIM_SRC)/cuda*.c))
 MG_HDR  := $(wildcard $(MG_SRC)/*.h)
+# libmemguard.so: memguard.c and every mg_*.c but the test program mg_ctest.c.
+MG_LIB_SRC := $(MG_SRC)/memguard.c $(sort $(filter-out $(MG_SRC)/mg_ctest.c,$(wildcard $(MG_SRC)/mg_*.c)))
 
 NATIVE_LIBS = libnvidia-ml.so.1 libcuda.so.1 libmemguard.so mg_ctest
 
@@ -54,9 +56,9 @@ $(1)/libnvidia-ml.so.1: $(SIM_SRC)/nvml.c $(SIM_SRC)/simstate.c $(SIM_HDR)
 $(1)/libcuda.so.1: $(CUDA_SRC) $(SIM_SRC)/simstate.c $(SIM_HDR)
 	@mkdir -p $(1)
 	$(CC) $(2) -shared -Wl,-soname,libcuda.so.1 -Wl,-Bsymbolic -o $$@ $(CUDA_SRC) $(SIM_SRC)/simstate.c $(LDLIBS)
-$(1)/libmemguard.so: $(MG_SRC)/memguard.c $(MG_HDR)
+$(1)/libmemguard.so: $(MG_LIB_SRC) $(MG_HDR)
 	@mkdir -p $(1)
-	$(CC) $(2) -shared -o $$@ $(MG_SRC)/memguard.c $(LDLIBS)
+	$(CC) $(2) -shared -o $$@ $(MG_LIB_SRC) $(LDLIBS)
 $(1)/mg_ctest: $(MG_SRC)/mg_ctest.c $(MG_HDR) $(SIM_SRC)/cuda_abi.h $(1)/libcuda.so.1
 	@mkdir -p $(1)
 	$(CC) $(2) -I$(SIM_SRC) -o $$@ $(MG_SRC)/mg_ctest.c -L$(1) -l:libcuda.so.1 -Wl,-rpath,'$$$$ORIGIN' $(LDLIBS)

@@ -81,6 +81,7 @@ class GpuSpec:
     host_bridge: str = ""
     pcie_switch: str = ""  # "" = directly under the host bridge; "a/b" = switch b below switch a
     uuid: str = ""  # "" = derived from node name and index
+    context_memory: int = 0  # bytes each CUDA context takes on the device (whole MiB)
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,7 @@ _GPU_KEYS = {
     "host_bridge",
     "pcie_switch",
     "uuid",
+    "context_memory",
 }
 _NODE_KEYS = {
     "preset",
@@ -265,6 +267,10 @@ def _gpu(i: int, raw: Mapping[str, Any], count: int) -> GpuSpec:
     peers += [NVLINK_NVSWITCH] * _int(f"{key}.nvswitch_links", d.get("nvswitch_links", 0), 0)
     if len(peers) > ns.MAX_NVLINKS:
         raise _fail(f"{key}.nvlinks", nvl, f"gives {len(peers)} links, more than {ns.MAX_NVLINKS}")
+    ctx_mem = _bytes(f"{key}.context_memory", d.get("context_memory", 0))
+    if ctx_mem % MiB or ctx_mem >= memory - reserved:
+        why = "is not a whole number of MiB below the usable memory"
+        raise _fail(f"{key}.context_memory", d.get("context_memory"), why)
     numa = d.get("numa_node")
     uid = d.get("uuid", "")
     if uid and not (isinstance(uid, str) and uid.startswith("GPU-") and len(uid) < ns.UUID_LEN):
@@ -284,6 +290,7 @@ def _gpu(i: int, raw: Mapping[str, Any], count: int) -> GpuSpec:
         host_bridge=str(d.get("host_bridge", "")),
         pcie_switch=str(d.get("pcie_switch", "")),
         uuid=uid,
+        context_memory=ctx_mem,
     )
 
 
@@ -456,6 +463,7 @@ def fill_node(node: ns.Node, spec: NodeSpec) -> None:
         out.reserved_bytes = g.reserved
         out.sm_count = g.sm_count
         out.cc_major, out.cc_minor = g.compute_capability
+        out.ctx_mib = g.context_memory // MiB
     # Magic last: a reader that maps a file still being filled rejects it.
     node.magic = ns.MAGIC
 

@@ -71,6 +71,7 @@
 #include <unistd.h>
 
 #include "memguard_abi.h"
+#include "mg_internal.h"
 
 #define MG_LIKELY(x) __builtin_expect(!!(x), 1)
 #define MG_UNLIKELY(x) __builtin_expect(!!(x), 0)
@@ -118,6 +119,8 @@ typedef struct CUfunc_st *CUfunction;
 typedef struct CUgraphExec_st *CUgraphExec;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct CUarray_st *CUarray;
+typedef struct CUmipmappedArray_st *CUmipmappedArray;
+typedef struct CUmemPoolProps_st CUmemPoolProps; /* read through mg_loc_head_t */
 typedef struct CUmemAllocationProp_st CUmemAllocationProp; /* only passed through */
 typedef struct CUlaunchConfig_st CUlaunchConfig;           /* only passed through */
 typedef int CUdriverProcAddressQueryResult;
@@ -159,7 +162,6 @@ typedef struct {
 /* ------------------------------------------------------------------------ */
 /* The hook table.                                                           */
 
-enum { LIB_CUDA, LIB_NVML };
 static const char *const g_lib_names[] = {"libcuda.so.1", "libnvidia-ml.so.1"};
 
 /* X(exported name, base name for cuGetProcAddress, cudaVersion the driver maps
@@ -195,6 +197,9 @@ static const char *const g_lib_names[] = {"libcuda.so.1", "libnvidia-ml.so.1"};
     X(cuArrayCreate_v2, "cuArrayCreate", 3020, LIB_CUDA, 0)                    \
     X(cuArray3DCreate_v2, "cuArray3DCreate", 3020, LIB_CUDA, 0)                \
     X(cuArrayDestroy, "cuArrayDestroy", 2000, LIB_CUDA, 0)                     \
+    X(cuMipmappedArrayCreate, "cuMipmappedArrayCreate", 5000, LIB_CUDA, 0)     \
+    X(cuMipmappedArrayDestroy, "cuMipmappedArrayDestroy", 5000, LIB_CUDA, 0)   \
+    X(cuMemPoolCreate, "cuMemPoolCreate", 11020, LIB_CUDA, 0)                  \
     X(cuMemGetInfo, "cuMemGetInfo", 2000, LIB_CUDA, 0)                         \
     X(cuMemGetInfo_v2, "cuMemGetInfo", 3020, LIB_CUDA, 0)                      \
     X(cuDeviceTotalMem, "cuDeviceTotalMem", 2000, LIB_CUDA, 0)                 \
@@ -210,7 +215,9 @@ static const char *const g_lib_names[] = {"libcuda.so.1", "libnvidia-ml.so.1"};
     X(nvmlDeviceGetMemoryInfo, "nvmlDeviceGetMemoryInfo", 0, LIB_NVML, 0)      \
     X(nvmlDeviceGetMemoryInfo_v2, "nvmlDeviceGetMemoryInfo_v2", 0, LIB_NVML, 0)
 
+/* The other sources' entries (mg_internal.h) take the first indices. */
 enum {
+    S_EXTRA_LAST = S_EXTRA_COUNT - 1,
 #define MG_ENUM(sym, base, ver, lib, ptds) S_##sym,
     MG_SYMBOLS(MG_ENUM)
 #undef MG_ENUM
@@ -249,8 +256,7 @@ static int32_t g_pid;
 static uint64_t g_start; /* this process's /proc starttime, set when it claims a slot */
 static _Atomic int g_warned_track, g_warned_slots, g_warned_config;
 
-static void mg_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void mg_log(const char *fmt, ...) {
+void mg_log(const char *fmt, ...) {
     char buf[512];
     int n = snprintf(buf, sizeof buf, "memguard[%d]: ", (int)getpid());
     va_list ap;
@@ -306,6 +312,7 @@ typedef struct {
 
 static mg_tab_t g_ptrs, g_arrays, g_handles, g_maps;
 static mg_tab_t g_pslop; /* pool allocations: footprint - size, when not 0 (see mg_pool_alloc) */
+static mg_tab_t g_hostpools; /* pools created with a host location: never counted */
 
 static int mg_tab_init(mg_tab_t *t, unsigned bits) {
     size_t bytes = sizeof(mg_ent_t) << bits;
@@ -430,6 +437,14 @@ static inline void *mg_real(int i) {
     return MG_LIKELY(p != NULL) ? p : mg_resolve(i);
 }
 
+void *mg_real_fn(int i) { return mg_real(i); }
+
+void *mg_driver_fn(int lib, const char *name) {
+    void *h = mg_lib(lib);
+    dlsym_fn real_dlsym = mg_real_dlsym();
+    return h && real_dlsym ? real_dlsym(h, name) : NULL;
+}
+
 /* The real function of hook `sym`, typed like the hook. */
 #define REAL(sym) ((__typeof__(&mg_h_##sym))mg_real(S_##sym))
 /* Call it, or report "not found" if the driver lacks it. */
@@ -538,7 +553,8 @@ static int mg_do_init(void) {
     g_usage = usage;
     unsigned bits = mg_track_bits();
     if (mg_tab_init(&g_ptrs, bits) || mg_tab_init(&g_arrays, bits > 16 ? 16 : bits) ||
-        mg_tab_init(&g_handles, bits) || mg_tab_init(&g_maps, bits) || mg_tab_init(&g_pslop, bits)) {
+        mg_tab_init(&g_handles, bits) || mg_tab_init(&g_maps, bits) || mg_tab_init(&g_pslop, bits) ||
+        mg_tab_init(&g_hostpools, 10)) {
         mg_log("cannot map allocation tables: %s; refusing GPU allocations", strerror(errno));
         return MODE_BROKEN;
     }
@@ -722,6 +738,7 @@ static void mg_atfork_child(void) {
         mg_tab_reset(&g_handles);
         mg_tab_reset(&g_maps);
         mg_tab_reset(&g_pslop);
+        mg_tab_reset(&g_hostpools);
     }
 }
 
@@ -930,7 +947,7 @@ static uint64_t mg_unused_grant(mg_limits_t *l, uint64_t *used) {
     return unused > l->grant ? l->grant : unused;
 }
 
-static void mg_maybe_return_grant(void) {
+void mg_maybe_return_grant(void) {
     mg_limits_t l;
     uint64_t used = 0, unused = mg_unused_grant(&l, &used);
     if (MG_LIKELY(unused == 0)) return;
@@ -982,6 +999,14 @@ static MG_COLD CUresult mg_refuse(mg_proc_slot_t *s) {
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
+CUresult mg_x_refuse(void) { return mg_refuse(atomic_load_explicit(&g_slot, memory_order_acquire)); }
+
+const char *mg_container_dir(void) { return g_dir; }
+
+uint64_t mg_container_total(void) {
+    return g_usage ? atomic_load_explicit(&g_usage->total_used, memory_order_acquire) : 0;
+}
+
 /* This process's share of bytes already added to the total (and its peak). */
 static void mg_slot_add(mg_proc_slot_t *s, uint64_t bytes) {
     uint64_t mine = atomic_fetch_add_explicit(&s->used_bytes, bytes, memory_order_relaxed) + bytes;
@@ -993,7 +1018,7 @@ static void mg_slot_add(mg_proc_slot_t *s, uint64_t bytes) {
 
 /* Count bytes the driver already holds, limit or not (the truth is never
  * left uncounted; a limit check comes before or right after, see mg_admit). */
-static void mg_force_charge(uint64_t bytes) {
+void mg_force_charge(uint64_t bytes) {
     mg_proc_slot_t *s = mg_slot();
     if (!s || bytes == 0) return; /* no slot: this process has no allocation to count either */
     uint64_t cur = atomic_load_explicit(&g_usage->total_used, memory_order_relaxed), next;
@@ -1007,7 +1032,7 @@ static void mg_force_charge(uint64_t bytes) {
 /* `bytes` were counted by force (the driver had already reserved them): may
  * the container keep them? Yes within request + grant; past it, the arbiter
  * decides as for any burst (the total already holds them); past the limit, no. */
-static MG_COLD int mg_admit(uint64_t bytes) {
+MG_COLD int mg_admit(uint64_t bytes) {
     mg_proc_slot_t *s = mg_slot();
     if (!s) return 0;
     int reaped = 0, asked = 0;
@@ -1030,7 +1055,7 @@ static MG_COLD int mg_admit(uint64_t bytes) {
 }
 
 /* Count `bytes` for this process before the real allocation. */
-static CUresult mg_charge(uint64_t bytes) {
+CUresult mg_charge(uint64_t bytes) {
     mg_proc_slot_t *s = mg_slot();
     if (MG_UNLIKELY(!s)) return CUDA_ERROR_OUT_OF_MEMORY;
     if (MG_UNLIKELY(atomic_load_explicit(&s->swapped, memory_order_acquire))) mg_swap_in(s);
@@ -1065,7 +1090,7 @@ static CUresult mg_charge(uint64_t bytes) {
 }
 
 /* Give back `bytes` counted for this process (slot first, then total). */
-static void mg_uncharge(uint64_t bytes) {
+void mg_uncharge(uint64_t bytes) {
     mg_proc_slot_t *s = atomic_load_explicit(&g_slot, memory_order_acquire);
     if (!s || bytes == 0) return;
     mg_sat_sub(&s->used_bytes, bytes);
@@ -1110,6 +1135,8 @@ static void mg_freed(mg_tab_t *t, CUresult rc, uint64_t key, int found, uint64_t
 
 static inline int mg_on(void) { return mg_mode() == MODE_ON; }
 static inline int mg_refusing(void) { return mg_mode() == MODE_BROKEN; }
+int mg_x_on(void) { return mg_on(); }
+int mg_x_refusing(void) { return mg_refusing(); }
 
 /* The container's view of memory, given the driver's. Returns 0 to leave the
  * driver's numbers as they are. */
@@ -1154,6 +1181,40 @@ static uint64_t mg_array_bytes(size_t w, size_t h, size_t d, int format, unsigne
         __builtin_mul_overflow(r, elem * channels, &r))
         return UINT64_MAX;
     return r;
+}
+
+/* Bytes of a mipmapped array: every level (each dimension halved, at least 1)
+ * counted as an array of its own, rounded up to 512 bytes as the driver lays
+ * levels out at least that aligned. More levels than any image can have (64)
+ * are refused by the driver; they count nothing more here. */
+static uint64_t mg_mip_bytes(const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned int levels) {
+    uint64_t total = 0;
+    for (unsigned int l = 0; l < levels && l < 64; l++) {
+        size_t w = d->Width >> l ? d->Width >> l : 1;
+        size_t h = d->Height ? (d->Height >> l ? d->Height >> l : 1) : 0;
+        size_t z = d->Depth ? (d->Depth >> l ? d->Depth >> l : 1) : 0;
+        uint64_t b = mg_array_bytes(w, h, z, d->Format, d->NumChannels);
+        if (b > UINT64_MAX - 511 || total + ((b + 511) & ~511ull) < total) return UINT64_MAX;
+        total += (b + 511) & ~511ull;
+    }
+    return total;
+}
+
+/* Where a cuMemCreate / cuMemPoolCreate allocation lives: the head shared by
+ * CUmemAllocationProp and CUmemPoolProps (type, handle types, CUmemLocation).
+ * CUmemLocationType HOST 2, HOST_NUMA 3, HOST_NUMA_CURRENT 4 are host RAM the
+ * GPU reaches over the bus (NCCL's cuMem host buffers): not GPU memory, never
+ * counted. Every other type (DEVICE 1, or one this shim does not know) counts. */
+typedef struct {
+    int type, handle_types;
+    struct {
+        int type, id;
+    } location;
+} mg_loc_head_t;
+
+static int mg_loc_host(const void *props) {
+    int t = props ? ((const mg_loc_head_t *)props)->location.type : 0;
+    return t == 2 || t == 3 || t == 4;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1512,6 +1573,12 @@ static MG_COLD CUresult mg_pool_undo(int how, CUdeviceptr d, CUstream hs, uint64
 static CUresult mg_pool_alloc(int how, CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream hs) {
     if (!mg_on()) return mg_refusing() ? CUDA_ERROR_OUT_OF_MEMORY : mg_pool_real_alloc(how, dptr, size, pool, hs);
     if (!dptr || size == 0) return mg_pool_real_alloc(how, dptr, size, pool, hs); /* refused, nothing to count */
+    /* Captured into a graph: a memory node, counted when the graph gets its memory (mg_graph.c). */
+    if (MG_UNLIKELY(atomic_load_explicit(&mg_capturing, memory_order_relaxed)) && mg_stream_capturing(hs))
+        return mg_pool_real_alloc(how, dptr, size, pool, hs);
+    /* A host-located pool hands out host RAM: not GPU memory. */
+    if (pool && MG_UNLIKELY(mg_tab_find(&g_hostpools, (uint64_t)(uintptr_t)pool) != NULL))
+        return mg_pool_real_alloc(how, dptr, size, pool, hs);
     uint64_t n = size;
     int by_stream = how == PA_ASYNC || how == PA_ASYNC_PTSZ;
     uint64_t want_pool = (uint64_t)(uintptr_t)pool;
@@ -1702,8 +1769,23 @@ HOOK CUresult mg_h_cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep) {
 /* The driver frees a destroyed pool's memory at once if nothing allocated from
  * it is outstanding, else with the last outstanding allocation: its idle stays
  * counted until then (the driver's reservation cannot be read any more). */
+/* Pools on a host location are remembered so their allocations pass uncounted. */
+HOOK CUresult mg_h_cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props) {
+    CUresult rc = CALL_REAL(cuMemPoolCreate, pool, props);
+    if (rc == CUDA_SUCCESS && pool && mg_on() && mg_loc_host(props) &&
+        mg_tab_put(&g_hostpools, (uint64_t)(uintptr_t)*pool, 0, 0) != 0)
+        MG_WARN_ONCE(g_warned_pools, "too many host memory pools: allocations from more are counted as GPU memory");
+    return rc;
+}
+
 HOOK CUresult mg_h_cuMemPoolDestroy(CUmemoryPool pool) {
     if (!mg_on()) return CALL_REAL(cuMemPoolDestroy, pool);
+    uint64_t none = 0;
+    if (mg_tab_take(&g_hostpools, (uint64_t)(uintptr_t)pool, &none, NULL)) {
+        CUresult hrc = CALL_REAL(cuMemPoolDestroy, pool);
+        if (hrc != CUDA_SUCCESS) mg_tab_put(&g_hostpools, (uint64_t)(uintptr_t)pool, 0, 0);
+        return hrc;
+    }
     uint64_t freed = 0;
     pthread_mutex_lock(&g_pool_mu);
     CUresult rc = CALL_REAL(cuMemPoolDestroy, pool);
@@ -1767,6 +1849,7 @@ FREE_HOOK(cuMemFree, g_ptrs, dptr, 0, (CUdeviceptr_v1 dptr), dptr)
 FREE_HOOK(cuMemFreeAsync, g_ptrs, dptr, 1, (CUdeviceptr dptr, CUstream hStream), dptr, hStream)
 FREE_HOOK(cuMemFreeAsync_ptsz, g_ptrs, dptr, 1, (CUdeviceptr dptr, CUstream hStream), dptr, hStream)
 FREE_HOOK(cuArrayDestroy, g_arrays, (uintptr_t)hArray, 0, (CUarray hArray), hArray)
+FREE_HOOK(cuMipmappedArrayDestroy, g_arrays, (uintptr_t)hArray, 0, (CUmipmappedArray hArray), hArray)
 
 static CUresult mg_free_v1_adapter(CUdeviceptr p) {
     __typeof__(&mg_h_cuMemFree) f = REAL(cuMemFree);
@@ -1789,7 +1872,7 @@ static CUresult mg_free_v1_adapter(CUdeviceptr p) {
  * right after it) and restored if the driver refuses. Handles this process did
  * not count (created before the shim was on, imported) pass through. --- */
 
-ALLOC_HOOK(cuMemCreate, g_handles, handle, size,
+ALLOC_HOOK(cuMemCreate, g_handles, handle, mg_loc_host(prop) ? 0 : size,
            (CUmemGenericAllocationHandle * handle, size_t size, const CUmemAllocationProp *prop,
             unsigned long long flags),
            handle, size, prop, flags)
@@ -1911,6 +1994,10 @@ ALLOC_HOOK(cuArray3DCreate_v2, g_arrays, pHandle,
            d ? mg_array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels) : 0,
            (CUarray * pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d), pHandle, d)
 
+ALLOC_HOOK(cuMipmappedArrayCreate, g_arrays, pHandle, d ? mg_mip_bytes(d, numMipmapLevels) : 0,
+           (CUmipmappedArray * pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned int numMipmapLevels), pHandle, d,
+           numMipmapLevels)
+
 /* --- memory queries: total = limit, free = limit - container usage --- */
 
 /* The legacy entry points report 32 bits, saturated as the driver does. */
@@ -2016,8 +2103,17 @@ LAUNCH_HOOK(cuLaunchKernelEx, (const CUlaunchConfig *config, CUfunction f, void 
             config, f, kernelParams, extra)
 LAUNCH_HOOK(cuLaunchKernelEx_ptsz, (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra),
             config, f, kernelParams, extra)
-LAUNCH_HOOK(cuGraphLaunch, (CUgraphExec hGraphExec, CUstream hStream), hGraphExec, hStream)
-LAUNCH_HOOK(cuGraphLaunch_ptsz, (CUgraphExec hGraphExec, CUstream hStream), hGraphExec, hStream)
+/* A graph launch: while some executable graph's memory is not counted yet, the
+ * launch goes through mg_graph_launch (limit check first); else one atomic load. */
+#define GRAPH_LAUNCH_HOOK(sym)                                                                    \
+    HOOK CUresult mg_h_##sym(CUgraphExec hGraphExec, CUstream hStream) {                          \
+        mg_activity();                                                                            \
+        if (MG_UNLIKELY(atomic_load_explicit(&mg_graph_unmapped, memory_order_relaxed)) && mg_on()) \
+            return mg_graph_launch(mg_real(S_##sym), hGraphExec, hStream);                        \
+        return CALL_REAL(sym, hGraphExec, hStream);                                               \
+    }
+GRAPH_LAUNCH_HOOK(cuGraphLaunch)
+GRAPH_LAUNCH_HOOK(cuGraphLaunch_ptsz)
 
 /* --- symbol lookup --- */
 
@@ -2034,7 +2130,12 @@ static void *mg_proc_hook(const char *symbol, void *p, int version, cuuint64_t f
     int best = -1, best_any = -1;
     for (int i = 0; i < S_COUNT; i++) {
         const mg_sym_t *e = &g_syms[i];
-        if (e->lib != LIB_CUDA || strcmp(e->base, symbol) != 0) continue;
+        if (e->lib != LIB_CUDA) continue;
+        /* Asked by a variant's own name (cuGraphInstantiateWithFlags): the driver's export. */
+        if (strcmp(e->base, symbol) != 0) {
+            if (strcmp(e->name, symbol) == 0 && mg_real(i) == p) return e->hook;
+            continue;
+        }
         if (p == e->hook) return p;
         if (mg_real(i) == p) return e->hook; /* the driver's own choice, matched by address */
         if (e->version > version) continue;
@@ -2090,6 +2191,7 @@ MG_EXPORT MG_NOSAN MG_SIBCALL void *dlsym(void *handle, const char *name) {
 
 static const mg_sym_t g_syms[S_COUNT] = {
 #define MG_ROW(sym, base, ver, lib, ptds) [S_##sym] = {#sym, base, ver, lib, ptds, (void *)mg_h_##sym},
+    MG_SYMBOLS_EXTRA(MG_ROW)
     MG_SYMBOLS(MG_ROW)
 #undef MG_ROW
 };

@@ -50,6 +50,7 @@ typedef struct CUfunc_st *CUfunction;
 typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
 typedef struct CUarray_st *CUarray;
+typedef struct CUmipmappedArray_st *CUmipmappedArray;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct CUgraph_st *CUgraph;
 typedef struct CUgraphNode_st *CUgraphNode;
@@ -132,6 +133,44 @@ typedef struct {
     void *kern; /* CUkernel */
     CUcontext ctx;
 } CUDA_KERNEL_NODE_PARAMS_v2;
+
+typedef struct {
+    CUfunction func;
+    unsigned int gridDimX, gridDimY, gridDimZ;
+    unsigned int blockDimX, blockDimY, blockDimZ;
+    unsigned int sharedMemBytes;
+    void **kernelParams;
+    void **extra;
+    void *kern;
+    CUcontext ctx;
+} CUDA_KERNEL_NODE_PARAMS_v3;
+
+/* Graph memory nodes (v1 and v2 share the layout). */
+typedef struct {
+    CUmemPoolProps poolProps;
+    const CUmemAccessDesc *accessDescs;
+    size_t accessDescCount;
+    size_t bytesize;
+    CUdeviceptr dptr; /* out: the allocation's address, fixed for the graph's life */
+} CUDA_MEM_ALLOC_NODE_PARAMS;
+
+/* CUgraphNodeType values the simulation knows. */
+#define CU_GRAPH_NODE_TYPE_KERNEL 0
+#define CU_GRAPH_NODE_TYPE_MEM_ALLOC 10
+#define CU_GRAPH_NODE_TYPE_MEM_FREE 11
+
+/* cuGraphAddNode's parameters: a type and a 232-byte union (256 bytes in all). */
+typedef struct {
+    int type;
+    int reserved0[3];
+    union {
+        long long reserved1[29];
+        CUDA_KERNEL_NODE_PARAMS_v3 kernel;
+        CUDA_MEM_ALLOC_NODE_PARAMS alloc;
+        CUdeviceptr free_dptr; /* CUDA_MEM_FREE_NODE_PARAMS */
+    } u;
+    long long reserved2;
+} CUgraphNodeParams;
 
 /* Checkpoint API arguments: 64 bytes each; reserved bytes must be zero. */
 typedef struct {

@@ -35,6 +35,33 @@ simgpu_proc_t *cu_slot(uint32_t gpu) {
     return s;
 }
 
+/* Defaults of the limits (CUlimit 0..10); stack, printf FIFO and malloc heap take
+ * device memory, included in the context's base cost at their defaults. */
+static const size_t k_limit_default[CU_NLIMITS] = {1024, 1048576, 8388608, 2, 2048, 64, 0, 0, 0, 0, 0};
+#define THREADS_PER_SM 2048 /* resident threads per SM (sm_80, sm_90): each gets its stack */
+
+/* A context's own device memory: the node's ctx_mib, an estimate of what a real
+ * GPU's context takes (docs/simgpu.md). Charged like an allocation, so a full
+ * GPU refuses a new context with CUDA_ERROR_OUT_OF_MEMORY. */
+static CUresult ctx_charge(struct CUctx_st *c) {
+    for (int i = 0; i < CU_NLIMITS; i++) c->limits[i] = k_limit_default[i], c->limit_charged[i] = 0;
+    uint64_t bytes = (uint64_t)cu_node()->gpus[c->gpu].ctx_mib << 20;
+    if (bytes && cu_charge(c->gpu, bytes)) return CUDA_ERROR_OUT_OF_MEMORY;
+    c->charged = bytes;
+    /* Setting a context up takes time on a GPU (hundreds of ms on real hardware); a
+     * node whose contexts take memory also makes them take 20 ms, so what else
+     * happens on the GPU meanwhile is part of the picture, as there. */
+    if (bytes) cu_sleep_until(sim_now_ns() + 20 * 1000 * 1000);
+    return CUDA_SUCCESS;
+}
+
+static void ctx_uncharge(struct CUctx_st *c) {
+    uint64_t bytes = c->charged;
+    for (int i = 0; i < CU_NLIMITS; i++) bytes += c->limit_charged[i], c->limit_charged[i] = 0;
+    c->charged = 0;
+    cu_uncharge(c->gpu, bytes);
+}
+
 static struct CUctx_st *ctx_new(CUdevice dev, unsigned int flags, int primary) {
     struct CUctx_st *c = calloc(1, sizeof *c);
     if (!c) return NULL;
@@ -49,10 +76,11 @@ static struct CUctx_st *ctx_new(CUdevice dev, unsigned int flags, int primary) {
     return c;
 }
 
-/* What a context owns goes with it: memory, streams, events, modules. */
+/* What a context owns goes with it: memory, streams, events, modules, its own memory. */
 static void ctx_release_resources(struct CUctx_st *c) {
     cu_mem_free_ctx(c);
     cu_ctx_streams_destroy(c);
+    ctx_uncharge(c);
     c->sticky = CUDA_SUCCESS;
 }
 
@@ -73,10 +101,11 @@ CU_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     pthread_mutex_lock(&g_ctx_lock);
     if (!g_primary[dev]) g_primary[dev] = ctx_new(dev, g_primary_flags[dev], 1);
     struct CUctx_st *c = g_primary[dev];
-    if (c) {
-        if (c->refs == 0) c->flags = g_primary_flags[dev];
-        c->refs++;
+    if (c && c->refs == 0) { /* activated: it takes its memory now */
+        c->flags = g_primary_flags[dev];
+        if (ctx_charge(c)) c = NULL;
     }
+    if (c) c->refs++;
     pthread_mutex_unlock(&g_ctx_lock);
     if (!c) return CUDA_ERROR_OUT_OF_MEMORY;
     *pctx = c;
@@ -150,6 +179,11 @@ static CUresult ctx_create(CUcontext *pctx, unsigned int flags, CUdevice dev) {
     if (t_depth >= CTX_STACK) return CUDA_ERROR_OUT_OF_MEMORY;
     struct CUctx_st *c = ctx_new(dev, flags, 0);
     if (!c) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (ctx_charge(c)) {
+        cu_obj_del(c, OBJ_CTX);
+        free(c);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     t_stack[t_depth++] = c;
     *pctx = c;
     return CUDA_SUCCESS;
@@ -262,24 +296,40 @@ CU_API CUresult cuCtxGetStreamPriorityRange(int *leastPriority, int *greatestPri
     return CUDA_SUCCESS;
 }
 
-/* Limits are remembered per process; they change nothing on a simulated GPU. */
-static size_t g_limits[16] = {1024, 1048576, 8388608, 2, 2048, 64, 0, 0};
+/* Device memory a limit's value takes beyond its default: the stack of every
+ * resident thread (CU_LIMIT_STACK_SIZE 0), the printf FIFO (1), the device
+ * malloc heap (2). A limit that does not fit fails with OUT_OF_MEMORY and stays. */
+static uint64_t limit_bytes(const struct CUctx_st *c, int limit, size_t value) {
+    if (value <= k_limit_default[limit]) return 0;
+    uint64_t extra = value - k_limit_default[limit];
+    if (limit == 0) {
+        uint64_t threads = (uint64_t)cu_node()->gpus[c->gpu].sm_count * THREADS_PER_SM;
+        return extra > UINT64_MAX / (threads ? threads : 1) ? UINT64_MAX : extra * threads;
+    }
+    return limit == 1 || limit == 2 ? extra : 0;
+}
+
 CU_API CUresult cuCtxSetLimit(int limit, size_t value) {
     CU_ENTER();
     struct CUctx_st *c;
     CUresult r = cu_need_ctx(&c);
     if (r) return r;
-    if (limit < 0 || limit > 10) return CUDA_ERROR_INVALID_VALUE;
-    g_limits[limit] = value;
-    return CUDA_SUCCESS;
+    if (limit < 0 || limit >= CU_NLIMITS) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_ctx_lock);
+    uint64_t want = limit_bytes(c, limit, value), have = c->limit_charged[limit];
+    if (want > have && cu_charge(c->gpu, want - have)) r = CUDA_ERROR_OUT_OF_MEMORY;
+    else if (want < have) cu_uncharge(c->gpu, have - want);
+    if (!r) c->limits[limit] = value, c->limit_charged[limit] = want;
+    pthread_mutex_unlock(&g_ctx_lock);
+    return r;
 }
 CU_API CUresult cuCtxGetLimit(size_t *pvalue, int limit) {
     CU_ENTER();
     struct CUctx_st *c;
     CUresult r = cu_need_ctx(&c);
     if (r) return r;
-    if (!pvalue || limit < 0 || limit > 10) return CUDA_ERROR_INVALID_VALUE;
-    *pvalue = g_limits[limit];
+    if (!pvalue || limit < 0 || limit >= CU_NLIMITS) return CUDA_ERROR_INVALID_VALUE;
+    *pvalue = c->limits[limit];
     return CUDA_SUCCESS;
 }
 

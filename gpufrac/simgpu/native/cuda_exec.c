@@ -171,7 +171,10 @@ void cu_ctx_streams_destroy(struct CUctx_st *ctx) {
         for (size_t i = 0; i < n; i++) {
             struct CUmod_st *m = objs[i];
             for (int k = 0; k < 3; k++) cu_obj_del(&m->funcs[k], OBJ_FUNC);
-            if (cu_obj_del(m, OBJ_MODULE)) free(m);
+            if (cu_obj_del(m, OBJ_MODULE)) {
+                cu_uncharge(m->gpu, m->charged);
+                free(m);
+            }
         }
 }
 
@@ -266,14 +269,35 @@ static const struct {
     {"busy_us", KERN_BUSY_US, 1, {8, 0, 0, 0}},
 };
 
+/* The device memory a module image declares: "SIMGPU-MODULE:<bytes>" (decimal),
+ * rounded up to the 2 MiB granule code and data are placed in; the bare magic
+ * declares none. A real driver sizes it from the ELF sections. */
+static uint64_t module_size(const char *image) {
+    const char *p = image + sizeof MODULE_MAGIC - 1;
+    if (*p != ':') return 0;
+    uint64_t v = 0;
+    for (p++; *p >= '0' && *p <= '9'; p++) {
+        if (v > (UINT64_MAX - 9) / 10) return UINT64_MAX;
+        v = v * 10 + (uint64_t)(*p - '0');
+    }
+    return v ? cu_round_up(v, CU_GRANULARITY) : 0;
+}
+
 static CUresult module_load(CUmodule *module, const void *image) {
     struct CUctx_st *c;
     CUresult r = cu_need_ctx(&c);
     if (r) return r;
     if (!module || !image) return CUDA_ERROR_INVALID_VALUE;
     if (memcmp(image, MODULE_MAGIC, sizeof MODULE_MAGIC - 1) != 0) return CUDA_ERROR_INVALID_IMAGE;
+    uint64_t size = module_size(image);
+    if (size == UINT64_MAX) return CUDA_ERROR_INVALID_IMAGE;
     struct CUmod_st *m = calloc(1, sizeof *m);
     if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (size && cu_charge(c->gpu, size)) {
+        free(m);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    m->charged = size, m->gpu = c->gpu;
     for (int k = 0; k < 3; k++) {
         m->funcs[k].kernel = k_kernels[k].kernel;
         m->funcs[k].name = k_kernels[k].name;
@@ -304,13 +328,13 @@ CU_API CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin) {
 
 CU_API CUresult cuModuleLoad(CUmodule *module, const char *fname) {
     CU_ENTER();
-    char head[sizeof MODULE_MAGIC] = {0};
+    char head[64] = {0}; /* the magic and an optional ":<bytes>" */
     if (!fname) return CUDA_ERROR_INVALID_VALUE;
     int fd = open(fname, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return errno == ENOENT ? CUDA_ERROR_FILE_NOT_FOUND : CUDA_ERROR_INVALID_VALUE;
     ssize_t got = read(fd, head, sizeof head - 1);
     close(fd);
-    if (got != (ssize_t)(sizeof head - 1)) return CUDA_ERROR_INVALID_IMAGE;
+    if (got < (ssize_t)(sizeof MODULE_MAGIC - 1)) return CUDA_ERROR_INVALID_IMAGE;
     return module_load(module, head);
 }
 
@@ -318,7 +342,10 @@ CU_API CUresult cuModuleUnload(CUmodule hmod) {
     CU_ENTER();
     if (!cu_obj_ok(hmod, OBJ_MODULE)) return CUDA_ERROR_INVALID_HANDLE;
     for (int k = 0; k < 3; k++) cu_obj_del(&hmod->funcs[k], OBJ_FUNC);
-    if (cu_obj_del(hmod, OBJ_MODULE)) free(hmod);
+    if (cu_obj_del(hmod, OBJ_MODULE)) {
+        cu_uncharge(hmod->gpu, hmod->charged);
+        free(hmod);
+    }
     return CUDA_SUCCESS;
 }
 

@@ -26,7 +26,7 @@
 /* ------------------------------------------------------------------ objects */
 
 enum { OBJ_CTX = 1, OBJ_STREAM, OBJ_EVENT, OBJ_MODULE, OBJ_FUNC, OBJ_POOL, OBJ_GRAPH, OBJ_GRAPH_NODE,
-       OBJ_GRAPH_EXEC, OBJ_ARRAY, OBJ_VMM_ALLOC };
+       OBJ_GRAPH_EXEC, OBJ_ARRAY, OBJ_VMM_ALLOC, OBJ_MIPMAP };
 
 typedef struct {
     uint32_t kind;
@@ -47,6 +47,8 @@ struct CUstream_st {
     struct CUgraph_st *capture; /* non-NULL while capturing */
 };
 
+#define CU_NLIMITS 11 /* CUlimit values 0..10 */
+
 struct CUctx_st {
     cu_obj_t hdr;
     int dev;            /* ordinal */
@@ -57,6 +59,9 @@ struct CUctx_st {
     CUresult sticky;    /* a kernel fault poisons the context, as on a real GPU */
     _Atomic uint64_t done_ns; /* when the last work submitted in this context completes */
     uint64_t id;
+    uint64_t charged;   /* device memory the context itself holds (cu_ctx_charge) */
+    size_t limits[CU_NLIMITS]; /* cuCtxSetLimit values */
+    uint64_t limit_charged[CU_NLIMITS]; /* device memory each limit holds above the default */
     struct CUstream_st null_stream; /* NULL, CU_STREAM_LEGACY and CU_STREAM_PER_THREAD */
 };
 
@@ -77,6 +82,8 @@ struct CUfunc_st {
 struct CUmod_st {
     cu_obj_t hdr;
     struct CUfunc_st funcs[3];
+    uint64_t charged; /* device memory of its code and data */
+    uint32_t gpu;
 };
 
 /* ------------------------------------------------------------------ shared state (cuda.c) */
@@ -121,7 +128,7 @@ SIM_HIDDEN size_t cu_obj_owned(uint32_t kind, struct CUctx_st *ctx, void **out, 
 
 /* ------------------------------------------------------------------ memory (cuda_mem.c) */
 
-enum { MEM_DEVICE = 1, MEM_PITCH, MEM_MANAGED, MEM_HOST, MEM_ARRAY, MEM_POOL, MEM_VMM };
+enum { MEM_DEVICE = 1, MEM_PITCH, MEM_MANAGED, MEM_HOST, MEM_ARRAY, MEM_POOL, MEM_VMM, MEM_GRAPH };
 
 typedef struct {
     uintptr_t base;
@@ -148,6 +155,9 @@ SIM_HIDDEN int cu_reg_set_access(uintptr_t base, uint8_t access); /* exact base;
 SIM_HIDDEN int cu_dev_range_ok(uintptr_t p, size_t len, int write);
 /* Is p inside a VMM address reservation (cuda_vmm.c)? Such addresses are never host memory. */
 SIM_HIDDEN int cu_vmm_reserved(uintptr_t p);
+/* CUmemLocation checks (cuda_vmm.c): a valid location; a host-located one. */
+SIM_HIDDEN int cu_loc_ok(const CUmemLocation *l);
+SIM_HIDDEN int cu_loc_host(const CUmemLocation *l);
 /* Free every allocation of `ctx` (context destroy / primary reset). */
 SIM_HIDDEN void cu_mem_free_ctx(struct CUctx_st *ctx);
 /* Allocate device memory charged to the current context's GPU. */
@@ -179,6 +189,9 @@ SIM_HIDDEN void cu_kernel_exec(struct CUctx_st *ctx, struct CUstream_st *s, int 
 SIM_HIDDEN CUresult cu_graph_capture_kernel(struct CUgraph_st *g, const struct CUfunc_st *f,
                                             const unsigned char *buf);
 SIM_HIDDEN void cu_ctx_streams_destroy(struct CUctx_st *ctx);
+/* Stream-ordered allocation / free on a capturing stream: a memory node (cuda_graph.c). */
+SIM_HIDDEN CUresult cu_graph_capture_alloc(struct CUgraph_st *g, int dev, size_t size, CUdeviceptr *dptr);
+SIM_HIDDEN CUresult cu_graph_capture_free(struct CUgraph_st *g, CUdeviceptr dptr);
 
 /* Per-thread default stream twins (_ptds / _ptsz). In the simulation the
  * per-thread and legacy default streams are the same queue (work runs at

@@ -188,11 +188,15 @@ CUresult cu_mem_free(CUdeviceptr dptr) {
     cu_alloc_t a;
     if (cu_reg_find((uintptr_t)dptr, &a) != 0 || a.base != (uintptr_t)dptr) return CUDA_ERROR_INVALID_VALUE;
     if (a.kind == MEM_POOL) return cu_pool_free_block(&a);
+    if (a.kind == MEM_GRAPH) return CUDA_SUCCESS; /* stays with its executable graph (cuda_graph.c) */
     if (a.kind != MEM_DEVICE && a.kind != MEM_PITCH && a.kind != MEM_MANAGED) return CUDA_ERROR_INVALID_VALUE;
     if (cu_reg_remove(a.base, &a) != 0) return CUDA_ERROR_INVALID_VALUE; /* freed concurrently */
     release(&a);
     return CUDA_SUCCESS;
 }
+
+struct CUmipmappedArray_st;
+static void mipmap_release(struct CUmipmappedArray_st *m);
 
 void cu_mem_free_ctx(struct CUctx_st *ctx) {
     for (;;) { /* collect under the lock, release outside it */
@@ -201,7 +205,7 @@ void cu_mem_free_ctx(struct CUctx_st *ctx) {
         pthread_mutex_lock(&g_reg_lock);
         for (size_t i = 0; i < g_reg_n && n < 64;) {
             cu_alloc_t *a = &g_reg[i];
-            if (a->ctx == ctx && a->kind != MEM_POOL && a->kind != MEM_VMM) {
+            if (a->ctx == ctx && a->kind != MEM_POOL && a->kind != MEM_VMM && a->kind != MEM_GRAPH) {
                 batch[n++] = *a;
                 memmove(a, a + 1, (g_reg_n - i - 1) * sizeof *a);
                 g_reg_n--;
@@ -221,6 +225,8 @@ void cu_mem_free_ctx(struct CUctx_st *ctx) {
             cu_array_release(arr);
         }
     }
+    while ((n = cu_obj_owned(OBJ_MIPMAP, ctx, arrays, 256)) > 0)
+        for (size_t i = 0; i < n; i++) mipmap_release(arrays[i]);
 }
 
 CU_API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
@@ -408,6 +414,76 @@ static CUresult array_create(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d)
     return CUDA_SUCCESS;
 }
 
+/* Mipmapped arrays: level l is max(1, dim >> l) in each dimension; every level is
+ * laid out like an array of its own (512-byte aligned). The chain is charged as one. */
+struct CUmipmappedArray_st {
+    cu_obj_t hdr;
+    void *mem;
+    size_t size;
+    uint32_t gpu;
+    unsigned int levels;
+    CUDA_ARRAY3D_DESCRIPTOR desc;
+};
+
+static size_t mip_dim(size_t v, unsigned int l) { return v ? (v >> l ? v >> l : 1) : 0; }
+
+CU_API CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d,
+                                       unsigned int numMipmapLevels) {
+    CU_ENTER();
+    struct CUctx_st *c;
+    CUresult r = cu_need_ctx(&c);
+    if (r) return r;
+    if (!pHandle || !d) return CUDA_ERROR_INVALID_VALUE;
+    size_t elem = format_bytes(d->Format);
+    if (!elem || !d->Width || (d->NumChannels != 1 && d->NumChannels != 2 && d->NumChannels != 4))
+        return CUDA_ERROR_INVALID_VALUE;
+    size_t biggest = d->Width > d->Height ? d->Width : d->Height;
+    if (d->Depth > biggest) biggest = d->Depth;
+    unsigned int max_levels = 1;
+    while (biggest >> max_levels) max_levels++;
+    if (numMipmapLevels == 0 || numMipmapLevels > max_levels) return CUDA_ERROR_INVALID_VALUE;
+    size_t size = 0;
+    for (unsigned int l = 0; l < numMipmapLevels; l++) {
+        size_t w = mip_dim(d->Width, l), h = d->Height ? mip_dim(d->Height, l) : 1, z = d->Depth ? mip_dim(d->Depth, l) : 1;
+        size_t row = w * elem * d->NumChannels;
+        if (row / w != elem * d->NumChannels || h > SIZE_MAX / row || z > SIZE_MAX / (row * h))
+            return CUDA_ERROR_INVALID_VALUE;
+        size_t lv = cu_round_up(row * h * z, 512);
+        if (size + lv < size) return CUDA_ERROR_INVALID_VALUE;
+        size += lv;
+    }
+    struct CUmipmappedArray_st *m = calloc(1, sizeof *m);
+    if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
+    if ((r = cu_charge(c->gpu, size))) {
+        free(m);
+        return r;
+    }
+    m->mem = cu_map_anon(size, PROT_READ | PROT_WRITE);
+    if (!m->mem) {
+        cu_uncharge(c->gpu, size);
+        free(m);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    m->size = size, m->gpu = c->gpu, m->levels = numMipmapLevels, m->desc = *d;
+    cu_obj_add(m, OBJ_MIPMAP, c);
+    *pHandle = m;
+    return CUDA_SUCCESS;
+}
+
+static void mipmap_release(struct CUmipmappedArray_st *m) {
+    if (!cu_obj_del(m, OBJ_MIPMAP)) return;
+    cu_unmap(m->mem, m->size);
+    cu_uncharge(m->gpu, m->size);
+    free(m);
+}
+
+CU_API CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray) {
+    CU_ENTER();
+    if (!cu_obj_ok(hMipmappedArray, OBJ_MIPMAP)) return CUDA_ERROR_INVALID_HANDLE;
+    mipmap_release(hMipmappedArray);
+    return CUDA_SUCCESS;
+}
+
 void cu_array_release(struct CUarray_st *a) {
     if (!cu_obj_del(a, OBJ_ARRAY)) return;
     cu_unmap(a->mem, a->size);
@@ -489,6 +565,8 @@ const cu_sym_t cu_syms_mem[] = {
     CU_SYM("cuArray3DCreate", 3020, cuArray3DCreate_v2),
     CU_SYM("cuArrayDestroy", 2000, cuArrayDestroy),
     CU_SYM("cuArrayGetDescriptor", 3020, cuArrayGetDescriptor_v2),
+    CU_SYM("cuMipmappedArrayCreate", 5000, cuMipmappedArrayCreate),
+    CU_SYM("cuMipmappedArrayDestroy", 5000, cuMipmappedArrayDestroy),
     CU_SYM("cuPointerGetAttribute", 4000, cuPointerGetAttribute),
 };
 const size_t cu_syms_mem_n = sizeof cu_syms_mem / sizeof cu_syms_mem[0];

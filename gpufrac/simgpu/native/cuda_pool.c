@@ -34,6 +34,7 @@ struct CUmemPoolHandle_st {
     int dev;
     uint32_t gpu;
     int is_default, destroyed;
+    int host; /* host-located pool: its blocks are host RAM, never charged to the GPU */
     size_t max_size;
     uint64_t threshold, reserved, reserved_high, used, used_high;
     int reuse[3];
@@ -67,7 +68,7 @@ static void trim_locked(struct CUmemPoolHandle_st *p, uint64_t keep) {
         block_t *b = p->free;
         p->free = b->next;
         cu_unmap((void *)b->base, b->size);
-        cu_uncharge(p->gpu, b->size);
+        if (!p->host) cu_uncharge(p->gpu, b->size);
         p->reserved -= b->size;
         free(b);
     }
@@ -92,7 +93,10 @@ void cu_pools_release(void) {
 static CUresult pool_alloc(CUdeviceptr *dptr, size_t size, struct CUmemPoolHandle_st *p, CUstream h) {
     CU_STREAM(h, c, s);
     if (!dptr || size == 0) return CUDA_ERROR_INVALID_VALUE;
-    if (s->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED; /* graph memory nodes: not simulated */
+    if (s->capture) { /* captured: a memory node of the graph (cuda_graph.c) */
+        if (p && p->host) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+        return cu_graph_capture_alloc(s->capture, p ? p->dev : c->dev, size, dptr);
+    }
     pthread_mutex_lock(&g_pool_lock);
     if (!p) p = default_pool(c->dev);
     if (!p || p->destroyed) {
@@ -121,7 +125,7 @@ static CUresult pool_alloc(CUdeviceptr *dptr, size_t size, struct CUmemPoolHandl
     if (!b) {
         if (p->max_size && p->reserved + bsize > p->max_size) trim_locked(p, 0);
         if ((p->max_size && p->reserved + bsize > p->max_size) ||
-            (cu_charge(p->gpu, bsize) != CUDA_SUCCESS &&
+            (!p->host && cu_charge(p->gpu, bsize) != CUDA_SUCCESS &&
              (trim_locked(p, 0), cu_charge(p->gpu, bsize) != CUDA_SUCCESS))) {
             pthread_mutex_unlock(&g_pool_lock);
             return CUDA_ERROR_OUT_OF_MEMORY;
@@ -130,7 +134,7 @@ static CUresult pool_alloc(CUdeviceptr *dptr, size_t size, struct CUmemPoolHandl
         b = mem ? calloc(1, sizeof *b) : NULL;
         if (!b) {
             if (mem) cu_unmap(mem, bsize);
-            cu_uncharge(p->gpu, bsize);
+            if (!p->host) cu_uncharge(p->gpu, bsize);
             pthread_mutex_unlock(&g_pool_lock);
             return CUDA_ERROR_OUT_OF_MEMORY;
         }
@@ -194,17 +198,22 @@ CU_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUme
 CU_API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
     CU_ENTER();
     CU_STREAM(hStream, c, s);
-    if (s->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    if (s->capture) return cu_graph_capture_free(s->capture, dptr);
     return cu_mem_free(dptr);
 }
 
 CU_API CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps) {
     CU_ENTER();
-    if (!pool || !poolProps || poolProps->allocType != 1 || poolProps->location.type != 1)
-        return CUDA_ERROR_INVALID_VALUE;
-    if (cu_check_dev(poolProps->location.id)) return CUDA_ERROR_INVALID_DEVICE;
+    if (!pool || !poolProps || poolProps->allocType != 1) return CUDA_ERROR_INVALID_VALUE;
+    int host = cu_loc_host(&poolProps->location);
+    if (!host && poolProps->location.type != 1) return CUDA_ERROR_INVALID_VALUE;
+    if (!host && cu_check_dev(poolProps->location.id)) return CUDA_ERROR_INVALID_DEVICE;
+    if (!cu_loc_ok(&poolProps->location)) return CUDA_ERROR_INVALID_VALUE;
+    /* A host pool serves the device of the calling context (its blocks are host RAM). */
+    struct CUctx_st *c = cu_current_ctx();
     pthread_mutex_lock(&g_pool_lock);
-    struct CUmemPoolHandle_st *p = pool_new(poolProps->location.id, 0, poolProps->maxSize);
+    struct CUmemPoolHandle_st *p = pool_new(host ? (c ? c->dev : 0) : poolProps->location.id, 0, poolProps->maxSize);
+    if (p) p->host = host;
     pthread_mutex_unlock(&g_pool_lock);
     if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
     *pool = p;
@@ -311,7 +320,7 @@ CU_API CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool) {
     CUresult r = cu_check_dev(dev);
     if (r) return r;
     if (!pool_ok(pool)) return CUDA_ERROR_INVALID_HANDLE;
-    if (pool->dev != dev) return CUDA_ERROR_INVALID_DEVICE;
+    if (pool->dev != dev || pool->host) return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&g_pool_lock);
     g_current[dev] = pool;
     pthread_mutex_unlock(&g_pool_lock);

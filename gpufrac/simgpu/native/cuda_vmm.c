@@ -25,6 +25,7 @@ typedef struct {
     uint32_t gpu;
     int handle_refs; /* cuMemCreate / cuMemRetainAllocationHandle minus cuMemRelease */
     int map_refs;    /* live mappings */
+    int host;        /* host-located (HOST, HOST_NUMA, HOST_NUMA_CURRENT): no GPU memory */
     CUmemAllocationProp prop;
 } vmm_alloc_t;
 
@@ -52,9 +53,18 @@ static int in_reservation(uintptr_t p, size_t len) {
     return 0;
 }
 
+/* CUmemLocationType: DEVICE 1 (id = ordinal), HOST 2, HOST_NUMA 3 (id = NUMA
+ * node), HOST_NUMA_CURRENT 4. Host-located memory is pinned host RAM the GPU
+ * reaches over the bus (NCCL's cuMem host buffers): no GPU memory is charged. */
+int cu_loc_host(const CUmemLocation *l) { return l->type == 2 || l->type == 3 || l->type == 4; }
+
+int cu_loc_ok(const CUmemLocation *l) {
+    if (l->type == 1) return cu_check_dev(l->id) == CUDA_SUCCESS;
+    return l->type == 2 || l->type == 4 || (l->type == 3 && l->id >= 0);
+}
+
 static int prop_ok(const CUmemAllocationProp *prop) {
-    return prop && prop->type == 1 /* PINNED */ && prop->location.type == 1 /* DEVICE */ &&
-           cu_check_dev(prop->location.id) == CUDA_SUCCESS;
+    return prop && prop->type == 1 /* PINNED */ && cu_loc_ok(&prop->location);
 }
 
 /* Drop one reference; the last one closes the memfd and gives the memory back.
@@ -65,7 +75,7 @@ static void alloc_unref(vmm_alloc_t *a, int handle) {
     if (a->handle_refs > 0 || a->map_refs > 0) return;
     cu_obj_del(a, OBJ_VMM_ALLOC);
     close(a->fd);
-    cu_uncharge(a->gpu, a->size);
+    if (!a->host) cu_uncharge(a->gpu, a->size);
     free(a);
 }
 
@@ -140,18 +150,20 @@ CU_API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, c
                             unsigned long long flags) {
     CU_ENTER();
     if (!handle || !size || size % CU_GRANULARITY || flags || !prop_ok(prop)) return CUDA_ERROR_INVALID_VALUE;
-    uint32_t gpu = cu_g_devs[prop->location.id];
-    CUresult r = cu_charge(gpu, size);
+    int host = cu_loc_host(&prop->location);
+    struct CUctx_st *c = cu_current_ctx();
+    uint32_t gpu = !host ? cu_g_devs[prop->location.id] : c ? c->gpu : cu_g_devs[0];
+    CUresult r = host ? CUDA_SUCCESS : cu_charge(gpu, size);
     if (r) return r;
     vmm_alloc_t *a = calloc(1, sizeof *a);
     int fd = a ? memfd_create("simgpu-vmm", MFD_CLOEXEC) : -1;
     if (fd < 0 || ftruncate(fd, (off_t)size) != 0) {
         if (fd >= 0) close(fd);
         free(a);
-        cu_uncharge(gpu, size);
+        if (!host) cu_uncharge(gpu, size);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    a->fd = fd, a->size = size, a->gpu = gpu, a->handle_refs = 1, a->prop = *prop;
+    a->fd = fd, a->size = size, a->gpu = gpu, a->handle_refs = 1, a->host = host, a->prop = *prop;
     cu_obj_add(a, OBJ_VMM_ALLOC, NULL);
     *handle = (CUmemGenericAllocationHandle)(uintptr_t)a;
     return CUDA_SUCCESS;

@@ -1,0 +1,538 @@
+/*
+ * memguard: the device memory a process holds besides its allocations — CUDA
+ * contexts (primary, regular, green), loaded modules and libraries, and what
+ * cuCtxSetLimit takes (the stack of every resident thread, the printf FIFO, the
+ * device malloc heap; cudaDeviceSetLimit calls it). A context alone is hundreds
+ * of MiB on an H100, per process, so a container of several processes is
+ * charged for each of them, as NVML counts them.
+ *
+ * Measured, not guessed: no driver call says how much a context or a module
+ * takes, so each such call is bracketed by two readings of the device's used
+ * memory (NVML's device memory info, the real function, not the shim's view;
+ * the real cuMemGetInfo_v2 where NVML cannot be loaded), and the difference is
+ * charged to this process as the object's size. Releasing the object (context
+ * destroyed or its primary released to zero or reset, module or library
+ * unloaded, limit lowered) uncounts exactly what was charged for it; a context
+ * going also uncounts its modules and limits, which the driver frees with it.
+ *
+ * Concurrency. The reading is device-wide, so memory other processes take or
+ * give back during the call would be misattributed. Three things bound it:
+ *   - measured calls on one device take turns: within the process under a
+ *     process-local mutex, across the container's processes by an
+ *     open-file-description lock on that device's byte of the usage file (the
+ *     kernel drops it when its holder dies, so no dead process can hold it; a
+ *     holder that keeps it past MG_MEASURE_WAIT_MS, which only a tenant's own
+ *     process could do, is waited out and the call measured anyway) — so two
+ *     workers of one container starting together never count each other's
+ *     contexts. The price: their context creations on one GPU run one after
+ *     the other;
+ *   - the container's own counted total (the usage file) is read at both ends
+ *     and its change subtracted: explicit allocations of the container's other
+ *     processes (and this process's other threads) counted in that window do
+ *     not land on this object;
+ *   - the result is clamped to [0, the memory that was free before the call].
+ * What is left is the net memory other containers' processes took or freed
+ * during the call itself (a context creation: milliseconds on simgpu, up to a
+ * few hundred on real hardware). The count is exact on a quiet GPU; an error
+ * never accumulates, because each object gives back exactly what it was charged.
+ *
+ * Only a limited container (the shim ON) measures; otherwise these calls pass
+ * straight through (a broken config refuses allocations, not contexts).
+ *
+ * Over the limit: the object is counted at once and must pass mg_admit (the
+ * arbiter is asked as for any burst); if the container may not hold it, the call
+ * is undone (context destroyed, primary released, module or library unloaded,
+ * old limit restored) and fails with CUDA_ERROR_OUT_OF_MEMORY, as a full GPU
+ * fails it. Memory the driver only takes later (lazy module loading, CUDA 12.2+
+ * default, loads kernels at first launch) is not seen here.
+ */
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <time.h>
+#include <unistd.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mg_internal.h"
+
+typedef int nvmlReturn_t;
+typedef struct nvmlDevice_st *nvmlDevice_t;
+typedef struct {
+    unsigned long long total, free, used;
+} mg_nvml_mem_t;
+
+typedef CUresult (*cu_getinfo_fn)(size_t *, size_t *);
+typedef CUresult (*cu_busid_fn)(char *, int, CUdevice);
+typedef CUresult (*cu_ctxdev_fn)(CUdevice *);
+typedef CUresult (*cu_ctxcur_fn)(CUcontext *);
+typedef CUresult (*cu_getlimit_fn)(size_t *, int);
+typedef nvmlReturn_t (*nvml_init_fn)(void);
+typedef nvmlReturn_t (*nvml_bybus_fn)(const char *, nvmlDevice_t *);
+typedef nvmlReturn_t (*nvml_meminfo_fn)(nvmlDevice_t, mg_nvml_mem_t *);
+
+#define MG_MAX_DEVS 64
+
+static pthread_mutex_t g_ov_mu = PTHREAD_MUTEX_INITIALIZER;
+static int g_nvml_state; /* 0: not tried, 1: usable, -1: not (under g_ov_mu) */
+static nvmlDevice_t g_nvml_dev[MG_MAX_DEVS];
+static nvml_meminfo_fn g_nvml_meminfo;
+static int g_warned_measure;
+
+static void *cu_fn(const char *name) { return mg_driver_fn(LIB_CUDA, name); }
+
+/* NVML's handle of CUDA device `dev` (matched by PCI bus id), or NULL. */
+static nvmlDevice_t mg_nvml_dev(CUdevice dev) {
+    if (dev < 0 || dev >= MG_MAX_DEVS) return NULL;
+    if (g_nvml_state == 0) {
+        nvml_init_fn init = (nvml_init_fn)mg_driver_fn(LIB_NVML, "nvmlInit_v2");
+        g_nvml_meminfo = (nvml_meminfo_fn)mg_driver_fn(LIB_NVML, "nvmlDeviceGetMemoryInfo");
+        g_nvml_state = init && g_nvml_meminfo && init() == 0 ? 1 : -1;
+    }
+    if (g_nvml_state != 1) return NULL;
+    if (!g_nvml_dev[dev]) {
+        cu_busid_fn busid = (cu_busid_fn)cu_fn("cuDeviceGetPCIBusId");
+        nvml_bybus_fn bybus = (nvml_bybus_fn)mg_driver_fn(LIB_NVML, "nvmlDeviceGetHandleByPciBusId_v2");
+        char id[32];
+        nvmlDevice_t h = NULL;
+        if (busid && bybus && busid(id, sizeof id, dev) == CUDA_SUCCESS && bybus(id, &h) == 0) g_nvml_dev[dev] = h;
+    }
+    return g_nvml_dev[dev];
+}
+
+/* The device's used and free memory as the driver sees it; 0 if it can be read. */
+static int mg_dev_mem(CUdevice dev, uint64_t *used, uint64_t *free_) {
+    nvmlDevice_t h = mg_nvml_dev(dev);
+    mg_nvml_mem_t m;
+    if (h && g_nvml_meminfo(h, &m) == 0) {
+        *used = m.used, *free_ = m.free;
+        return 0;
+    }
+    /* No NVML: the real cuMemGetInfo_v2, which needs a current context on `dev`. */
+    cu_getinfo_fn info = (cu_getinfo_fn)cu_fn("cuMemGetInfo_v2");
+    cu_ctxdev_fn ctxdev = (cu_ctxdev_fn)cu_fn("cuCtxGetDevice");
+    CUdevice cur;
+    size_t f, t;
+    if (info && ctxdev && ctxdev(&cur) == CUDA_SUCCESS && cur == dev && info(&f, &t) == CUDA_SUCCESS) {
+        *used = t - f, *free_ = f;
+        return 0;
+    }
+    return -1;
+}
+
+#define MG_MEASURE_WAIT_MS 2000
+static int g_ov_fd = -1; /* the usage file, for the turn locks (under g_ov_mu) */
+
+/* An open-file-description lock on byte `dev` of the usage file: one turn per
+ * device, so processes on different GPUs of a container never wait for each other. */
+static int turn_lock(CUdevice dev, short type) {
+    struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = dev, .l_len = 1};
+    return fcntl(g_ov_fd, F_OFD_SETLK, &fl);
+}
+
+/* Take the container's measuring turn on `dev` (see the top): 1 if held. */
+static int turn_take(CUdevice dev) {
+    if (dev < 0) return 0;
+    if (g_ov_fd < 0) {
+        char path[PATH_MAX + 16];
+        snprintf(path, sizeof path, "%s/usage", mg_container_dir());
+        g_ov_fd = open(path, O_RDWR | O_CLOEXEC);
+        if (g_ov_fd < 0) return 0;
+    }
+    for (int waited = 0; waited < MG_MEASURE_WAIT_MS; waited++) {
+        if (turn_lock(dev, F_WRLCK) == 0) return 1;
+        if (errno != EAGAIN && errno != EACCES && errno != EINTR) return 0;
+        struct timespec ts = {0, 1000000L};
+        nanosleep(&ts, NULL);
+    }
+    return 0;
+}
+
+typedef struct {
+    CUdevice dev;
+    uint64_t used0, free0, total0;
+    int ok, turn;
+} mg_meas_t;
+
+/* Callers hold g_ov_mu from meas_begin to meas_release, which must follow every
+ * meas_begin, after the measured bytes are charged (or the call undone): a sibling
+ * measuring next must see them in the container's total before its window. */
+static void meas_begin(mg_meas_t *m, CUdevice dev) {
+    m->dev = dev;
+    m->turn = turn_take(dev);
+    m->total0 = mg_container_total();
+    m->ok = mg_dev_mem(dev, &m->used0, &m->free0) == 0;
+}
+
+static void meas_release(mg_meas_t *m) {
+    if (m->turn) turn_lock(m->dev, F_UNLCK);
+    m->turn = 0;
+}
+
+/* The memory the call took (negative: gave back), corrected and clamped (see top);
+ * `rc`: the call's result (a failed call took nothing). */
+static int64_t meas_end(mg_meas_t *m, CUresult rc) {
+    uint64_t used1 = 0, free1;
+    int ok = m->ok && rc == CUDA_SUCCESS && mg_dev_mem(m->dev, &used1, &free1) == 0;
+    uint64_t total1 = mg_container_total();
+    if (rc != CUDA_SUCCESS) return 0;
+    if (!ok) {
+        if (!g_warned_measure) {
+            g_warned_measure = 1;
+            mg_log("cannot read the device's memory (NVML or cuMemGetInfo): context and module memory "
+                   "is not counted");
+        }
+        return 0;
+    }
+    int64_t d = (int64_t)(used1 - m->used0);
+    int64_t others = (int64_t)(total1 - m->total0);
+    d -= others;
+    if (d > (int64_t)m->free0) d = (int64_t)m->free0;
+    return d;
+}
+
+/* The current context's device (or 0), for calls that act on the current context. */
+static CUdevice mg_cur_dev(void) {
+    cu_ctxdev_fn ctxdev = (cu_ctxdev_fn)cu_fn("cuCtxGetDevice");
+    CUdevice d = 0;
+    if (!ctxdev || ctxdev(&d) != CUDA_SUCCESS) d = 0;
+    return d;
+}
+
+static CUcontext mg_cur_ctx(void) {
+    cu_ctxcur_fn cur = (cu_ctxcur_fn)cu_fn("cuCtxGetCurrent");
+    CUcontext c = NULL;
+    if (!cur || cur(&c) != CUDA_SUCCESS) c = NULL;
+    return c;
+}
+
+/* ------------------------------------------------------------------------ */
+/* What is counted per object (process-local, under g_ov_mu).               */
+
+enum { OV_CTX = 1, OV_PRIMARY, OV_GREEN, OV_MODULE, OV_LIBRARY, OV_LIMIT };
+
+typedef struct {
+    int kind;
+    int sub;       /* OV_PRIMARY: device; OV_LIMIT: the CUlimit */
+    uint64_t key;  /* the handle (OV_LIMIT: its context) */
+    uint64_t ctx;  /* OV_MODULE: the context it was loaded into */
+    uint64_t bytes;
+    int refs;      /* OV_PRIMARY: retains */
+} mg_ov_t;
+
+static mg_ov_t *g_ov;
+static size_t g_ov_n, g_ov_cap;
+
+static mg_ov_t *ov_find(int kind, uint64_t key, int sub) {
+    for (size_t i = 0; i < g_ov_n; i++)
+        if (g_ov[i].kind == kind && g_ov[i].key == key && (kind != OV_PRIMARY && kind != OV_LIMIT ? 1 : g_ov[i].sub == sub))
+            return &g_ov[i];
+    return NULL;
+}
+
+static mg_ov_t *ov_add(int kind, uint64_t key, int sub, uint64_t ctx) {
+    if (g_ov_n == g_ov_cap) {
+        size_t cap = g_ov_cap ? g_ov_cap * 2 : 64;
+        mg_ov_t *v = realloc(g_ov, cap * sizeof *v);
+        if (!v) return NULL;
+        g_ov = v, g_ov_cap = cap;
+    }
+    g_ov[g_ov_n] = (mg_ov_t){.kind = kind, .sub = sub, .key = key, .ctx = ctx};
+    return &g_ov[g_ov_n++];
+}
+
+/* Remove record `o`; returns the bytes it held. */
+static uint64_t ov_drop(mg_ov_t *o) {
+    uint64_t b = o->bytes;
+    *o = g_ov[--g_ov_n];
+    return b;
+}
+
+/* A context went: its own record and everything loaded or set in it. */
+static uint64_t ov_drop_ctx(uint64_t ctx) {
+    uint64_t freed = 0;
+    for (size_t i = 0; i < g_ov_n;) {
+        mg_ov_t *o = &g_ov[i];
+        if ((o->kind == OV_CTX && o->key == ctx) || (o->kind == OV_LIMIT && o->key == ctx) ||
+            (o->kind == OV_MODULE && o->ctx == ctx))
+            freed += ov_drop(o); /* the last record moved here: look at index i again */
+        else
+            i++;
+    }
+    return freed;
+}
+
+static void ov_freed(uint64_t bytes) {
+    if (!bytes) return;
+    mg_uncharge(bytes);
+    mg_maybe_return_grant();
+}
+
+/* Count `d` measured bytes for record `o` (created by the caller). 0: the
+ * container may hold them; -1: it may not (nothing stays counted; undo the call). */
+static int ov_charge(mg_ov_t *o, int64_t d) {
+    if (d <= 0) return 0;
+    mg_force_charge((uint64_t)d);
+    if (!mg_admit((uint64_t)d)) {
+        mg_uncharge((uint64_t)d);
+        return -1;
+    }
+    if (o) o->bytes += (uint64_t)d;
+    return 0;
+}
+
+static void ov_warn_full(void) { mg_log("too many contexts and modules to record: some stay counted after they go"); }
+
+/* ------------------------------------------------------------------------ */
+/* Contexts.                                                                 */
+
+CUresult mg_h_cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
+    if (!mg_x_on()) return XCALL(cuDevicePrimaryCtxRetain, pctx, dev);
+    pthread_mutex_lock(&g_ov_mu);
+    mg_ov_t *o = ov_find(OV_PRIMARY, 0, dev);
+    mg_meas_t m;
+    int measure = !o || o->refs == 0;
+    if (measure) meas_begin(&m, dev);
+    CUresult rc = XCALL(cuDevicePrimaryCtxRetain, pctx, dev);
+    int64_t d = measure ? meas_end(&m, rc) : 0;
+    if (rc == CUDA_SUCCESS && !measure) {
+        o->refs++;
+    } else if (rc == CUDA_SUCCESS) { /* it became active now: it took its memory */
+        if (!o) o = ov_add(OV_PRIMARY, 0, dev, 0);
+        if (o) o->key = 0, o->ctx = (uint64_t)(uintptr_t)*pctx, o->refs = 1;
+        else ov_warn_full();
+        if (ov_charge(o, d) != 0) {
+            if (o) ov_drop(o);
+            XCALL(cuDevicePrimaryCtxRelease_v2, dev);
+            *pctx = NULL;
+            rc = mg_x_refuse();
+        }
+    }
+    if (measure) meas_release(&m);
+    pthread_mutex_unlock(&g_ov_mu);
+    return rc;
+}
+
+static CUresult primary_release(CUdevice dev, int v2, int reset) {
+    if (!mg_x_on()) {
+        if (reset) return v2 ? XCALL(cuDevicePrimaryCtxReset_v2, dev) : XCALL(cuDevicePrimaryCtxReset, dev);
+        return v2 ? XCALL(cuDevicePrimaryCtxRelease_v2, dev) : XCALL(cuDevicePrimaryCtxRelease, dev);
+    }
+    pthread_mutex_lock(&g_ov_mu);
+    CUresult rc;
+    if (reset) rc = v2 ? XCALL(cuDevicePrimaryCtxReset_v2, dev) : XCALL(cuDevicePrimaryCtxReset, dev);
+    else rc = v2 ? XCALL(cuDevicePrimaryCtxRelease_v2, dev) : XCALL(cuDevicePrimaryCtxRelease, dev);
+    uint64_t freed = 0;
+    mg_ov_t *o = rc == CUDA_SUCCESS ? ov_find(OV_PRIMARY, 0, dev) : NULL;
+    if (o && o->refs > 0 && (reset || --o->refs == 0)) { /* inactive: the driver freed it and what it held */
+        uint64_t ctx = o->ctx;
+        o->refs = 0;
+        freed = o->bytes;
+        o->bytes = 0;
+        freed += ov_drop_ctx(ctx);
+    }
+    pthread_mutex_unlock(&g_ov_mu);
+    ov_freed(freed);
+    return rc;
+}
+
+CUresult mg_h_cuDevicePrimaryCtxRelease(CUdevice dev) { return primary_release(dev, 0, 0); }
+CUresult mg_h_cuDevicePrimaryCtxRelease_v2(CUdevice dev) { return primary_release(dev, 1, 0); }
+CUresult mg_h_cuDevicePrimaryCtxReset(CUdevice dev) { return primary_release(dev, 0, 1); }
+CUresult mg_h_cuDevicePrimaryCtxReset_v2(CUdevice dev) { return primary_release(dev, 1, 1); }
+
+/* A new context (regular or green) of `dev`, made by `rc_expr`; `undo` destroys it. */
+#define CREATE_MEASURED(kind, dev, handle_ptr, rc_expr, undo)                  \
+    do {                                                                       \
+        if (!mg_x_on()) return (rc_expr); \
+        pthread_mutex_lock(&g_ov_mu);                                          \
+        mg_meas_t m_;                                                          \
+        meas_begin(&m_, (dev));                                                \
+        CUresult rc_ = (rc_expr);                                              \
+        int64_t d_ = meas_end(&m_, rc_);                                       \
+        if (rc_ == CUDA_SUCCESS && (handle_ptr)) {                             \
+            mg_ov_t *o_ = ov_add((kind), (uint64_t)(uintptr_t)*(handle_ptr), 0, 0); \
+            if (!o_) ov_warn_full();                                           \
+            if (ov_charge(o_, d_) != 0) {                                      \
+                if (o_) ov_drop(o_);                                           \
+                undo;                                                          \
+                *(handle_ptr) = NULL;                                          \
+                rc_ = mg_x_refuse();                                           \
+            }                                                                  \
+        }                                                                      \
+        meas_release(&m_);                                                     \
+        pthread_mutex_unlock(&g_ov_mu);                                        \
+        return rc_;                                                            \
+    } while (0)
+
+CUresult mg_h_cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev) {
+    CREATE_MEASURED(OV_CTX, dev, pctx, XCALL(cuCtxCreate, pctx, flags, dev), XCALL(cuCtxDestroy_v2, *pctx));
+}
+CUresult mg_h_cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
+    CREATE_MEASURED(OV_CTX, dev, pctx, XCALL(cuCtxCreate_v2, pctx, flags, dev), XCALL(cuCtxDestroy_v2, *pctx));
+}
+CUresult mg_h_cuCtxCreate_v3(CUcontext *pctx, void *paramsArray, int numParams, unsigned int flags, CUdevice dev) {
+    CREATE_MEASURED(OV_CTX, dev, pctx, XCALL(cuCtxCreate_v3, pctx, paramsArray, numParams, flags, dev),
+                    XCALL(cuCtxDestroy_v2, *pctx));
+}
+CUresult mg_h_cuCtxCreate_v4(CUcontext *pctx, void *ctxCreateParams, unsigned int flags, CUdevice dev) {
+    CREATE_MEASURED(OV_CTX, dev, pctx, XCALL(cuCtxCreate_v4, pctx, ctxCreateParams, flags, dev),
+                    XCALL(cuCtxDestroy_v2, *pctx));
+}
+CUresult mg_h_cuGreenCtxCreate(CUgreenCtx *phCtx, CUdevResourceDesc desc, CUdevice dev, unsigned int flags) {
+    CREATE_MEASURED(OV_GREEN, dev, phCtx, XCALL(cuGreenCtxCreate, phCtx, desc, dev, flags),
+                    XCALL(cuGreenCtxDestroy, *phCtx));
+}
+
+static CUresult ctx_destroy(CUcontext ctx, int v2) {
+    if (!mg_x_on()) return v2 ? XCALL(cuCtxDestroy_v2, ctx) : XCALL(cuCtxDestroy, ctx);
+    pthread_mutex_lock(&g_ov_mu);
+    CUresult rc = v2 ? XCALL(cuCtxDestroy_v2, ctx) : XCALL(cuCtxDestroy, ctx);
+    uint64_t freed = rc == CUDA_SUCCESS ? ov_drop_ctx((uint64_t)(uintptr_t)ctx) : 0;
+    pthread_mutex_unlock(&g_ov_mu);
+    ov_freed(freed);
+    return rc;
+}
+
+CUresult mg_h_cuCtxDestroy(CUcontext ctx) { return ctx_destroy(ctx, 0); }
+CUresult mg_h_cuCtxDestroy_v2(CUcontext ctx) { return ctx_destroy(ctx, 1); }
+
+CUresult mg_h_cuGreenCtxDestroy(CUgreenCtx hCtx) {
+    if (!mg_x_on()) return XCALL(cuGreenCtxDestroy, hCtx);
+    pthread_mutex_lock(&g_ov_mu);
+    CUresult rc = XCALL(cuGreenCtxDestroy, hCtx);
+    mg_ov_t *o = rc == CUDA_SUCCESS ? ov_find(OV_GREEN, (uint64_t)(uintptr_t)hCtx, 0) : NULL;
+    uint64_t freed = o ? ov_drop(o) : 0;
+    pthread_mutex_unlock(&g_ov_mu);
+    ov_freed(freed);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Limits: the value's memory, above what the context already took.         */
+
+CUresult mg_h_cuCtxSetLimit(int limit, size_t value) {
+    if (!mg_x_on()) return XCALL(cuCtxSetLimit, limit, value);
+    pthread_mutex_lock(&g_ov_mu);
+    cu_getlimit_fn getlimit = (cu_getlimit_fn)cu_fn("cuCtxGetLimit");
+    size_t old = 0;
+    int have_old = getlimit && getlimit(&old, limit) == CUDA_SUCCESS;
+    uint64_t ctx = (uint64_t)(uintptr_t)mg_cur_ctx();
+    mg_meas_t m;
+    meas_begin(&m, mg_cur_dev());
+    CUresult rc = XCALL(cuCtxSetLimit, limit, value);
+    int64_t d = meas_end(&m, rc);
+    uint64_t freed = 0;
+    if (rc == CUDA_SUCCESS) {
+        mg_ov_t *o = ov_find(OV_LIMIT, ctx, limit);
+        if (d < 0 && o) { /* lowered: give back what it gave back, at most what was counted for it */
+            freed = (uint64_t)-d < o->bytes ? (uint64_t)-d : o->bytes;
+            o->bytes -= freed;
+            if (!o->bytes) ov_drop(o);
+        } else if (d > 0) {
+            if (!o && !(o = ov_add(OV_LIMIT, ctx, limit, ctx))) ov_warn_full();
+            if (ov_charge(o, d) != 0) {
+                if (o && !o->bytes) ov_drop(o);
+                if (have_old) XCALL(cuCtxSetLimit, limit, old);
+                rc = mg_x_refuse();
+            }
+        }
+    }
+    meas_release(&m);
+    pthread_mutex_unlock(&g_ov_mu);
+    ov_freed(freed);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Modules and libraries.                                                    */
+
+#define LOAD_MEASURED(kind, handle_ptr, rc_expr, undo)                         \
+    do {                                                                       \
+        if (!mg_x_on()) return (rc_expr); \
+        pthread_mutex_lock(&g_ov_mu);                                          \
+        uint64_t ctx_ = (uint64_t)(uintptr_t)mg_cur_ctx();                     \
+        mg_meas_t m_;                                                          \
+        meas_begin(&m_, mg_cur_dev());                                         \
+        CUresult rc_ = (rc_expr);                                              \
+        int64_t d_ = meas_end(&m_, rc_);                                       \
+        if (rc_ == CUDA_SUCCESS && (handle_ptr)) {                             \
+            mg_ov_t *o_ = ov_add((kind), (uint64_t)(uintptr_t)*(handle_ptr), 0, (kind) == OV_MODULE ? ctx_ : 0); \
+            if (!o_) ov_warn_full();                                           \
+            if (ov_charge(o_, d_) != 0) {                                      \
+                if (o_) ov_drop(o_);                                           \
+                undo;                                                          \
+                *(handle_ptr) = NULL;                                          \
+                rc_ = mg_x_refuse();                                           \
+            }                                                                  \
+        }                                                                      \
+        meas_release(&m_);                                                     \
+        pthread_mutex_unlock(&g_ov_mu);                                        \
+        return rc_;                                                            \
+    } while (0)
+
+CUresult mg_h_cuModuleLoad(CUmodule *module, const char *fname) {
+    LOAD_MEASURED(OV_MODULE, module, XCALL(cuModuleLoad, module, fname), XCALL(cuModuleUnload, *module));
+}
+CUresult mg_h_cuModuleLoadData(CUmodule *module, const void *image) {
+    LOAD_MEASURED(OV_MODULE, module, XCALL(cuModuleLoadData, module, image), XCALL(cuModuleUnload, *module));
+}
+CUresult mg_h_cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int numOptions, void *options,
+                                 void **optionValues) {
+    LOAD_MEASURED(OV_MODULE, module, XCALL(cuModuleLoadDataEx, module, image, numOptions, options, optionValues),
+                  XCALL(cuModuleUnload, *module));
+}
+CUresult mg_h_cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin) {
+    LOAD_MEASURED(OV_MODULE, module, XCALL(cuModuleLoadFatBinary, module, fatCubin), XCALL(cuModuleUnload, *module));
+}
+CUresult mg_h_cuLibraryLoadData(CUlibrary *library, const void *code, void *jitOptions, void **jitOptionsValues,
+                                unsigned int numJitOptions, void *libraryOptions, void **libraryOptionValues,
+                                unsigned int numLibraryOptions) {
+    LOAD_MEASURED(OV_LIBRARY, library,
+                  XCALL(cuLibraryLoadData, library, code, jitOptions, jitOptionsValues, numJitOptions, libraryOptions,
+                        libraryOptionValues, numLibraryOptions),
+                  XCALL(cuLibraryUnload, *library));
+}
+CUresult mg_h_cuLibraryLoadFromFile(CUlibrary *library, const char *fileName, void *jitOptions,
+                                    void **jitOptionsValues, unsigned int numJitOptions, void *libraryOptions,
+                                    void **libraryOptionValues, unsigned int numLibraryOptions) {
+    LOAD_MEASURED(OV_LIBRARY, library,
+                  XCALL(cuLibraryLoadFromFile, library, fileName, jitOptions, jitOptionsValues, numJitOptions,
+                        libraryOptions, libraryOptionValues, numLibraryOptions),
+                  XCALL(cuLibraryUnload, *library));
+}
+
+static CUresult unload(int kind, uint64_t key, CUresult rc) {
+    if (rc != CUDA_SUCCESS) return rc;
+    pthread_mutex_lock(&g_ov_mu);
+    mg_ov_t *o = ov_find(kind, key, 0);
+    uint64_t freed = o ? ov_drop(o) : 0;
+    pthread_mutex_unlock(&g_ov_mu);
+    ov_freed(freed);
+    return rc;
+}
+
+CUresult mg_h_cuModuleUnload(CUmodule hmod) {
+    CUresult rc = XCALL(cuModuleUnload, hmod);
+    return mg_x_on() ? unload(OV_MODULE, (uint64_t)(uintptr_t)hmod, rc) : rc;
+}
+
+CUresult mg_h_cuLibraryUnload(CUlibrary library) {
+    CUresult rc = XCALL(cuLibraryUnload, library);
+    return mg_x_on() ? unload(OV_LIBRARY, (uint64_t)(uintptr_t)library, rc) : rc;
+}
+
+/* A forked child has none of the parent's contexts (CUDA does not survive fork). */
+static void mg_ctx_atfork_child(void) {
+    pthread_mutex_init(&g_ov_mu, NULL);
+    g_ov_n = 0;
+    if (g_ov_fd >= 0) close(g_ov_fd); /* its own open file: the turn locks are per open file */
+    g_ov_fd = -1;
+}
+
+__attribute__((constructor)) static void mg_ctx_init(void) { pthread_atfork(NULL, NULL, mg_ctx_atfork_child); }
+
+MG_SYMBOLS_CTX(MG_XALIAS)
