@@ -501,7 +501,7 @@ static unsigned mg_track_bits(void) {
 }
 
 static void mg_atfork_child(void);
-static void mg_reap_earlier_images(void);
+static void mg_reap_at_start(void);
 
 static int mg_do_init(void) {
     char err[PATH_MAX + 200], path[PATH_MAX + 16];
@@ -543,7 +543,7 @@ static int mg_do_init(void) {
         return MODE_BROKEN;
     }
     pthread_atfork(NULL, NULL, mg_atfork_child);
-    mg_reap_earlier_images();
+    mg_reap_at_start();
     return MODE_ON;
 }
 
@@ -646,19 +646,23 @@ static MG_COLD int mg_reap(int full) {
     return reaped;
 }
 
-/* At init: give back the slots of earlier images of this process (exec keeps the
- * pid and start time but runs no destructor; the driver freed their memory).
- * Done at init, not at the first allocation, so an exec'd program that never
- * allocates does not keep its predecessor's bytes counted. One pass of loads
- * over the slots; /proc is read only if one carries our pid. */
-static MG_COLD void mg_reap_earlier_images(void) {
+/* At init: give back the slots of processes that are gone, so the first
+ * cuMemGetInfo (often a framework's sizing, before any allocation) is exact:
+ *   - a predecessor killed by a signal (SIGKILL, the OOM killer) runs no
+ *     destructor; the driver freed its memory as it died;
+ *   - earlier images of this process (exec keeps the pid and start time but
+ *     runs no destructor; the driver freed their memory).
+ * The same lock-free reclaim as the allocation path (CAS on the slot's pid),
+ * at its cheap level: one kill(pid, 0) per occupied slot, /proc read only if a
+ * slot carries our own pid. A killed process not yet waited for (a zombie) is
+ * caught by the full reap of the next allocation that does not fit. */
+static MG_COLD void mg_reap_at_start(void) {
     for (int i = 0; i < MG_MAX_PROCS; i++) {
         if (atomic_load_explicit(&g_usage->slots[i].pid, memory_order_relaxed) != g_pid) continue;
-        if (!g_start) g_start = mg_proc_start(g_pid, NULL);
-        if (!g_start) return;
-        mg_reap(0);
-        return;
+        g_start = mg_proc_start(g_pid, NULL);
+        break;
     }
+    mg_reap(0);
 }
 
 static mg_proc_slot_t *mg_try_claim(uint64_t start) {
