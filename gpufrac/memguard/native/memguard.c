@@ -360,6 +360,7 @@ typedef struct {
     _Atomic uint64_t key;
     _Atomic uint64_t size;
     _Atomic uint64_t aux; /* g_handles: references; g_maps: the mapped handle */
+    _Atomic uint64_t slop; /* g_ptrs, pool allocations: footprint - size (see mg_pool_alloc) */
 } mg_ent_t;
 
 typedef struct {
@@ -369,7 +370,6 @@ typedef struct {
 } mg_tab_t;
 
 static mg_tab_t g_ptrs, g_arrays, g_handles, g_maps;
-static mg_tab_t g_pslop; /* pool allocations: footprint - size, when not 0 (see mg_pool_alloc) */
 
 static int mg_tab_init(mg_tab_t *t, unsigned bits) {
     size_t bytes = sizeof(mg_ent_t) << bits;
@@ -387,7 +387,7 @@ static inline uint64_t mg_hash(const mg_tab_t *t, uint64_t key) {
 }
 
 /* Returns 0, or -1 if the key cannot be stored (then it stays counted). */
-static int mg_tab_put(mg_tab_t *t, uint64_t key, uint64_t size, uint64_t aux) {
+static int mg_tab_put_slop(mg_tab_t *t, uint64_t key, uint64_t size, uint64_t aux, uint64_t slop) {
     mg_ent_t *e = atomic_load_explicit(&t->ents, memory_order_acquire);
     if (!e || key == KEY_EMPTY || key == KEY_TOMB) return -1;
     uint64_t h = mg_hash(t, key);
@@ -397,14 +397,19 @@ static int mg_tab_put(mg_tab_t *t, uint64_t key, uint64_t size, uint64_t aux) {
         if (atomic_compare_exchange_strong_explicit(&e[h].key, &k, key, memory_order_acq_rel, memory_order_relaxed)) {
             atomic_store_explicit(&e[h].size, size, memory_order_release);
             atomic_store_explicit(&e[h].aux, aux, memory_order_release);
+            atomic_store_explicit(&e[h].slop, slop, memory_order_release);
             return 0;
         }
     }
     return -1;
 }
 
-/* Removes `key`; returns 1 and its size (and aux, if asked) if it was there. */
-static int mg_tab_take(mg_tab_t *t, uint64_t key, uint64_t *size, uint64_t *aux) {
+static int mg_tab_put(mg_tab_t *t, uint64_t key, uint64_t size, uint64_t aux) {
+    return mg_tab_put_slop(t, key, size, aux, 0);
+}
+
+/* Removes `key`; returns 1 and its size (and aux, slop, if asked) if it was there. */
+static int mg_tab_take_slop(mg_tab_t *t, uint64_t key, uint64_t *size, uint64_t *aux, uint64_t *slop) {
     mg_ent_t *e = atomic_load_explicit(&t->ents, memory_order_acquire);
     if (!e || key == KEY_EMPTY || key == KEY_TOMB) return 0;
     uint64_t h = mg_hash(t, key);
@@ -414,15 +419,21 @@ static int mg_tab_take(mg_tab_t *t, uint64_t key, uint64_t *size, uint64_t *aux)
         if (k != key) continue;
         uint64_t sz = atomic_load_explicit(&e[h].size, memory_order_acquire);
         uint64_t ax = atomic_load_explicit(&e[h].aux, memory_order_acquire);
+        uint64_t sl = atomic_load_explicit(&e[h].slop, memory_order_acquire);
         if (atomic_compare_exchange_strong_explicit(&e[h].key, &k, KEY_TOMB, memory_order_acq_rel,
                                                     memory_order_relaxed)) {
             *size = sz;
             if (aux) *aux = ax;
+            if (slop) *slop = sl;
             return 1;
         }
         return 0; /* another thread freed the same pointer first */
     }
     return 0;
+}
+
+static int mg_tab_take(mg_tab_t *t, uint64_t key, uint64_t *size, uint64_t *aux) {
+    return mg_tab_take_slop(t, key, size, aux, NULL);
 }
 
 /* The live entry of `key`, or NULL. */
@@ -603,7 +614,7 @@ static int mg_do_init(void) {
     g_usage = usage;
     unsigned bits = mg_track_bits();
     if (mg_tab_init(&g_ptrs, bits) || mg_tab_init(&g_arrays, bits > 16 ? 16 : bits) ||
-        mg_tab_init(&g_handles, bits) || mg_tab_init(&g_maps, bits) || mg_tab_init(&g_pslop, bits)) {
+        mg_tab_init(&g_handles, bits) || mg_tab_init(&g_maps, bits)) {
         mg_log("cannot map allocation tables: %s; refusing GPU allocations", strerror(errno));
         return MODE_BROKEN;
     }
@@ -791,7 +802,6 @@ static void mg_atfork_child(void) {
         mg_tab_reset(&g_arrays);
         mg_tab_reset(&g_handles);
         mg_tab_reset(&g_maps);
-        mg_tab_reset(&g_pslop);
     }
 }
 
@@ -1351,21 +1361,30 @@ typedef struct {
     uint64_t used; /* USED_MEM_CURRENT as last read, followed through frees (valid if known) */
     int known;     /* res/used were read; each later change went through a hook under g_pool_mu */
     int destroyed; /* cuMemPoolDestroy returned while allocations were live */
-    unsigned pos;  /* 1 + index in g_pool_active while idle > 0, else 0 */
+    unsigned pos;  /* 1 + index in g_pool_active while on it, else 0 */
+    /* The block freed into it last (stream-ordered, footprint known), until the
+     * next allocation from it or a reading of it: see mg_pool_alloc. */
+    uint64_t lf_ptr, lf_size, lf_foot;
 } mg_pool_t;
 
 /* Pool frees whose real call runs without g_pool_mu (cuMemFree on a pool
  * pointer, which may block; mg_pool_undo): while any is in flight, USED may
  * drop under an allocation's feet, so no footprint is derived from it. */
 static _Atomic unsigned g_pool_unlocked;
-#define MG_FOOT_UNKNOWN UINT64_MAX /* g_pslop: the footprint could not be told */
+/* Synchronizes and trims in flight (the real call, then the reconcile): the
+ * driver may be releasing pool memory behind the records meanwhile. */
+static _Atomic unsigned g_pool_syncing;
+
+static void mg_sync_begin(void) { atomic_fetch_add(&g_pool_syncing, 1); }
+static void mg_sync_end(void) { atomic_fetch_sub(&g_pool_syncing, 1); }
+#define MG_FOOT_UNKNOWN UINT64_MAX /* an entry's slop: the footprint could not be told */
 /* The pool this thread's last cuMemAllocAsync came from: the guess for the next
  * one (checked after the call with cuPointerGetAttribute). */
 static _Thread_local uint64_t t_pool_guess __attribute__((tls_model("initial-exec")));
 
 static pthread_mutex_t g_pool_mu = PTHREAD_MUTEX_INITIALIZER;
 static mg_pool_t g_pool[MG_POOL_SLOTS];
-static uint16_t g_pool_active[MG_POOL_SLOTS]; /* pools with idle > 0: what a synchronize may shrink */
+static uint16_t g_pool_active[MG_POOL_SLOTS]; /* pools with idle > 0 or a last freed block: see mg_pool_activity */
 static _Atomic unsigned g_pool_nactive;
 static _Atomic int g_warned_pools;
 
@@ -1379,6 +1398,7 @@ static void mg_pools_reset(void) {
     memset(g_pool, 0, sizeof g_pool);
     atomic_store(&g_pool_nactive, 0);
     atomic_store(&g_pool_unlocked, 0);
+    atomic_store(&g_pool_syncing, 0);
     t_pool_guess = 0;
 }
 
@@ -1405,23 +1425,38 @@ static mg_pool_t *mg_pool_find(uint64_t key, int create) {
     return free_slot;
 }
 
-static void mg_pool_set_idle(mg_pool_t *p, uint64_t idle) {
+/* A pool is on the active list while it has idle memory counted or a last
+ * freed block recorded: what a synchronize must reconcile. */
+static void mg_pool_activity(mg_pool_t *p) {
     unsigned n = atomic_load_explicit(&g_pool_nactive, memory_order_relaxed);
-    if (idle && !p->pos) {
+    int active = p->idle || p->lf_ptr;
+    if (active && !p->pos) {
         g_pool_active[n] = (uint16_t)(p - g_pool);
         p->pos = ++n;
-    } else if (!idle && p->pos) {
+    } else if (!active && p->pos) {
         unsigned last = g_pool_active[--n];
         g_pool_active[p->pos - 1] = (uint16_t)last;
         g_pool[last].pos = p->pos;
         p->pos = 0;
     }
-    p->idle = idle;
     atomic_store_explicit(&g_pool_nactive, n, memory_order_release);
+}
+
+static void mg_pool_set_idle(mg_pool_t *p, uint64_t idle) {
+    p->idle = idle;
+    mg_pool_activity(p);
+}
+
+/* Record (key != 0) or forget (0) the block freed into the pool last. Callers hold g_pool_mu. */
+static void mg_pool_lf(mg_pool_t *p, uint64_t key, uint64_t size, uint64_t foot) {
+    int was = p->lf_ptr != 0;
+    p->lf_ptr = key, p->lf_size = size, p->lf_foot = foot;
+    if (was != (key != 0)) mg_pool_activity(p);
 }
 
 /* Drop the record (its idle already uncounted). */
 static void mg_pool_remove(mg_pool_t *p) {
+    mg_pool_lf(p, 0, 0, 0);
     mg_pool_set_idle(p, 0);
     p->key = KEY_TOMB;
     unsigned i = (unsigned)(p - g_pool);
@@ -1453,6 +1488,7 @@ static uint64_t mg_pool_apply(mg_pool_t *p, uint64_t r, uint64_t u) {
         mg_uncharge(p->idle - truth);
     mg_pool_set_idle(p, truth);
     p->res = r, p->used = u, p->known = 1;
+    mg_pool_lf(p, 0, 0, 0);
     return grew;
 }
 
@@ -1460,9 +1496,15 @@ static uint64_t mg_pool_reconcile(mg_pool_t *p) {
     uint64_t r, u;
     if (p->destroyed || mg_pool_read(p->key, &r, &u) != 0) { /* cannot tell: keep what is counted */
         p->known = 0;
+        mg_pool_lf(p, 0, 0, 0);
         return 0;
     }
-    return mg_pool_apply(p, r, u);
+    /* Nothing released or taken since it was recorded: the last freed block is
+     * still the pool's, still reusable without a read. */
+    uint64_t lf = p->known && r == p->res && u == p->used ? p->lf_ptr : 0, lsz = p->lf_size, lft = p->lf_foot;
+    uint64_t grew = mg_pool_apply(p, r, u);
+    if (lf) mg_pool_lf(p, lf, lsz, lft);
+    return grew;
 }
 
 /* After a synchronize: pools release what they hold above their threshold. */
@@ -1543,8 +1585,7 @@ static void mg_pool_dropped(uint64_t pool) {
 static MG_COLD CUresult mg_pool_undo(int how, CUdeviceptr d, CUstream hs, uint64_t pool, uint64_t n, uint64_t keep,
                                      int can_trim) {
     uint64_t bytes = 0, aux = 0, slop = 0;
-    int mine = mg_tab_take(&g_ptrs, d, &bytes, &aux);
-    (void)mg_tab_take(&g_pslop, d, &slop, NULL);
+    int mine = mg_tab_take_slop(&g_ptrs, d, &bytes, &aux, &slop);
     atomic_fetch_add(&g_pool_unlocked, 1); /* the free and synchronize below run without g_pool_mu */
     CUresult rc = how == PA_ASYNC_PTSZ || how == PA_POOL_PTSZ ? CALL_REAL(cuMemFreeAsync_ptsz, d, hs)
                                                               : CALL_REAL(cuMemFreeAsync, d, hs);
@@ -1567,8 +1608,7 @@ static MG_COLD CUresult mg_pool_undo(int how, CUdeviceptr d, CUstream hs, uint64
         mg_pools_synced(); /* the synchronize released other pools' memory too */
         mg_uncharge(mine ? bytes : n);
     } else if (mine) {
-        mg_tab_put(&g_ptrs, d, bytes, aux); /* still allocated: still counted */
-        if (slop) mg_tab_put(&g_pslop, d, slop, 0);
+        mg_tab_put_slop(&g_ptrs, d, bytes, aux, slop); /* still allocated: still counted */
     } /* else: still allocated and never recorded: stays counted (never under) */
     return mg_refuse(atomic_load_explicit(&g_slot, memory_order_acquire));
 }
@@ -1619,6 +1659,7 @@ static CUresult mg_pool_alloc(int how, CUdeviceptr *dptr, size_t size, CUmemoryP
             have_r0 = want_pool && mg_pool_read(want_pool, &r0, NULL) == 0;
         rc = mg_pool_real_alloc(how, dptr, size, pool, hs);
         if (rc == CUDA_SUCCESS) break; /* still holding g_pool_mu */
+        if (p) mg_pool_lf(p, 0, 0, 0); /* a refused allocation may have made the pool release blocks */
         pthread_mutex_unlock(&g_pool_mu);
         if (rc != CUDA_ERROR_OUT_OF_MEMORY || reclaimed || !mg_reclaim(rc, n)) {
             mg_pool_untake(want_pool, take);
@@ -1630,7 +1671,18 @@ static CUresult mg_pool_alloc(int how, CUdeviceptr *dptr, size_t size, CUmemoryP
     }
     uint64_t d = *dptr, r1 = 0, u1 = 0;
     int have_ru = 0;
-    if (by_stream) { /* which pool it really came from */
+    /* The block freed into the pool last came back, for an allocation of the
+     * same size: the pool served it from its own reservation (a block it holds
+     * is not reserved again), so RESERVED stands, USED grew by that block's
+     * footprint, and the pool is the one it was freed into (it keeps the block
+     * until a synchronize or trim releases it, and none is in flight): no
+     * driver read. Anything else reads the pool, as below. */
+    if (p && p->known && !p->destroyed && p->lf_ptr == d && d && p->lf_size == n && p->lf_foot >= n &&
+        p->lf_foot != MG_FOOT_UNKNOWN && atomic_load(&g_pool_unlocked) == 0 &&
+        atomic_load(&g_pool_syncing) == 0) {
+        r1 = p->res, u1 = p->used + p->lf_foot, have_ru = 1;
+        if (by_stream) t_pool_guess = got;
+    } else if (by_stream) { /* which pool it really came from */
         /* The guessed pool's USED grew: it was that one. Only a hooked
          * allocation, made under g_pool_mu, can make a pool's USED grow (frees
          * made without the mutex only lower it, and none is in flight). */
@@ -1657,23 +1709,19 @@ static CUresult mg_pool_alloc(int how, CUdeviceptr *dptr, size_t size, CUmemoryP
     }
     mg_pool_t *rec = mg_pool_find(got, 1);
     if (rec && rec->destroyed) rec->destroyed = 0, rec->known = 0; /* the handle of a destroyed pool came back */
-    int put = rec && mg_tab_put(&g_ptrs, d, n, got) == 0;
-    if (put) rec->live++;
-    uint64_t forced = 0;
+    uint64_t forced = 0, foot = MG_FOOT_UNKNOWN;
     if (rec && (have_ru || mg_pool_read(got, &r1, &u1) == 0)) {
         if (got == want_pool && have_r0 && r1 > r0 && r1 - r0 > n - take)
             extra = r1 - r0 - (n - take); /* the pool grew by more than was checked */
         /* The footprint (USED grew by it; at least n): what a free will make idle. */
-        uint64_t foot = MG_FOOT_UNKNOWN;
         if (rec->known && u1 >= rec->used && u1 - rec->used >= n && atomic_load(&g_pool_unlocked) == 0)
             foot = u1 - rec->used;
         forced = mg_pool_apply(rec, r1, u1);
-        if (put && foot != n && mg_tab_put(&g_pslop, d, foot == MG_FOOT_UNKNOWN ? foot : foot - n, 0) != 0)
-            rec->known = 0; /* its free cannot be told: keep reading there */
     } else if (rec) {
         rec->known = 0;
-        if (put) (void)mg_tab_put(&g_pslop, d, MG_FOOT_UNKNOWN, 0);
     }
+    int put = rec && mg_tab_put_slop(&g_ptrs, d, n, got, foot == MG_FOOT_UNKNOWN ? foot : foot - n) == 0;
+    if (put) rec->live++;
     if (forced > extra) extra = forced;
     pthread_mutex_unlock(&g_pool_mu);
     if (!rec) {
@@ -1724,13 +1772,12 @@ static int mg_pool_free_begin(int in_order) {
  * its footprint moves from USED to idle: counted as idle before the live bytes
  * go, with no driver call when the footprint is known and the free was made
  * under g_pool_mu; else the pool is read. */
-static void mg_pool_freed(CUresult rc, uint64_t key, uint64_t bytes, uint64_t pool, int locked) {
+static void mg_pool_freed(CUresult rc, uint64_t key, uint64_t bytes, uint64_t pool, uint64_t slop, int locked) {
     if (!locked) pthread_mutex_lock(&g_pool_mu);
     if (rc != CUDA_SUCCESS) {
-        mg_tab_put(&g_ptrs, key, bytes, pool);
+        mg_tab_put_slop(&g_ptrs, key, bytes, pool, slop);
     } else {
-        uint64_t slop = 0, foot;
-        (void)mg_tab_take(&g_pslop, key, &slop, NULL);
+        uint64_t foot;
         foot = slop == MG_FOOT_UNKNOWN || bytes + slop < bytes ? MG_FOOT_UNKNOWN : bytes + slop;
         mg_pool_t *p = mg_pool_find(pool, 0);
         uint64_t idle_in = 0, gone = bytes;
@@ -1744,6 +1791,7 @@ static void mg_pool_freed(CUresult rc, uint64_t key, uint64_t bytes, uint64_t po
             } else if (locked && p->known && foot != MG_FOOT_UNKNOWN && p->used >= foot) {
                 p->used -= foot;
                 mg_pool_set_idle(p, p->idle + (idle_in = foot));
+                mg_pool_lf(p, key, bytes, foot);
             } else {
                 mg_pool_reconcile(p);
             }
@@ -1759,12 +1807,17 @@ static void mg_pool_freed(CUresult rc, uint64_t key, uint64_t bytes, uint64_t po
 }
 
 HOOK CUresult mg_h_cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep) {
+    mg_sync_begin();
     CUresult rc = CALL_REAL(cuMemPoolTrimTo, pool, minBytesToKeep);
-    if (rc != CUDA_SUCCESS || !mg_on()) return rc;
+    if (rc != CUDA_SUCCESS || !mg_on()) {
+        mg_sync_end();
+        return rc;
+    }
     pthread_mutex_lock(&g_pool_mu);
     mg_pool_t *p = mg_pool_find((uint64_t)(uintptr_t)pool, 0);
     if (p) mg_pool_reconcile(p);
     pthread_mutex_unlock(&g_pool_mu);
+    mg_sync_end();
     mg_maybe_return_grant();
     return rc;
 }
@@ -1793,19 +1846,23 @@ HOOK CUresult mg_h_cuMemPoolDestroy(CUmemoryPool pool) {
 }
 
 /* Synchronize points: where pools release memory above their threshold. */
-#define SYNC_HOOK(sym, params, ...)                  \
-    HOOK CUresult mg_h_##sym params {                \
-        CUresult rc = CALL_REAL(sym, __VA_ARGS__);   \
-        if (mg_on()) mg_pools_synced();              \
-        return rc;                                   \
+#define SYNC_HOOK(sym, params, ...)                   \
+    HOOK CUresult mg_h_##sym params {                 \
+        mg_sync_begin();                              \
+        CUresult rc = CALL_REAL(sym, __VA_ARGS__);    \
+        if (mg_on()) mg_pools_synced();               \
+        mg_sync_end();                                \
+        return rc;                                    \
     }
 
 SYNC_HOOK(cuStreamSynchronize, (CUstream hStream), hStream)
 SYNC_HOOK(cuStreamSynchronize_ptsz, (CUstream hStream), hStream)
 SYNC_HOOK(cuEventSynchronize, (CUevent hEvent), hEvent)
 HOOK CUresult mg_h_cuCtxSynchronize(void) {
+    mg_sync_begin();
     CUresult rc = CALL_REAL(cuCtxSynchronize);
     if (mg_on()) mg_pools_synced();
+    mg_sync_end();
     return rc;
 }
 SYNC_HOOK(cuCtxSynchronize_v2, (CUcontext ctx), ctx)
@@ -1819,12 +1876,12 @@ SYNC_HOOK(cuCtxSynchronize_v2, (CUcontext ctx), ctx)
 #define FREE_HOOK(sym, tab, key, in_order, params, ...)                 \
     HOOK CUresult mg_h_##sym params {                                   \
         if (!mg_on()) return CALL_REAL(sym, __VA_ARGS__);               \
-        uint64_t bytes = 0, aux = 0, key_ = (uint64_t)(key);            \
-        int found = mg_tab_take(&(tab), key_, &bytes, &aux);            \
+        uint64_t bytes = 0, aux = 0, slop = 0, key_ = (uint64_t)(key);  \
+        int found = mg_tab_take_slop(&(tab), key_, &bytes, &aux, &slop); \
         if (found && aux > 1) { /* a pool allocation (aux: its pool) */ \
             int locked_ = mg_pool_free_begin(in_order);                 \
             CUresult rc = CALL_REAL(sym, __VA_ARGS__);                  \
-            mg_pool_freed(rc, key_, bytes, aux, locked_);               \
+            mg_pool_freed(rc, key_, bytes, aux, slop, locked_);         \
             return rc;                                                  \
         }                                                               \
         CUresult rc = CALL_REAL(sym, __VA_ARGS__);                      \
