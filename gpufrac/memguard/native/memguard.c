@@ -1002,7 +1002,10 @@ static _Atomic uint64_t g_returned_gen = UINT64_MAX;
 
 /* Grant the container holds but does not use (never the guarantee); 0 if none. */
 static uint64_t mg_unused_grant(mg_limits_t *l, uint64_t *used) {
-    if (!g_usage || !g_cfg || mg_read_limits(l) != 0 || l->grant == 0 || (l->flags & MG_FLAG_WHOLE_GPU)) return 0;
+    /* No grant (the common case): one load decides, without the seqlock. A
+     * grant being raised at this instant is seen by the next free. */
+    if (!g_usage || !g_cfg || LOAD_CFG(grant_bytes) == 0) return 0;
+    if (mg_read_limits(l) != 0 || l->grant == 0 || (l->flags & MG_FLAG_WHOLE_GPU)) return 0;
     uint64_t held = l->request + l->grant;
     if (held < l->request || held > l->limit) held = l->limit;
     *used = atomic_load_explicit(&g_usage->total_used, memory_order_relaxed);
