@@ -1617,9 +1617,9 @@ static MG_COLD CUresult mg_pool_undo(int how, CUdeviceptr d, CUstream hs, uint64
 }
 
 /* Steady state (the pool known, the guess right): g_pool_mu held once across
- * the real call, cuPointerGetAttribute (cuMemAllocAsync only) and one
- * RESERVED + USED read after it; no charge at all when the pool served the
- * allocation from idle memory already counted. The reservation before the call
+ * the real call and one RESERVED + USED read after it (none when the block
+ * freed last comes back for the same size); no charge at all when the pool
+ * served the allocation from idle memory already counted. The reservation before the call
  * is the one last read (the driver only grows a pool inside a hooked call made
  * under g_pool_mu; releases it misses can only make it high, never low). */
 static CUresult mg_pool_alloc(int how, CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream hs) {
