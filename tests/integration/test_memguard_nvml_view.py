@@ -20,6 +20,7 @@ import pytest
 from memguard_fixtures import LIMIT, Container, MiB, Shim, read_line
 
 from gpufrac import native
+from gpufrac.memguard import formats
 from gpufrac.simgpu.nodestate import NodeState
 
 QUERIES = """
@@ -190,3 +191,22 @@ def test_unknown_pid_namespace_lists_nothing(
     here forced), nothing is listed: never a neighbour."""
     out = _run(shim.env(container(), MEMGUARD_NVML_PIDS="none"))
     assert out["v3"] == out["v2"] == out["detail"] == out["util"] == []
+
+
+def test_a_stale_slot_does_not_show_the_process_that_reused_its_pid(
+    shim: Shim, container: Callable[..., Container], neighbour: int
+) -> None:
+    """A slot left by a dead process of the container, whose pid a neighbour's process
+    now has (pid reuse): its recorded start time is not that process's, so the
+    neighbour stays hidden."""
+    c = container()
+    usage = formats.UsageFile(c.dir)
+    try:
+        slot = usage.usage.slots[formats.MAX_PROCS - 1]
+        slot.start_time = 1  # a process that started at boot, long gone
+        slot.pid = neighbour
+        del slot  # no view into the mapping may outlive it
+    finally:
+        usage.close()
+    out = _run(local(shim, c))
+    assert out["v3"] == out["v1"]["pids"] == out["util"] == [out["me"]]

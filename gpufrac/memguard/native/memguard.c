@@ -2145,11 +2145,18 @@ static int mg_nvml_pids_local(void) {
     return strcmp(buf, "pid:[" PROC_NS_INIT_INO "]") == 0;
 }
 
-/* May this process see NVML's entry for `pid`? */
+/* May this process see NVML's entry for `pid`? A slot left by a dead process
+ * whose pid another (a neighbour's) now has does not count: the start time
+ * recorded in the slot must be that pid's. */
 static int mg_nvml_ours(unsigned int pid) {
     if (!g_usage || !g_nvml_pids_local || pid == 0 || pid > INT32_MAX) return 0;
-    for (int i = 0; i < MG_MAX_PROCS; i++)
-        if (atomic_load_explicit(&g_usage->slots[i].pid, memory_order_relaxed) == (int32_t)pid) return 1;
+    for (int i = 0; i < MG_MAX_PROCS; i++) {
+        const mg_proc_slot_t *s = &g_usage->slots[i];
+        if (atomic_load_explicit(&s->pid, memory_order_acquire) != (int32_t)pid) continue;
+        uint64_t recorded = __atomic_load_n(&s->start_time, __ATOMIC_ACQUIRE);
+        uint64_t now = recorded ? mg_proc_start((int32_t)pid, NULL) : 0;
+        if (!recorded || now == recorded) return 1; /* 0: being claimed right now, by the pid itself */
+    }
     return 0;
 }
 
