@@ -8,6 +8,15 @@
  *                                           driver path, so the shim's share shows)
  *   shim_bench launch ROUNDS N           -> ns per cuLaunchKernel
  *   shim_bench getinfo ROUNDS N          -> ns per cuMemGetInfo_v2
+ *   shim_bench abfree ROUNDS N BYTES     -> allocfree, alternating by round between the calls as
+ *   shim_bench abasync ROUNDS N BYTES       linked (under LD_PRELOAD: the shim's hooks) and the
+ *                                           driver's own functions (libc's dlsym on its handle,
+ *                                           past the shim's), in one process: the
+ *                                           shim's cost without the driver's process-to-process
+ *                                           noise (mmap placement, a shared machine). Prints
+ *                                           "<op> hook_ns=<min> real_ns=<min> diff_ns=<median of
+ *                                           per-round differences>"; without the shim both sides
+ *                                           are the driver (the noise floor).
  *   shim_bench start                     -> init, one alloc+free, exit (start-up cost)
  *   shim_bench burst 1 N BYTES [PAUSE_MS] -> N allocations of BYTES past the container's request
  *                                           (each a burst request to the agent's arbiter), each
@@ -20,6 +29,7 @@
  * The minimum over rounds filters out preemption on a shared machine; CPU time
  * is what contention (cache-line ping-pong on the shared counter) costs.
  */
+#include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -59,6 +69,82 @@ static void die(const char *what, CUresult rc) {
     exit(2);
 }
 
+typedef CUresult (*alloc_fn)(CUdeviceptr *, size_t);
+typedef CUresult (*free_fn)(CUdeviceptr);
+typedef CUresult (*aalloc_fn)(CUdeviceptr *, size_t, CUstream);
+typedef CUresult (*afree_fn)(CUdeviceptr, CUstream);
+
+/* The driver's own function, through libc's dlsym itself (reached by dlvsym,
+ * as the shim reaches it): the shim's dlsym would hand out its hook. */
+static void *driver_fn(const char *name) {
+    static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17"};
+    void *(*real_dlsym)(void *, const char *) = NULL;
+    for (size_t i = 0; !real_dlsym && i < sizeof versions / sizeof versions[0]; i++) {
+        void *p = dlvsym(RTLD_NEXT, "dlsym", versions[i]);
+        memcpy(&real_dlsym, &p, sizeof p);
+    }
+    void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    void *p = h && real_dlsym ? real_dlsym(h, name) : NULL;
+    if (!p) {
+        fprintf(stderr, "shim_bench: no driver function %s\n", name);
+        exit(2);
+    }
+    return p;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* One round of n alloc+free pairs through the given functions; ns per pair. */
+static double ab_round(int async, unsigned long n, size_t bytes, alloc_fn a, free_fn f, aalloc_fn aa, afree_fn af) {
+    CUdeviceptr d;
+    CUresult rc;
+    uint64_t t0 = now(CLOCK_MONOTONIC);
+    for (unsigned long i = 0; i < n; i++) {
+        if (async) {
+            if ((rc = aa(&d, bytes, NULL)) != 0) die("cuMemAllocAsync", rc);
+            if ((rc = af(d, NULL)) != 0) die("cuMemFreeAsync", rc);
+        } else {
+            if ((rc = a(&d, bytes)) != 0) die("cuMemAlloc_v2", rc);
+            if ((rc = f(d)) != 0) die("cuMemFree_v2", rc);
+        }
+    }
+    return (double)(now(CLOCK_MONOTONIC) - t0) / (double)n;
+}
+
+static int ab(const char *op, unsigned long rounds, unsigned long n, size_t bytes) {
+    int async = !strcmp(op, "abasync");
+    alloc_fn ra = (alloc_fn)driver_fn("cuMemAlloc_v2");
+    free_fn rf = (free_fn)driver_fn("cuMemFree_v2");
+    aalloc_fn raa = (aalloc_fn)driver_fn("cuMemAllocAsync");
+    afree_fn raf = (afree_fn)driver_fn("cuMemFreeAsync");
+    double best_hook = 1e300, best_real = 1e300, *diff = calloc(rounds ? rounds : 1, sizeof *diff);
+    if (!diff) return 2;
+    ab_round(async, n, bytes, cuMemAlloc_v2, cuMemFree_v2, cuMemAllocAsync, cuMemFreeAsync); /* warm both */
+    ab_round(async, n, bytes, ra, rf, raa, raf);
+    for (unsigned long r = 0; r < rounds; r++) {
+        /* Which goes first alternates, so a drift within a pair cancels out over rounds. */
+        double h, x;
+        if (r & 1) {
+            x = ab_round(async, n, bytes, ra, rf, raa, raf);
+            h = ab_round(async, n, bytes, cuMemAlloc_v2, cuMemFree_v2, cuMemAllocAsync, cuMemFreeAsync);
+        } else {
+            h = ab_round(async, n, bytes, cuMemAlloc_v2, cuMemFree_v2, cuMemAllocAsync, cuMemFreeAsync);
+            x = ab_round(async, n, bytes, ra, rf, raa, raf);
+        }
+        if (h < best_hook) best_hook = h;
+        if (x < best_real) best_real = x;
+        diff[r] = h - x;
+    }
+    qsort(diff, rounds, sizeof *diff, cmp_double);
+    double med = rounds ? (rounds & 1 ? diff[rounds / 2] : (diff[rounds / 2 - 1] + diff[rounds / 2]) / 2) : 0;
+    printf("%s hook_ns=%.2f real_ns=%.2f diff_ns=%.2f\n", op, best_hook, best_real, med);
+    free(diff);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) return 2;
     const char *op = argv[1];
@@ -78,6 +164,7 @@ int main(int argc, char **argv) {
         if ((rc = cuMemFree_v2(d)) != 0) die("cuMemFree_v2", rc);
         return 0;
     }
+    if (!strcmp(op, "abfree") || !strcmp(op, "abasync")) return ab(op, rounds, n, bytes);
     if (!strcmp(op, "burst")) {
         unsigned long pause_ms = argc > 5 ? strtoul(argv[5], NULL, 0) : 5;
         struct timespec pause = {(time_t)(pause_ms / 1000), (long)(pause_ms % 1000) * 1000000L};

@@ -158,6 +158,56 @@ typedef struct {
     unsigned long long free;
     unsigned long long used;
 } nvmlMemory_v2_t;
+#define NVML_ERROR_NOT_FOUND 6
+#define NVML_ERROR_INSUFFICIENT_SIZE 7
+#define NVML_ERROR_MEMORY 20
+#define NVML_ERROR_UNKNOWN 999
+typedef struct {
+    unsigned long long bar1Total;
+    unsigned long long bar1Free;
+    unsigned long long bar1Used;
+} nvmlBAR1Memory_t;
+/* Per-process records NVML hands out, by layout: each starts with the pid except
+ * nvmlProcessUtilizationInfo_v1_t (a timestamp first). Only their size and the
+ * pid's place matter to the shim. */
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+} nvmlProcessInfo_v1_t;
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlProcessInfo_t; /* _v2 and _v3 */
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+    unsigned long long usedGpuCcProtectedMemory;
+} nvmlProcessDetail_v1_t;
+typedef struct {
+    unsigned int version;
+    unsigned int mode;
+    unsigned int numProcArrayEntries;
+    nvmlProcessDetail_v1_t *procArray;
+} nvmlProcessDetailList_t;
+typedef struct {
+    unsigned int pid;
+    unsigned long long timeStamp;
+    unsigned int smUtil, memUtil, encUtil, decUtil;
+} nvmlProcessUtilizationSample_t;
+typedef struct {
+    unsigned long long timeStamp;
+    unsigned int pid, smUtil, memUtil, encUtil, decUtil, jpgUtil, ofaUtil;
+} nvmlProcessUtilizationInfo_v1_t;
+typedef struct {
+    unsigned int version;
+    unsigned int processSamplesCount;
+    unsigned long long lastSeenTimeStamp;
+    nvmlProcessUtilizationInfo_v1_t *procUtilArray;
+} nvmlProcessesUtilizationInfo_t;
 
 /* ------------------------------------------------------------------------ */
 /* The hook table.                                                           */
@@ -213,7 +263,20 @@ static const char *const g_lib_names[] = {"libcuda.so.1", "libnvidia-ml.so.1"};
     X(cuGraphLaunch, "cuGraphLaunch", 10000, LIB_CUDA, 0)                      \
     X(cuGraphLaunch_ptsz, "cuGraphLaunch", 10000, LIB_CUDA, 1)                 \
     X(nvmlDeviceGetMemoryInfo, "nvmlDeviceGetMemoryInfo", 0, LIB_NVML, 0)      \
-    X(nvmlDeviceGetMemoryInfo_v2, "nvmlDeviceGetMemoryInfo_v2", 0, LIB_NVML, 0)
+    X(nvmlDeviceGetMemoryInfo_v2, "nvmlDeviceGetMemoryInfo_v2", 0, LIB_NVML, 0)      \
+    X(nvmlDeviceGetComputeRunningProcesses, "", 0, LIB_NVML, 0)                \
+    X(nvmlDeviceGetComputeRunningProcesses_v2, "", 0, LIB_NVML, 0)             \
+    X(nvmlDeviceGetComputeRunningProcesses_v3, "", 0, LIB_NVML, 0)             \
+    X(nvmlDeviceGetGraphicsRunningProcesses, "", 0, LIB_NVML, 0)               \
+    X(nvmlDeviceGetGraphicsRunningProcesses_v2, "", 0, LIB_NVML, 0)            \
+    X(nvmlDeviceGetGraphicsRunningProcesses_v3, "", 0, LIB_NVML, 0)            \
+    X(nvmlDeviceGetMPSComputeRunningProcesses, "", 0, LIB_NVML, 0)             \
+    X(nvmlDeviceGetMPSComputeRunningProcesses_v2, "", 0, LIB_NVML, 0)          \
+    X(nvmlDeviceGetMPSComputeRunningProcesses_v3, "", 0, LIB_NVML, 0)          \
+    X(nvmlDeviceGetRunningProcessDetailList, "", 0, LIB_NVML, 0)               \
+    X(nvmlDeviceGetProcessUtilization, "", 0, LIB_NVML, 0)                     \
+    X(nvmlDeviceGetProcessesUtilizationInfo, "", 0, LIB_NVML, 0)               \
+    X(nvmlDeviceGetBAR1MemoryInfo, "", 0, LIB_NVML, 0)
 
 /* The other sources' entries (mg_internal.h) take the first indices. */
 enum {
@@ -254,7 +317,8 @@ static char g_dir[PATH_MAX];
 static char g_sock_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 static int32_t g_pid;
 static uint64_t g_start; /* this process's /proc starttime, set when it claims a slot */
-static _Atomic int g_warned_track, g_warned_slots, g_warned_config;
+static _Atomic int g_warned_track, g_warned_slots, g_warned_config, g_warned_nvml_ns;
+static int g_nvml_pids_local; /* NVML's pids are this pid namespace's (see "NVML: the container's view") */
 
 void mg_log(const char *fmt, ...) {
     char buf[512];
@@ -302,6 +366,7 @@ typedef struct {
     _Atomic uint64_t key;
     _Atomic uint64_t size;
     _Atomic uint64_t aux; /* g_handles: references; g_maps: the mapped handle */
+    _Atomic uint64_t slop; /* g_ptrs, pool allocations: footprint - size (see mg_pool_alloc) */
 } mg_ent_t;
 
 typedef struct {
@@ -311,7 +376,6 @@ typedef struct {
 } mg_tab_t;
 
 static mg_tab_t g_ptrs, g_arrays, g_handles, g_maps;
-static mg_tab_t g_pslop; /* pool allocations: footprint - size, when not 0 (see mg_pool_alloc) */
 static mg_tab_t g_hostpools; /* pools created with a host location: never counted */
 
 static int mg_tab_init(mg_tab_t *t, unsigned bits) {
@@ -330,7 +394,7 @@ static inline uint64_t mg_hash(const mg_tab_t *t, uint64_t key) {
 }
 
 /* Returns 0, or -1 if the key cannot be stored (then it stays counted). */
-static int mg_tab_put(mg_tab_t *t, uint64_t key, uint64_t size, uint64_t aux) {
+static int mg_tab_put_slop(mg_tab_t *t, uint64_t key, uint64_t size, uint64_t aux, uint64_t slop) {
     mg_ent_t *e = atomic_load_explicit(&t->ents, memory_order_acquire);
     if (!e || key == KEY_EMPTY || key == KEY_TOMB) return -1;
     uint64_t h = mg_hash(t, key);
@@ -340,14 +404,19 @@ static int mg_tab_put(mg_tab_t *t, uint64_t key, uint64_t size, uint64_t aux) {
         if (atomic_compare_exchange_strong_explicit(&e[h].key, &k, key, memory_order_acq_rel, memory_order_relaxed)) {
             atomic_store_explicit(&e[h].size, size, memory_order_release);
             atomic_store_explicit(&e[h].aux, aux, memory_order_release);
+            atomic_store_explicit(&e[h].slop, slop, memory_order_release);
             return 0;
         }
     }
     return -1;
 }
 
-/* Removes `key`; returns 1 and its size (and aux, if asked) if it was there. */
-static int mg_tab_take(mg_tab_t *t, uint64_t key, uint64_t *size, uint64_t *aux) {
+static int mg_tab_put(mg_tab_t *t, uint64_t key, uint64_t size, uint64_t aux) {
+    return mg_tab_put_slop(t, key, size, aux, 0);
+}
+
+/* Removes `key`; returns 1 and its size (and aux, slop, if asked) if it was there. */
+static int mg_tab_take_slop(mg_tab_t *t, uint64_t key, uint64_t *size, uint64_t *aux, uint64_t *slop) {
     mg_ent_t *e = atomic_load_explicit(&t->ents, memory_order_acquire);
     if (!e || key == KEY_EMPTY || key == KEY_TOMB) return 0;
     uint64_t h = mg_hash(t, key);
@@ -357,15 +426,21 @@ static int mg_tab_take(mg_tab_t *t, uint64_t key, uint64_t *size, uint64_t *aux)
         if (k != key) continue;
         uint64_t sz = atomic_load_explicit(&e[h].size, memory_order_acquire);
         uint64_t ax = atomic_load_explicit(&e[h].aux, memory_order_acquire);
+        uint64_t sl = atomic_load_explicit(&e[h].slop, memory_order_acquire);
         if (atomic_compare_exchange_strong_explicit(&e[h].key, &k, KEY_TOMB, memory_order_acq_rel,
                                                     memory_order_relaxed)) {
             *size = sz;
             if (aux) *aux = ax;
+            if (slop) *slop = sl;
             return 1;
         }
         return 0; /* another thread freed the same pointer first */
     }
     return 0;
+}
+
+static int mg_tab_take(mg_tab_t *t, uint64_t key, uint64_t *size, uint64_t *aux) {
+    return mg_tab_take_slop(t, key, size, aux, NULL);
 }
 
 /* The live entry of `key`, or NULL. */
@@ -516,7 +591,8 @@ static unsigned mg_track_bits(void) {
 }
 
 static void mg_atfork_child(void);
-static void mg_reap_earlier_images(void);
+static void mg_reap_at_start(void);
+static int mg_nvml_pids_local(void);
 
 static int mg_do_init(void) {
     char err[PATH_MAX + 200], path[PATH_MAX + 16];
@@ -553,13 +629,13 @@ static int mg_do_init(void) {
     g_usage = usage;
     unsigned bits = mg_track_bits();
     if (mg_tab_init(&g_ptrs, bits) || mg_tab_init(&g_arrays, bits > 16 ? 16 : bits) ||
-        mg_tab_init(&g_handles, bits) || mg_tab_init(&g_maps, bits) || mg_tab_init(&g_pslop, bits) ||
-        mg_tab_init(&g_hostpools, 10)) {
+        mg_tab_init(&g_handles, bits) || mg_tab_init(&g_maps, bits) || mg_tab_init(&g_hostpools, 10)) {
         mg_log("cannot map allocation tables: %s; refusing GPU allocations", strerror(errno));
         return MODE_BROKEN;
     }
+    g_nvml_pids_local = mg_nvml_pids_local();
     pthread_atfork(NULL, NULL, mg_atfork_child);
-    mg_reap_earlier_images();
+    mg_reap_at_start();
     return MODE_ON;
 }
 
@@ -662,19 +738,23 @@ static MG_COLD int mg_reap(int full) {
     return reaped;
 }
 
-/* At init: give back the slots of earlier images of this process (exec keeps the
- * pid and start time but runs no destructor; the driver freed their memory).
- * Done at init, not at the first allocation, so an exec'd program that never
- * allocates does not keep its predecessor's bytes counted. One pass of loads
- * over the slots; /proc is read only if one carries our pid. */
-static MG_COLD void mg_reap_earlier_images(void) {
+/* At init: give back the slots of processes that are gone, so the first
+ * cuMemGetInfo (often a framework's sizing, before any allocation) is exact:
+ *   - a predecessor killed by a signal (SIGKILL, the OOM killer) runs no
+ *     destructor; the driver freed its memory as it died;
+ *   - earlier images of this process (exec keeps the pid and start time but
+ *     runs no destructor; the driver freed their memory).
+ * The same lock-free reclaim as the allocation path (CAS on the slot's pid),
+ * at its cheap level: one kill(pid, 0) per occupied slot, /proc read only if a
+ * slot carries our own pid. A killed process not yet waited for (a zombie) is
+ * caught by the full reap of the next allocation that does not fit. */
+static MG_COLD void mg_reap_at_start(void) {
     for (int i = 0; i < MG_MAX_PROCS; i++) {
         if (atomic_load_explicit(&g_usage->slots[i].pid, memory_order_relaxed) != g_pid) continue;
-        if (!g_start) g_start = mg_proc_start(g_pid, NULL);
-        if (!g_start) return;
-        mg_reap(0);
-        return;
+        g_start = mg_proc_start(g_pid, NULL);
+        break;
     }
+    mg_reap(0);
 }
 
 static mg_proc_slot_t *mg_try_claim(uint64_t start) {
@@ -737,7 +817,6 @@ static void mg_atfork_child(void) {
         mg_tab_reset(&g_arrays);
         mg_tab_reset(&g_handles);
         mg_tab_reset(&g_maps);
-        mg_tab_reset(&g_pslop);
         mg_tab_reset(&g_hostpools);
     }
 }
@@ -939,7 +1018,10 @@ static _Atomic uint64_t g_returned_gen = UINT64_MAX;
 
 /* Grant the container holds but does not use (never the guarantee); 0 if none. */
 static uint64_t mg_unused_grant(mg_limits_t *l, uint64_t *used) {
-    if (!g_usage || !g_cfg || mg_read_limits(l) != 0 || l->grant == 0 || (l->flags & MG_FLAG_WHOLE_GPU)) return 0;
+    /* No grant (the common case): one load decides, without the seqlock. A
+     * grant being raised at this instant is seen by the next free. */
+    if (!g_usage || !g_cfg || LOAD_CFG(grant_bytes) == 0) return 0;
+    if (mg_read_limits(l) != 0 || l->grant == 0 || (l->flags & MG_FLAG_WHOLE_GPU)) return 0;
     uint64_t held = l->request + l->grant;
     if (held < l->request || held > l->limit) held = l->limit;
     *used = atomic_load_explicit(&g_usage->total_used, memory_order_relaxed);
@@ -1342,21 +1424,30 @@ typedef struct {
     uint64_t used; /* USED_MEM_CURRENT as last read, followed through frees (valid if known) */
     int known;     /* res/used were read; each later change went through a hook under g_pool_mu */
     int destroyed; /* cuMemPoolDestroy returned while allocations were live */
-    unsigned pos;  /* 1 + index in g_pool_active while idle > 0, else 0 */
+    unsigned pos;  /* 1 + index in g_pool_active while on it, else 0 */
+    /* The block freed into it last (stream-ordered, footprint known), until the
+     * next allocation from it or a reading of it: see mg_pool_alloc. */
+    uint64_t lf_ptr, lf_size, lf_foot;
 } mg_pool_t;
 
 /* Pool frees whose real call runs without g_pool_mu (cuMemFree on a pool
  * pointer, which may block; mg_pool_undo): while any is in flight, USED may
  * drop under an allocation's feet, so no footprint is derived from it. */
 static _Atomic unsigned g_pool_unlocked;
-#define MG_FOOT_UNKNOWN UINT64_MAX /* g_pslop: the footprint could not be told */
+/* Synchronizes and trims in flight (the real call, then the reconcile): the
+ * driver may be releasing pool memory behind the records meanwhile. */
+static _Atomic unsigned g_pool_syncing;
+
+static void mg_sync_begin(void) { atomic_fetch_add(&g_pool_syncing, 1); }
+static void mg_sync_end(void) { atomic_fetch_sub(&g_pool_syncing, 1); }
+#define MG_FOOT_UNKNOWN UINT64_MAX /* an entry's slop: the footprint could not be told */
 /* The pool this thread's last cuMemAllocAsync came from: the guess for the next
  * one (checked after the call with cuPointerGetAttribute). */
 static _Thread_local uint64_t t_pool_guess __attribute__((tls_model("initial-exec")));
 
 static pthread_mutex_t g_pool_mu = PTHREAD_MUTEX_INITIALIZER;
 static mg_pool_t g_pool[MG_POOL_SLOTS];
-static uint16_t g_pool_active[MG_POOL_SLOTS]; /* pools with idle > 0: what a synchronize may shrink */
+static uint16_t g_pool_active[MG_POOL_SLOTS]; /* pools with idle > 0 or a last freed block: see mg_pool_activity */
 static _Atomic unsigned g_pool_nactive;
 static _Atomic int g_warned_pools;
 
@@ -1370,6 +1461,7 @@ static void mg_pools_reset(void) {
     memset(g_pool, 0, sizeof g_pool);
     atomic_store(&g_pool_nactive, 0);
     atomic_store(&g_pool_unlocked, 0);
+    atomic_store(&g_pool_syncing, 0);
     t_pool_guess = 0;
 }
 
@@ -1396,23 +1488,38 @@ static mg_pool_t *mg_pool_find(uint64_t key, int create) {
     return free_slot;
 }
 
-static void mg_pool_set_idle(mg_pool_t *p, uint64_t idle) {
+/* A pool is on the active list while it has idle memory counted or a last
+ * freed block recorded: what a synchronize must reconcile. */
+static void mg_pool_activity(mg_pool_t *p) {
     unsigned n = atomic_load_explicit(&g_pool_nactive, memory_order_relaxed);
-    if (idle && !p->pos) {
+    int active = p->idle || p->lf_ptr;
+    if (active && !p->pos) {
         g_pool_active[n] = (uint16_t)(p - g_pool);
         p->pos = ++n;
-    } else if (!idle && p->pos) {
+    } else if (!active && p->pos) {
         unsigned last = g_pool_active[--n];
         g_pool_active[p->pos - 1] = (uint16_t)last;
         g_pool[last].pos = p->pos;
         p->pos = 0;
     }
-    p->idle = idle;
     atomic_store_explicit(&g_pool_nactive, n, memory_order_release);
+}
+
+static void mg_pool_set_idle(mg_pool_t *p, uint64_t idle) {
+    p->idle = idle;
+    mg_pool_activity(p);
+}
+
+/* Record (key != 0) or forget (0) the block freed into the pool last. Callers hold g_pool_mu. */
+static void mg_pool_lf(mg_pool_t *p, uint64_t key, uint64_t size, uint64_t foot) {
+    int was = p->lf_ptr != 0;
+    p->lf_ptr = key, p->lf_size = size, p->lf_foot = foot;
+    if (was != (key != 0)) mg_pool_activity(p);
 }
 
 /* Drop the record (its idle already uncounted). */
 static void mg_pool_remove(mg_pool_t *p) {
+    mg_pool_lf(p, 0, 0, 0);
     mg_pool_set_idle(p, 0);
     p->key = KEY_TOMB;
     unsigned i = (unsigned)(p - g_pool);
@@ -1444,6 +1551,7 @@ static uint64_t mg_pool_apply(mg_pool_t *p, uint64_t r, uint64_t u) {
         mg_uncharge(p->idle - truth);
     mg_pool_set_idle(p, truth);
     p->res = r, p->used = u, p->known = 1;
+    mg_pool_lf(p, 0, 0, 0);
     return grew;
 }
 
@@ -1451,9 +1559,15 @@ static uint64_t mg_pool_reconcile(mg_pool_t *p) {
     uint64_t r, u;
     if (p->destroyed || mg_pool_read(p->key, &r, &u) != 0) { /* cannot tell: keep what is counted */
         p->known = 0;
+        mg_pool_lf(p, 0, 0, 0);
         return 0;
     }
-    return mg_pool_apply(p, r, u);
+    /* Nothing released or taken since it was recorded: the last freed block is
+     * still the pool's, still reusable without a read. */
+    uint64_t lf = p->known && r == p->res && u == p->used ? p->lf_ptr : 0, lsz = p->lf_size, lft = p->lf_foot;
+    uint64_t grew = mg_pool_apply(p, r, u);
+    if (lf) mg_pool_lf(p, lf, lsz, lft);
+    return grew;
 }
 
 /* After a synchronize: pools release what they hold above their threshold. */
@@ -1534,8 +1648,7 @@ static void mg_pool_dropped(uint64_t pool) {
 static MG_COLD CUresult mg_pool_undo(int how, CUdeviceptr d, CUstream hs, uint64_t pool, uint64_t n, uint64_t keep,
                                      int can_trim) {
     uint64_t bytes = 0, aux = 0, slop = 0;
-    int mine = mg_tab_take(&g_ptrs, d, &bytes, &aux);
-    (void)mg_tab_take(&g_pslop, d, &slop, NULL);
+    int mine = mg_tab_take_slop(&g_ptrs, d, &bytes, &aux, &slop);
     atomic_fetch_add(&g_pool_unlocked, 1); /* the free and synchronize below run without g_pool_mu */
     CUresult rc = how == PA_ASYNC_PTSZ || how == PA_POOL_PTSZ ? CALL_REAL(cuMemFreeAsync_ptsz, d, hs)
                                                               : CALL_REAL(cuMemFreeAsync, d, hs);
@@ -1558,16 +1671,15 @@ static MG_COLD CUresult mg_pool_undo(int how, CUdeviceptr d, CUstream hs, uint64
         mg_pools_synced(); /* the synchronize released other pools' memory too */
         mg_uncharge(mine ? bytes : n);
     } else if (mine) {
-        mg_tab_put(&g_ptrs, d, bytes, aux); /* still allocated: still counted */
-        if (slop) mg_tab_put(&g_pslop, d, slop, 0);
+        mg_tab_put_slop(&g_ptrs, d, bytes, aux, slop); /* still allocated: still counted */
     } /* else: still allocated and never recorded: stays counted (never under) */
     return mg_refuse(atomic_load_explicit(&g_slot, memory_order_acquire));
 }
 
 /* Steady state (the pool known, the guess right): g_pool_mu held once across
- * the real call, cuPointerGetAttribute (cuMemAllocAsync only) and one
- * RESERVED + USED read after it; no charge at all when the pool served the
- * allocation from idle memory already counted. The reservation before the call
+ * the real call and one RESERVED + USED read after it (none when the block
+ * freed last comes back for the same size); no charge at all when the pool
+ * served the allocation from idle memory already counted. The reservation before the call
  * is the one last read (the driver only grows a pool inside a hooked call made
  * under g_pool_mu; releases it misses can only make it high, never low). */
 static CUresult mg_pool_alloc(int how, CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream hs) {
@@ -1616,6 +1728,7 @@ static CUresult mg_pool_alloc(int how, CUdeviceptr *dptr, size_t size, CUmemoryP
             have_r0 = want_pool && mg_pool_read(want_pool, &r0, NULL) == 0;
         rc = mg_pool_real_alloc(how, dptr, size, pool, hs);
         if (rc == CUDA_SUCCESS) break; /* still holding g_pool_mu */
+        if (p) mg_pool_lf(p, 0, 0, 0); /* a refused allocation may have made the pool release blocks */
         pthread_mutex_unlock(&g_pool_mu);
         if (rc != CUDA_ERROR_OUT_OF_MEMORY || reclaimed || !mg_reclaim(rc, n)) {
             mg_pool_untake(want_pool, take);
@@ -1627,7 +1740,18 @@ static CUresult mg_pool_alloc(int how, CUdeviceptr *dptr, size_t size, CUmemoryP
     }
     uint64_t d = *dptr, r1 = 0, u1 = 0;
     int have_ru = 0;
-    if (by_stream) { /* which pool it really came from */
+    /* The block freed into the pool last came back, for an allocation of the
+     * same size: the pool served it from its own reservation (a block it holds
+     * is not reserved again), so RESERVED stands, USED grew by that block's
+     * footprint, and the pool is the one it was freed into (it keeps the block
+     * until a synchronize or trim releases it, and none is in flight): no
+     * driver read. Anything else reads the pool, as below. */
+    if (p && p->known && !p->destroyed && p->lf_ptr == d && d && p->lf_size == n && p->lf_foot >= n &&
+        p->lf_foot != MG_FOOT_UNKNOWN && atomic_load(&g_pool_unlocked) == 0 &&
+        atomic_load(&g_pool_syncing) == 0) {
+        r1 = p->res, u1 = p->used + p->lf_foot, have_ru = 1;
+        if (by_stream) t_pool_guess = got;
+    } else if (by_stream) { /* which pool it really came from */
         /* The guessed pool's USED grew: it was that one. Only a hooked
          * allocation, made under g_pool_mu, can make a pool's USED grow (frees
          * made without the mutex only lower it, and none is in flight). */
@@ -1654,23 +1778,19 @@ static CUresult mg_pool_alloc(int how, CUdeviceptr *dptr, size_t size, CUmemoryP
     }
     mg_pool_t *rec = mg_pool_find(got, 1);
     if (rec && rec->destroyed) rec->destroyed = 0, rec->known = 0; /* the handle of a destroyed pool came back */
-    int put = rec && mg_tab_put(&g_ptrs, d, n, got) == 0;
-    if (put) rec->live++;
-    uint64_t forced = 0;
+    uint64_t forced = 0, foot = MG_FOOT_UNKNOWN;
     if (rec && (have_ru || mg_pool_read(got, &r1, &u1) == 0)) {
         if (got == want_pool && have_r0 && r1 > r0 && r1 - r0 > n - take)
             extra = r1 - r0 - (n - take); /* the pool grew by more than was checked */
         /* The footprint (USED grew by it; at least n): what a free will make idle. */
-        uint64_t foot = MG_FOOT_UNKNOWN;
         if (rec->known && u1 >= rec->used && u1 - rec->used >= n && atomic_load(&g_pool_unlocked) == 0)
             foot = u1 - rec->used;
         forced = mg_pool_apply(rec, r1, u1);
-        if (put && foot != n && mg_tab_put(&g_pslop, d, foot == MG_FOOT_UNKNOWN ? foot : foot - n, 0) != 0)
-            rec->known = 0; /* its free cannot be told: keep reading there */
     } else if (rec) {
         rec->known = 0;
-        if (put) (void)mg_tab_put(&g_pslop, d, MG_FOOT_UNKNOWN, 0);
     }
+    int put = rec && mg_tab_put_slop(&g_ptrs, d, n, got, foot == MG_FOOT_UNKNOWN ? foot : foot - n) == 0;
+    if (put) rec->live++;
     if (forced > extra) extra = forced;
     pthread_mutex_unlock(&g_pool_mu);
     if (!rec) {
@@ -1721,13 +1841,12 @@ static int mg_pool_free_begin(int in_order) {
  * its footprint moves from USED to idle: counted as idle before the live bytes
  * go, with no driver call when the footprint is known and the free was made
  * under g_pool_mu; else the pool is read. */
-static void mg_pool_freed(CUresult rc, uint64_t key, uint64_t bytes, uint64_t pool, int locked) {
+static void mg_pool_freed(CUresult rc, uint64_t key, uint64_t bytes, uint64_t pool, uint64_t slop, int locked) {
     if (!locked) pthread_mutex_lock(&g_pool_mu);
     if (rc != CUDA_SUCCESS) {
-        mg_tab_put(&g_ptrs, key, bytes, pool);
+        mg_tab_put_slop(&g_ptrs, key, bytes, pool, slop);
     } else {
-        uint64_t slop = 0, foot;
-        (void)mg_tab_take(&g_pslop, key, &slop, NULL);
+        uint64_t foot;
         foot = slop == MG_FOOT_UNKNOWN || bytes + slop < bytes ? MG_FOOT_UNKNOWN : bytes + slop;
         mg_pool_t *p = mg_pool_find(pool, 0);
         uint64_t idle_in = 0, gone = bytes;
@@ -1741,6 +1860,7 @@ static void mg_pool_freed(CUresult rc, uint64_t key, uint64_t bytes, uint64_t po
             } else if (locked && p->known && foot != MG_FOOT_UNKNOWN && p->used >= foot) {
                 p->used -= foot;
                 mg_pool_set_idle(p, p->idle + (idle_in = foot));
+                mg_pool_lf(p, key, bytes, foot);
             } else {
                 mg_pool_reconcile(p);
             }
@@ -1756,12 +1876,17 @@ static void mg_pool_freed(CUresult rc, uint64_t key, uint64_t bytes, uint64_t po
 }
 
 HOOK CUresult mg_h_cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep) {
+    mg_sync_begin();
     CUresult rc = CALL_REAL(cuMemPoolTrimTo, pool, minBytesToKeep);
-    if (rc != CUDA_SUCCESS || !mg_on()) return rc;
+    if (rc != CUDA_SUCCESS || !mg_on()) {
+        mg_sync_end();
+        return rc;
+    }
     pthread_mutex_lock(&g_pool_mu);
     mg_pool_t *p = mg_pool_find((uint64_t)(uintptr_t)pool, 0);
     if (p) mg_pool_reconcile(p);
     pthread_mutex_unlock(&g_pool_mu);
+    mg_sync_end();
     mg_maybe_return_grant();
     return rc;
 }
@@ -1805,19 +1930,23 @@ HOOK CUresult mg_h_cuMemPoolDestroy(CUmemoryPool pool) {
 }
 
 /* Synchronize points: where pools release memory above their threshold. */
-#define SYNC_HOOK(sym, params, ...)                  \
-    HOOK CUresult mg_h_##sym params {                \
-        CUresult rc = CALL_REAL(sym, __VA_ARGS__);   \
-        if (mg_on()) mg_pools_synced();              \
-        return rc;                                   \
+#define SYNC_HOOK(sym, params, ...)                   \
+    HOOK CUresult mg_h_##sym params {                 \
+        mg_sync_begin();                              \
+        CUresult rc = CALL_REAL(sym, __VA_ARGS__);    \
+        if (mg_on()) mg_pools_synced();               \
+        mg_sync_end();                                \
+        return rc;                                    \
     }
 
 SYNC_HOOK(cuStreamSynchronize, (CUstream hStream), hStream)
 SYNC_HOOK(cuStreamSynchronize_ptsz, (CUstream hStream), hStream)
 SYNC_HOOK(cuEventSynchronize, (CUevent hEvent), hEvent)
 HOOK CUresult mg_h_cuCtxSynchronize(void) {
+    mg_sync_begin();
     CUresult rc = CALL_REAL(cuCtxSynchronize);
     if (mg_on()) mg_pools_synced();
+    mg_sync_end();
     return rc;
 }
 SYNC_HOOK(cuCtxSynchronize_v2, (CUcontext ctx), ctx)
@@ -1831,12 +1960,12 @@ SYNC_HOOK(cuCtxSynchronize_v2, (CUcontext ctx), ctx)
 #define FREE_HOOK(sym, tab, key, in_order, params, ...)                 \
     HOOK CUresult mg_h_##sym params {                                   \
         if (!mg_on()) return CALL_REAL(sym, __VA_ARGS__);               \
-        uint64_t bytes = 0, aux = 0, key_ = (uint64_t)(key);            \
-        int found = mg_tab_take(&(tab), key_, &bytes, &aux);            \
+        uint64_t bytes = 0, aux = 0, slop = 0, key_ = (uint64_t)(key);  \
+        int found = mg_tab_take_slop(&(tab), key_, &bytes, &aux, &slop); \
         if (found && aux > 1) { /* a pool allocation (aux: its pool) */ \
             int locked_ = mg_pool_free_begin(in_order);                 \
             CUresult rc = CALL_REAL(sym, __VA_ARGS__);                  \
-            mg_pool_freed(rc, key_, bytes, aux, locked_);               \
+            mg_pool_freed(rc, key_, bytes, aux, slop, locked_);         \
             return rc;                                                  \
         }                                                               \
         CUresult rc = CALL_REAL(sym, __VA_ARGS__);                      \
@@ -2060,6 +2189,248 @@ HOOK nvmlReturn_t mg_h_nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemor
         memory->free = vf;
         memory->used = vt - vf;
     }
+    return rc;
+}
+
+/* --- NVML: the container's view of processes, utilisation and BAR1 ---
+ *
+ * NVML's process lists and per-process utilisation name every process on the
+ * GPU, whichever container it is in. Under the shim a process sees only its
+ * own container's: the processes holding a slot in the container's usage file,
+ * i.e. those running the shim. A process of the container that does not run
+ * the shim is not listed either (nothing tells the shim it belongs here; it is
+ * not held to the limit either). Entries of other containers are never shown.
+ *
+ * Pids: NVML reports pids as the kernel's initial pid namespace sees them; the
+ * slots hold pids of the container's namespace. They compare only when the two
+ * are the same: a process in the initial pid namespace (hostPID, a simulated
+ * node on a host), or MEMGUARD_NVML_PIDS=local, set where NVML reports pids of
+ * the caller's namespace (simgpu in a container); =none: never. Elsewhere the shim cannot
+ * tell which host pid is whose, so it lists no process at all (never a
+ * neighbour's: a container pid can equal a neighbour's host pid), and says so
+ * once in the log.
+ *
+ * This is a view, not a wall: a process that does not load the shim calls NVML
+ * directly and sees what the driver shows (docs/architecture.md, the shim's model).
+ *
+ * BAR1 (the aperture the host maps device memory through): total is clamped to
+ * the container's limit (it can map no more of its own memory than that); free
+ * is at most the driver's free BAR1, so a neighbour's use shows only where it
+ * cuts into what this container could map. */
+
+#define PROC_NS_INIT_INO "4026531836" /* the initial pid namespace's inode (PROC_PID_INIT_INO) */
+
+static int mg_nvml_pids_local(void) {
+    const char *e = getenv("MEMGUARD_NVML_PIDS");
+    if (e && strcmp(e, "local") == 0) return 1;
+    if (e && strcmp(e, "none") == 0) return 0;
+    char buf[64];
+    ssize_t n = readlink("/proc/self/ns/pid", buf, sizeof buf - 1);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    return strcmp(buf, "pid:[" PROC_NS_INIT_INO "]") == 0;
+}
+
+/* May this process see NVML's entry for `pid`? A slot left by a dead process
+ * whose pid another (a neighbour's) now has does not count: the start time
+ * recorded in the slot must be that pid's. */
+static int mg_nvml_ours(unsigned int pid) {
+    if (!g_usage || !g_nvml_pids_local || pid == 0 || pid > INT32_MAX) return 0;
+    for (int i = 0; i < MG_MAX_PROCS; i++) {
+        const mg_proc_slot_t *s = &g_usage->slots[i];
+        if (atomic_load_explicit(&s->pid, memory_order_acquire) != (int32_t)pid) continue;
+        uint64_t recorded = __atomic_load_n(&s->start_time, __ATOMIC_ACQUIRE);
+        uint64_t now = recorded ? mg_proc_start((int32_t)pid, NULL) : 0;
+        if (!recorded || now == recorded) return 1; /* 0: being claimed right now, by the pid itself */
+    }
+    return 0;
+}
+
+/* Filter NVML's answers? Not for a process the shim does not manage (no
+ * config: not a gpufrac container); always once it has a usage file. */
+static int mg_nvml_filtering(void) {
+    int m = mg_mode();
+    if (m == MODE_OFF) return 0;
+    if (m != MODE_BROKEN && !g_nvml_pids_local)
+        MG_WARN_ONCE(g_warned_nvml_ns, "NVML reports host pids, which this pid namespace cannot match to the "
+                                       "container's processes: NVML process lists show none");
+    return 1;
+}
+
+/* One NVML list call into `buf` holding `*n` records (buf NULL: a size query). */
+typedef nvmlReturn_t (*mg_nvml_fill_fn)(const void *ctx, void *buf, unsigned int *n);
+
+/* Answer a per-process NVML list with the container's entries only, under
+ * NVML's buffer rules: *count too small for them (or no array while there are
+ * some) -> NVML_ERROR_INSUFFICIENT_SIZE and the count needed; else copied.
+ * The driver's whole list is read into a buffer of our own first, so neither
+ * the count nor the entries of other containers reach the caller. `none_rc` is
+ * what the call answers when nothing is left (lists: SUCCESS, samples: NOT_FOUND). */
+static MG_COLD nvmlReturn_t mg_nvml_filter(mg_nvml_fill_fn fill, const void *ctx, unsigned int *count, void *out,
+                                           size_t esz, size_t pid_off, nvmlReturn_t none_rc) {
+    unsigned int cap = 0, n = 0;
+    char *buf = NULL;
+    nvmlReturn_t rc = NVML_ERROR_INSUFFICIENT_SIZE;
+    for (int tries = 0; tries < 8 && rc == NVML_ERROR_INSUFFICIENT_SIZE; tries++) {
+        n = cap;
+        rc = fill(ctx, buf, &n);
+        if (rc != NVML_ERROR_INSUFFICIENT_SIZE) break;
+        cap = n + n / 2 + 8; /* room for processes that start meanwhile */
+        free(buf);
+        buf = calloc(cap, esz);
+        if (!buf) return NVML_ERROR_MEMORY;
+    }
+    if (rc == NVML_ERROR_INSUFFICIENT_SIZE) rc = NVML_ERROR_UNKNOWN; /* the list kept growing */
+    if (rc != NVML_SUCCESS && rc != none_rc) {
+        free(buf);
+        return rc;
+    }
+    if (rc != NVML_SUCCESS || !buf) n = 0; /* nothing at all */
+    unsigned int kept = 0;
+    for (unsigned int i = 0; i < n && buf; i++) {
+        unsigned int pid;
+        memcpy(&pid, buf + (size_t)i * esz + pid_off, sizeof pid);
+        if (!mg_nvml_ours(pid)) continue;
+        if (kept != i) memmove(buf + (size_t)kept * esz, buf + (size_t)i * esz, esz);
+        kept++;
+    }
+    if (kept == 0) {
+        rc = none_rc;
+        if (rc == NVML_SUCCESS) *count = 0;
+    } else if (*count < kept || !out) {
+        *count = kept;
+        rc = NVML_ERROR_INSUFFICIENT_SIZE;
+    } else {
+        memcpy(out, buf, (size_t)kept * esz);
+        *count = kept;
+        rc = NVML_SUCCESS;
+    }
+    free(buf);
+    return rc;
+}
+
+typedef nvmlReturn_t (*mg_nvml_list_fn)(nvmlDevice_t, unsigned int *, void *);
+typedef struct {
+    mg_nvml_list_fn f;
+    nvmlDevice_t dev;
+} mg_list_ctx_t;
+
+static nvmlReturn_t mg_fill_list(const void *ctx, void *buf, unsigned int *n) {
+    const mg_list_ctx_t *c = ctx;
+    return c->f(c->dev, n, buf);
+}
+
+/* The running-process lists: (device, count, array), one record type per version. */
+#define NVML_LIST_HOOK(sym, info_t)                                                                            \
+    HOOK nvmlReturn_t mg_h_##sym(nvmlDevice_t device, unsigned int *infoCount, info_t *infos) {               \
+        if (!infoCount || !mg_nvml_filtering()) return CALL_REAL(sym, device, infoCount, infos);              \
+        mg_list_ctx_t c = {(mg_nvml_list_fn)REAL(sym), device};                                                \
+        if (!c.f) return NVML_ERROR_FUNCTION_NOT_FOUND;                                                        \
+        return mg_nvml_filter(mg_fill_list, &c, infoCount, infos, sizeof(info_t), offsetof(info_t, pid),      \
+                              NVML_SUCCESS);                                                                   \
+    }
+
+NVML_LIST_HOOK(nvmlDeviceGetComputeRunningProcesses, nvmlProcessInfo_v1_t)
+NVML_LIST_HOOK(nvmlDeviceGetComputeRunningProcesses_v2, nvmlProcessInfo_t)
+NVML_LIST_HOOK(nvmlDeviceGetComputeRunningProcesses_v3, nvmlProcessInfo_t)
+NVML_LIST_HOOK(nvmlDeviceGetGraphicsRunningProcesses, nvmlProcessInfo_v1_t)
+NVML_LIST_HOOK(nvmlDeviceGetGraphicsRunningProcesses_v2, nvmlProcessInfo_t)
+NVML_LIST_HOOK(nvmlDeviceGetGraphicsRunningProcesses_v3, nvmlProcessInfo_t)
+NVML_LIST_HOOK(nvmlDeviceGetMPSComputeRunningProcesses, nvmlProcessInfo_v1_t)
+NVML_LIST_HOOK(nvmlDeviceGetMPSComputeRunningProcesses_v2, nvmlProcessInfo_t)
+NVML_LIST_HOOK(nvmlDeviceGetMPSComputeRunningProcesses_v3, nvmlProcessInfo_t)
+
+typedef struct {
+    nvmlReturn_t (*f)(nvmlDevice_t, nvmlProcessDetailList_t *);
+    nvmlDevice_t dev;
+    const nvmlProcessDetailList_t *in;
+} mg_detail_ctx_t;
+
+static nvmlReturn_t mg_fill_detail(const void *ctx, void *buf, unsigned int *n) {
+    const mg_detail_ctx_t *c = ctx;
+    nvmlProcessDetailList_t l = *c->in;
+    l.numProcArrayEntries = *n;
+    l.procArray = buf;
+    nvmlReturn_t rc = c->f(c->dev, &l);
+    *n = l.numProcArrayEntries;
+    return rc;
+}
+
+HOOK nvmlReturn_t mg_h_nvmlDeviceGetRunningProcessDetailList(nvmlDevice_t device, nvmlProcessDetailList_t *plist) {
+    if (!plist || !mg_nvml_filtering()) return CALL_REAL(nvmlDeviceGetRunningProcessDetailList, device, plist);
+    mg_detail_ctx_t c = {REAL(nvmlDeviceGetRunningProcessDetailList), device, plist};
+    if (!c.f) return NVML_ERROR_FUNCTION_NOT_FOUND;
+    return mg_nvml_filter(mg_fill_detail, &c, &plist->numProcArrayEntries, plist->procArray,
+                          sizeof(nvmlProcessDetail_v1_t), offsetof(nvmlProcessDetail_v1_t, pid), NVML_SUCCESS);
+}
+
+typedef struct {
+    nvmlReturn_t (*f)(nvmlDevice_t, nvmlProcessUtilizationSample_t *, unsigned int *, unsigned long long);
+    nvmlDevice_t dev;
+    unsigned long long last_seen;
+} mg_usample_ctx_t;
+
+static nvmlReturn_t mg_fill_usample(const void *ctx, void *buf, unsigned int *n) {
+    const mg_usample_ctx_t *c = ctx;
+    return c->f(c->dev, buf, n, c->last_seen);
+}
+
+/* Per-process utilisation: "no sample" is NVML_ERROR_NOT_FOUND. */
+HOOK nvmlReturn_t mg_h_nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *utilization,
+                                                       unsigned int *processSamplesCount,
+                                                       unsigned long long lastSeenTimeStamp) {
+    if (!processSamplesCount || !mg_nvml_filtering())
+        return CALL_REAL(nvmlDeviceGetProcessUtilization, device, utilization, processSamplesCount,
+                         lastSeenTimeStamp);
+    mg_usample_ctx_t c = {REAL(nvmlDeviceGetProcessUtilization), device, lastSeenTimeStamp};
+    if (!c.f) return NVML_ERROR_FUNCTION_NOT_FOUND;
+    return mg_nvml_filter(mg_fill_usample, &c, processSamplesCount, utilization,
+                          sizeof(nvmlProcessUtilizationSample_t), offsetof(nvmlProcessUtilizationSample_t, pid),
+                          NVML_ERROR_NOT_FOUND);
+}
+
+typedef struct {
+    nvmlReturn_t (*f)(nvmlDevice_t, nvmlProcessesUtilizationInfo_t *);
+    nvmlDevice_t dev;
+    const nvmlProcessesUtilizationInfo_t *in;
+} mg_uinfo_ctx_t;
+
+static nvmlReturn_t mg_fill_uinfo(const void *ctx, void *buf, unsigned int *n) {
+    const mg_uinfo_ctx_t *c = ctx;
+    nvmlProcessesUtilizationInfo_t u = *c->in;
+    u.processSamplesCount = *n;
+    u.procUtilArray = buf;
+    nvmlReturn_t rc = c->f(c->dev, &u);
+    *n = u.processSamplesCount;
+    return rc;
+}
+
+HOOK nvmlReturn_t mg_h_nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device,
+                                                             nvmlProcessesUtilizationInfo_t *procesesUtilInfo) {
+    nvmlProcessesUtilizationInfo_t *p = procesesUtilInfo;
+    if (!p || !mg_nvml_filtering()) return CALL_REAL(nvmlDeviceGetProcessesUtilizationInfo, device, p);
+    mg_uinfo_ctx_t c = {REAL(nvmlDeviceGetProcessesUtilizationInfo), device, p};
+    if (!c.f) return NVML_ERROR_FUNCTION_NOT_FOUND;
+    return mg_nvml_filter(mg_fill_uinfo, &c, &p->processSamplesCount, p->procUtilArray,
+                          sizeof(nvmlProcessUtilizationInfo_v1_t), offsetof(nvmlProcessUtilizationInfo_v1_t, pid),
+                          NVML_ERROR_NOT_FOUND);
+}
+
+HOOK nvmlReturn_t mg_h_nvmlDeviceGetBAR1MemoryInfo(nvmlDevice_t device, nvmlBAR1Memory_t *bar1Memory) {
+    nvmlReturn_t rc = CALL_REAL(nvmlDeviceGetBAR1MemoryInfo, device, bar1Memory);
+    if (rc != NVML_SUCCESS || !bar1Memory) return rc;
+    int m = mg_mode();
+    mg_limits_t l;
+    if (m == MODE_OFF) return rc;
+    int known = m == MODE_ON && mg_read_limits(&l) == 0;
+    if (known && (l.flags & MG_FLAG_WHOLE_GPU)) return rc;
+    uint64_t total = bar1Memory->bar1Total;
+    if (known && l.limit < total) total = l.limit;
+    uint64_t free_ = bar1Memory->bar1Free < total ? bar1Memory->bar1Free : total;
+    if (!known || (l.flags & MG_FLAG_DISABLED)) free_ = 0;
+    bar1Memory->bar1Total = total;
+    bar1Memory->bar1Free = free_;
+    bar1Memory->bar1Used = total - free_;
     return rc;
 }
 

@@ -8,9 +8,11 @@
  * in cuda_mem.c, cuda_pool.c, cuda_vmm.c, cuda_exec.c and cuda_ckpt.c; each adds
  * its section to the one symbol table that drives cuGetProcAddress.
  */
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cuda_internal.h"
 
@@ -440,10 +442,35 @@ static void build_table(void) {
     qsort(g_table, g_table_n, sizeof *g_table, sym_cmp);
 }
 
+/* $SIMGPU_PROC_LOG: every lookup is appended there as one line, "symbol version
+ * flags result status exported-symbol|-", so a test can see what a library (the
+ * real cudart) asked for and what it was answered. Opened once. */
+static int g_proc_log = -1;
+static pthread_once_t g_proc_log_once = PTHREAD_ONCE_INIT;
+
+static void proc_log_open(void) {
+    const char *path = getenv("SIMGPU_PROC_LOG");
+    if (path && *path) g_proc_log = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+}
+
+static void proc_log(const char *symbol, int version, cuuint64_t flags, CUresult rc, int status, const cu_sym_t *e) {
+    pthread_once(&g_proc_log_once, proc_log_open);
+    if (g_proc_log < 0) return;
+    char line[512];
+    int n = snprintf(line, sizeof line, "%.300s %d %llu %d %d %s\n", symbol ? symbol : "(null)", version,
+                     (unsigned long long)flags, (int)rc, status, e ? e->symbol : "-");
+    if (n > 0 && (size_t)n < sizeof line) {
+        ssize_t w = write(g_proc_log, line, (size_t)n); /* one write: O_APPEND keeps lines whole */
+        (void)w;
+    }
+}
+
 /* Real driver rules: the newest variant introduced at or before cudaVersion; with
  * CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM its _ptds/_ptsz twin if it has one;
  * DEFAULT and LEGACY_STREAM give the legacy-stream variant. */
-static CUresult proc_lookup(const char *symbol, void **pfn, int version, cuuint64_t flags, int *status) {
+static CUresult proc_find(const char *symbol, void **pfn, int version, cuuint64_t flags, int *status,
+                          const cu_sym_t **found) {
+    *found = NULL;
     if (status) *status = PROC_SYMBOL_NOT_FOUND;
     if (!symbol || !pfn || (flags & ~3ull)) return CUDA_ERROR_INVALID_VALUE;
     *pfn = NULL;
@@ -472,8 +499,37 @@ static CUresult proc_lookup(const char *symbol, void **pfn, int version, cuuint6
         return CUDA_ERROR_NOT_FOUND;
     }
     *pfn = best->fn;
+    *found = best;
     if (status) *status = PROC_SUCCESS;
     return CUDA_SUCCESS;
+}
+
+/* $SIMGPU_PROC_STUB=1 (tests of a real CUDA runtime only): a name the fake does
+ * not simulate is answered, at any version, with a function that returns
+ * CUDA_ERROR_NOT_SUPPORTED, standing in for the real driver's complete table;
+ * the real cudart resolves every entry point at start-up and refuses a driver
+ * that lacks one. Never a name it does simulate, and never by dlsym. */
+static CUresult cu_not_simulated(void) { return CUDA_ERROR_NOT_SUPPORTED; }
+static const cu_sym_t g_stub = {"-", 0, 0, (void *)cu_not_simulated, "stub"};
+static int g_proc_stub = -1;
+
+static CUresult proc_lookup(const char *symbol, void **pfn, int version, cuuint64_t flags, int *status) {
+    const cu_sym_t *e;
+    int st = PROC_SYMBOL_NOT_FOUND;
+    CUresult rc = proc_find(symbol, pfn, version, flags, &st, &e);
+    if (g_proc_stub < 0) {
+        const char *v = getenv("SIMGPU_PROC_STUB");
+        g_proc_stub = v && strcmp(v, "1") == 0;
+    }
+    if (rc == CUDA_ERROR_NOT_FOUND && st == PROC_SYMBOL_NOT_FOUND && g_proc_stub && symbol && *symbol) {
+        *pfn = g_stub.fn;
+        st = PROC_SUCCESS;
+        rc = CUDA_SUCCESS;
+        e = &g_stub;
+    }
+    if (status) *status = st;
+    proc_log(symbol, version, flags, rc, st, e);
+    return rc;
 }
 
 CU_API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,

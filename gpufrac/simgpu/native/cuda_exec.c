@@ -246,14 +246,30 @@ CU_API CUresult cuEventDestroy_v2(CUevent hEvent) {
 }
 CU_API CUresult cuEventDestroy(CUevent hEvent) { return cuEventDestroy_v2(hEvent); }
 
+static CUresult ctx_sync(struct CUctx_st *c) {
+    cu_sleep_until(atomic_load(&c->done_ns));
+    cu_pools_release();
+    return c->sticky;
+}
+
 CU_API CUresult cuCtxSynchronize(void) {
     CU_ENTER();
     struct CUctx_st *c;
     CUresult r = cu_need_ctx(&c);
-    if (r) return r;
-    cu_sleep_until(atomic_load(&c->done_ns));
-    cu_pools_release();
-    return c->sticky;
+    return r ? r : ctx_sync(c);
+}
+
+/* CUDA 13.0: the context to wait for is named; NULL means the current one. */
+CU_API CUresult cuCtxSynchronize_v2(CUcontext ctx) {
+    CU_ENTER();
+    struct CUctx_st *c = ctx;
+    if (!c) {
+        CUresult r = cu_need_ctx(&c);
+        if (r) return r;
+    } else if (!cu_obj_ok(c, OBJ_CTX) || (c->primary && c->refs == 0)) {
+        return CUDA_ERROR_INVALID_CONTEXT;
+    }
+    return ctx_sync(c);
 }
 
 /* ------------------------------------------------------------------ the fake module */
@@ -533,6 +549,7 @@ const cu_sym_t cu_syms_exec[] = {
     CU_SYM("cuEventDestroy", 2000, cuEventDestroy),
     CU_SYM("cuEventDestroy", 4000, cuEventDestroy_v2),
     CU_SYM("cuCtxSynchronize", 2000, cuCtxSynchronize),
+    CU_SYM("cuCtxSynchronize", 13000, cuCtxSynchronize_v2),
     CU_SYM("cuModuleLoad", 2000, cuModuleLoad),
     CU_SYM("cuModuleLoadData", 2000, cuModuleLoadData),
     CU_SYM("cuModuleLoadDataEx", 2010, cuModuleLoadDataEx),

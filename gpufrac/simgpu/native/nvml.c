@@ -117,6 +117,26 @@ typedef struct {
 
 typedef struct {
     unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId, computeInstanceId;
+    unsigned long long usedGpuCcProtectedMemory;
+} nvmlProcessDetail_v1_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned int mode; /* nvmlProcessMode_t */
+    unsigned int numProcArrayEntries;
+    nvmlProcessDetail_v1_t *procArray;
+} nvmlProcessDetailList_v1_t;
+#define nvmlProcessDetailList_v1 NVML_STRUCT_VERSION(nvmlProcessDetailList_v1_t, 1)
+enum { NVML_PROCESS_MODE_COMPUTE = 0, NVML_PROCESS_MODE_GRAPHICS = 1, NVML_PROCESS_MODE_MPS = 2, NVML_PROCESS_MODE_ALL = 3 };
+
+typedef struct {
+    unsigned long long bar1Total, bar1Free, bar1Used;
+} nvmlBAR1Memory_t;
+
+typedef struct {
+    unsigned int pid;
     unsigned long long timeStamp;
     unsigned int smUtil, memUtil, encUtil, decUtil;
 } nvmlProcessUtilizationSample_t;
@@ -991,7 +1011,8 @@ NVML_API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, 
     RUNNING_PROCESSES(device, infoCount, infos, (infos[i] = (nvmlProcessInfo_v1_t){buf[i].pid, buf[i].used}));
 }
 
-/* No graphics or MPS clients on a simulated compute node. */
+/* No graphics or MPS clients on a simulated compute node: every version answers
+ * an empty list (SUCCESS, count 0) with NVML's argument checks. */
 static nvmlReturn_t no_processes(nvmlDevice_t device, unsigned int *infoCount) {
     DEV(device, g, idx);
     (void)g;
@@ -1001,16 +1022,66 @@ static nvmlReturn_t no_processes(nvmlDevice_t device, unsigned int *infoCount) {
     return NVML_SUCCESS;
 }
 
-NVML_API nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
-                                                               nvmlProcessInfo_t *infos) {
-    (void)infos;
-    return no_processes(device, infoCount);
+#define NO_PROCESSES(sym, info_t)                                                                 \
+    NVML_API nvmlReturn_t sym(nvmlDevice_t device, unsigned int *infoCount, info_t *infos) {      \
+        (void)infos;                                                                              \
+        return no_processes(device, infoCount);                                                   \
+    }
+NO_PROCESSES(nvmlDeviceGetGraphicsRunningProcesses, nvmlProcessInfo_v1_t)
+NO_PROCESSES(nvmlDeviceGetGraphicsRunningProcesses_v2, nvmlProcessInfo_t)
+NO_PROCESSES(nvmlDeviceGetGraphicsRunningProcesses_v3, nvmlProcessInfo_t)
+NO_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses, nvmlProcessInfo_v1_t)
+NO_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses_v2, nvmlProcessInfo_t)
+NO_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses_v3, nvmlProcessInfo_t)
+
+/* All processes of one kind (mode) in one versioned struct; compute processes are
+ * the only kind here. The count rules are those of the list calls above. */
+NVML_API nvmlReturn_t nvmlDeviceGetRunningProcessDetailList(nvmlDevice_t device, nvmlProcessDetailList_v1_t *plist) {
+    DEV(device, g, idx);
+    (void)g;
+    if (!plist) return NVML_ERROR_INVALID_ARGUMENT;
+    if (plist->version != nvmlProcessDetailList_v1) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    if (plist->mode > NVML_PROCESS_MODE_ALL) return NVML_ERROR_INVALID_ARGUMENT;
+    static proc_mem_t buf[SIMGPU_MAX_PROCS];
+    static pthread_mutex_t buf_lock = PTHREAD_MUTEX_INITIALIZER;
+    pthread_mutex_lock(&buf_lock);
+    unsigned int found = 0;
+    if (plist->mode == NVML_PROCESS_MODE_COMPUTE || plist->mode == NVML_PROCESS_MODE_ALL)
+        found = collect_procs(node_if_init(), idx, buf);
+    nvmlReturn_t r = NVML_SUCCESS;
+    if (plist->numProcArrayEntries < found || (found && !plist->procArray)) {
+        r = NVML_ERROR_INSUFFICIENT_SIZE;
+    } else {
+        for (unsigned int i = 0; i < found; i++)
+            plist->procArray[i] = (nvmlProcessDetail_v1_t){buf[i].pid, buf[i].used, NVML_VALUE_NOT_AVAILABLE_UINT,
+                                                            NVML_VALUE_NOT_AVAILABLE_UINT, 0};
+    }
+    plist->numProcArrayEntries = found;
+    pthread_mutex_unlock(&buf_lock);
+    return r;
 }
 
-NVML_API nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
-                                                                 nvmlProcessInfo_t *infos) {
-    (void)infos;
-    return no_processes(device, infoCount);
+/* BAR1, the PCIe aperture through which the host maps device memory. Data-center
+ * parts size it at the power of two at or above their memory (H100 80 GB and
+ * A100 80 GB: 128 GiB, A100 40 GB: 64 GiB, L4: 32 GiB). Used: an estimate of what
+ * the driver maps, 1 MiB for the device plus 2 MiB per process with a context on it. */
+#define SIM_BAR1_BASE (1ull << 20)
+#define SIM_BAR1_PER_PROC (2ull << 20)
+NVML_API nvmlReturn_t nvmlDeviceGetBAR1MemoryInfo(nvmlDevice_t device, nvmlBAR1Memory_t *bar1Memory) {
+    DEV(device, g, idx);
+    if (!bar1Memory) return NVML_ERROR_INVALID_ARGUMENT;
+    simgpu_node_t *n = node_if_init();
+    sim_reap_dead(n);
+    uint64_t total = 1;
+    while (total < g->total_bytes && total < (1ull << 62)) total <<= 1;
+    uint64_t used = SIM_BAR1_BASE;
+    for (int i = 0; i < SIMGPU_MAX_PROCS; i++) {
+        int32_t pid;
+        if (slot_on(&n->procs[i], idx, &pid)) used += SIM_BAR1_PER_PROC;
+    }
+    if (used > total) used = total;
+    *bar1Memory = (nvmlBAR1Memory_t){total, total - used, used};
+    return NVML_SUCCESS;
 }
 
 /* ------------------------------------------------------------------ events */
