@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -40,6 +41,40 @@ COUNTERS_SHOWN = {
     "gpufrac_container_wait_seconds_count",
     "gpufrac_arbiter_requests_total",
 }
+
+
+# Signals that end the demo. Python's default for SIGTERM and SIGHUP ends the process on
+# the spot, skipping every `with` below: the agent process kept serving :9410, and the
+# temp directory and the containers' cgroups stayed behind.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal, raised where the demo happens to be so that everything unwinds;
+    a KeyboardInterrupt so it ends the demo exactly as Ctrl-C always has."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP all raise Stopped in the main thread. Once one has
+    arrived, further ones are ignored until the block is left: a cleanup half done by an
+    impatient second Ctrl-C is what leaks."""
+
+    def stop(signum: int, _frame: Any) -> None:
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    before = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 def real_node_present() -> bool:
@@ -225,6 +260,11 @@ def simulated_node(preset: str) -> Iterator[SimNode]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    with stop_on_signals():
+        return _run_demo(args)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
     try:
         with simulated_node(args.preset) as node:
             try:
@@ -350,8 +390,8 @@ def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
         if llm or counted:
             say("  " + line)
     if args.keep:
-        say(f"\nserving until Ctrl-C: metrics {url}, status socket {node.status_socket}")
-        with contextlib.suppress(KeyboardInterrupt):
+        say(f"\nserving until Ctrl-C (or SIGTERM): metrics {url}, status socket {node.status_socket}")
+        with contextlib.suppress(KeyboardInterrupt):  # Stopped too: a requested end, exit code 0
             while True:
                 time.sleep(3600)
     for p in pods:

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import gpufrac
+from gpufrac.agent.output import render
 from gpufrac.agent.report import table
 from gpufrac.agent.units import format_bytes
 from gpufrac.deviceplugin import slices
@@ -476,12 +477,18 @@ def _duration(seconds: float | None) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
+def _numa(n: Any) -> str:
+    return "N/A" if n is None else str(n)
+
+
 def _short_resource(r: str) -> str:
     return r.rsplit("/", 1)[-1]
 
 
-def format_status(status: Mapping[str, Any]) -> str:
-    """The `gpufrac status` table from a status document (the JSON the endpoint serves)."""
+def format_status(status: Mapping[str, Any], *, wide: bool = False) -> str:
+    """The `gpufrac status` table from a status document (the JSON the endpoint serves);
+    `wide` adds GPU UUIDs, PCI bus ids and NUMA nodes, and each container's key,
+    priority, process count, OOM refusals and swapped bytes."""
     ready = "Ready" if status.get("ready") else f"NotReady ({status.get('ready_reason', '?')})"
     regs = ", ".join(
         f"{_short_resource(r)} {'registered' if ok else 'NOT registered'}"
@@ -499,6 +506,7 @@ def format_status(status: Mapping[str, Any]) -> str:
         [
             "GPU",
             "MODEL",
+            *(["UUID", "PCI BUS ID", "NUMA"] if wide else []),
             "TOTAL",
             "ALLOCATABLE",
             "REQUESTED",
@@ -516,6 +524,7 @@ def format_status(status: Mapping[str, Any]) -> str:
             [
                 str(g["index"]),
                 g["model"],
+                *([g["uuid"], g["pci_bus_id"], _numa(g.get("numa_node"))] if wide else []),
                 _b(g["memory_total_bytes"]),
                 _b(g["memory_allocatable_bytes"]),
                 _b(g["memory_requested_bytes"]),
@@ -526,11 +535,10 @@ def format_status(status: Mapping[str, Any]) -> str:
                 "Healthy" if g["healthy"] else f"Unhealthy: {g.get('health_reason') or '?'}",
             ]
         )
+    extra = 3 if wide else 0
     for i, reason in sorted((status.get("unreachable") or {}).items(), key=lambda kv: int(kv[0])):
-        rows.append(
-            [str(i), "?", "?", "?", "?", "?", "?", "?", *["?" for _ in resources], f"Unhealthy: {reason}"]
-        )
-    lines += table(rows, align_right=range(2, 8 + len(resources)))
+        rows.append([str(i), *["?"] * (7 + extra), *["?" for _ in resources], f"Unhealthy: {reason}"])
+    lines += table(rows, align_right=range(2 + extra, 8 + extra + len(resources)))
     index_of = {g["uuid"]: g["index"] for g in gpus}
     containers = status.get("containers") or []
     lines.append("")
@@ -550,6 +558,7 @@ def format_status(status: Mapping[str, Any]) -> str:
             "BURST",
             "IDLE",
             "CLASS",
+            *(["PRIORITY", "PROCS", "OOM", "SWAPPED", "KEY"] if wide else []),
         ]
     ]
     for c in sorted(containers, key=lambda c: (c["namespace"], c["pod"], c["container"], c["key"])):
@@ -566,9 +575,20 @@ def format_status(status: Mapping[str, Any]) -> str:
                 _b(c["burst_granted_bytes"]),
                 _duration(c.get("idle_seconds")),
                 c["workload_class"],
+                *(
+                    [
+                        str(c["priority"]),
+                        str(c.get("processes", 0)),
+                        str(c.get("oom_refusals", 0)),
+                        _b(c.get("swapped_bytes", 0)),
+                        c["key"],
+                    ]
+                    if wide
+                    else []
+                ),
             ]
         )
-    lines += table(crow, align_right=(5, 6, 7, 8, 9))
+    lines += table(crow, align_right=(5, 6, 7, 8, 9, *((11, 12, 13, 14) if wide else ())))
     return "\n".join(lines)
 
 
@@ -581,7 +601,7 @@ def default_socket(args: argparse.Namespace) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """`gpufrac status [--json] [--socket PATH]`."""
+    """`gpufrac status [-o json|yaml|wide] [--socket PATH]`."""
     from gpufrac.agent.config import ConfigError
 
     try:
@@ -594,8 +614,5 @@ def cmd_status(args: argparse.Namespace) -> int:
     except StatusUnavailable as e:
         print(f"gpufrac status: {e}", file=sys.stderr)
         return 1
-    if getattr(args, "json", False):
-        print(json.dumps(data, indent=2, sort_keys=True))
-    else:
-        print(format_status(data))
+    print(render(args, data, lambda wide: format_status(data, wide=wide), sort_keys=True))
     return 0
