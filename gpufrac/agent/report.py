@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from gpufrac.agent.gpus import GpuHealth, Inventory, Link, PcieLink
+from gpufrac.agent.gpus import MIG_REASON, Gpu, GpuHealth, Inventory, Link, PcieLink
 from gpufrac.agent.output import render
 
 GiB = 1 << 30
@@ -113,6 +113,21 @@ def gpus_to_dict(
         "cuda_driver_version": inv.cuda_driver_version,
         "gpus": gpus,
         "unreachable": [{"index": i, "reason": r} for i, r in sorted(inv.unreachable.items())],
+        "mig": [mig_to_dict(g, used.get(g.uuid)) for g in inv.mig],
+    }
+
+
+def mig_to_dict(g: Gpu, used: int | None = None) -> dict[str, Any]:
+    """A GPU in MIG mode, as `gpufrac gpus` and `gpufrac status` list it (not shared)."""
+    return {
+        "index": g.index,
+        "uuid": g.uuid,
+        "model": g.model,
+        "memory_total": g.memory_total,
+        "memory_used": used,
+        "pci_bus_id": g.pci_bus_id,
+        "numa_node": g.numa_node,
+        "reason": MIG_REASON,
     }
 
 
@@ -125,7 +140,7 @@ def format_gpus(
 ) -> str:
     """The `gpufrac gpus` table; `wide` adds CPU affinity and the device minor number."""
     used, health = used or {}, health or {}
-    count = len(inv.gpus) + len(inv.unreachable)
+    count = len(inv.gpus) + len(inv.unreachable) + len(inv.mig)
     head = (
         f"Driver {inv.driver_version or '?'}  CUDA {cuda_version(inv.cuda_driver_version)}  "
         f"{count} GPU{'s' if count != 1 else ''}"
@@ -150,6 +165,13 @@ def format_gpus(
             )
         )
     extra = ["?", "?"] if wide else []
+    for g in inv.mig:
+        u = used.get(g.uuid)
+        cells = [str(g.index), g.uuid, g.model, f"{g.memory_total / GiB:.1f}GiB"]
+        cells += ["?" if u is None else f"{u / GiB:.1f}GiB", g.pci_bus_id, _numa(g.numa_node)]
+        if wide:
+            cells += [cpu_list(g.cpu_affinity) or "N/A", str(g.minor)]
+        body.append((g.index, [*cells, MIG_REASON]))
     for i, reason in inv.unreachable.items():
         body.append((i, [str(i), "?", "?", "?", "?", "?", "?", *extra, f"Unhealthy: {reason}"]))
     head_row = ["IDX", "UUID", "MODEL", "MEMORY", "USED", "PCI BUS ID", "NUMA"]
@@ -197,6 +219,7 @@ def topo_to_dict(inv: Inventory) -> dict[str, Any]:
         "links": links,
         "matrix": topo_matrix(inv),
         "unreachable": [{"index": i, "reason": r} for i, r in sorted(inv.unreachable.items())],
+        "mig": [{"index": g.index, "uuid": g.uuid, "reason": MIG_REASON} for g in inv.mig],
     }
 
 
@@ -209,6 +232,7 @@ def format_topo(inv: Inventory, *, wide: bool = False) -> str:
         rows.append([name, *cells, cpu_list(g.cpu_affinity) or "N/A", _numa(g.numa_node)])
     lines = table(rows)
     lines += [f"GPU{i}: unreachable ({r})" for i, r in sorted(inv.unreachable.items())]
+    lines += [f"GPU{g.index}: {MIG_REASON}" for g in inv.mig]
     if wide and len(inv.gpus) > 1:
         pairs = [["PAIR", "NVLINKS", "PCIE"]]
         for link in topo_to_dict(inv)["links"]:

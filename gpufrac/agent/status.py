@@ -31,7 +31,7 @@ from typing import Any
 
 import gpufrac
 from gpufrac.agent.output import render
-from gpufrac.agent.report import table
+from gpufrac.agent.report import mig_to_dict, table
 from gpufrac.agent.units import format_bytes
 from gpufrac.deviceplugin import slices
 from gpufrac.memguard import formats
@@ -110,6 +110,8 @@ class NodeStatus:
     gpus: list[GpuStatus] = field(default_factory=list)
     containers: list[ContainerStatus] = field(default_factory=list)
     unreachable: dict[int, str] = field(default_factory=dict)
+    # GPUs in MIG mode, left to the MIG-aware plugin (gpufrac.agent.report.mig_to_dict).
+    mig: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -154,6 +156,7 @@ def capture(agent: Any) -> NodeStatus:
         return status
     status.driver_version = inv.driver_version
     status.unreachable = dict(inv.unreachable)
+    status.mig = [mig_to_dict(g) for g in inv.mig]
     health = agent.health.current() if agent.health is not None else {}
     xids: Mapping[tuple[str, int], int] = agent.health.xid_counts() if agent.health is not None else {}
     allocs = ledger.containers()
@@ -536,6 +539,13 @@ def format_status(status: Mapping[str, Any], *, wide: bool = False) -> str:
             ]
         )
     extra = 3 if wide else 0
+    for m in status.get("mig") or []:
+        where = [m["uuid"], m["pci_bus_id"], _numa(m.get("numa_node"))] if wide else []
+        rows.append(
+            [str(m["index"]), m["model"], *where, _b(m["memory_total"]), *["-"] * 5]
+            + ["-" for _ in resources]
+            + [m["reason"]]
+        )
     for i, reason in sorted((status.get("unreachable") or {}).items(), key=lambda kv: int(kv[0])):
         rows.append([str(i), *["?"] * (7 + extra), *["?" for _ in resources], f"Unhealthy: {reason}"])
     lines += table(rows, align_right=range(2 + extra, 8 + extra + len(resources)))

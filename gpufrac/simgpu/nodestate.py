@@ -65,7 +65,7 @@ class Gpu(ctypes.Structure):
         ("sm_count", u32),
         ("cc_major", u32),
         ("cc_minor", u32),
-        ("pad0", u32),
+        ("mig_mode", u32),  # 1 = MIG enabled
         ("used_bytes", u64),
         ("util_gpu_override", u32),
         ("util_mem_override", u32),

@@ -81,6 +81,7 @@ class GpuSpec:
     host_bridge: str = ""
     pcie_switch: str = ""  # "" = directly under the host bridge; "a/b" = switch b below switch a
     uuid: str = ""  # "" = derived from node name and index
+    mig_enabled: bool = False  # MIG mode on (MIG-capable parts only: compute capability 8.0, 9.0)
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,7 @@ _GPU_KEYS = {
     "host_bridge",
     "pcie_switch",
     "uuid",
+    "mig_enabled",
 }
 _NODE_KEYS = {
     "preset",
@@ -269,6 +271,12 @@ def _gpu(i: int, raw: Mapping[str, Any], count: int) -> GpuSpec:
     uid = d.get("uuid", "")
     if uid and not (isinstance(uid, str) and uid.startswith("GPU-") and len(uid) < ns.UUID_LEN):
         raise _fail(f"{key}.uuid", uid, 'is not a GPU UUID like "GPU-<uuid>"')
+    cc = _cc(f"{key}.compute_capability", d.get("compute_capability", "0.0"))
+    mig = _bool(f"{key}.mig_enabled", d.get("mig_enabled", False))
+    if mig and (cc[1] != 0 or cc[0] < 8):
+        # As the driver: only A100/H100-class parts (x.0, 8.0 and up) have MIG at all.
+        why = f"needs a MIG-capable GPU (compute capability 8.0 or 9.0), not {cc[0]}.{cc[1]}"
+        raise _fail(f"{key}.mig_enabled", mig, why)
     return GpuSpec(
         model=_str(f"{key}.model", d["model"], ns.NAME_LEN),
         memory=memory,
@@ -278,12 +286,13 @@ def _gpu(i: int, raw: Mapping[str, Any], count: int) -> GpuSpec:
         cpu_affinity=_cpus(f"{key}.cpu_affinity", d.get("cpu_affinity", [])),
         nvlink_peers=tuple(peers),
         sm_count=_int(f"{key}.sm_count", d.get("sm_count", 0), 0),
-        compute_capability=_cc(f"{key}.compute_capability", d.get("compute_capability", "0.0")),
+        compute_capability=cc,
         pci_device_id=_int(f"{key}.pci_device_id", d.get("pci_device_id", 0), 0, 0xFFFFFFFF),
         pci_subsystem_id=_int(f"{key}.pci_subsystem_id", d.get("pci_subsystem_id", 0), 0, 0xFFFFFFFF),
         host_bridge=str(d.get("host_bridge", "")),
         pcie_switch=str(d.get("pcie_switch", "")),
         uuid=uid,
+        mig_enabled=mig,
     )
 
 
@@ -456,6 +465,7 @@ def fill_node(node: ns.Node, spec: NodeSpec) -> None:
         out.reserved_bytes = g.reserved
         out.sm_count = g.sm_count
         out.cc_major, out.cc_minor = g.compute_capability
+        out.mig_mode = 1 if g.mig_enabled else 0
     # Magic last: a reader that maps a file still being filled rejects it.
     node.magic = ns.MAGIC
 

@@ -81,7 +81,8 @@ typedef struct {
     uint32_t sm_count;
     uint32_t cc_major;
     uint32_t cc_minor;
-    uint32_t pad0;
+    uint32_t mig_mode;                  /* nvmlDeviceGetMigMode's current (and pending) mode:
+                                           1 = MIG enabled (was padding: same layout) */
     /* --- dynamic --- */
     _Atomic uint64_t used_bytes;        /* sum of live processes' physical allocations */
     _Atomic uint32_t util_gpu_override; /* 0 = derive from activity; else percent + 1 */
