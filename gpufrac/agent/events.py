@@ -30,6 +30,10 @@ user lost something or must act, Normal otherwise), a structured log line
 
 A poster in parentheses is reserved: that module does not post the Event yet (it logs
 the decision only).
+
+A collision eviction also sets the pod condition DisruptionTarget=True, reason
+GpuMemoryReclaimed (pods/status, as Kubernetes marks a pod it disrupts), so a Job's
+podFailurePolicy can tell a reclaim from an application failure.
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ REASON_MAX_RUNTIME_WARNING = "MaxRuntimeWarning"
 REASON_IDLE_CANCELLED = "IdleCancelled"
 REASON_IDLE_BLOCKED = "IdleEvictionBlocked"
 REASON_IDLE_FAILED = "IdleEvictionFailed"
+# The reason of the DisruptionTarget pod condition a collision eviction sets (not an Event).
+CONDITION_GPU_MEMORY_RECLAIMED = "GpuMemoryReclaimed"
 IDLE_TRIGGERS = ("Idle", "MaxRuntime")
 IDLE_ACTIONS = ("Notify", "Swapped", "Evicted", "Deleted", "DryRun")
 

@@ -8,7 +8,11 @@
   apiserver compacted past it) means relist and diff, so deletions missed while
   disconnected are still seen.
 * EventRecorder: core/v1 Events on pods, aggregated like client-go does (the same
-  object + reason + message bumps count and lastTimestamp of the existing Event).
+  object + reason + message bumps count and lastTimestamp of the existing Event); and,
+  in the same ordered queue, the DisruptionTarget condition on a pod whose processes
+  were killed to reclaim GPU memory (pods/status, as Kubernetes marks its own disruptions).
+* NodeLabeler: the agent's gpufrac.dev/ labels on its own Node (gpufrac.agent.nodelabels
+  decides them), patched from a worker thread; no other label is ever touched.
 
 An apiserver that is slow, down or refusing never stalls the loop or crashes the
 agent: blocking calls run in threads, errors are logged and counted.
@@ -398,6 +402,22 @@ class _Pending:
     message: str
 
 
+@dataclass(frozen=True)
+class _Condition:
+    """A pod condition to set (True) through the pods/status subresource."""
+
+    ref: ObjectRef
+    type: str
+    reason: str
+    message: str
+
+
+# The pod condition Kubernetes sets on a pod a disruption is about to end (preemption,
+# the Eviction API, taint eviction); a Job's podFailurePolicy can match it (onPodConditions),
+# so a pod failed by a GPU-memory reclaim need not count as the application's failure.
+DISRUPTION_TARGET = "DisruptionTarget"
+
+
 class EventRecorder:
     """Posts Events without ever blocking or failing the caller.
 
@@ -424,7 +444,7 @@ class EventRecorder:
         self._cache_size = cache_size
         self._request_timeout = request_timeout
         self._clock = clock
-        self._queue: asyncio.Queue[_Pending] | None = None
+        self._queue: asyncio.Queue[_Pending | _Condition] | None = None
         self._worker: asyncio.Task[None] | None = None
         self._last_ns = 0
         # Counters (read by metrics and tests).
@@ -432,19 +452,32 @@ class EventRecorder:
         self.aggregated = 0
         self.errors = 0
         self.dropped = 0
+        self.conditions = 0  # pod conditions set
 
     def record(self, ref: ObjectRef, type_: str, reason: str, message: str) -> None:
         """Queue an Event (type_ Normal or Warning, reason CamelCase); never raises, never blocks."""
+        if len(message) > MAX_MESSAGE:
+            message = message[: MAX_MESSAGE - 3] + "..."
+        self._put(_Pending(ref, type_, reason, message))
+
+    def disruption(self, ref: ObjectRef, reason: str, message: str) -> None:
+        """Queue the DisruptionTarget condition (status True) on the pod of `ref`, after the
+        Events queued before it; never raises, never blocks. A pod of the same name but
+        another uid is left alone (the uid is a precondition of the patch)."""
+        if len(message) > MAX_MESSAGE:
+            message = message[: MAX_MESSAGE - 3] + "..."
+        self._put(_Condition(ref, DISRUPTION_TARGET, reason, message))
+
+    def _put(self, item: _Pending | _Condition) -> None:
         if self._queue is None:
             self._queue = asyncio.Queue()
             self._worker = asyncio.get_running_loop().create_task(self._work(), name="event-recorder")
         if self._queue.qsize() >= self._max_pending:
             self.dropped += 1
-            log.warning("event queue full; dropped %s %s on %s/%s", type_, reason, ref.namespace, ref.name)
+            ref = item.ref
+            log.warning("event queue full; dropped %s on %s/%s", item.reason, ref.namespace, ref.name)
             return
-        if len(message) > MAX_MESSAGE:
-            message = message[: MAX_MESSAGE - 3] + "..."
-        self._queue.put_nowait(_Pending(ref, type_, reason, message))
+        self._queue.put_nowait(item)
 
     def warning(self, ref: ObjectRef, reason: str, message: str) -> None:
         self.record(ref, "Warning", reason, message)
@@ -474,11 +507,15 @@ class EventRecorder:
         while True:
             item = await self._queue.get()
             try:
-                await self._send(item)
+                if isinstance(item, _Condition):
+                    await self._set_condition(item)
+                else:
+                    await self._send(item)
             except Exception as e:
                 self.errors += 1
                 log.warning(
-                    "posting Event %s on %s/%s failed: %s",
+                    "posting %s %s on %s/%s failed: %s",
+                    "condition" if isinstance(item, _Condition) else "Event",
                     item.reason,
                     item.ref.namespace,
                     item.ref.name,
@@ -486,6 +523,28 @@ class EventRecorder:
                 )
             finally:
                 self._queue.task_done()
+
+    async def _set_condition(self, item: _Condition) -> None:
+        ref = item.ref
+        condition = {
+            "type": item.type,
+            "status": "True",
+            "reason": item.reason,
+            "message": item.message,
+            "lastTransitionTime": _timestamp(self._clock()),
+        }
+        # A strategic merge patch: conditions merge by type, so the kubelet's own stay.
+        body: dict[str, Any] = {"status": {"conditions": [condition]}}
+        if ref.uid:
+            body["metadata"] = {"uid": ref.uid}
+        await asyncio.to_thread(
+            self._v1.patch_namespaced_pod_status,
+            ref.name,
+            ref.namespace,
+            body,
+            _request_timeout=self._request_timeout,
+        )
+        self.conditions += 1
 
     async def _send(self, item: _Pending) -> None:
         ref = item.ref

@@ -51,6 +51,7 @@ AGENT_API_CALLS = {
     ("", "pods", "list"),
     ("", "pods", "watch"),
     ("", "pods/eviction", "create"),
+    ("", "pods/status", "patch"),
     ("", "events", "create"),
     ("", "events", "patch"),
     ("", "nodes", "get"),
