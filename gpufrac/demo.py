@@ -145,6 +145,8 @@ class SimNode:
         self.api = KubeServer()
         stack.callback(self.api.close)
         self.v1 = self.api.core_v1()
+        # The Node object a cluster has for every node: the agent keeps its labels.
+        self.v1.create_node({"metadata": {"name": NODE, "labels": {"gpufrac.dev/enabled": "true"}}})
         self.kubelet = KubeletEmulator(root / "k").start()
         stack.callback(self.kubelet.stop)
         self.metrics_port = free_port(9410)
@@ -293,6 +295,15 @@ def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
     until(lambda: node.kubelet.connected(FRACTION) and node.kubelet.connected(MEMORY), "registration")
     for r in (FRACTION, MEMORY):
         say(f"  {r:26} allocatable {node.kubelet.allocatable(r)} slices")
+
+    banner("Node labels the agent keeps (kubectl get node --show-labels)")
+
+    def node_labels() -> dict[str, str]:
+        return dict(node.v1.read_node(NODE).metadata.labels or {})
+
+    until(lambda: "gpufrac.dev/gpu.count" in node_labels(), "node labels")
+    for k, v in sorted(node_labels().items()):
+        say(f"  {k}={v}")
 
     pods = [
         DemoPod(
