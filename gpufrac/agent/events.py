@@ -10,6 +10,7 @@ user lost something or must act, Normal otherwise), a structured log line
 |---|---|---|---|---|
 | GpuLimitApplied | Normal | pod | identity | a burst limit from the annotations took effect or changed |
 | InvalidAnnotation | Warning | pod | identity | an annotation was refused; the safe default applies |
+| GpuPolicyCapped | Warning | pod | identity | the node's namespace policy capped what an annotation asked |
 | GpuMemoryEvicted | Warning | victim pod | resolvers | its processes were killed to reclaim burst memory |
 | GpuMemoryPreempted | Normal | requester | resolvers | burst memory was reclaimed from another pod for it |
 | GpuMemorySwappedOut | Normal | victim pod | swap | its GPU memory was moved to host RAM (says for whom) |
@@ -49,6 +50,7 @@ NORMAL, WARNING = "Normal", "Warning"
 
 REASON_LIMIT_APPLIED = "GpuLimitApplied"
 REASON_INVALID_ANNOTATION = "InvalidAnnotation"
+REASON_POLICY_CAPPED = "GpuPolicyCapped"
 REASON_EVICTED = "GpuMemoryEvicted"
 REASON_PREEMPTED = "GpuMemoryPreempted"
 REASON_SWAPPED_OUT = "GpuMemorySwappedOut"
