@@ -137,3 +137,19 @@ def test_the_log_names_each_mig_gpu(in_process_nvml: SimNode, caplog: pytest.Log
             SPEC.gpu_uuid(i) in r.getMessage() and MIG_REASON in r.getMessage() and r.levelno == logging.INFO
             for r in caplog.records
         ), caplog.text
+
+
+def test_sim_show_says_which_gpus_run_mig(sim_node: SimNode) -> None:
+    def show(*extra: str) -> str:
+        argv = [str(GPUFRAC), "sim", "show", "--state", str(sim_node.path), *extra]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    doc = json.loads(show("-o", "json"))
+    assert [g["mig_enabled"] for g in doc["gpus"]] == [i in MIG for i in range(len(SPEC.gpus))]
+    import yaml
+
+    assert yaml.safe_load(show("-o", "yaml")) == json.loads(show("--json"))
+    rows = [line for line in show().splitlines() if "MIG enabled" in line]
+    assert [int(r.split()[0]) for r in rows] == MIG
