@@ -26,7 +26,8 @@ exit codes (every command):
   1    what was asked for could not be read or done: no NVIDIA driver, the agent not
        reachable, no such container, a simulated-node demo step failed
   2    bad usage or a bad node config (the message names the argument or the key)
-  130  stopped by SIGINT (Ctrl-C); 143: stopped by SIGTERM
+  130  stopped by SIGINT (Ctrl-C)
+  143  stopped by SIGTERM
 """
 
 

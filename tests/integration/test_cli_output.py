@@ -52,7 +52,7 @@ def test_help_documents_the_exit_codes() -> None:
     for args in (["--help"], ["status", "--help"], ["memguard", "--help"]):
         text = ok(*args)
         assert "exit codes" in text
-        for code in ("0 ", "1 ", "2 ", "130 "):
+        for code in ("0 ", "1 ", "2 ", "130 ", "143 "):
             assert f"\n  {code}" in text, (args, text)
 
 
