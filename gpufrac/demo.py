@@ -164,8 +164,9 @@ class SimNode:
                 "evictIdleThreshold": "10m",
                 "swap": {"idleThreshold": "2s"},
             },
-        ).start()
-        stack.callback(self.agent.stop)
+        )
+        stack.callback(self.agent.stop)  # before start(): a stop signal may come at any point
+        self.agent.start()
         self.runtime = ContainerRuntime(view_root=root / "v")
         stack.callback(self.runtime.close)
 

@@ -117,3 +117,39 @@ def test_run_keep_cleans_up_on_signal(sig: signal.Signals) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+
+
+def test_run_stopped_mid_demo_exits_143_and_cleans_up() -> None:
+    import yaml
+
+    proc = subprocess.Popen(
+        [str(GPUFRAC), "run", "--sim"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    try:
+        assert proc.stdout is not None
+        tmp = None
+        for line in proc.stdout:
+            m = re.match(r"node state (\S+)/node\.state;", line)
+            if m:
+                tmp = Path(m.group(1))
+            if "Collision 1" in line:  # the containers run; the demo is mid-way
+                break
+        assert tmp is not None and tmp.is_dir()
+        port = yaml.safe_load((tmp / "a" / "agent.yaml").read_text())["metrics"]["port"]
+        children = _children(proc.pid)
+        cgroups = _container_cgroups(children)
+        assert cgroups and _port_in_use(port)
+
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+        assert proc.returncode == 128 + signal.SIGTERM
+        assert not _port_in_use(port) and not tmp.exists()
+        assert [c for c in cgroups if c.exists()] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
