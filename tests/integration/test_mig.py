@@ -153,3 +153,28 @@ def test_sim_show_says_which_gpus_run_mig(sim_node: SimNode) -> None:
     assert yaml.safe_load(show("-o", "yaml")) == json.loads(show("--json"))
     rows = [line for line in show().splitlines() if "MIG enabled" in line]
     assert [int(r.split()[0]) for r in rows] == MIG
+
+
+def test_the_watchdog_leaves_processes_on_mig_gpus_alone(node: InprocNode, sim_node: SimNode) -> None:
+    from gpufrac.simgpu.workload import WorkloadProcess
+
+    def cuda_on(index: int) -> WorkloadProcess:
+        # A process outside any gpufrac container (no shim), on one GPU of the node.
+        env = sim_node.process_env(CUDA_VISIBLE_DEVICES=str(index))
+        env.pop("LD_PRELOAD", None)
+        argv = WorkloadProcess.argv()
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        w = WorkloadProcess(proc, f"gpu{index}")
+        assert w.do(f"alloc {1 << 30}").startswith("ok")
+        return w
+
+    on_mig, on_shared = cuda_on(MIG[0]), cuda_on(SHARED[0])
+    try:
+        wd = node.agent.watchdog
+        assert wd is not None
+        node.thread.call(wd.scan)
+        # The shared GPU's stray process is reported; the MIG GPU's belongs to the MIG plugin's pods.
+        assert set(wd.unowned) == {on_shared.proc.pid}
+    finally:
+        on_mig.close()
+        on_shared.close()
