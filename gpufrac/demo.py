@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -40,6 +41,40 @@ COUNTERS_SHOWN = {
     "gpufrac_container_wait_seconds_count",
     "gpufrac_arbiter_requests_total",
 }
+
+
+# Signals that end the demo. Python's default for SIGTERM and SIGHUP ends the process on
+# the spot, skipping every `with` below: the agent process kept serving :9410, and the
+# temp directory and the containers' cgroups stayed behind.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal, raised where the demo happens to be so that everything unwinds;
+    a KeyboardInterrupt so it ends the demo exactly as Ctrl-C always has."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP all raise Stopped in the main thread. Once one has
+    arrived, further ones are ignored until the block is left: a cleanup half done by an
+    impatient second Ctrl-C is what leaks."""
+
+    def stop(signum: int, _frame: Any) -> None:
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    before = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 def real_node_present() -> bool:
@@ -110,6 +145,8 @@ class SimNode:
         self.api = KubeServer()
         stack.callback(self.api.close)
         self.v1 = self.api.core_v1()
+        # The Node object a cluster has for every node: the agent keeps its labels.
+        self.v1.create_node({"metadata": {"name": NODE, "labels": {"gpufrac.dev/enabled": "true"}}})
         self.kubelet = KubeletEmulator(root / "k").start()
         stack.callback(self.kubelet.stop)
         self.metrics_port = free_port(9410)
@@ -127,8 +164,9 @@ class SimNode:
                 "evictIdleThreshold": "10m",
                 "swap": {"idleThreshold": "2s"},
             },
-        ).start()
-        stack.callback(self.agent.stop)
+        )
+        stack.callback(self.agent.stop)  # before start(): a stop signal may come at any point
+        self.agent.start()
         self.runtime = ContainerRuntime(view_root=root / "v")
         stack.callback(self.runtime.close)
 
@@ -225,6 +263,11 @@ def simulated_node(preset: str) -> Iterator[SimNode]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    with stop_on_signals():
+        return _run_demo(args)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
     try:
         with simulated_node(args.preset) as node:
             try:
@@ -253,6 +296,15 @@ def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
     until(lambda: node.kubelet.connected(FRACTION) and node.kubelet.connected(MEMORY), "registration")
     for r in (FRACTION, MEMORY):
         say(f"  {r:26} allocatable {node.kubelet.allocatable(r)} slices")
+
+    banner("Node labels the agent keeps (kubectl get node --show-labels)")
+
+    def node_labels() -> dict[str, str]:
+        return dict(node.v1.read_node(NODE).metadata.labels or {})
+
+    until(lambda: "gpufrac.dev/gpu.count" in node_labels(), "node labels")
+    for k, v in sorted(node_labels().items()):
+        say(f"  {k}={v}")
 
     pods = [
         DemoPod(
@@ -350,8 +402,8 @@ def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
         if llm or counted:
             say("  " + line)
     if args.keep:
-        say(f"\nserving until Ctrl-C: metrics {url}, status socket {node.status_socket}")
-        with contextlib.suppress(KeyboardInterrupt):
+        say(f"\nserving until Ctrl-C (or SIGTERM): metrics {url}, status socket {node.status_socket}")
+        with contextlib.suppress(KeyboardInterrupt):  # Stopped too: a requested end, exit code 0
             while True:
                 time.sleep(3600)
     for p in pods:

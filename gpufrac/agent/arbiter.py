@@ -791,6 +791,14 @@ class Arbiter:
         if recorder is not None and ref is not None:
             recorder.record(ref, type_, reason, message)
 
+    def disrupted(self, alloc: ContainerAlloc, reason: str, message: str) -> None:
+        """Mark the pod of `alloc` DisruptionTarget (gpufrac.agent.kube.EventRecorder.disruption)."""
+        recorder = self.events() if callable(self.events) else self.events
+        ref = container_ref(alloc)
+        mark = getattr(recorder, "disruption", None)
+        if mark is not None and ref is not None:
+            mark(ref, reason, message)
+
 
 def published_grants(containers: list[tuple[str, str, str, int]]) -> dict[str, int]:
     """Grants the config files carry, for (key, directory, GPU, request) of booked containers

@@ -9,12 +9,26 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Callable, Sequence
+
+import gpufrac
+from gpufrac.agent.output import add_output_args
 
 # subcommand -> (module, function, help); the function takes the parsed args and
 # returns an exit code.
 Handler = tuple[str, str, str]
+
+EXIT_CODES = """\
+exit codes (every command):
+  0    done
+  1    what was asked for could not be read or done: no NVIDIA driver, the agent not
+       reachable, no such container, a simulated-node demo step failed
+  2    bad usage or a bad node config (the message names the argument or the key)
+  130  stopped by SIGINT (Ctrl-C)
+  143  stopped by SIGTERM
+"""
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -22,13 +36,25 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
-    parser = argparse.ArgumentParser(prog="gpufrac", description="GPU sharing for Kubernetes nodes.")
+    parser = argparse.ArgumentParser(
+        prog="gpufrac",
+        description="GPU sharing for Kubernetes nodes.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"gpufrac {gpufrac.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     handlers: dict[str, Handler] = {}
 
     def add(name: str, module: str, func: str, help_: str) -> argparse.ArgumentParser:
         handlers[name] = (module, func, help_)
-        p = sub.add_parser(name, help=help_, description=help_)
+        p = sub.add_parser(
+            name,
+            help=help_,
+            description=help_,
+            epilog=EXIT_CODES,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         _add_common(p)
         return p
 
@@ -40,19 +66,27 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     p = add("agent", "gpufrac.agent.main", "cmd_agent", "run the node agent (the DaemonSet's process)")
 
     p = add("gpus", "gpufrac.agent.report", "cmd_gpus", "list the node's GPUs with memory and health")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_output_args(p)
 
     p = add("topo", "gpufrac.agent.report", "cmd_topo", "GPU interconnect matrix, NUMA and CPU affinity")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_output_args(p)
 
     p = add("status", "gpufrac.agent.status", "cmd_status", "the node at a glance, from the running agent")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_output_args(p)
     p.add_argument("--socket", help="the agent's status socket (default: statusSocket of --config)")
 
     p = add("memguard", "gpufrac.memguard.inspect", "cmd_memguard", "inspect a container's memguard files")
     p.add_argument("action", choices=["inspect"])
-    p.add_argument("container_dir", help="the container's gpufrac directory (host path)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "container_dir",
+        metavar="TARGET",
+        help="NAMESPACE/POD[/CONTAINER] (found through the running agent), or the container's "
+        "gpufrac directory as a host path (starting with / or .)",
+    )
+    add_output_args(p)
+    p.add_argument(
+        "--socket", help="the agent's status socket, for NAMESPACE/POD (default: statusSocket of --config)"
+    )
 
     p = add("sim", "gpufrac.simgpu.cli", "cmd_sim", "manage a simulated GPU node (tests, demo)")
     p.add_argument("sim_args", nargs=argparse.REMAINDER, help="simgpu subcommand and its arguments")
@@ -69,8 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     fn: Callable[[argparse.Namespace], int] = getattr(importlib.import_module(module), func)
     try:
         return int(fn(args) or 0)
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:
+        # SIGINT, or SIGTERM/SIGHUP where a command turns them into one (gpufrac.demo).
+        return 128 + int(getattr(e, "signum", signal.SIGINT))
     except BrokenPipeError:
         return 0
 

@@ -17,6 +17,7 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from gpufrac.agent.policy import PolicyConfig, parse_config
 from gpufrac.agent.units import parse_bytes, parse_duration
 
 GiB = 1 << 30
@@ -148,6 +149,8 @@ class Config:
     swap: SwapConfig = field(default_factory=SwapConfig)
     idle: IdleConfig = field(default_factory=IdleConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    # Per-namespace caps on what pod annotations may ask (gpufrac.agent.policy parses it).
+    policy: PolicyConfig = field(default_factory=PolicyConfig, metadata={"kind": "policy"})
 
     def validate(self) -> None:
         if not self.node_name.strip():
@@ -183,6 +186,11 @@ def _convert(path: str, f: dataclasses.Field[Any], hint: Any, value: Any) -> Any
             return seconds
     except ValueError as e:
         raise ConfigError(f"{path}: {e}") from None
+    if kind == "policy":
+        try:
+            return parse_config(path, value)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if kind == "choice":
         if value not in f.metadata["choices"]:
             raise ConfigError(f"{path}: {value!r} is not one of {list(f.metadata['choices'])}")

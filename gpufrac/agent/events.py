@@ -10,6 +10,7 @@ user lost something or must act, Normal otherwise), a structured log line
 |---|---|---|---|---|
 | GpuLimitApplied | Normal | pod | identity | a burst limit from the annotations took effect or changed |
 | InvalidAnnotation | Warning | pod | identity | an annotation was refused; the safe default applies |
+| GpuPolicyCapped | Warning | pod | identity | the node's namespace policy capped what an annotation asked |
 | GpuMemoryEvicted | Warning | victim pod | resolvers | its processes were killed to reclaim burst memory |
 | GpuMemoryPreempted | Normal | requester | resolvers | burst memory was reclaimed from another pod for it |
 | GpuMemorySwappedOut | Normal | victim pod | swap | its GPU memory was moved to host RAM (says for whom) |
@@ -30,6 +31,10 @@ user lost something or must act, Normal otherwise), a structured log line
 
 A poster in parentheses is reserved: that module does not post the Event yet (it logs
 the decision only).
+
+A collision eviction also sets the pod condition DisruptionTarget=True, reason
+GpuMemoryReclaimed (pods/status, as Kubernetes marks a pod it disrupts), so a Job's
+podFailurePolicy can tell a reclaim from an application failure.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ NORMAL, WARNING = "Normal", "Warning"
 
 REASON_LIMIT_APPLIED = "GpuLimitApplied"
 REASON_INVALID_ANNOTATION = "InvalidAnnotation"
+REASON_POLICY_CAPPED = "GpuPolicyCapped"
 REASON_EVICTED = "GpuMemoryEvicted"
 REASON_PREEMPTED = "GpuMemoryPreempted"
 REASON_SWAPPED_OUT = "GpuMemorySwappedOut"
@@ -64,6 +70,8 @@ REASON_MAX_RUNTIME_WARNING = "MaxRuntimeWarning"
 REASON_IDLE_CANCELLED = "IdleCancelled"
 REASON_IDLE_BLOCKED = "IdleEvictionBlocked"
 REASON_IDLE_FAILED = "IdleEvictionFailed"
+# The reason of the DisruptionTarget pod condition a collision eviction sets (not an Event).
+CONDITION_GPU_MEMORY_RECLAIMED = "GpuMemoryReclaimed"
 IDLE_TRIGGERS = ("Idle", "MaxRuntime")
 IDLE_ACTIONS = ("Notify", "Swapped", "Evicted", "Deleted", "DryRun")
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+# How a GPU in MIG mode is described wherever it is listed (log, `gpufrac gpus`, status).
+MIG_REASON = "MIG enabled: not shared by gpufrac, left to the MIG-aware device plugin"
+
 
 class PcieLink(str, Enum):
     """How two GPUs reach each other over PCIe, best first (nvidia-smi topo -m names)."""
@@ -60,6 +63,10 @@ class Inventory:
     cuda_driver_version: int = 0
     # NVML indices of GPUs that did not answer (fell off the bus) -> why; not in `gpus`.
     unreachable: dict[int, str] = field(default_factory=dict)
+    # GPUs in MIG mode: not in `gpus` (never advertised, never in the topology). Their
+    # instances belong to a MIG-aware device plugin; sharing the parent GPU would hand
+    # the same memory out twice.
+    mig: list[Gpu] = field(default_factory=list)
 
     def by_uuid(self, uuid: str) -> Gpu | None:
         return next((g for g in self.gpus if g.uuid == uuid), None)

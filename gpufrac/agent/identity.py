@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import grpc
 
 from gpufrac.agent import annotations, events, metrics
+from gpufrac.agent import policy as policy_mod
 from gpufrac.agent.allocations import ContainerAlloc, Ledger, keyed
 from gpufrac.agent.annotations import ContainerPolicy
 from gpufrac.agent.config import Config
@@ -77,6 +78,7 @@ class PodIdentity:
         self.podresources = podresources
         self._policies: dict[str, ContainerPolicy] = {}
         self._applied: dict[str, _Applied] = {}
+        self._caps: dict[str, frozenset[str]] = {}  # policy caps already told, per container key
         self._fetched: dict[tuple[str, str], float] = {}
         self._pending: asyncio.Task[None] | None = None
         # resolve() awaits the apiserver; a watch-triggered pass must not interleave with it.
@@ -123,6 +125,7 @@ class PodIdentity:
         for key in set(self._policies) - held:
             self._policies.pop(key, None)
             self._applied.pop(key, None)
+            self._caps.pop(key, None)
         return changed
 
     async def _list(self) -> dict[str, ContainerDevices]:
@@ -189,7 +192,10 @@ class PodIdentity:
             containers=pod.containers or None,
             whole_gpu=alloc.whole_gpu,
         )
-        policy = result.policy
+        # The node's per-namespace caps (gpufrac.agent.policy) over what the annotations asked.
+        policy, caps = policy_mod.enforce(
+            result.policy, pod.namespace, self.cfg.policy, container=container, format_bytes=format_bytes
+        )
         before = self._policies.get(alloc.key)
         self.ledger.update_config(alloc.key, **policy.config_fields())
         self._policies[alloc.key] = policy
@@ -201,9 +207,18 @@ class PodIdentity:
             message = problem.message(container)
             log.warning("pod %s/%s: %s", pod.namespace, pod.name, message)
             self._event(ref, "Warning", REASON_INVALID, message)
+        # Each cap is told once, not on every re-apply (a watch event, an unrelated annotation).
+        told = self._caps.get(alloc.key, frozenset())
+        for cap in caps:
+            if cap.message not in told:
+                log.warning("pod %s/%s: %s", pod.namespace, pod.name, cap.message)
+                self._event(ref, "Warning", events.REASON_POLICY_CAPPED, cap.message)
+        self._caps[alloc.key] = frozenset(c.message for c in caps)
         # Tell the user when their burst limit takes effect, changes, or goes back to the request.
         if policy.limit_bytes != (before.limit_bytes if before else policy.request_bytes):
             source = f"from {policy.limit_key}" if policy.limit_key else "= the request, no burst"
+            if any(c.what == policy_mod.LIMIT for c in caps):
+                source += ", capped by the node policy"
             message = (
                 f"container {container}: GPU memory limit {format_bytes(policy.limit_bytes)} "
                 f"(request {format_bytes(policy.request_bytes)}) {source} on GPU {alloc.gpus[0]}"

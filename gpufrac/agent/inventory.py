@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from gpufrac.agent.gpus import Gpu, Inventory, Link, PcieLink
+from gpufrac.agent.gpus import MIG_REASON, Gpu, Inventory, Link, PcieLink
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +242,18 @@ def _read_gpu(index: int, handle: Any) -> Gpu:
     )
 
 
+def mig_enabled(handle: Any) -> bool:
+    """NVML's current MIG mode. A GPU that cannot do MIG (or a driver too old to say) is
+    a plain GPU; a mode change pending a reset does not count until the reset happens."""
+    try:
+        current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
+    except pynvml.NVMLError as e:
+        if e.value in (*_ABSENT, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
+            return False
+        raise
+    return bool(current == pynvml.NVML_DEVICE_MIG_ENABLE)
+
+
 def nvlink_peers(index: int, handle: Any, bus_to_index: dict[BusKey, int]) -> dict[int, int]:
     """Active NVLinks of one GPU: {peer GPU index: link count}. Links to an NVSwitch
     reach every GPU on the fabric; they are counted under key -1."""
@@ -305,16 +317,23 @@ def read_inventory() -> Inventory:
         gpus: list[Gpu] = []
         handles: dict[int, Any] = {}
         unreachable: dict[int, str] = {}
+        mig: list[Gpu] = []
         for i in range(count):
             try:
                 h = nvml_call(f"nvmlDeviceGetHandleByIndex({i})", pynvml.nvmlDeviceGetHandleByIndex, i)
-                gpus.append(_read_gpu(i, h))
+                gpu = _read_gpu(i, h)
+                partitioned = nvml_call(f"nvmlDeviceGetMigMode(GPU {i})", mig_enabled, h)
             except NvmlError as e:
                 if not e.gpu_lost:
                     raise
                 log.warning("GPU %d: %s", i, LOST_REASON)
                 unreachable[i] = LOST_REASON
                 continue
+            if partitioned:
+                log.info("GPU %d (%s, %s): %s", i, gpu.uuid, gpu.pci_bus_id, MIG_REASON)
+                mig.append(gpu)
+                continue
+            gpus.append(gpu)
             handles[i] = h
         bus_to_index = {parse_bus_id(g.pci_bus_id): g.index for g in gpus}
         peers = {i: nvlink_peers(i, h, bus_to_index) for i, h in handles.items()}
@@ -327,7 +346,12 @@ def read_inventory() -> Inventory:
         driver = nvml_call("nvmlSystemGetDriverVersion", pynvml.nvmlSystemGetDriverVersion)
         cuda = nvml_call("nvmlSystemGetCudaDriverVersion", pynvml.nvmlSystemGetCudaDriverVersion)
     return Inventory(
-        gpus=gpus, links=links, driver_version=driver, cuda_driver_version=cuda, unreachable=unreachable
+        gpus=gpus,
+        links=links,
+        driver_version=driver,
+        cuda_driver_version=cuda,
+        unreachable=unreachable,
+        mig=mig,
     )
 
 

@@ -8,7 +8,11 @@
   apiserver compacted past it) means relist and diff, so deletions missed while
   disconnected are still seen.
 * EventRecorder: core/v1 Events on pods, aggregated like client-go does (the same
-  object + reason + message bumps count and lastTimestamp of the existing Event).
+  object + reason + message bumps count and lastTimestamp of the existing Event); and,
+  in the same ordered queue, the DisruptionTarget condition on a pod whose processes
+  were killed to reclaim GPU memory (pods/status, as Kubernetes marks its own disruptions).
+* NodeLabeler: the agent's gpufrac.dev/ labels on its own Node (gpufrac.agent.nodelabels
+  decides them), patched from a worker thread; no other label is ever touched.
 
 An apiserver that is slow, down or refusing never stalls the loop or crashes the
 agent: blocking calls run in threads, errors are logged and counted.
@@ -17,6 +21,7 @@ agent: blocking calls run in threads, errors are logged and counted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import json
 import logging
@@ -398,6 +403,22 @@ class _Pending:
     message: str
 
 
+@dataclass(frozen=True)
+class _Condition:
+    """A pod condition to set (True) through the pods/status subresource."""
+
+    ref: ObjectRef
+    type: str
+    reason: str
+    message: str
+
+
+# The pod condition Kubernetes sets on a pod a disruption is about to end (preemption,
+# the Eviction API, taint eviction); a Job's podFailurePolicy can match it (onPodConditions),
+# so a pod failed by a GPU-memory reclaim need not count as the application's failure.
+DISRUPTION_TARGET = "DisruptionTarget"
+
+
 class EventRecorder:
     """Posts Events without ever blocking or failing the caller.
 
@@ -424,7 +445,7 @@ class EventRecorder:
         self._cache_size = cache_size
         self._request_timeout = request_timeout
         self._clock = clock
-        self._queue: asyncio.Queue[_Pending] | None = None
+        self._queue: asyncio.Queue[_Pending | _Condition] | None = None
         self._worker: asyncio.Task[None] | None = None
         self._last_ns = 0
         # Counters (read by metrics and tests).
@@ -432,19 +453,32 @@ class EventRecorder:
         self.aggregated = 0
         self.errors = 0
         self.dropped = 0
+        self.conditions = 0  # pod conditions set
 
     def record(self, ref: ObjectRef, type_: str, reason: str, message: str) -> None:
         """Queue an Event (type_ Normal or Warning, reason CamelCase); never raises, never blocks."""
+        if len(message) > MAX_MESSAGE:
+            message = message[: MAX_MESSAGE - 3] + "..."
+        self._put(_Pending(ref, type_, reason, message))
+
+    def disruption(self, ref: ObjectRef, reason: str, message: str) -> None:
+        """Queue the DisruptionTarget condition (status True) on the pod of `ref`, after the
+        Events queued before it; never raises, never blocks. A pod of the same name but
+        another uid is left alone (the uid is a precondition of the patch)."""
+        if len(message) > MAX_MESSAGE:
+            message = message[: MAX_MESSAGE - 3] + "..."
+        self._put(_Condition(ref, DISRUPTION_TARGET, reason, message))
+
+    def _put(self, item: _Pending | _Condition) -> None:
         if self._queue is None:
             self._queue = asyncio.Queue()
             self._worker = asyncio.get_running_loop().create_task(self._work(), name="event-recorder")
         if self._queue.qsize() >= self._max_pending:
             self.dropped += 1
-            log.warning("event queue full; dropped %s %s on %s/%s", type_, reason, ref.namespace, ref.name)
+            ref = item.ref
+            log.warning("event queue full; dropped %s on %s/%s", item.reason, ref.namespace, ref.name)
             return
-        if len(message) > MAX_MESSAGE:
-            message = message[: MAX_MESSAGE - 3] + "..."
-        self._queue.put_nowait(_Pending(ref, type_, reason, message))
+        self._queue.put_nowait(item)
 
     def warning(self, ref: ObjectRef, reason: str, message: str) -> None:
         self.record(ref, "Warning", reason, message)
@@ -474,11 +508,15 @@ class EventRecorder:
         while True:
             item = await self._queue.get()
             try:
-                await self._send(item)
+                if isinstance(item, _Condition):
+                    await self._set_condition(item)
+                else:
+                    await self._send(item)
             except Exception as e:
                 self.errors += 1
                 log.warning(
-                    "posting Event %s on %s/%s failed: %s",
+                    "posting %s %s on %s/%s failed: %s",
+                    "condition" if isinstance(item, _Condition) else "Event",
                     item.reason,
                     item.ref.namespace,
                     item.ref.name,
@@ -486,6 +524,28 @@ class EventRecorder:
                 )
             finally:
                 self._queue.task_done()
+
+    async def _set_condition(self, item: _Condition) -> None:
+        ref = item.ref
+        condition = {
+            "type": item.type,
+            "status": "True",
+            "reason": item.reason,
+            "message": item.message,
+            "lastTransitionTime": _timestamp(self._clock()),
+        }
+        # A strategic merge patch: conditions merge by type, so the kubelet's own stay.
+        body: dict[str, Any] = {"status": {"conditions": [condition]}}
+        if ref.uid:
+            body["metadata"] = {"uid": ref.uid}
+        await asyncio.to_thread(
+            self._v1.patch_namespaced_pod_status,
+            ref.name,
+            ref.namespace,
+            body,
+            _request_timeout=self._request_timeout,
+        )
+        self.conditions += 1
 
     async def _send(self, item: _Pending) -> None:
         ref = item.ref
@@ -560,3 +620,128 @@ class EventRecorder:
         # Like client-go: <object>.<hex nanoseconds>; strictly increasing so never a duplicate.
         self._last_ns = max(time.time_ns(), self._last_ns + 1)
         return f"{obj_name}.{self._last_ns:x}"
+
+
+# -- Node labels -------------------------------------------------------------------------------------
+
+
+class NodeLabeler:
+    """Keeps a set of labels on this agent's Node as the agent last asked (update()).
+
+    update() is called on the agent's loop and returns at once; one task applies the
+    newest wish in a worker thread, so a burst of changes costs one PATCH. The first sync
+    reads the Node and removes labels of `owned` that are no longer wished for (left by an
+    earlier agent); later syncs send only what changed. Labels outside `owned` are never
+    touched. A failed call is logged, counted and retried with backoff until it lands.
+    """
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        node_name: str,
+        owned: frozenset[str],
+        *,
+        request_timeout: float = 10.0,
+        backoff: tuple[float, float] = (1.0, 60.0),
+    ) -> None:
+        self._v1 = client.CoreV1Api(api)
+        self.node_name = node_name
+        self.owned = owned
+        self._request_timeout = request_timeout
+        self._backoff = backoff
+        self._wanted: dict[str, str] | None = None
+        self._applied: dict[str, str] | None = None  # None: the Node has not been read yet
+        self._task: asyncio.Task[None] | None = None
+        self._kick = asyncio.Event()
+        # Counters (read by tests).
+        self.patches = 0
+        self.errors = 0
+
+    @property
+    def applied(self) -> dict[str, str] | None:
+        return None if self._applied is None else dict(self._applied)
+
+    def update(self, labels: Mapping[str, str]) -> None:
+        """Wish for exactly these owned labels (others of `owned` are removed); never blocks."""
+        unknown = set(labels) - self.owned
+        if unknown:
+            raise ValueError(f"labels {sorted(unknown)} are not owned by this labeler")
+        self._wanted = dict(labels)
+        self._kick.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="node-labels")
+
+    async def settled(self, timeout: float | None = None) -> bool:
+        """True once the Node carries the last wish (tests, shutdown)."""
+
+        async def wait() -> None:
+            while self._wanted is not None and self._applied != self._wanted:
+                await asyncio.sleep(0.05)
+
+        try:
+            await asyncio.wait_for(wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _run(self) -> None:
+        failures = 0
+        while True:
+            self._kick.clear()
+            wanted = self._wanted
+            if wanted is None or wanted == self._applied:
+                await self._kick.wait()
+                continue
+            try:
+                if self._applied is None:
+                    self._applied = await asyncio.to_thread(self._read)
+                if wanted != self._applied:
+                    await asyncio.to_thread(self._patch, self._changes(wanted, self._applied))
+                    self._applied = dict(wanted)
+                failures = 0
+            except Exception as e:
+                failures += 1
+                self.errors += 1
+                status = getattr(e, "status", None)
+                log.warning(
+                    "labelling node %s failed: %s",
+                    self.node_name,
+                    f"{status} {getattr(e, 'reason', '')}".strip() if status else e,
+                )
+                delay = min(self._backoff[1], self._backoff[0] * 2 ** (failures - 1))
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._kick.wait(), delay)
+
+    def _read(self) -> dict[str, str]:
+        """The owned labels the Node carries now."""
+        node = _decode(
+            self._v1.read_node(self.node_name, _preload_content=False, _request_timeout=self._request_timeout)
+        )
+        labels = (node.get("metadata") or {}).get("labels") or {}
+        return {k: v for k, v in labels.items() if k in self.owned}
+
+    def _changes(self, wanted: Mapping[str, str], have: Mapping[str, str]) -> dict[str, str | None]:
+        changes: dict[str, str | None] = {k: v for k, v in wanted.items() if have.get(k) != v}
+        changes.update({k: None for k in have if k not in wanted})  # None removes a label
+        return changes
+
+    def _patch(self, changes: Mapping[str, str | None]) -> None:
+        # A merge patch of metadata.labels: the Node's other labels stay as they are.
+        self._v1.patch_node(
+            self.node_name,
+            {"metadata": {"labels": dict(changes)}},
+            _request_timeout=self._request_timeout,
+            _content_type="application/merge-patch+json",
+        )
+        self.patches += 1
+        log.info(
+            "node %s labels: %s",
+            self.node_name,
+            ", ".join(f"{k}={v}" if v is not None else f"-{k}" for k, v in sorted(changes.items())),
+        )

@@ -39,6 +39,7 @@ from gpufrac.agent.allocations import (
 )
 from gpufrac.agent.config import Config
 from gpufrac.agent.gpus import GpuHealth, Inventory
+from gpufrac.agent.nodelabels import NodeLabels
 from gpufrac.agent.state import StateStore, restore
 from gpufrac.deviceplugin import preferred as preferred_mod
 from gpufrac.deviceplugin import slices
@@ -115,6 +116,10 @@ class Agent:
         self.status_server: status_mod.StatusServer | None = None
         # Reclaim at admission: a new container's request is taken back from others' bursts.
         self.admission = Admission(self)
+        # gpufrac.dev/ labels on this Node (product, memory, count, health, sharing, driver).
+        self.node_labels = NodeLabels(
+            config, lambda: self.inventory, lambda uuid: self.ledger is not None and self.ledger.healthy(uuid)
+        )
 
     # -- lifetime --------------------------------------------------------------------
 
@@ -154,6 +159,7 @@ class Agent:
         self._tasks.append(asyncio.create_task(self._persist_loop(), name="persist"))
         self._tasks.append(asyncio.create_task(self._reconcile_loop(), name="reconcile"))
         self._tasks.append(asyncio.create_task(self._idle_loop(), name="idle"))
+        self.node_labels.refresh()
         self.started.set()
 
     async def _idle_loop(self) -> None:
@@ -249,6 +255,7 @@ class Agent:
             await self.state.save(self.ledger)
         if self.health is not None and hasattr(self.health, "close"):
             await asyncio.to_thread(self.health.close)
+        await self.node_labels.close()
         if self.status_server is not None:
             await self.status_server.stop()
         await self.metrics.stop()
@@ -432,8 +439,10 @@ class Agent:
 
     def _apply_health(self, health: dict[str, GpuHealth]) -> None:
         assert self.ledger is not None
+        changed = False
         for uuid, h in health.items():
             if self.ledger.set_health(uuid, h.healthy, h.reason):
+                changed = True
                 state = "Healthy" if h.healthy else "Unhealthy"
                 text = f"GPU {uuid} is now {state}{f' ({h.reason})' if h.reason else ''}: its slices follow"
                 logs.decision(log, "gpu-health", text, level=logging.WARNING, gpu=uuid, healthy=h.healthy)
@@ -443,6 +452,8 @@ class Agent:
                     events.REASON_GPU_HEALTHY if h.healthy else events.REASON_GPU_UNHEALTHY,
                     text,
                 )
+        if changed and self.started.is_set():
+            self.node_labels.refresh()  # gpufrac.dev/gpu.healthy follows
 
     async def _health_loop(self) -> None:
         interval = self.config.health.poll_interval

@@ -314,6 +314,20 @@ class Metrics(Collector):
             "XID errors NVML reported for the GPU since the agent started (ignored XIDs included).",
             labels=[*GPU_LABELS, "xid"],
         )
+        mig = gauge(
+            "mig_enabled",
+            "1 for a GPU in MIG mode, which gpufrac does not share (left to the MIG-aware device plugin).",
+        )
+        for m in snap.mig:
+            numa = m.get("numa_node")
+            labels = [
+                m["uuid"],
+                str(m["index"]),
+                m["model"],
+                "" if numa is None else str(numa),
+                m["pci_bus_id"],
+            ]
+            mig.add_metric(labels, 1)
         for g in snap.gpus:
             labels = [
                 g.uuid,
@@ -323,6 +337,7 @@ class Metrics(Collector):
                 g.pci_bus_id,
                 g.uuid,
             ]
+            mig.add_metric(labels, 0)
             total.add_metric(labels, g.memory_total_bytes)
             alloc.add_metric(labels, g.memory_allocatable_bytes)
             req.add_metric(labels, g.memory_requested_bytes)
@@ -338,7 +353,7 @@ class Metrics(Collector):
                 nvlink.add_metric([*labels, peer], links)
             for x, n in sorted(g.xid_errors.items()):
                 xid.add_metric([*labels, str(x)], n)
-        yield from (total, alloc, req, used, burst, util, healthy, free, nvlink, xid)
+        yield from (total, alloc, req, used, burst, util, healthy, free, nvlink, xid, mig)
 
     def _container_families(self, snap: NodeStatus, views: dict[str, UsageView]) -> Iterator[Metric]:
         # One series per (namespace, pod, container, GPU). A container of a pod not known

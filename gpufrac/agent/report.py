@@ -7,13 +7,13 @@ and the agent's status output reuse them; the two commands only gather the data.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from gpufrac.agent.gpus import GpuHealth, Inventory, Link, PcieLink
+from gpufrac.agent.gpus import MIG_REASON, Gpu, GpuHealth, Inventory, Link, PcieLink
+from gpufrac.agent.output import render
 
 GiB = 1 << 30
 
@@ -113,6 +113,21 @@ def gpus_to_dict(
         "cuda_driver_version": inv.cuda_driver_version,
         "gpus": gpus,
         "unreachable": [{"index": i, "reason": r} for i, r in sorted(inv.unreachable.items())],
+        "mig": [mig_to_dict(g, used.get(g.uuid)) for g in inv.mig],
+    }
+
+
+def mig_to_dict(g: Gpu, used: int | None = None) -> dict[str, Any]:
+    """A GPU in MIG mode, as `gpufrac gpus` and `gpufrac status` list it (not shared)."""
+    return {
+        "index": g.index,
+        "uuid": g.uuid,
+        "model": g.model,
+        "memory_total": g.memory_total,
+        "memory_used": used,
+        "pci_bus_id": g.pci_bus_id,
+        "numa_node": g.numa_node,
+        "reason": MIG_REASON,
     }
 
 
@@ -120,10 +135,12 @@ def format_gpus(
     inv: Inventory,
     used: Mapping[str, int] | None = None,
     health: Mapping[str, GpuHealth] | None = None,
+    *,
+    wide: bool = False,
 ) -> str:
-    """The `gpufrac gpus` table."""
+    """The `gpufrac gpus` table; `wide` adds CPU affinity and the device minor number."""
     used, health = used or {}, health or {}
-    count = len(inv.gpus) + len(inv.unreachable)
+    count = len(inv.gpus) + len(inv.unreachable) + len(inv.mig)
     head = (
         f"Driver {inv.driver_version or '?'}  CUDA {cuda_version(inv.cuda_driver_version)}  "
         f"{count} GPU{'s' if count != 1 else ''}"
@@ -142,13 +159,23 @@ def format_gpus(
                     "?" if u is None else f"{u / GiB:.1f}GiB",
                     g.pci_bus_id,
                     _numa(g.numa_node),
+                    *([cpu_list(g.cpu_affinity) or "N/A", str(g.minor)] if wide else []),
                     _health_text(health.get(g.uuid)),
                 ],
             )
         )
+    extra = ["?", "?"] if wide else []
+    for g in inv.mig:
+        u = used.get(g.uuid)
+        cells = [str(g.index), g.uuid, g.model, f"{g.memory_total / GiB:.1f}GiB"]
+        cells += ["?" if u is None else f"{u / GiB:.1f}GiB", g.pci_bus_id, _numa(g.numa_node)]
+        if wide:
+            cells += [cpu_list(g.cpu_affinity) or "N/A", str(g.minor)]
+        body.append((g.index, [*cells, MIG_REASON]))
     for i, reason in inv.unreachable.items():
-        body.append((i, [str(i), "?", "?", "?", "?", "?", "?", f"Unhealthy: {reason}"]))
-    rows = [["IDX", "UUID", "MODEL", "MEMORY", "USED", "PCI BUS ID", "NUMA", "HEALTH"]]
+        body.append((i, [str(i), "?", "?", "?", "?", "?", "?", *extra, f"Unhealthy: {reason}"]))
+    head_row = ["IDX", "UUID", "MODEL", "MEMORY", "USED", "PCI BUS ID", "NUMA"]
+    rows = [[*head_row, *(["CPU AFFINITY", "MINOR"] if wide else []), "HEALTH"]]
     rows += [cells for _, cells in sorted(body, key=lambda item: item[0])]
     return "\n".join([head, "", *table(rows, align_right=(0, 3, 4))])
 
@@ -192,26 +219,34 @@ def topo_to_dict(inv: Inventory) -> dict[str, Any]:
         "links": links,
         "matrix": topo_matrix(inv),
         "unreachable": [{"index": i, "reason": r} for i, r in sorted(inv.unreachable.items())],
+        "mig": [{"index": g.index, "uuid": g.uuid, "reason": MIG_REASON} for g in inv.mig],
     }
 
 
-def format_topo(inv: Inventory) -> str:
-    """A `nvidia-smi topo -m` style matrix with CPU and NUMA affinity, and its legend."""
+def format_topo(inv: Inventory, *, wide: bool = False) -> str:
+    """A `nvidia-smi topo -m` style matrix with CPU and NUMA affinity, and its legend;
+    `wide` adds every pair's NVLink count and PCIe path, which a NV# cell hides."""
     names = [f"GPU{g.index}" for g in inv.gpus]
     rows = [["", *names, "CPU Affinity", "NUMA Affinity"]]
     for name, g, cells in zip(names, inv.gpus, topo_matrix(inv), strict=True):
         rows.append([name, *cells, cpu_list(g.cpu_affinity) or "N/A", _numa(g.numa_node)])
     lines = table(rows)
     lines += [f"GPU{i}: unreachable ({r})" for i, r in sorted(inv.unreachable.items())]
+    lines += [f"GPU{g.index}: {MIG_REASON}" for g in inv.mig]
+    if wide and len(inv.gpus) > 1:
+        pairs = [["PAIR", "NVLINKS", "PCIE"]]
+        for link in topo_to_dict(inv)["links"]:
+            pairs.append([f"GPU{link['a']}-GPU{link['b']}", str(link["nvlinks"]), link["pcie"]])
+        lines += ["", *table(pairs, align_right=(1,))]
     return "\n".join([*lines, "", TOPO_LEGEND])
 
 
 # ---------------------------------------------------------------- commands
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, code: int = 1) -> int:
     print(f"gpufrac: {message}", file=sys.stderr)
-    return 1
+    return code
 
 
 def _quiet_logs() -> None:
@@ -227,19 +262,20 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     _quiet_logs()
     try:
         cfg = config_mod.load(args.config)
+    except config_mod.ConfigError as e:
+        return _fail(str(e), 2)
+    try:
         inv = read_inventory()
         memory = read_memory()
         # A one-shot look: does each GPU answer? (XID history lives in the running agent.)
         with HealthMonitor(cfg.health, inv.gpus) as monitor:
             monitor.poll(0)
             health = monitor.current()
-    except (NvmlError, config_mod.ConfigError) as e:
+    except NvmlError as e:
         return _fail(str(e))
     used = {uuid: m.used for uuid, m in memory.items()}
-    if args.json:
-        print(json.dumps(gpus_to_dict(inv, used, health), indent=2))
-    else:
-        print(format_gpus(inv, used, health))
+    doc = gpus_to_dict(inv, used, health)
+    print(render(args, doc, lambda wide: format_gpus(inv, used, health, wide=wide)))
     return 0
 
 
@@ -251,5 +287,5 @@ def cmd_topo(args: argparse.Namespace) -> int:
         inv = read_inventory()
     except NvmlError as e:
         return _fail(str(e))
-    print(json.dumps(topo_to_dict(inv), indent=2) if args.json else format_topo(inv))
+    print(render(args, topo_to_dict(inv), lambda wide: format_topo(inv, wide=wide)))
     return 0

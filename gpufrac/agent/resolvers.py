@@ -39,7 +39,14 @@ from typing import Protocol
 
 from gpufrac.agent import metrics
 from gpufrac.agent.allocations import ContainerAlloc
-from gpufrac.agent.events import NORMAL, REASON_EVICTED, REASON_PREEMPTED, WARNING, container_name
+from gpufrac.agent.events import (
+    CONDITION_GPU_MEMORY_RECLAIMED,
+    NORMAL,
+    REASON_EVICTED,
+    REASON_PREEMPTED,
+    WARNING,
+    container_name,
+)
 from gpufrac.agent.units import format_bytes
 from gpufrac.memguard.formats import FLAG_PREEMPTIBLE
 
@@ -118,6 +125,7 @@ class ResolverContext(Protocol):
     async def kill_container(self, alloc: ContainerAlloc) -> int: ...
     def revoke_burst(self, alloc: ContainerAlloc) -> None: ...
     def event(self, alloc: ContainerAlloc, type_: str, reason: str, message: str) -> None: ...
+    def disrupted(self, alloc: ContainerAlloc, reason: str, message: str) -> None: ...
 
 
 class Chain:
@@ -243,14 +251,13 @@ class EvictResolver:
             if h.priority < need.priority
             else f"idle {h.idle_s:.0f}s"
         )
-        self.ctx.event(
-            h.alloc,
-            WARNING,
-            REASON_EVICTED,
+        message = (
             f"{killed} process(es) of container {container_name(h.alloc)} killed to reclaim "
             f"{format_bytes(h.burst)} of burst GPU memory on GPU {need.gpu}: {need.who()} needed "
-            f"{format_bytes(need.bytes)} ({why})",
+            f"{format_bytes(need.bytes)} ({why})"
         )
+        self.ctx.event(h.alloc, WARNING, REASON_EVICTED, message)
+        self.ctx.disrupted(h.alloc, CONDITION_GPU_MEMORY_RECLAIMED, message)
         self.ctx.event(
             need.requester,
             NORMAL,

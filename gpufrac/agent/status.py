@@ -30,7 +30,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import gpufrac
-from gpufrac.agent.report import table
+from gpufrac.agent.output import render
+from gpufrac.agent.report import mig_to_dict, table
 from gpufrac.agent.units import format_bytes
 from gpufrac.deviceplugin import slices
 from gpufrac.memguard import formats
@@ -109,6 +110,8 @@ class NodeStatus:
     gpus: list[GpuStatus] = field(default_factory=list)
     containers: list[ContainerStatus] = field(default_factory=list)
     unreachable: dict[int, str] = field(default_factory=dict)
+    # GPUs in MIG mode, left to the MIG-aware plugin (gpufrac.agent.report.mig_to_dict).
+    mig: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -153,6 +156,7 @@ def capture(agent: Any) -> NodeStatus:
         return status
     status.driver_version = inv.driver_version
     status.unreachable = dict(inv.unreachable)
+    status.mig = [mig_to_dict(g) for g in inv.mig]
     health = agent.health.current() if agent.health is not None else {}
     xids: Mapping[tuple[str, int], int] = agent.health.xid_counts() if agent.health is not None else {}
     allocs = ledger.containers()
@@ -476,12 +480,18 @@ def _duration(seconds: float | None) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
+def _numa(n: Any) -> str:
+    return "N/A" if n is None else str(n)
+
+
 def _short_resource(r: str) -> str:
     return r.rsplit("/", 1)[-1]
 
 
-def format_status(status: Mapping[str, Any]) -> str:
-    """The `gpufrac status` table from a status document (the JSON the endpoint serves)."""
+def format_status(status: Mapping[str, Any], *, wide: bool = False) -> str:
+    """The `gpufrac status` table from a status document (the JSON the endpoint serves);
+    `wide` adds GPU UUIDs, PCI bus ids and NUMA nodes, and each container's key,
+    priority, process count, OOM refusals and swapped bytes."""
     ready = "Ready" if status.get("ready") else f"NotReady ({status.get('ready_reason', '?')})"
     regs = ", ".join(
         f"{_short_resource(r)} {'registered' if ok else 'NOT registered'}"
@@ -499,6 +509,7 @@ def format_status(status: Mapping[str, Any]) -> str:
         [
             "GPU",
             "MODEL",
+            *(["UUID", "PCI BUS ID", "NUMA"] if wide else []),
             "TOTAL",
             "ALLOCATABLE",
             "REQUESTED",
@@ -516,6 +527,7 @@ def format_status(status: Mapping[str, Any]) -> str:
             [
                 str(g["index"]),
                 g["model"],
+                *([g["uuid"], g["pci_bus_id"], _numa(g.get("numa_node"))] if wide else []),
                 _b(g["memory_total_bytes"]),
                 _b(g["memory_allocatable_bytes"]),
                 _b(g["memory_requested_bytes"]),
@@ -526,11 +538,17 @@ def format_status(status: Mapping[str, Any]) -> str:
                 "Healthy" if g["healthy"] else f"Unhealthy: {g.get('health_reason') or '?'}",
             ]
         )
-    for i, reason in sorted((status.get("unreachable") or {}).items(), key=lambda kv: int(kv[0])):
+    extra = 3 if wide else 0
+    for m in status.get("mig") or []:
+        where = [m["uuid"], m["pci_bus_id"], _numa(m.get("numa_node"))] if wide else []
         rows.append(
-            [str(i), "?", "?", "?", "?", "?", "?", "?", *["?" for _ in resources], f"Unhealthy: {reason}"]
+            [str(m["index"]), m["model"], *where, _b(m["memory_total"]), *["-"] * 5]
+            + ["-" for _ in resources]
+            + [m["reason"]]
         )
-    lines += table(rows, align_right=range(2, 8 + len(resources)))
+    for i, reason in sorted((status.get("unreachable") or {}).items(), key=lambda kv: int(kv[0])):
+        rows.append([str(i), *["?"] * (7 + extra), *["?" for _ in resources], f"Unhealthy: {reason}"])
+    lines += table(rows, align_right=range(2 + extra, 8 + extra + len(resources)))
     index_of = {g["uuid"]: g["index"] for g in gpus}
     containers = status.get("containers") or []
     lines.append("")
@@ -550,6 +568,7 @@ def format_status(status: Mapping[str, Any]) -> str:
             "BURST",
             "IDLE",
             "CLASS",
+            *(["PRIORITY", "PROCS", "OOM", "SWAPPED", "KEY"] if wide else []),
         ]
     ]
     for c in sorted(containers, key=lambda c: (c["namespace"], c["pod"], c["container"], c["key"])):
@@ -566,9 +585,20 @@ def format_status(status: Mapping[str, Any]) -> str:
                 _b(c["burst_granted_bytes"]),
                 _duration(c.get("idle_seconds")),
                 c["workload_class"],
+                *(
+                    [
+                        str(c["priority"]),
+                        str(c.get("processes", 0)),
+                        str(c.get("oom_refusals", 0)),
+                        _b(c.get("swapped_bytes", 0)),
+                        c["key"],
+                    ]
+                    if wide
+                    else []
+                ),
             ]
         )
-    lines += table(crow, align_right=(5, 6, 7, 8, 9))
+    lines += table(crow, align_right=(5, 6, 7, 8, 9, *((11, 12, 13, 14) if wide else ())))
     return "\n".join(lines)
 
 
@@ -581,7 +611,7 @@ def default_socket(args: argparse.Namespace) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """`gpufrac status [--json] [--socket PATH]`."""
+    """`gpufrac status [-o json|yaml|wide] [--socket PATH]`."""
     from gpufrac.agent.config import ConfigError
 
     try:
@@ -594,8 +624,5 @@ def cmd_status(args: argparse.Namespace) -> int:
     except StatusUnavailable as e:
         print(f"gpufrac status: {e}", file=sys.stderr)
         return 1
-    if getattr(args, "json", False):
-        print(json.dumps(data, indent=2, sort_keys=True))
-    else:
-        print(format_status(data))
+    print(render(args, data, lambda wide: format_status(data, wide=wide), sort_keys=True))
     return 0

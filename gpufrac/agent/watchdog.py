@@ -242,6 +242,8 @@ class Watchdog:
         unowned: dict[int, GpuProcess] = {}
         me = os.getpid()
         for o in seen:
+            if o.proc.gpu not in self.ledger.geometry:
+                continue  # a GPU gpufrac does not share (MIG mode): its processes are not ours to judge
             alloc = self._owner(o.cgroup)
             if alloc is None:
                 if o.proc.pid != me:

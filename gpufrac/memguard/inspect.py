@@ -1,5 +1,10 @@
-"""`gpufrac memguard inspect <container-dir>`: what the shim of one container is
-held to (the agent's config) and what its processes use (the shim's usage file).
+"""`gpufrac memguard inspect NAMESPACE/POD[/CONTAINER]` (or a container's directory):
+what the shim of one container is held to (the agent's config) and what its processes
+use (the shim's usage file).
+
+A pod name is resolved through the running agent: its status socket lists every
+container it holds with the directory it wrote for it. A host path (starting with / or .)
+is read directly, with no agent needed (a node whose agent is down).
 
 Pids are as the shim recorded them, in the container's pid namespace; activity
 ages use CLOCK_MONOTONIC, which the host and its containers share.
@@ -8,12 +13,12 @@ ages use CLOCK_MONOTONIC, which the host and its containers share.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from gpufrac.agent.output import render
 from gpufrac.agent.report import table
 from gpufrac.agent.units import format_bytes
 from gpufrac.memguard import formats
@@ -95,7 +100,49 @@ def inspect_dir(directory: str | Path) -> dict[str, Any]:
     return out
 
 
-def format_report(d: dict[str, Any]) -> str:
+class TargetError(Exception):
+    """The NAMESPACE/POD[/CONTAINER] names nothing the agent holds (or names it ambiguously)."""
+
+
+def is_host_path(target: str) -> bool:
+    return target.startswith(("/", "."))
+
+
+def parse_target(target: str) -> tuple[str, str, str | None]:
+    """NAMESPACE/POD or NAMESPACE/POD/CONTAINER; ValueError says what is wrong."""
+    parts = target.split("/")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ValueError(
+            f"{target!r} is neither NAMESPACE/POD[/CONTAINER] nor a host path (those start with / or .)"
+        )
+    return parts[0], parts[1], parts[2] if len(parts) == 3 else None
+
+
+def resolve_target(status: dict[str, Any], namespace: str, pod: str, container: str | None) -> str:
+    """The directory of the container the agent's status document names; TargetError if
+    none, or if the pod has several and `container` does not say which."""
+    node = status.get("node", "?")
+    held = [
+        c for c in status.get("containers") or [] if (c.get("namespace"), c.get("pod")) == (namespace, pod)
+    ]
+    if not held:
+        raise TargetError(f"no container of pod {namespace}/{pod} holds gpufrac devices on node {node}")
+    if container is not None:
+        held = [c for c in held if c.get("container") == container]
+        if not held:
+            raise TargetError(
+                f"container {container} of pod {namespace}/{pod} holds no gpufrac devices on node {node}"
+            )
+    names = sorted({c.get("container") or "?" for c in held})
+    if len(held) > 1:
+        raise TargetError(
+            f"pod {namespace}/{pod} has several containers with gpufrac devices: {', '.join(names)}; "
+            f"name one: {namespace}/{pod}/CONTAINER"
+        )
+    return str(held[0]["directory"])
+
+
+def format_report(d: dict[str, Any], *, wide: bool = False) -> str:
     who = "/".join(x for x in (d["namespace"], d["pod"], d["container"]) if x) or "(pod not known yet)"
     lines = [
         f"container  {who}",
@@ -107,6 +154,12 @@ def format_report(d: dict[str, Any]) -> str:
         f"flags      {','.join(d['flags']) or '-'}",
         f"class      {d['workload_class']} (priority {d['priority']})",
     ]
+    if wide:
+        lines += [
+            f"directory  {d['dir']}",
+            f"pod uid    {d['pod_uid'] or '-'}",
+            f"timeouts   arbiter {d['arbiter_timeout_ms']} ms, wait {d['wait_timeout_ms']} ms",
+        ]
     if d["usage_error"]:
         lines.append(f"usage      UNREADABLE: {d['usage_error']}")
         return "\n".join(lines)
@@ -134,11 +187,33 @@ def format_report(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _fail(message: str, code: int) -> int:
+    print(f"gpufrac memguard inspect: {message}", file=sys.stderr)
+    return code
+
+
 def cmd_memguard(args: argparse.Namespace) -> int:
+    target = str(args.container_dir)
+    directory = target
+    if not is_host_path(target):
+        from gpufrac.agent import status as status_mod
+        from gpufrac.agent.config import ConfigError
+
+        try:
+            namespace, pod, container = parse_target(target)
+        except ValueError as e:
+            return _fail(str(e), 2)
+        try:
+            path = status_mod.default_socket(args)
+        except ConfigError as e:
+            return _fail(str(e), 2)
+        try:
+            directory = resolve_target(status_mod.fetch(path), namespace, pod, container)
+        except (status_mod.StatusUnavailable, TargetError) as e:
+            return _fail(str(e), 1)
     try:
-        d = inspect_dir(args.container_dir)
+        d = inspect_dir(directory)
     except formats.FormatError as e:
-        print(f"gpufrac: {e}", file=sys.stderr)
-        return 1
-    print(json.dumps(d, indent=2) if args.json else format_report(d))
+        return _fail(str(e), 1)
+    print(render(args, d, lambda wide: format_report(d, wide=wide)))
     return 0

@@ -76,6 +76,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         self._buses = _RecordingBuses(self)
 
     async def _handle(self, request: rendering.Request) -> Any:
+        if request.action == kmock.action.UPDATE and request.name and isinstance(request.data, dict):
+            await self._patch_preconditions(request)
         # Stamp what the apiserver sets on every write before kmock stores the object.
         if request.resource is not None and isinstance(request.data, dict):
             if request.action in (kmock.action.CREATE, kmock.action.UPDATE):
@@ -96,6 +98,38 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         elif request.action == kmock.action.DELETE:
             self.resource_version += 1
         return await super()._handle(request)
+
+    async def _patch_preconditions(self, request: rendering.Request) -> None:
+        """What the apiserver does to a PATCH before it applies it, where kmock's plain
+        recursive merge differs: metadata.uid in the patch is a precondition (409 on another
+        object of that name), and a strategic merge patch of a pod merges
+        status.conditions by type (kmock would replace the whole list)."""
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            try:
+                obj = self.objects[key]
+            except KeyError:
+                return  # kmock answers 404
+            stored = None if obj.deleted else _plain(obj.raw)
+        if stored is None:
+            return  # kmock answers 404
+        data = request.data
+        uid = (data.get("metadata") or {}).get("uid")
+        have = (stored.get("metadata") or {}).get("uid")
+        if uid and have and uid != have:
+            raise kmock.KubernetesError(
+                409,
+                "Conflict",
+                f"Precondition failed: UID in precondition: {uid}, UID in object meta: {have}",
+            )
+        strategic = request.headers.get("Content-Type", "").startswith("application/strategic-merge-patch")
+        conditions = (data.get("status") or {}).get("conditions")
+        if strategic and request.resource == PODS and isinstance(conditions, list):
+            merged = {c.get("type"): c for c in (stored.get("status") or {}).get("conditions") or []}
+            for c in conditions:
+                if isinstance(c, dict):
+                    merged[c.get("type")] = {**merged.get(c.get("type"), {}), **c}
+            data["status"]["conditions"] = list(merged.values())
 
     async def _serve_list(self, request: rendering.Request) -> Any:
         result = await super()._serve_list(request)

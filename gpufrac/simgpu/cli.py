@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from typing import Any
 
 import psutil
 
+from gpufrac.agent.output import add_output_args, output_format, render
 from gpufrac.agent.units import format_bytes
 from gpufrac.simgpu import faults
 from gpufrac.simgpu.nodestate import CKPT_CHECKPOINTED, CKPT_FAILED, CKPT_LOCKED, NodeState, NodeStateError
@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("show", help="GPUs, used memory and live processes")
     s.add_argument("--state", required=True, help="node-state file")
-    s.add_argument("--json", action="store_true", help="machine-readable output")
+    add_output_args(s)
     return p
 
 
@@ -72,6 +72,7 @@ def snapshot(st: NodeState) -> dict[str, Any]:
                 "memory_reserved": g.reserved_bytes,
                 "memory_used": g.used_bytes,
                 "lost": bool(g.lost),
+                "mig_enabled": bool(g.mig_mode),
                 "events": g.event_seq,
             }
         )
@@ -103,6 +104,8 @@ def _print_show(doc: dict[str, Any]) -> None:
     print(f"{'GPU':>3}  {'UUID':<40}  {'NAME':<24}  {'USED':>8} / {'TOTAL':<8}  STATE")
     for g in doc["gpus"]:
         state = "LOST" if g["lost"] else "ok"
+        if g["mig_enabled"]:
+            state += ", MIG enabled"
         if g["events"]:
             state += f" ({g['events']} events)"
         used, total = format_bytes(g["memory_used"]), format_bytes(g["memory_total"])
@@ -128,11 +131,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.action == "show":
         with NodeState(args.state) as st:
             doc = snapshot(st)
-        if args.json:
-            json.dump(doc, sys.stdout, indent=2)
-            print()
+        if output_format(args) in ("json", "yaml"):
+            print(render(args, doc, str))
         else:
-            _print_show(doc)
+            _print_show(doc)  # the table has no wider form
         return 0
     if args.action == "xid":
         seq = faults.inject_xid(args.state, args.gpu, args.xid)

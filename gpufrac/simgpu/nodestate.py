@@ -65,7 +65,9 @@ class Gpu(ctypes.Structure):
         ("sm_count", u32),
         ("cc_major", u32),
         ("cc_minor", u32),
-        ("ctx_mib", u32),  # device memory one CUDA context takes (MiB)
+        ("ctx_mib", ctypes.c_uint16),  # device memory one CUDA context takes (MiB)
+        ("mig_mode", ctypes.c_uint8),  # 1 = MIG enabled
+        ("pad0", ctypes.c_uint8),
         ("used_bytes", u64),
         ("util_gpu_override", u32),
         ("util_mem_override", u32),

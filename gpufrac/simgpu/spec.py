@@ -82,6 +82,7 @@ class GpuSpec:
     pcie_switch: str = ""  # "" = directly under the host bridge; "a/b" = switch b below switch a
     uuid: str = ""  # "" = derived from node name and index
     context_memory: int = 0  # bytes each CUDA context takes on the device (whole MiB)
+    mig_enabled: bool = False  # MIG mode on (MIG-capable parts only: compute capability 8.0, 9.0)
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,7 @@ _GPU_KEYS = {
     "pcie_switch",
     "uuid",
     "context_memory",
+    "mig_enabled",
 }
 _NODE_KEYS = {
     "preset",
@@ -268,13 +270,19 @@ def _gpu(i: int, raw: Mapping[str, Any], count: int) -> GpuSpec:
     if len(peers) > ns.MAX_NVLINKS:
         raise _fail(f"{key}.nvlinks", nvl, f"gives {len(peers)} links, more than {ns.MAX_NVLINKS}")
     ctx_mem = _bytes(f"{key}.context_memory", d.get("context_memory", 0))
-    if ctx_mem % MiB or ctx_mem >= memory - reserved:
-        why = "is not a whole number of MiB below the usable memory"
+    if ctx_mem % MiB or ctx_mem >= memory - reserved or ctx_mem // MiB > 0xFFFF:
+        why = "is not a whole number of MiB below the usable memory and at most 65535 MiB"
         raise _fail(f"{key}.context_memory", d.get("context_memory"), why)
     numa = d.get("numa_node")
     uid = d.get("uuid", "")
     if uid and not (isinstance(uid, str) and uid.startswith("GPU-") and len(uid) < ns.UUID_LEN):
         raise _fail(f"{key}.uuid", uid, 'is not a GPU UUID like "GPU-<uuid>"')
+    cc = _cc(f"{key}.compute_capability", d.get("compute_capability", "0.0"))
+    mig = _bool(f"{key}.mig_enabled", d.get("mig_enabled", False))
+    if mig and (cc[1] != 0 or cc[0] < 8):
+        # As the driver: only A100/H100-class parts (x.0, 8.0 and up) have MIG at all.
+        why = f"needs a MIG-capable GPU (compute capability 8.0 or 9.0), not {cc[0]}.{cc[1]}"
+        raise _fail(f"{key}.mig_enabled", mig, why)
     return GpuSpec(
         model=_str(f"{key}.model", d["model"], ns.NAME_LEN),
         memory=memory,
@@ -284,13 +292,14 @@ def _gpu(i: int, raw: Mapping[str, Any], count: int) -> GpuSpec:
         cpu_affinity=_cpus(f"{key}.cpu_affinity", d.get("cpu_affinity", [])),
         nvlink_peers=tuple(peers),
         sm_count=_int(f"{key}.sm_count", d.get("sm_count", 0), 0),
-        compute_capability=_cc(f"{key}.compute_capability", d.get("compute_capability", "0.0")),
+        compute_capability=cc,
         pci_device_id=_int(f"{key}.pci_device_id", d.get("pci_device_id", 0), 0, 0xFFFFFFFF),
         pci_subsystem_id=_int(f"{key}.pci_subsystem_id", d.get("pci_subsystem_id", 0), 0, 0xFFFFFFFF),
         host_bridge=str(d.get("host_bridge", "")),
         pcie_switch=str(d.get("pcie_switch", "")),
         uuid=uid,
         context_memory=ctx_mem,
+        mig_enabled=mig,
     )
 
 
@@ -464,6 +473,7 @@ def fill_node(node: ns.Node, spec: NodeSpec) -> None:
         out.sm_count = g.sm_count
         out.cc_major, out.cc_minor = g.compute_capability
         out.ctx_mib = g.context_memory // MiB
+        out.mig_mode = 1 if g.mig_enabled else 0
     # Magic last: a reader that maps a file still being filled rejects it.
     node.magic = ns.MAGIC
 

@@ -51,6 +51,7 @@ AGENT_API_CALLS = {
     ("", "pods", "list"),
     ("", "pods", "watch"),
     ("", "pods/eviction", "create"),
+    ("", "pods/status", "patch"),
     ("", "events", "create"),
     ("", "events", "patch"),
     ("", "nodes", "get"),
@@ -126,7 +127,7 @@ def _fields(cls: type[Any], prefix: str = "") -> Iterator[str]:
 
 def _keys(data: dict[str, Any], prefix: str = "") -> Iterator[str]:
     for k, v in data.items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and v:  # an empty mapping ({}) is a key's value, not a section
             yield from _keys(v, f"{prefix}{k}.")
         else:
             yield prefix + k

@@ -42,17 +42,24 @@ def test_the_issue_presets_exist() -> None:
     assert {"dgx-h100", "pcie-l4x4", "a100x2-nvlink"} <= set(preset_names())
 
 
+def _shared(spec: NodeSpec) -> list[int]:
+    """Indices of the GPUs gpufrac shares: all but those in MIG mode."""
+    return [i for i, g in enumerate(spec.gpus) if not g.mig_enabled]
+
+
 def test_each_gpu_matches_the_spec(inventory: Inventory, spec: NodeSpec) -> None:
-    assert [g.index for g in inventory.gpus] == list(range(len(spec.gpus)))
+    assert [g.index for g in inventory.gpus] == _shared(spec)
+    assert [g.index for g in inventory.mig] == [i for i, g in enumerate(spec.gpus) if g.mig_enabled]
     assert inventory.unreachable == {}
-    for i, (gpu, want) in enumerate(zip(inventory.gpus, spec.gpus, strict=True)):
+    for gpu in (*inventory.gpus, *inventory.mig):
+        i, want = gpu.index, spec.gpus[gpu.index]
         assert gpu.uuid == spec.gpu_uuid(i)
         assert gpu.model == want.model
         assert gpu.memory_total == want.memory
         assert parse_bus_id(gpu.pci_bus_id) == parse_bus_id(want.pci_bus_id)
         assert gpu.numa_node == want.numa_node
         assert gpu.cpu_affinity == want.cpu_affinity
-    assert len({g.minor for g in inventory.gpus}) == len(inventory.gpus)
+    assert len({g.minor for g in (*inventory.gpus, *inventory.mig)}) == len(spec.gpus)
     assert inventory.by_uuid(spec.gpu_uuid(0)) is inventory.gpus[0]
 
 
@@ -62,11 +69,11 @@ def test_driver_versions_match_the_spec(inventory: Inventory, spec: NodeSpec) ->
 
 
 def test_every_pair_has_the_specs_nvlinks_and_pcie_path(inventory: Inventory, spec: NodeSpec) -> None:
-    n = len(spec.gpus)
-    assert set(inventory.links) == {(a, b) for a in range(n) for b in range(n) if a != b}
-    for a in range(n):
+    shared = _shared(spec)
+    assert set(inventory.links) == {(a, b) for a in shared for b in shared if a != b}
+    for a in shared:
         assert inventory.link(a, a).pcie is PcieLink.SELF
-        for b in range(n):
+        for b in shared:
             if a == b:
                 continue
             link = inventory.link(a, b)
@@ -77,8 +84,8 @@ def test_every_pair_has_the_specs_nvlinks_and_pcie_path(inventory: Inventory, sp
 
 def test_memory_usage_is_read_per_gpu(inventory: Inventory) -> None:
     usage = read_memory()
-    assert set(usage) == {g.uuid for g in inventory.gpus}
-    for g in inventory.gpus:
+    assert set(usage) == {g.uuid for g in (*inventory.gpus, *inventory.mig)}
+    for g in (*inventory.gpus, *inventory.mig):
         m = usage[g.uuid]
         assert m.total == g.memory_total
         assert 0 <= m.used <= m.total and m.used + m.free == m.total

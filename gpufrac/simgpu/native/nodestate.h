@@ -81,7 +81,9 @@ typedef struct {
     uint32_t sm_count;
     uint32_t cc_major;
     uint32_t cc_minor;
-    uint32_t ctx_mib;                   /* device memory one CUDA context takes, MiB (was padding: same layout) */
+    uint16_t ctx_mib;                   /* device memory one CUDA context takes, MiB */
+    uint8_t mig_mode;                   /* nvmlDeviceGetMigMode's current (and pending) mode: 1 = on */
+    uint8_t pad0;                       /* (these four bytes were padding: same layout) */
     /* --- dynamic --- */
     _Atomic uint64_t used_bytes;        /* sum of live processes' physical allocations */
     _Atomic uint32_t util_gpu_override; /* 0 = derive from activity; else percent + 1 */

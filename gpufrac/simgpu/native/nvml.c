@@ -471,15 +471,16 @@ NVML_API nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, in
     return NVML_SUCCESS;
 }
 
-/* MIG-capable parts (A100, H100: compute capability 8.0 and 9.0) report MIG
- * disabled; the others do not support it. */
+/* MIG-capable parts (A100, H100: compute capability 8.0 and 9.0) report the mode
+ * their spec gives (NVML_DEVICE_MIG_ENABLE = 1, NVML_DEVICE_MIG_DISABLE = 0; the
+ * simulation never has a mode change pending a reset); the others do not support it. */
 NVML_API nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode,
                                            unsigned int *pendingMode) {
     DEV(device, g, idx);
     (void)idx;
     if (!currentMode || !pendingMode) return NVML_ERROR_INVALID_ARGUMENT;
     if (g->cc_minor != 0 || g->cc_major < 8) return NVML_ERROR_NOT_SUPPORTED;
-    *currentMode = *pendingMode = 0;
+    *currentMode = *pendingMode = g->mig_mode ? 1u : 0u;
     return NVML_SUCCESS;
 }
 

@@ -1,0 +1,155 @@
+"""Operator policy: what the pods of a namespace may ask for with their annotations.
+
+A pod sets its own burst limit (gpufrac.dev/gpu-memory-limit), `preemptible` and
+`swappable`. The node config's `policy` section caps that per namespace:
+
+    policy:
+      default:                    # every namespace not listed below
+        maxLimitRatio: 0          # limit <= ratio x request; 0 = no cap
+        allowNonPreemptible: true # may pods say preemptible: "false"?
+        allowUnswappable: true    # may pods stay unswappable?
+      namespaces:
+        research: {maxLimitRatio: 2, allowNonPreemptible: false}
+
+A namespace entry names only what differs from `default`. A pod asking beyond its
+namespace's policy gets the capped value (a limit of ratio x request, preemptible,
+swappable), and one Warning Event naming the cap (gpufrac.agent.identity posts it).
+
+This module imports nothing of the agent (gpufrac.agent.config imports it), so the
+policy applies to an annotations.ContainerPolicy by dataclasses.replace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gpufrac.agent.annotations import ContainerPolicy
+
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_KEYS = {"maxLimitRatio": "max_limit_ratio", "allowNonPreemptible": "allow_non_preemptible"}
+_KEYS["allowUnswappable"] = "allow_unswappable"
+
+LIMIT, PREEMPTIBLE, SWAPPABLE = "limit", "preemptible", "swappable"
+
+
+@dataclass(frozen=True)
+class NamespacePolicy:
+    max_limit_ratio: float = 0.0  # the burst limit is at most this times the request; 0 = no cap
+    allow_non_preemptible: bool = True  # pods may opt out of preemption (gpufrac.dev/preemptible)
+    allow_unswappable: bool = True  # pods may stay out of swap (not swappable)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    default: NamespacePolicy = field(default_factory=NamespacePolicy)
+    namespaces: Mapping[str, NamespacePolicy] = field(default_factory=dict)
+
+    def for_namespace(self, namespace: str) -> NamespacePolicy:
+        return self.namespaces.get(namespace, self.default)
+
+    def __hash__(self) -> int:  # frozen with a mapping inside: hash what is comparable
+        return hash((self.default, tuple(sorted(self.namespaces.items()))))
+
+
+def _entry(path: str, raw: Any, base: NamespacePolicy) -> NamespacePolicy:
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{path}: expected a mapping, got {raw!r}")
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = _KEYS.get(key) if isinstance(key, str) else None
+        if name is None:
+            raise ValueError(f"{path}.{key}: unknown key (known: {', '.join(sorted(_KEYS))})")
+        if name == "max_limit_ratio":
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or not (value == 0 or value >= 1):
+                raise ValueError(
+                    f"{path}.{key}: {value!r} must be 0 (no cap) or a number of at least 1 "
+                    "(a limit is never below the request)"
+                )
+            values[name] = float(value)
+        else:
+            if not isinstance(value, bool):
+                raise ValueError(f"{path}.{key}: expected true or false, got {value!r}")
+            values[name] = value
+    return dataclasses.replace(base, **values)
+
+
+def parse_config(path: str, raw: Any) -> PolicyConfig:
+    """The `policy` section of the node config; ValueError names the key, value and reason."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{path}: expected a mapping, got {raw!r}")
+    unknown = set(raw) - {"default", "namespaces"}
+    if unknown:
+        raise ValueError(f"{path}.{sorted(map(str, unknown))[0]}: unknown key (known: default, namespaces)")
+    default = _entry(f"{path}.default", raw.get("default") or {}, NamespacePolicy())
+    spaces = raw.get("namespaces") or {}
+    if not isinstance(spaces, Mapping):
+        raise ValueError(f"{path}.namespaces: expected a mapping of namespace to policy, got {spaces!r}")
+    namespaces = {}
+    for ns, entry in spaces.items():
+        if not isinstance(ns, str) or not _NAMESPACE.match(ns):
+            raise ValueError(f"{path}.namespaces: {ns!r} is not a namespace name")
+        namespaces[ns] = _entry(f"{path}.namespaces.{ns}", entry or {}, default)
+    return PolicyConfig(default, namespaces)
+
+
+@dataclass(frozen=True)
+class Cap:
+    """One thing the policy changed: `what` (limit, preemptible, swappable) and why, in words."""
+
+    what: str
+    message: str
+
+
+def _ratio(r: float) -> str:
+    return f"{r:g}"
+
+
+def enforce(
+    policy: ContainerPolicy, namespace: str, cfg: PolicyConfig, *, container: str, format_bytes: Any
+) -> tuple[ContainerPolicy, list[Cap]]:
+    """`policy` (decided from the pod's annotations) held to the namespace's caps: the
+    policy to apply and what was capped. Whole-GPU containers have no burst to cap."""
+    ns = cfg.for_namespace(namespace)
+    where = f"namespace {namespace}" + ("" if namespace in cfg.namespaces else " (policy.default)")
+    caps: list[Cap] = []
+    changes: dict[str, Any] = {}
+    ratio = ns.max_limit_ratio
+    if ratio and not policy.whole_gpu and policy.limit_bytes > policy.request_bytes:
+        most = max(policy.request_bytes, math.floor(policy.request_bytes * ratio))
+        if policy.limit_bytes > most:
+            changes["limit_bytes"] = most
+            caps.append(
+                Cap(
+                    LIMIT,
+                    f"container {container}: GPU memory limit {format_bytes(policy.limit_bytes)} "
+                    f"({policy.limit_key}) is {policy.limit_bytes / policy.request_bytes:.2f} x the request "
+                    f"{format_bytes(policy.request_bytes)}; the node policy for {where} caps it at "
+                    f"maxLimitRatio {_ratio(ratio)}: limit {format_bytes(most)} applied",
+                )
+            )
+    if not policy.preemptible and not ns.allow_non_preemptible:
+        changes["preemptible"] = True
+        caps.append(
+            Cap(
+                PREEMPTIBLE,
+                f"container {container}: preemptible=false is not allowed by the node policy for {where} "
+                "(allowNonPreemptible: false): applied preemptible=true",
+            )
+        )
+    if not policy.swappable and not ns.allow_unswappable:
+        changes["swappable"] = True
+        caps.append(
+            Cap(
+                SWAPPABLE,
+                f"container {container}: swappable=false is not allowed by the node policy for {where} "
+                "(allowUnswappable: false): applied swappable=true",
+            )
+        )
+    return (dataclasses.replace(policy, **changes) if changes else policy), caps
