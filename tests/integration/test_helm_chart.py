@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 import gpufrac
-from gpufrac.agent import config
+from gpufrac.agent import config, policy
 from gpufrac.native import REPO_ROOT
 
 CHART = REPO_ROOT / "deploy" / "helm" / "gpufrac"
@@ -315,6 +315,9 @@ def _config_schema(cls: type[Any], skip: tuple[str, ...] = ()) -> dict[str, Any]
         if f.name in skip:
             continue
         hint, kind = hints[f.name], f.metadata.get("kind")
+        if kind == "policy":  # a dataclass too, but its namespaces are a free-form mapping
+            props[config._camel(f.name)] = _policy_schema()
+            continue
         if dataclasses.is_dataclass(hint):
             props[config._camel(f.name)] = _config_schema(hint)
             continue
@@ -331,6 +334,30 @@ def _config_schema(cls: type[Any], skip: tuple[str, ...] = ()) -> dict[str, Any]
             leaf = {"type": {bool: "boolean", int: "integer", str: "string"}[hint]}
         props[config._camel(f.name)] = leaf
     return {"type": "object", "additionalProperties": False, "properties": props}
+
+
+def _policy_schema() -> dict[str, Any]:
+    """The `policy` section: `default` and one entry per namespace, each with the same keys."""
+    hints = get_type_hints(policy.NamespacePolicy)
+    names = {attr: key for key, attr in policy._KEYS.items()}
+    entry = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            names[f.name]: {"type": {bool: "boolean", float: "number"}[hints[f.name]]}
+            for f in dataclasses.fields(policy.NamespacePolicy)
+        },
+    }
+    namespaces = {
+        "type": "object",
+        "propertyNames": {"pattern": policy._NAMESPACE.pattern},
+        "additionalProperties": entry,
+    }
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {"default": entry, "namespaces": namespaces},
+    }
 
 
 def test_values_schema_knows_every_config_key_and_no_other() -> None:
