@@ -118,6 +118,22 @@ class IdleConfig:
 
 
 @dataclass
+class ArbiterLimitsConfig:
+    """Per-container limits on the arbiter socket (gpufrac.agent.fairness,
+    docs/arbiter-protocol.md): one container cannot starve the others' bursts."""
+
+    # Connections one container may hold open at once (requests not yet sent included).
+    connections_per_container: int = 32
+    # Requests of one container being decided at once (waiting, resolvers, swap-in, reclaim).
+    inflight_per_container: int = 16
+    # Requests per second one container may send, and how many at once above that rate.
+    requests_per_second: float = 200.0
+    request_burst: int = 400
+    # Connections on the node at once (file descriptors); shared evenly between containers.
+    max_connections: int = 4096
+
+
+@dataclass
 class MetricsConfig:
     port: int = 9410
     bind_address: str = "0.0.0.0"
@@ -148,6 +164,7 @@ class Config:
     swap: SwapConfig = field(default_factory=SwapConfig)
     idle: IdleConfig = field(default_factory=IdleConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    arbiter_limits: ArbiterLimitsConfig = field(default_factory=ArbiterLimitsConfig)
 
     def validate(self) -> None:
         if not self.node_name.strip():
@@ -162,6 +179,24 @@ class Config:
             raise ConfigError(f"resolvers: {self.resolvers} names a resolver twice")
         if not 0 < self.metrics.port < 65536:
             raise ConfigError(f"metrics.port: {self.metrics.port} is not a TCP port")
+        lim = self.arbiter_limits
+        for key, value, low in (
+            ("connectionsPerContainer", lim.connections_per_container, 1),
+            ("inflightPerContainer", lim.inflight_per_container, 1),
+            ("requestBurst", lim.request_burst, 1),
+            ("maxConnections", lim.max_connections, 1),
+        ):
+            if not low <= value <= 1_000_000:
+                raise ConfigError(f"arbiterLimits.{key}: {value} must be between {low} and 1000000")
+        if not 0 < lim.requests_per_second <= 1e6:  # NaN fails this too
+            raise ConfigError(
+                f"arbiterLimits.requestsPerSecond: {lim.requests_per_second} must be above 0, at most 1e6"
+            )
+        if lim.connections_per_container > lim.max_connections:
+            raise ConfigError(
+                f"arbiterLimits.connectionsPerContainer: {lim.connections_per_container} is more than "
+                f"maxConnections ({lim.max_connections})"
+            )
         from gpufrac.memguard.formats import CLASS_NAMES
 
         bad = [c for c in self.idle.reap_classes if c not in CLASS_NAMES]
@@ -202,6 +237,10 @@ def _convert(path: str, f: dataclasses.Field[Any], hint: Any, value: Any) -> Any
         if not (hint is bool and isinstance(value, bool)):
             raise ConfigError(f"{path}: expected {hint.__name__}, got {value!r}")
         return value
+    if hint is float and isinstance(value, int):
+        if abs(value) > 1e300:  # float() of a longer integer raises OverflowError
+            raise ConfigError(f"{path}: {value!r} is out of range")
+        return float(value)
     if not isinstance(value, hint):
         raise ConfigError(f"{path}: expected {hint.__name__}, got {value!r}")
     return value
