@@ -17,7 +17,7 @@ from typing import Any, get_type_hints
 
 import yaml
 
-from gpufrac.agent.units import parse_bytes, parse_duration
+from gpufrac.agent.units import MAX_MS_FIELD_S, parse_bytes, parse_duration
 
 GiB = 1 << 30
 RESOLVERS = ("swap", "evict", "wait")
@@ -179,6 +179,13 @@ class Config:
             raise ConfigError(f"resolvers: {self.resolvers} names a resolver twice")
         if not 0 < self.metrics.port < 65536:
             raise ConfigError(f"metrics.port: {self.metrics.port} is not a TCP port")
+        for key, seconds in (("arbiterTimeout", self.arbiter_timeout), ("waitTimeout", self.wait_timeout)):
+            # The shim holds these in a u32 of milliseconds: refuse rather than wrap around.
+            if seconds > MAX_MS_FIELD_S:
+                raise ConfigError(
+                    f"{key}: {seconds:g}s is more than the shim's limit of {MAX_MS_FIELD_S:g}s "
+                    "(a 32-bit count of milliseconds, about 49.7 days)"
+                )
         lim = self.arbiter_limits
         for key, value, low in (
             ("connectionsPerContainer", lim.connections_per_container, 1),
@@ -251,6 +258,8 @@ def _build(cls: type[Any], data: dict[str, Any], prefix: str = "") -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
+        if not isinstance(key, str):  # YAML allows keys of any type ("? [a]", "1: x")
+            raise ConfigError(f"{prefix}{key!r}: a key must be a string")
         name = _snake(key)
         if name not in fields:
             known = ", ".join(sorted(_camel(n) for n in fields))
