@@ -48,7 +48,7 @@ from gpufrac.agent.admission import reclaim_guarantee
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.config import Config
 from gpufrac.agent.events import container_ref
-from gpufrac.agent.fairness import Account, Fairness
+from gpufrac.agent.fairness import REFUSE_DELAY, Account, Fairness
 from gpufrac.agent.peers import (
     Caller,
     CgroupIdentity,
@@ -182,7 +182,11 @@ class Arbiter:
             os.unlink(self.socket_path)  # a previous agent's socket: nobody listens on it
         os.makedirs(os.path.dirname(self.socket_path) or ".", exist_ok=True)
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_unix_server(lambda: _Connection(self), path=self.socket_path)
+        self._server = await loop.create_unix_server(
+            lambda: _Connection(self),
+            path=self.socket_path,
+            backlog=self.config.arbiter_limits.listen_backlog,
+        )
         # Container processes may run as any uid; who they are comes from SO_PEERCRED.
         os.chmod(self.socket_path, 0o666)
         self.ledger.add_listener(self._on_ledger_change)
@@ -892,31 +896,43 @@ class _Connection(asyncio.Protocol):
         self.work: asyncio.Future[Result] | None = None
         self.account: Account | None = None  # its container's (gpufrac.agent.fairness)
         self.counted = False  # whether it counts among its container's requests in flight
+        self.held = False  # past its container's connection limit: answered BUSY shortly
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport; both have its methods.
         self.transport = cast(asyncio.Transport, transport)
         arb = self.arb
         fair = arb.fairness
-        self.account, victim = fair.admit(self, fair.container_of(transport.get_extra_info("socket")))
+        self.account, victim, over = fair.admit(self, fair.container_of(transport.get_extra_info("socket")))
         if victim is not None:
             arb.stats.dropped += 1
             victim.abort()
-        if self.account is None:
-            # Over its container's limits: a clear no, nothing decided (the shim may still be
-            # sending; its request is not read).
-            arb.stats.busy += 1
-            metrics.count_arbiter_request("connection", "busy")
+        if self.account is None:  # the node is full: no at once
+            self._busy()
+            return
+        arb._connections.add(self)
+        loop = asyncio.get_running_loop()
+        if over:
+            # Past its container's connection limit: no, a little later (REFUSE_DELAY);
+            # nothing it sends is read.
+            self.held = True
+            self.timer = loop.call_later(REFUSE_DELAY, self._busy)
+            return
+        self.timer = loop.call_later(arb.read_timeout, self._too_slow)
+
+    def _busy(self) -> None:
+        """Answer BUSY (the caller's container is over its limits; nothing decided) and close."""
+        self.arb.stats.busy += 1
+        metrics.count_arbiter_request("connection", "busy")
+        assert self.transport is not None
+        if not self.transport.is_closing():
             self.transport.write(
                 bytes(BurstReply(formats.BURST_MAGIC, formats.ABI_VERSION, formats.BURST_BUSY, 0))
             )
             self.transport.close()
-            return
-        arb._connections.add(self)
-        self.timer = asyncio.get_running_loop().call_later(arb.read_timeout, self._too_slow)
 
     def data_received(self, data: bytes) -> None:
-        if self.op is not None or self.account is None:
+        if self.op is not None or self.account is None or self.held:
             return  # one request per connection; anything after it is ignored
         self.buf += data
         if len(self.buf) < REQUEST_SIZE:
@@ -927,8 +943,13 @@ class _Connection(asyncio.Protocol):
         req = BurstRequest.from_buffer_copy(self.buf[:REQUEST_SIZE])
         self.op = req.op
         if not self.arb.fairness.request(self.account):
+            # Past its container's rate or in-flight limit: no, nothing decided, REFUSE_DELAY
+            # later (its connection counts meanwhile: a flood is slowed, not served faster).
             self.arb.stats.busy += 1
-            self._answer((formats.BURST_BUSY, 0))
+            self.held = True
+            self.timer = asyncio.get_running_loop().call_later(
+                REFUSE_DELAY, self._answer, (formats.BURST_BUSY, 0)
+            )
             return
         try:
             out = self.arb._handle(req, self.transport.get_extra_info("socket"))

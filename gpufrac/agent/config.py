@@ -131,6 +131,10 @@ class ArbiterLimitsConfig:
     request_burst: int = 400
     # Connections on the node at once (file descriptors); shared evenly between containers.
     max_connections: int = 4096
+    # Connections the kernel queues for the agent to accept. A flood ahead of a neighbour's
+    # connection is at most this deep; past it, connecting shims wait in the kernel, woken in
+    # turn as the agent accepts (docs/arbiter-protocol.md, Fairness).
+    listen_backlog: int = 16
 
 
 @dataclass
@@ -192,6 +196,7 @@ class Config:
             ("inflightPerContainer", lim.inflight_per_container, 1),
             ("requestBurst", lim.request_burst, 1),
             ("maxConnections", lim.max_connections, 1),
+            ("listenBacklog", lim.listen_backlog, 1),
         ):
             if not low <= value <= 1_000_000:
                 raise ConfigError(f"arbiterLimits.{key}: {value} must be between {low} and 1000000")

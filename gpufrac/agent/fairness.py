@@ -12,11 +12,15 @@ gpufrac.agent.peers), never by its message:
   a swap-in, a reclaim;
 * requests per second (`requestsPerSecond`, a token bucket of `requestBurst`).
 
-A caller over a limit gets BURST_BUSY (the shim's "no"), at once and without any
-work done for it. When the node-wide cap (`maxConnections`, file descriptors) is
-reached, the newest connection still waiting for its request in the container that
-holds the most connections is closed to make room, unless the newcomer belongs to
-that container: a crowd of containers shares the node's connections evenly.
+A caller over a limit gets BURST_BUSY (the shim's "no") without any work done
+for it, REFUSE_DELAY later; its connection is held meanwhile and counts as its
+container's: a flood that reconnects as soon as it is answered is slowed down
+instead of keeping the agent busy refusing it. When the node-wide cap
+(`maxConnections`, file descriptors) is reached, the newest connection still
+waiting for its request (or held) in the container that holds the most
+connections is closed to make room, unless the newcomer belongs to that
+container, which is then refused at once: a crowd of containers shares the
+node's connections evenly.
 
 Callers outside any kubelet container (the agent's own tools) share one account.
 Each container's refusals are logged at most once per LOG_EVERY seconds (with the
@@ -37,6 +41,10 @@ log = logging.getLogger(__name__)
 
 LOG_EVERY = 60.0  # seconds between two log lines about one container's refusals
 PRUNE_EVERY = 10.0  # seconds between two sweeps of idle accounts
+# A connection past its container's limit is answered BUSY this much later: a flooder that
+# reconnects as soon as it is answered is slowed to its limit's worth of connections per
+# REFUSE_DELAY, instead of keeping the agent busy refusing it.
+REFUSE_DELAY = 1.0
 OUTSIDE = "outside-containers"  # the account of callers in no kubelet container
 LIMITS = ("connections", "inflight", "rate", "node")
 
@@ -105,26 +113,29 @@ class Fairness:
             acc = self.accounts[key] = Account(key, tokens=float(self.burst), refill_at=time.monotonic())
         return acc
 
-    def admit(self, conn: Any, key: str) -> tuple[Account | None, Any | None]:
-        """Count a new connection of container `key`: (its account, or None when refused;
-        a connection of the heaviest container to close to make room, or None)."""
+    def admit(self, conn: Any, key: str) -> tuple[Account | None, Any | None, bool]:
+        """Count a new connection of container `key`: (its account, or None when it is to be
+        refused at once; a connection of the heaviest container to close to make room, or
+        None; whether it is over its container's connection limit, to be answered BUSY after
+        REFUSE_DELAY). A held connection counts as its container's until it is closed."""
         self._prune()
         acc = self._account(key)
-        if len(acc.connections) >= self.max_connections:
+        over = len(acc.connections) >= self.max_connections
+        if over:
             self.refuse(acc, "connections")
-            return None, None
         victim = None
         if self.open >= self.node_connections:
             heaviest = max(self.accounts.values(), key=lambda a: len(a.connections))
             pending = [c for c in heaviest.connections if c.op is None]
             if heaviest is acc or len(heaviest.connections) <= len(acc.connections) or not pending:
-                self.refuse(acc, "node")
-                return None, None
+                if not over:
+                    self.refuse(acc, "node")
+                return None, None, over
             victim = pending[-1]
             self.refuse(heaviest, "node")
         acc.connections.append(conn)
         self.open += 1
-        return acc, victim
+        return acc, victim, over
 
     def gone(self, acc: Account, conn: Any) -> None:
         try:

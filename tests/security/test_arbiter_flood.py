@@ -72,7 +72,7 @@ def test_a_neighbour_bursts_while_a_container_holds_1100_connections(
     for _ in range(5):  # each a new connection: the grant is there already, the answer must come
         assert b.workload.do(f"burst {GiB} {3 * GiB}") == "granted"
     # The flooder was held to its own share and told so, in one log line, not one per refusal.
-    assert node.arbiter.stats.busy > 0
+    node.until(lambda: node.arbiter.stats.busy > 0, what="the flooder told BUSY")
     assert len(limit_lines(caplog, flood, "connections")) == 1
     assert not limit_lines(caplog, b, "connections")
 
