@@ -19,6 +19,7 @@ from arbiter_harness import ArbiterNode, Box, GiB
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpufrac import native
 from gpufrac.deviceplugin.server import container_response
 from gpufrac.memguard import formats
 from gpufrac.simgpu.runtime import Container, mounts_of
@@ -107,6 +108,24 @@ def test_requests_over_the_rate_get_a_busy_reply_and_no_decision(
     assert a.config().grant_bytes == GiB
     b = node.add("b", 2, "6Gi")
     assert b.workload is not None and b.workload.do(f"alloc {3 * GiB}") == "granted"
+
+
+def test_the_shim_takes_busy_for_a_no(make_node: Callable[..., ArbiterNode]) -> None:
+    """The real shim over the fake driver: an allocation whose burst request is answered BUSY
+    fails with CUDA_ERROR_OUT_OF_MEMORY and raises no grant."""
+    node = make_node(
+        arbiterLimits={"requestsPerSecond": 0.001, "requestBurst": 1},
+        paths={"shimHostPath": str(native.library(native.SHIM))},
+    )
+    a = node.add("a", 2, "8Gi", start=False)
+    app = node.start_cuda(a)
+    assert app.do(f"alloc {GiB} 1").startswith("ok ")  # within the request: no agent
+    assert app.do(f"alloc {3 * GiB} 2").startswith("ok ")  # a burst: the one request of the bucket
+    grant = a.config().grant_bytes
+    assert grant > 0
+    assert app.do(f"alloc {GiB} 3") == "oom"  # a burst past the rate: BUSY, a no
+    assert a.config().grant_bytes == grant
+    assert node.arbiter.stats.busy == 1
 
 
 def test_a_container_gets_no_more_requests_decided_at_once_than_its_inflight_limit(
