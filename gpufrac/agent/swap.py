@@ -259,6 +259,7 @@ class SwapResolver:
         self._inflight = 0  # bytes of swap-outs under way (host RAM they will take)
         self._detect: asyncio.Future[Support] | None = None
         self._said = False
+        self._unknown_said: set[str] = set()  # containers whose processes could not be told apart yet
 
     # -- support --------------------------------------------------------------------------------
 
@@ -613,17 +614,24 @@ class SwapResolver:
             for pid in pids:
                 state = process_state(pid, self.ckpt)
                 ident = proc_identity(pid)
+                if state in (ProcessState.CHECKPOINTING, ProcessState.RESTORING):
+                    return None  # the driver is still moving it: look again later
                 if ident is not None and state in (ProcessState.LOCKED, ProcessState.CHECKPOINTED):
                     out.append((pid, ident, state))
             return out
 
         procs = await asyncio.to_thread(find)
         if procs is None:
+            if alloc.key in self._unknown_said:
+                raise _Unknown(f"the processes of {alloc.who()} cannot be found yet")
+            self._unknown_said.add(alloc.key)  # said once: its shim asks again and again
             log.warning(
-                "swap: %s is flagged swapped out but its pod is not known yet; its flags stay set",
+                "swap: %s is flagged swapped out but its processes cannot be told yet (pod unknown, "
+                "or the driver is still checkpointing or restoring one); its flags stay set",
                 alloc.who(),
             )
             raise _Unknown(f"the processes of {alloc.who()} cannot be found yet")
+        self._unknown_said.discard(alloc.key)
         if not procs:
             n = await asyncio.to_thread(clear_all_flags, alloc.directory)
             log.info(
