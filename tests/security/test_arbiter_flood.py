@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 from arbiter_harness import ArbiterNode, Box, GiB
@@ -20,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpufrac import native
+from gpufrac.agent.fairness import Fairness
 from gpufrac.deviceplugin.server import container_response
 from gpufrac.memguard import formats
 from gpufrac.simgpu.runtime import Container, mounts_of
@@ -183,3 +185,20 @@ def ctypes_sizeof_reply() -> int:
     import ctypes
 
     return ctypes.sizeof(formats.BurstReply)
+
+
+def test_at_the_node_cap_the_container_holding_the_most_connections_makes_room() -> None:
+    fair = Fairness(connections=5, inflight=1, rate=1.0, burst=1, node_connections=6)
+    flood = [SimpleNamespace(op=None) for _ in range(5)]
+    for c in flood:
+        acc, victim, over = fair.admit(c, "flood")
+        assert acc is not None and victim is None and not over
+    first = SimpleNamespace(op=None)
+    assert fair.admit(first, "b")[0] is not None  # the sixth connection: the node is full now
+    # A neighbour's next connection: the flooder's newest one that sent nothing is closed for it.
+    acc, victim, over = fair.admit(SimpleNamespace(op=None), "b")
+    assert acc is not None and victim is flood[-1] and not over
+    fair.gone(fair.accounts["flood"], victim)
+    # The node is full and the flooder holds the most: its next one is refused at once.
+    acc, victim, over = fair.admit(SimpleNamespace(op=None), "flood")
+    assert acc is None and victim is None
