@@ -10,8 +10,8 @@ bench (gpufrac.agent.fairness is the defence):
     junk N   N processes sending random bytes, a connection each
 
 It prints "ready" once the flood is under way, then one line per second:
-"<connects> <replies> <busy replies>" (counts across its processes for rate/junk: the
-first process's only). It runs until killed.
+"<connects> <replies> <busy replies>" (for rate and junk, the first process's counts
+only). It runs until killed.
 """
 
 from __future__ import annotations
