@@ -16,7 +16,7 @@ from decimal import Decimal, InvalidOperation
 from typing import TypeVar
 
 from gpufrac.agent.config import Config
-from gpufrac.agent.units import format_bytes, parse_bytes, parse_duration
+from gpufrac.agent.units import MAX_MS_FIELD_S, format_bytes, parse_bytes, parse_duration
 from gpufrac.memguard.formats import (
     CLASS_NAMES,
     FLAG_POD_KNOWN,
@@ -49,7 +49,7 @@ AGENT_OWNED: set[str] = set()
 T = TypeVar("T")
 DEFAULT_CLASS = "batch"
 # The config file stores the wait timeout in a u32 of milliseconds.
-MAX_WAIT_TIMEOUT_S = (2**32 - 1) / 1000
+MAX_WAIT_TIMEOUT_S = MAX_MS_FIELD_S
 _INT32 = (-(2**31), 2**31 - 1)
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%?\s*$")
 

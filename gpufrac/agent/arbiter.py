@@ -48,6 +48,7 @@ from gpufrac.agent.admission import reclaim_guarantee
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.config import Config
 from gpufrac.agent.events import container_ref
+from gpufrac.agent.fairness import REFUSE_DELAY, Account, Fairness
 from gpufrac.agent.peers import (
     Caller,
     CgroupIdentity,
@@ -73,7 +74,6 @@ log = logging.getLogger(__name__)
 _GEN_OFFSET = formats.ConfigStruct.generation.offset
 REQUEST_SIZE = ctypes.sizeof(BurstRequest)
 REPLY_SIZE = ctypes.sizeof(BurstReply)
-MAX_CONNECTIONS = 1024  # beyond this, new connections are closed at once
 NVML_FRESH = 0.1  # an NVML reading younger than this is used as is
 # Metric label values for requests (gpufrac_arbiter_requests_total{kind,outcome}); the
 # runtime emulator's stand-in workload prints the same status names.
@@ -89,6 +89,7 @@ STATUS_NAMES = {
     formats.BURST_REFUSED: "refused",
     formats.BURST_INVALID: "invalid",
     formats.BURST_UNAVAILABLE: "unavailable",
+    formats.BURST_BUSY: "busy",
 }
 NVML_STALE = 1.0  # older than this, a request waits for a new one
 RECLAIM_INTERVAL = 1.0
@@ -109,6 +110,7 @@ class Stats:
     denied: int = 0
     refused: int = 0  # caller not identified
     dropped: int = 0  # short reads, timeouts, early disconnects
+    busy: int = 0  # refused: the caller's container was over its limits (gpufrac.agent.fairness)
     wait_timeouts: int = 0
 
 
@@ -163,6 +165,7 @@ class Arbiter:
         self._seq = itertools.count(1)
         self._tasks: list[asyncio.Task[Any]] = []
         self._connections: set[_Connection] = set()
+        self.fairness = Fairness.from_config(config, peers.proc)
         self._returned: dict[str, int] = {}  # last grant_returned seen per container
         self._unused_since: dict[str, float] = {}
         self._granted_at: dict[str, float] = {}  # container key -> time.monotonic() of its last grant
@@ -179,7 +182,11 @@ class Arbiter:
             os.unlink(self.socket_path)  # a previous agent's socket: nobody listens on it
         os.makedirs(os.path.dirname(self.socket_path) or ".", exist_ok=True)
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_unix_server(lambda: _Connection(self), path=self.socket_path)
+        self._server = await loop.create_unix_server(
+            lambda: _Connection(self),
+            path=self.socket_path,
+            backlog=self.config.arbiter_limits.listen_backlog,
+        )
         # Container processes may run as any uid; who they are comes from SO_PEERCRED.
         os.chmod(self.socket_path, 0o666)
         self.ledger.add_listener(self._on_ledger_change)
@@ -844,9 +851,9 @@ def request(
         formats.BURST_MAGIC, formats.ABI_VERSION, op, os.getpid(), 0, nbytes, total_after, generation
     )
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
         try:
-            s.connect(path)
+            _connect_by(s, path, time.monotonic() + timeout)
+            s.settimeout(timeout)
             s.sendall(bytes(req))
             data = b""
             while len(data) < REPLY_SIZE:
@@ -857,6 +864,26 @@ def request(
         except (TimeoutError, OSError):
             return None
     return BurstReply.from_buffer_copy(data)
+
+
+def _connect_by(s: Any, path: str, deadline: float) -> None:
+    """Connect as the shim does (memguard.c mg_connect_by): a blocking connect waits for room in
+    a full backlog (bounded by SO_SNDTIMEO) instead of failing with EAGAIN at once."""
+    import socket
+    import struct
+
+    nap = 0.001
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no room in the arbiter's backlog")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(left), int(left % 1 * 1e6)))
+        try:
+            s.connect(path)
+            return
+        except (BlockingIOError, InterruptedError):
+            time.sleep(min(nap, max(0.0, deadline - time.monotonic())))
+            nap = min(0.005, nap + 0.001)
 
 
 class _Connection(asyncio.Protocol):
@@ -875,20 +902,45 @@ class _Connection(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.op: int | None = None  # the request's op, once it is read
         self.work: asyncio.Future[Result] | None = None
+        self.account: Account | None = None  # its container's (gpufrac.agent.fairness)
+        self.counted = False  # whether it counts among its container's requests in flight
+        self.held = False  # past its container's connection limit: answered BUSY shortly
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport; both have its methods.
         self.transport = cast(asyncio.Transport, transport)
         arb = self.arb
-        if len(arb._connections) >= MAX_CONNECTIONS:
+        fair = arb.fairness
+        self.account, victim, over = fair.admit(self, fair.container_of(transport.get_extra_info("socket")))
+        if victim is not None:
             arb.stats.dropped += 1
-            transport.abort()
+            victim.abort()
+        if self.account is None:  # the node is full: no at once
+            self._busy()
             return
         arb._connections.add(self)
-        self.timer = asyncio.get_running_loop().call_later(arb.read_timeout, self._too_slow)
+        loop = asyncio.get_running_loop()
+        if over:
+            # Past its container's connection limit: no, a little later (REFUSE_DELAY);
+            # nothing it sends is read.
+            self.held = True
+            self.timer = loop.call_later(REFUSE_DELAY, self._busy)
+            return
+        self.timer = loop.call_later(arb.read_timeout, self._too_slow)
+
+    def _busy(self) -> None:
+        """Answer BUSY (the caller's container is over its limits; nothing decided) and close."""
+        self.arb.stats.busy += 1
+        metrics.count_arbiter_request("connection", "busy")
+        assert self.transport is not None
+        if not self.transport.is_closing():
+            self.transport.write(
+                bytes(BurstReply(formats.BURST_MAGIC, formats.ABI_VERSION, formats.BURST_BUSY, 0))
+            )
+            self.transport.close()
 
     def data_received(self, data: bytes) -> None:
-        if self.op is not None:
+        if self.op is not None or self.account is None or self.held:
             return  # one request per connection; anything after it is ignored
         self.buf += data
         if len(self.buf) < REQUEST_SIZE:
@@ -898,6 +950,15 @@ class _Connection(asyncio.Protocol):
             self.timer.cancel()
         req = BurstRequest.from_buffer_copy(self.buf[:REQUEST_SIZE])
         self.op = req.op
+        if not self.arb.fairness.request(self.account):
+            # Past its container's rate or in-flight limit: no, nothing decided, REFUSE_DELAY
+            # later (its connection counts meanwhile: a flood is slowed, not served faster).
+            self.arb.stats.busy += 1
+            self.held = True
+            self.timer = asyncio.get_running_loop().call_later(
+                REFUSE_DELAY, self._answer, (formats.BURST_BUSY, 0)
+            )
+            return
         try:
             out = self.arb._handle(req, self.transport.get_extra_info("socket"))
         except Exception:
@@ -907,6 +968,8 @@ class _Connection(asyncio.Protocol):
         if isinstance(out, tuple):
             self._answer(out)
         else:
+            self.account.inflight += 1
+            self.counted = True
             self.work = asyncio.ensure_future(out)
             self.work.add_done_callback(self._worked)
 
@@ -920,6 +983,14 @@ class _Connection(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
         self.arb._connections.discard(self)
+        if self.account is not None:
+            self._uncount()
+            self.arb.fairness.gone(self.account, self)
+
+    def _uncount(self) -> None:
+        if self.counted and self.account is not None:
+            self.counted = False
+            self.account.inflight -= 1
 
     def abort(self) -> None:
         self._give_up()
@@ -936,6 +1007,7 @@ class _Connection(asyncio.Protocol):
             self.work.cancel()
 
     def _worked(self, work: asyncio.Future[Result]) -> None:
+        self._uncount()
         if work.cancelled():  # the caller hung up while it waited
             self.arb.stats.dropped += 1
             metrics.count_arbiter_request(OP_NAMES.get(self.op or -1, "invalid"), "dropped")

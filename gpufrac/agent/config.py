@@ -18,7 +18,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from gpufrac.agent.policy import PolicyConfig, parse_config
-from gpufrac.agent.units import parse_bytes, parse_duration
+from gpufrac.agent.units import MAX_MS_FIELD_S, parse_bytes, parse_duration
 
 GiB = 1 << 30
 RESOLVERS = ("swap", "evict", "wait")
@@ -119,6 +119,26 @@ class IdleConfig:
 
 
 @dataclass
+class ArbiterLimitsConfig:
+    """Per-container limits on the arbiter socket (gpufrac.agent.fairness,
+    docs/arbiter-protocol.md): one container cannot starve the others' bursts."""
+
+    # Connections one container may hold open at once (requests not yet sent included).
+    connections_per_container: int = 32
+    # Requests of one container being decided at once (waiting, resolvers, swap-in, reclaim).
+    inflight_per_container: int = 16
+    # Requests per second one container may send, and how many at once above that rate.
+    requests_per_second: float = 200.0
+    request_burst: int = 400
+    # Connections on the node at once (file descriptors); shared evenly between containers.
+    max_connections: int = 4096
+    # Connections the kernel queues for the agent to accept. A flood ahead of a neighbour's
+    # connection is at most this deep; past it, connecting shims wait in the kernel, woken in
+    # turn as the agent accepts (docs/arbiter-protocol.md, Fairness).
+    listen_backlog: int = 16
+
+
+@dataclass
 class MetricsConfig:
     port: int = 9410
     bind_address: str = "0.0.0.0"
@@ -151,6 +171,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     # Per-namespace caps on what pod annotations may ask (gpufrac.agent.policy parses it).
     policy: PolicyConfig = field(default_factory=PolicyConfig, metadata={"kind": "policy"})
+    arbiter_limits: ArbiterLimitsConfig = field(default_factory=ArbiterLimitsConfig)
 
     def validate(self) -> None:
         if not self.node_name.strip():
@@ -165,6 +186,32 @@ class Config:
             raise ConfigError(f"resolvers: {self.resolvers} names a resolver twice")
         if not 0 < self.metrics.port < 65536:
             raise ConfigError(f"metrics.port: {self.metrics.port} is not a TCP port")
+        for key, seconds in (("arbiterTimeout", self.arbiter_timeout), ("waitTimeout", self.wait_timeout)):
+            # The shim holds these in a u32 of milliseconds: refuse rather than wrap around.
+            if seconds > MAX_MS_FIELD_S:
+                raise ConfigError(
+                    f"{key}: {seconds:g}s is more than the shim's limit of {MAX_MS_FIELD_S:g}s "
+                    "(a 32-bit count of milliseconds, about 49.7 days)"
+                )
+        lim = self.arbiter_limits
+        for key, value, low in (
+            ("connectionsPerContainer", lim.connections_per_container, 1),
+            ("inflightPerContainer", lim.inflight_per_container, 1),
+            ("requestBurst", lim.request_burst, 1),
+            ("maxConnections", lim.max_connections, 1),
+            ("listenBacklog", lim.listen_backlog, 1),
+        ):
+            if not low <= value <= 1_000_000:
+                raise ConfigError(f"arbiterLimits.{key}: {value} must be between {low} and 1000000")
+        if not 0 < lim.requests_per_second <= 1e6:  # NaN fails this too
+            raise ConfigError(
+                f"arbiterLimits.requestsPerSecond: {lim.requests_per_second} must be above 0, at most 1e6"
+            )
+        if lim.connections_per_container > lim.max_connections:
+            raise ConfigError(
+                f"arbiterLimits.connectionsPerContainer: {lim.connections_per_container} is more than "
+                f"maxConnections ({lim.max_connections})"
+            )
         from gpufrac.memguard.formats import CLASS_NAMES
 
         bad = [c for c in self.idle.reap_classes if c not in CLASS_NAMES]
@@ -210,6 +257,10 @@ def _convert(path: str, f: dataclasses.Field[Any], hint: Any, value: Any) -> Any
         if not (hint is bool and isinstance(value, bool)):
             raise ConfigError(f"{path}: expected {hint.__name__}, got {value!r}")
         return value
+    if hint is float and isinstance(value, int):
+        if abs(value) > 1e300:  # float() of a longer integer raises OverflowError
+            raise ConfigError(f"{path}: {value!r} is out of range")
+        return float(value)
     if not isinstance(value, hint):
         raise ConfigError(f"{path}: expected {hint.__name__}, got {value!r}")
     return value
@@ -220,6 +271,8 @@ def _build(cls: type[Any], data: dict[str, Any], prefix: str = "") -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
+        if not isinstance(key, str):  # YAML allows keys of any type ("? [a]", "1: x")
+            raise ConfigError(f"{prefix}{key!r}: a key must be a string")
         name = _snake(key)
         if name not in fields:
             known = ", ".join(sorted(_camel(n) for n in fields))

@@ -84,6 +84,7 @@ class PodIdentity:
         # resolve() awaits the apiserver; a watch-triggered pass must not interleave with it.
         self._lock = asyncio.Lock()
         self.annotation_problems = 0  # bad annotations seen (tests read it)
+        self._failed: dict[str, str] = {}  # container key -> the error its last resolve logged
         if pods is not None:
             pods.subscribe(self._on_pod)
 
@@ -120,8 +121,16 @@ class PodIdentity:
             try:
                 if await self._resolve_one(alloc, listing.get(alloc.key)):
                     changed += 1
-            except Exception:  # one bad container must not stop the others
-                log.exception("resolving the pod of %s failed", alloc.key)
+            except Exception as e:  # one bad container must not stop the others
+                # Once per container and error, not a traceback every reconcile.
+                seen = f"{type(e).__name__}: {e}"
+                if self._failed.get(alloc.key) != seen:
+                    self._failed[alloc.key] = seen
+                    log.exception("resolving the pod of %s failed (logged once until it changes)", alloc.key)
+            else:
+                self._failed.pop(alloc.key, None)
+        for key in set(self._failed) - held:
+            del self._failed[key]
         for key in set(self._policies) - held:
             self._policies.pop(key, None)
             self._applied.pop(key, None)

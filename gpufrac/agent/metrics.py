@@ -19,6 +19,7 @@ thread (a lock guards the counts):
     metrics.count_eviction(alloc)                # a victim container's processes were killed
     metrics.count_swap(alloc, "out" | "in")      # a swap-out to host RAM / swap-in back
     metrics.count_arbiter_request(kind, outcome) # a slow-path request of a shim was answered
+    metrics.count_arbiter_limited(limit)         # a container went past an arbiter limit (fairness)
     metrics.count_reap(action, reason)           # the idle reaper acted (evict…) on an idle|max_runtime pod
     metrics.count_watchdog(action)               # the watchdog reported a container or killed a process
     metrics.set_watchdog_unowned(n, bytes)       # GPU processes of no gpufrac container, last scan
@@ -187,6 +188,7 @@ class Metrics(Collector):
         self._lock = threading.Lock()
         self._containers: dict[str, _Counts] = {}
         self._arbiter: dict[tuple[str, str], int] = {}
+        self._limited: dict[str, int] = {}
         self._annotations: dict[str, int] = {}
         # (action, reason); max_runtime series appear once counted.
         self._reaps: dict[tuple[str, str], int] = {(a, "idle"): 0 for a in REAP_ACTIONS}
@@ -224,6 +226,10 @@ class Metrics(Collector):
     def count_arbiter_request(self, kind: str, outcome: str) -> None:
         with self._lock:
             self._arbiter[(kind, outcome)] = self._arbiter.get((kind, outcome), 0) + 1
+
+    def count_arbiter_limited(self, limit: str) -> None:
+        with self._lock:
+            self._limited[limit] = self._limited.get(limit, 0) + 1
 
     def count_reap(self, action: str, reason: str = "idle") -> None:
         if action not in REAP_ACTIONS:
@@ -467,6 +473,15 @@ class Metrics(Collector):
         for (kind, outcome), n in sorted(self._arbiter.items()):
             arb.add_metric([kind, outcome], n)
         yield arb
+        limited = CounterMetricFamily(
+            f"{NAMESPACE}_arbiter_limited",
+            "Arbiter connections and requests refused because their container was over a "
+            "per-container limit (connections, inflight, rate) or the node's connection cap (node).",
+            labels=["limit"],
+        )
+        for limit, n in sorted(self._limited.items()):
+            limited.add_metric([limit], n)
+        yield limited
         ann = CounterMetricFamily(
             f"{NAMESPACE}_annotation_errors",
             "Pod annotations refused (safe default applied, Event posted), by annotation key.",
@@ -638,6 +653,11 @@ def count_swap(container: Any, direction: str) -> None:
 def count_arbiter_request(kind: str, outcome: str) -> None:
     if _active is not None:
         _active.count_arbiter_request(kind, outcome)
+
+
+def count_arbiter_limited(limit: str) -> None:
+    if _active is not None:
+        _active.count_arbiter_limited(limit)
 
 
 def count_reap(action: str, reason: str = "idle") -> None:

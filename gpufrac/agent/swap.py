@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
@@ -59,7 +60,7 @@ from gpufrac.agent.events import (
     REASON_SWAPPED_OUT,
     container_name,
 )
-from gpufrac.agent.peers import PeerLookup
+from gpufrac.agent.peers import PeerLookup, scan_pids
 from gpufrac.agent.resolvers import Chain, Holding, Need, Outcome
 from gpufrac.agent.units import format_bytes
 from gpufrac.memguard import formats
@@ -197,6 +198,45 @@ def clear_all_flags(directory: str) -> int:
         return 0
 
 
+def maps_file(pid: int, dev: int, ino: int, proc: str = "/proc") -> bool:
+    """Whether process `pid` has the file (device, inode) mapped: the shim keeps its
+    container's usage file mapped, whatever path its container sees it under."""
+    want = f"{os.major(dev):02x}:{os.minor(dev):02x} {ino} "
+    try:
+        with open(f"{proc}/{pid}/maps") as f:
+            return any(want in line for line in f)
+    except OSError:
+        return False
+
+
+def processes_of(alloc: ContainerAlloc, peers: PeerLookup) -> list[int] | None:
+    """Host pids of a container's shim processes, found by cgroup alone (blocking: a /proc
+    scan). Needs no pod cache, which a freshly started agent does not have yet: every
+    process in the pod's cgroup that maps this container's usage file. None when the
+    container's pod is not known, so that nothing can be concluded from finding nobody."""
+    seen = peers.seen.get(alloc.key)
+    uid = seen.pod_uid if seen is not None else alloc.pod_uid
+    if not uid:
+        with contextlib.suppress(FormatError):
+            uid = formats.read_config(alloc.directory).pod_uid  # the identity the agent published
+    if not uid:
+        return None
+    try:
+        st = os.stat(os.path.join(alloc.directory, formats.USAGE_FILE))
+    except OSError:
+        return None
+    return [
+        pid
+        for pid in scan_pids(lambda c: c.pod_uid == uid, peers.proc)
+        if maps_file(pid, st.st_dev, st.st_ino, peers.proc)
+    ]
+
+
+class _Unknown(Exception):
+    """A container's processes cannot be found now: nothing about its swap state may be
+    concluded (its flags stay as they are)."""
+
+
 def launches_of(directory: str, slots: Iterable[SlotId]) -> int:
     want = set(slots)
     usage = formats.read_usage(directory)
@@ -219,6 +259,7 @@ class SwapResolver:
         self._inflight = 0  # bytes of swap-outs under way (host RAM they will take)
         self._detect: asyncio.Future[Support] | None = None
         self._said = False
+        self._unknown_said: set[str] = set()  # containers whose processes could not be told apart yet
 
     # -- support --------------------------------------------------------------------------------
 
@@ -246,6 +287,8 @@ class SwapResolver:
                     async with self._busy_with(alloc.key):
                         if alloc.key not in self.swapped and self.ctx.ledger.get(alloc.key) is alloc:
                             await self._rediscover(alloc)
+                except _Unknown:
+                    pass  # its SWAP_IN takes it over once its pod is known
                 except Exception:
                     log.exception("swap: cannot recover the swap state of %s", alloc.who())
 
@@ -534,14 +577,21 @@ class SwapResolver:
         async with self._busy_with(key):
             entry = self.swapped.get(key)
             if entry is None:
-                entry = await self._rediscover(alloc)
+                try:
+                    entry = await self._rediscover(alloc)
+                except _Unknown:
+                    return False  # not yet: its shim asks again
                 if entry is None:
                     return True
             return await self._swap_in(entry)
 
     async def _rediscover(self, alloc: ContainerAlloc) -> Swapped | None:
         """A container flagged swapped that this agent did not swap (a previous agent did):
-        its checkpointed processes become a Swapped entry again; stale flags are cleared."""
+        its locked or checkpointed processes become a Swapped entry again. Its flags are
+        cleared only once its processes are known (by cgroup) and the driver reports none of
+        them locked or checkpointed: a flag cleared over a locked process leaves that process
+        blocked in the driver with nobody to ask for it. _Unknown when its processes cannot
+        be found yet."""
         try:
             usage = await asyncio.to_thread(formats.read_usage, alloc.directory)
         except FormatError:
@@ -549,30 +599,61 @@ class SwapResolver:
         flagged = [s for s in usage.slots if s.pid > 0 and s.swapped]
         if not flagged:
             return None
+        if not self.ckpt.available:
+            # No checkpoint API: nothing here can have been checkpointed by us (flags a
+            # container set on itself, its usage file being writable to it).
+            n = await asyncio.to_thread(clear_all_flags, alloc.directory)
+            log.info("swap: cleared %d swapped flag(s) of %s (no checkpoint API here)", n, alloc.who())
+            return None
 
-        def find() -> list[tuple[int, SlotId]]:
-            want = {(int(s.pid), int(s.start_time)) for s in flagged}
+        def find() -> list[tuple[int, SlotId, ProcessState]] | None:
+            pids = processes_of(alloc, self.ctx.peers)
+            if pids is None:
+                return None
             out = []
-            for pid in self.ctx.peers.pids_of(alloc):
+            for pid in pids:
+                state = process_state(pid, self.ckpt)
                 ident = proc_identity(pid)
-                state = process_state(pid, self.ckpt) if self.ckpt.available else None
-                if ident in want and state in (ProcessState.LOCKED, ProcessState.CHECKPOINTED):
-                    out.append((pid, ident))
+                if state in (ProcessState.CHECKPOINTING, ProcessState.RESTORING):
+                    return None  # the driver is still moving it: look again later
+                if ident is not None and state in (ProcessState.LOCKED, ProcessState.CHECKPOINTED):
+                    out.append((pid, ident, state))
             return out
 
-        procs = await asyncio.to_thread(find) if self.ckpt.available else []
+        procs = await asyncio.to_thread(find)
+        if procs is None:
+            if alloc.key in self._unknown_said:
+                raise _Unknown(f"the processes of {alloc.who()} cannot be found yet")
+            self._unknown_said.add(alloc.key)  # said once: its shim asks again and again
+            log.warning(
+                "swap: %s is flagged swapped out but its processes cannot be told yet (pod unknown, "
+                "or the driver is still checkpointing or restoring one); its flags stay set",
+                alloc.who(),
+            )
+            raise _Unknown(f"the processes of {alloc.who()} cannot be found yet")
+        self._unknown_said.discard(alloc.key)
         if not procs:
             n = await asyncio.to_thread(clear_all_flags, alloc.directory)
-            log.info("swap: cleared %d stale swapped flag(s) of %s", n, alloc.who())
+            log.info(
+                "swap: cleared %d stale swapped flag(s) of %s (no process of it is locked)", n, alloc.who()
+            )
             return None
+        want = {(int(s.pid), int(s.start_time)) for s in flagged}
+        stray = [pid for pid, ident, _ in procs if ident not in want]
+        if stray:
+            # Locked or checkpointed without a flag (its slot was reused, or the flag was
+            # cleared): it comes back with the others, or it would stay blocked forever.
+            log.warning("swap: %s has locked process(es) %s without a swapped flag", alloc.who(), stray)
         entry = Swapped(
             alloc,
             alloc.gpus[0],
             int(usage.total_used),
-            tuple(p for p, _ in procs),
-            tuple(s for _, s in procs),
+            tuple(p for p, _, _ in procs),
+            tuple(ident for _, ident, _ in procs),
             needed_by="a previous agent",
         )
+        # Every one of them flagged: its shim asks to come back on its next call.
+        await asyncio.to_thread(set_swapped, alloc.directory, entry.slots, 1)
         self.swapped[alloc.key] = entry
         log.info("swap: %s is swapped out (%s); taken over", alloc.who(), format_bytes(entry.bytes))
         return entry

@@ -10,6 +10,13 @@ from kubernetes.utils.quantity import parse_quantity
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 _DURATION_SCALE = {"ms": Decimal("0.001"), "s": Decimal(1), "m": Decimal(60), "h": Decimal(3600)}
+# The largest size any field of the shim holds (u64 bytes, memguard_abi.h).
+MAX_BYTES = 2**64 - 1
+# The longest duration accepted anywhere: past it timers overflow, and no setting needs more.
+MAX_DURATION_S = 100 * 365 * 86400
+# Durations the shim holds in a u32 of milliseconds (memguard_abi.h: arbiter_timeout_ms,
+# wait_timeout_ms): about 49.7 days.
+MAX_MS_FIELD_S = (2**32 - 1) / 1000
 
 
 def parse_bytes(value: str | int) -> int:
@@ -26,6 +33,8 @@ def parse_bytes(value: str | int) -> int:
         raise ValueError(f"{value!r} is not a finite quantity")
     if q < 0:
         raise ValueError(f"{value!r} is negative")
+    if q > MAX_BYTES:  # also keeps "1e400" from reaching float arithmetic
+        raise ValueError(f"{value!r} is more than the 16Ei (2^64 - 1 bytes) a size field holds")
     if q != q.to_integral_value():
         raise ValueError(f"{value!r} is not a whole number of bytes")
     return int(q)
@@ -40,6 +49,8 @@ def parse_duration(value: str | int | float) -> float:
             raise ValueError(f"{value!r} is not a finite duration")
         if value < 0:
             raise ValueError(f"{value!r} is negative")
+        if value > MAX_DURATION_S:
+            raise ValueError(f"{value!r} is longer than 100 years")
         return float(value)
     text = str(value).strip()
     if not text:
@@ -52,11 +63,15 @@ def parse_duration(value: str | int | float) -> float:
         pos = m.end()
     if pos != len(text):
         raise ValueError(f"{value!r} is not a duration like 30m, 1h30m or 45s")
+    if total > MAX_DURATION_S:
+        raise ValueError(f"{value!r} is longer than 100 years")
     return float(total)
 
 
 def format_bytes(n: int) -> str:
     """Human-readable binary size: 1536 MiB -> '1.5Gi'."""
+    if abs(n) >= 1 << 80:  # beyond any real size (and beyond float division): say how big
+        return f"{Decimal(n):.3E}B"
     for unit, scale in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
         if abs(n) >= scale:
             v = n / scale

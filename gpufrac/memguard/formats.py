@@ -103,6 +103,9 @@ BURST_REFUSED, BURST_INVALID, BURST_UNAVAILABLE = 2, 3, 4
 # The driver refused an allocation within the request (others' bursts hold the guarantee):
 # the agent takes burst memory back; GRANTED means retry once.
 BURST_OP_RECLAIM = 4
+# The caller's container is over its arbiter limits (connections, requests in flight,
+# request rate: gpufrac.agent.fairness); sent without any work done for the request.
+BURST_BUSY = 5
 
 
 class BurstRequest(ctypes.Structure):
@@ -218,6 +221,26 @@ def create_unpublished(directory: str | os.PathLike[str]) -> None:
             os.close(fd)
 
 
+# Integer fields of ContainerConfig and the range of the ConfigStruct field each goes to.
+_FIELD_RANGES = {
+    "request_bytes": (0, 2**64 - 1),
+    "limit_bytes": (0, 2**64 - 1),
+    "grant_bytes": (0, 2**64 - 1),
+    "flags": (0, 2**32 - 1),
+    "workload_class": (0, 2**32 - 1),
+    "arbiter_timeout_ms": (0, 2**32 - 1),
+    "wait_timeout_ms": (0, 2**32 - 1),
+    "priority": (-(2**31), 2**31 - 1),
+}
+
+
+def _check_fits(cfg: ContainerConfig) -> None:
+    for name, (low, high) in _FIELD_RANGES.items():
+        value = getattr(cfg, name)
+        if not low <= value <= high:
+            raise FormatError(f"config field {name}: {value} does not fit (range {low}..{high})")
+
+
 class ConfigFile:
     """The agent's handle on one container's config file (the only writer)."""
 
@@ -237,7 +260,9 @@ class ConfigFile:
         self.path = Path(directory) / CONFIG_FILE
 
     def write(self, cfg: ContainerConfig) -> int:
-        """Publish a new config under the seqlock; returns the new generation."""
+        """Publish a new config under the seqlock; returns the new generation. A value its
+        field cannot hold raises FormatError (ctypes would silently wrap it around)."""
+        _check_fits(cfg)
         s = self._s
         # Odd while writing: readers retry. `|= 1` rather than `+= 1`: an agent killed mid-write
         # left seq odd, and adding one would make this write look consistent half-way through.

@@ -46,6 +46,8 @@ FIGURES: dict[str, tuple[str, ...]] = {
         "burst_grant_shim_p99_us",
         "wait_handoff_p50_ms",
         "wait_handoff_p99_ms",
+        "grant_p99_us_under_flood",
+        "flood_p99_ratio",
     ),
     "packing": ("seed",),
     "shim": (

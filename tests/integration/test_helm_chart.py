@@ -331,7 +331,7 @@ def _config_schema(cls: type[Any], skip: tuple[str, ...] = ()) -> dict[str, Any]
             (item,) = get_args(hint)
             leaf = {"type": "array", "items": {"type": {int: "integer", str: "string"}[item]}}
         else:
-            leaf = {"type": {bool: "boolean", int: "integer", str: "string"}[hint]}
+            leaf = {"type": {bool: "boolean", int: "integer", float: "number", str: "string"}[hint]}
         props[config._camel(f.name)] = leaf
     return {"type": "object", "additionalProperties": False, "properties": props}
 

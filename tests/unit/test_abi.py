@@ -77,6 +77,7 @@ CONSTANTS: list[tuple[int, str]] = [
     (formats.BURST_OP_RECLAIM, "MG_BURST_OP_RECLAIM"),
     (formats.BURST_GRANTED, "MG_BURST_GRANTED"),
     (formats.BURST_DENIED, "MG_BURST_DENIED"),
+    (formats.BURST_BUSY, "MG_BURST_BUSY"),
 ]
 
 

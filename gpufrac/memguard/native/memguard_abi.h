@@ -117,6 +117,9 @@ typedef struct {
  * request (its guarantee is held by others' bursts): the agent takes burst memory
  * back for it; GRANTED means the request is physically free again, retry once. */
 #define MG_BURST_OP_RECLAIM 4u
+/* The caller's container is over its per-container arbiter limits (connections,
+ * requests in flight, request rate): refused at once, like every status but GRANTED. */
+#define MG_BURST_BUSY 5u
 
 typedef struct {
     uint32_t magic;        /* MG_BURST_MAGIC */

@@ -1,0 +1,203 @@
+"""Per-container limits on the arbiter socket: one tenant cannot starve the others.
+
+The socket is shared by every container on the node, so without limits one
+container could hold every connection (slowloris), keep every request waiting, or
+keep the agent's loop busy answering it. Each caller is counted against its own
+container, named by the kernel (SO_PEERCRED -> /proc/<pid>/cgroup, as in
+gpufrac.agent.peers), never by its message:
+
+* connections open at once (`connectionsPerContainer`), including ones that have
+  not sent their request yet;
+* requests being decided at once (`inflightPerContainer`): waiting in a resolver,
+  a swap-in, a reclaim;
+* requests per second (`requestsPerSecond`, a token bucket of `requestBurst`).
+
+A caller over a limit gets BURST_BUSY (the shim's "no") without any work done
+for it, REFUSE_DELAY later; its connection is held meanwhile and counts as its
+container's: a flood that reconnects as soon as it is answered is slowed down
+instead of keeping the agent busy refusing it. When the node-wide cap
+(`maxConnections`, file descriptors) is reached, the newest connection still
+waiting for its request (or held) in the container that holds the most
+connections is closed to make room, unless the newcomer belongs to that
+container, which is then refused at once: a crowd of containers shares the
+node's connections evenly.
+
+Callers outside any kubelet container (the agent's own tools) share one account.
+Each container's refusals are logged at most once per LOG_EVERY seconds (with the
+count since) and counted in gpufrac_arbiter_limited_total{limit}.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpufrac.agent import metrics
+from gpufrac.agent.peers import PeerError, peer_credentials, read_cgroup
+
+log = logging.getLogger(__name__)
+
+LOG_EVERY = 60.0  # seconds between two log lines about one container's refusals
+PRUNE_EVERY = 10.0  # seconds between two sweeps of idle accounts
+# A connection past its container's limit is answered BUSY this much later: a flooder that
+# reconnects as soon as it is answered is slowed to its limit's worth of connections per
+# REFUSE_DELAY, instead of keeping the agent busy refusing it.
+REFUSE_DELAY = 1.0
+OUTSIDE = "outside-containers"  # the account of callers in no kubelet container
+LIMITS = ("connections", "inflight", "rate", "node")
+
+
+@dataclass
+class Account:
+    """One container's use of the arbiter socket."""
+
+    key: str
+    connections: list[Any] = field(default_factory=list)  # its open connections, oldest first
+    inflight: int = 0
+    tokens: float = 0.0
+    refill_at: float = 0.0
+    refused: int = 0  # refusals since the last log line
+    logged_at: float = float("-inf")
+
+
+class Fairness:
+    """The arbiter's per-container accounts (on the agent's loop)."""
+
+    def __init__(
+        self,
+        *,
+        connections: int,
+        inflight: int,
+        rate: float,
+        burst: int,
+        node_connections: int,
+        proc: str = "/proc",
+    ) -> None:
+        self.max_connections = connections
+        self.max_inflight = inflight
+        self.rate = rate
+        self.burst = burst
+        self.node_connections = node_connections
+        self.proc = proc
+        self.accounts: dict[str, Account] = {}
+        self.open = 0  # connections node-wide
+        self._pruned_at = time.monotonic()
+
+    @classmethod
+    def from_config(cls, config: Any, proc: str = "/proc") -> Fairness:
+        lim = config.arbiter_limits
+        return cls(
+            connections=lim.connections_per_container,
+            inflight=lim.inflight_per_container,
+            rate=lim.requests_per_second,
+            burst=lim.request_burst,
+            node_connections=lim.max_connections,
+            proc=proc,
+        )
+
+    def container_of(self, sock: Any) -> str:
+        """The caller's account key: its kubelet container as the kernel names it."""
+        try:
+            ident = read_cgroup(peer_credentials(sock).pid, self.proc)
+        except (PeerError, OSError):
+            return OUTSIDE  # it will be refused when it asks; until then it counts as outside
+        if ident is None:
+            return OUTSIDE
+        return f"{ident.pod_uid}/{ident.container_id}"
+
+    def _account(self, key: str) -> Account:
+        acc = self.accounts.get(key)
+        if acc is None:
+            acc = self.accounts[key] = Account(key, tokens=float(self.burst), refill_at=time.monotonic())
+        return acc
+
+    def admit(self, conn: Any, key: str) -> tuple[Account | None, Any | None, bool]:
+        """Count a new connection of container `key`: (its account, or None when it is to be
+        refused at once; a connection of the heaviest container to close to make room, or
+        None; whether it is over its container's connection limit, to be answered BUSY after
+        REFUSE_DELAY). A held connection counts as its container's until it is closed."""
+        self._prune()
+        acc = self._account(key)
+        over = len(acc.connections) >= self.max_connections
+        if over:
+            self.refuse(acc, "connections")
+        victim = None
+        if self.open >= self.node_connections:
+            heaviest = max(self.accounts.values(), key=lambda a: len(a.connections))
+            pending = [c for c in heaviest.connections if c.op is None]
+            if heaviest is acc or len(heaviest.connections) <= len(acc.connections) or not pending:
+                if not over:
+                    self.refuse(acc, "node")
+                return None, None, over
+            victim = pending[-1]
+            self.refuse(heaviest, "node")
+        acc.connections.append(conn)
+        self.open += 1
+        return acc, victim, over
+
+    def gone(self, acc: Account, conn: Any) -> None:
+        try:
+            acc.connections.remove(conn)
+        except ValueError:
+            return
+        self.open -= 1
+
+    def _prune(self) -> None:
+        """Forget accounts with nothing open, a full bucket and no recent report: kept any
+        shorter, a caller that opens one connection at a time would start each with a full
+        bucket and a fresh report."""
+        now = time.monotonic()
+        if now - self._pruned_at < PRUNE_EVERY:
+            return
+        self._pruned_at = now
+        full = self.burst / self.rate if self.rate > 0 else 0.0
+        for key in [
+            k
+            for k, a in self.accounts.items()
+            if not a.connections
+            and a.inflight == 0
+            and now - a.refill_at >= full
+            and now - a.logged_at >= LOG_EVERY
+        ]:
+            del self.accounts[key]
+
+    def request(self, acc: Account) -> bool:
+        """Whether a request that has just arrived may be served (rate and in-flight limits)."""
+        now = time.monotonic()
+        acc.tokens = min(float(self.burst), acc.tokens + (now - acc.refill_at) * self.rate)
+        acc.refill_at = now
+        if acc.tokens < 1.0:
+            self.refuse(acc, "rate")
+            return False
+        if acc.inflight >= self.max_inflight:
+            self.refuse(acc, "inflight")
+            return False
+        acc.tokens -= 1.0
+        return True
+
+    def refuse(self, acc: Account, limit: str) -> None:
+        metrics.count_arbiter_limited(limit)
+        acc.refused += 1
+        now = time.monotonic()
+        if now - acc.logged_at >= LOG_EVERY:
+            log.warning(
+                "arbiter: container %s is over its %s limit (%s); refused %d request(s) or "
+                "connection(s) since the last report (next report in %.0fs at the earliest)",
+                acc.key,
+                limit,
+                self.describe(limit),
+                acc.refused,
+                LOG_EVERY,
+            )
+            acc.logged_at = now
+            acc.refused = 0
+
+    def describe(self, limit: str) -> str:
+        return {
+            "connections": f"{self.max_connections} open connections",
+            "inflight": f"{self.max_inflight} requests being decided",
+            "rate": f"{self.rate:g} requests/s, bursts of {self.burst}",
+            "node": f"{self.node_connections} connections on the node, shared evenly",
+        }[limit]

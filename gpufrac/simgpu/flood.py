@@ -1,0 +1,156 @@
+"""A hostile container's arbiter flood: `python -m gpufrac.simgpu.flood MODE N` in a container.
+
+What a tenant can do with its end of the arbiter socket, for the fairness tests and the
+bench (gpufrac.agent.fairness is the defence):
+
+    idle N   keep N connections open that never send a byte (reopened when closed)
+    slow N   the same, each having sent half a request (slowloris)
+    rate N [BYTES]  N processes sending BURST requests (of BYTES, default 1 GiB) back to
+             back, as fast as answers come (a burst that has to wait holds its process)
+    junk N   N processes sending random bytes, a connection each
+
+It prints "ready" once the flood is under way, then one line per second:
+"<connects> <replies> <busy replies>" (for rate and junk, the first process's counts
+only). It runs until killed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import resource
+import selectors
+import signal
+import socket
+import sys
+import time
+
+from gpufrac.memguard import formats
+
+CONTAINER_DIR_ENV = "GPUFRAC_CONTAINER_DIR"
+
+
+def _path() -> str:
+    return os.path.join(os.environ.get(CONTAINER_DIR_ENV, formats.DEFAULT_DIR), formats.SOCKET_FILE)
+
+
+def _request(nbytes: int) -> bytes:
+    return bytes(
+        formats.BurstRequest(
+            formats.BURST_MAGIC,
+            formats.ABI_VERSION,
+            formats.BURST_OP_BURST,
+            os.getpid(),
+            0,
+            nbytes,
+            nbytes,
+            0,
+        )
+    )
+
+
+def hold(path: str, n: int, half: bool) -> None:
+    """Keep `n` connections open, each silent or with half a request sent."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, n + 64)), hard))
+    sel = selectors.DefaultSelector()
+    stats = [0, 0, 0]
+    partial = _request(1 << 30)[: formats.ctypes.sizeof(formats.BurstRequest) // 2]
+
+    def open_one() -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+            if half:
+                s.send(partial)
+        except OSError:
+            s.close()
+            time.sleep(0.001)
+            return
+        stats[0] += 1
+        s.setblocking(False)
+        sel.register(s, selectors.EVENT_READ)
+
+    for _ in range(n):
+        open_one()
+    print("ready", flush=True)
+    last = time.monotonic()
+    while True:
+        for key, _ in sel.select(0.05):
+            s = key.fileobj
+            assert isinstance(s, socket.socket)
+            try:
+                data = s.recv(64)
+            except OSError:
+                data = b""
+            if len(data) >= 8:
+                stats[1] += 1
+                stats[2] += int.from_bytes(data[6:8], sys.byteorder) == formats.BURST_BUSY
+            sel.unregister(s)
+            s.close()
+            open_one()  # the agent closed it: open another
+        if time.monotonic() - last >= 1:
+            last = time.monotonic()
+            print(*stats, flush=True)
+
+
+def hammer(path: str, junk: bool, report: bool, nbytes: int) -> None:
+    """Requests back to back, each on a new connection, as the shim sends them."""
+    stats = [0, 0, 0]
+    rng = random.Random(os.getpid())
+    req = _request(nbytes)
+    last = time.monotonic()
+    while True:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(120)
+            try:
+                s.connect(path)
+                stats[0] += 1
+                s.sendall(rng.randbytes(rng.randrange(1, 200)) if junk else req)
+                data = s.recv(64)
+                if len(data) >= 8:
+                    stats[1] += 1
+                    stats[2] += int.from_bytes(data[6:8], sys.byteorder) == formats.BURST_BUSY
+            except OSError:
+                pass
+        if report and time.monotonic() - last >= 1:
+            last = time.monotonic()
+            print(*stats, flush=True)
+
+
+def main(argv: list[str]) -> int:
+    mode, n = argv[0], int(argv[1])
+    nbytes = int(argv[2]) if len(argv) > 2 else 1 << 30
+    path = _path()
+    if mode in ("idle", "slow"):
+        hold(path, n, mode == "slow")
+        return 0
+    if mode not in ("rate", "junk"):
+        print(f"unknown mode {mode}", file=sys.stderr)
+        return 2
+    children = []
+    for _ in range(n - 1):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                hammer(path, mode == "junk", False, nbytes)
+            finally:
+                os._exit(0)
+        children.append(pid)
+
+    def stop(*_: object) -> None:
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    print("ready", flush=True)
+    try:
+        hammer(path, mode == "junk", True, nbytes)
+    finally:
+        stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
