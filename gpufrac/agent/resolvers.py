@@ -173,7 +173,14 @@ class EvictResolver:
     """Kills the processes of containers that hold burst memory on the GPU, are
     preemptible and rank below the requester (lower priority; or equal priority and
     idle longer than evictIdleThreshold). Guaranteed memory is never counted as won:
-    only the victims' burst bytes are."""
+    only the victims' burst bytes are.
+
+    A guarantee outranks every burst, whatever its holder declared: for a reclaim (a
+    container taking back memory within its request, kind "reclaim") a burst that is not
+    preemptible is a victim too, after every preemptible one. `preemptible: "false"` shields
+    a burst from other containers' bursts, never from a neighbour's guarantee (a burst is
+    borrowed memory: the swap resolver, ahead in the chain when configured, may move a
+    swappable one to host RAM first)."""
 
     name = "evict"
 
@@ -183,8 +190,11 @@ class EvictResolver:
 
     def victims(self, need: Need) -> list[Holding]:
         out = []
+        guarantee = need.kind == "reclaim"
         for h in self.ctx.holdings(need.gpu):
-            if h.alloc.key == need.requester.key or not h.preemptible or h.burst <= 0 or h.grant <= 0:
+            if h.alloc.key == need.requester.key or h.burst <= 0 or h.grant <= 0:
+                continue
+            if not h.preemptible and not guarantee:
                 continue
             if h.used <= h.request:
                 continue  # holds a grant but uses only its guarantee: nothing to win by killing
@@ -192,8 +202,8 @@ class EvictResolver:
             idle = h.priority == need.priority and h.idle_s >= self.ctx.evict_idle_threshold
             if lower or idle:
                 out.append(h)
-        # Lowest priority first, then longest idle, then the largest burst.
-        out.sort(key=lambda h: (h.priority, -h.idle_s, -h.burst))
+        # Preemptible ones first, then the lowest priority, the longest idle, the largest burst.
+        out.sort(key=lambda h: (not h.preemptible, h.priority, -h.idle_s, -h.burst))
         return out
 
     async def resolve(self, need: Need) -> Outcome:
@@ -238,11 +248,12 @@ class EvictResolver:
             log.exception("evicting %s for %s failed", h.alloc.who(), need.who())
             return None
         metrics.count_eviction(h.alloc)
-        why = (
-            f"priority {h.priority} < {need.priority}"
-            if h.priority < need.priority
-            else f"idle {h.idle_s:.0f}s"
-        )
+        if need.kind == "reclaim":
+            why = "within its guarantee" + ("" if h.preemptible else ", which outranks any burst")
+        elif h.priority < need.priority:
+            why = f"priority {h.priority} < {need.priority}"
+        else:
+            why = f"idle {h.idle_s:.0f}s"
         self.ctx.event(
             h.alloc,
             WARNING,
