@@ -47,7 +47,7 @@ from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.admission import reclaim_guarantee
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.config import Config
-from gpufrac.agent.events import REASON_USAGE_MISMATCH, WARNING, container_ref
+from gpufrac.agent.events import container_ref
 from gpufrac.agent.peers import (
     Caller,
     CgroupIdentity,
@@ -155,7 +155,8 @@ class Arbiter:
         self._read_processes = processes
         self._driver: truth.DriverUsage | None = None
         self._driver_error_logged = False
-        self.mismatch = truth.MismatchTracker(config.watchdog.tolerance)
+        # One context allowance per container (docs/watchdog.md), as the watchdog's.
+        self.allowance = config.watchdog.tolerance
         self._bad_usage: dict[str, str] = {}  # key -> what was wrong with its usage file (logged once)
         self._nvml: dict[str, Any] | None = None
         self._nvml_at = -1e9
@@ -487,7 +488,7 @@ class Arbiter:
         if self._driver is None:
             return None
         raw = self._driver.bytes_of(alloc.key, alloc.gpus[0])
-        return max(0, raw - self.mismatch.allowance)
+        return max(0, raw - self.allowance)
 
     def _used(self, alloc: ContainerAlloc) -> int | None:
         """What the container holds on its GPU (a swapped-out container: nothing): the larger
@@ -675,17 +676,6 @@ class Arbiter:
             return
         self._driver_error_logged = False
         self._driver = truth.attribute(procs, self.peers)
-        for alloc in self.ledger.containers():
-            if alloc.whole_gpu or (self.swap is not None and self.swap.is_swapped(alloc.key)):
-                continue
-            file_used = self._file_used(alloc)
-            if file_used is None:
-                continue
-            msg = self.mismatch.check(alloc, file_used, self._driver.bytes_of(alloc.key, alloc.gpus[0]))
-            if msg is not None:
-                log.warning("%s", msg)
-                self.event(alloc, WARNING, REASON_USAGE_MISMATCH, msg)
-                metrics.count_usage_mismatch()
 
     # -- releases and waiters ----------------------------------------------------------------------
 
@@ -804,7 +794,6 @@ class Arbiter:
             for key in [k for k in self._usage if booked(k) is None]:
                 os.close(self._usage.pop(key))
                 self._bad_usage.pop(key, None)
-                self.mismatch.forget([key])
                 self._returned.pop(key, None)
                 self._unused_since.pop(key, None)
             for key in [k for k in self._granted_at if booked(k) is None]:

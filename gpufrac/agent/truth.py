@@ -19,8 +19,9 @@ so zeroing the counter, or allocating from a process that does not load the shim
 nothing, and an inflated counter takes nothing from anyone.
 
 A container whose file and driver count disagree by more than the allowance for longer than
-DISAGREE_AFTER is flagged once per episode: a Warning Event on its pod (GpuUsageFileMismatch), a
-log line and the counter gpufrac_usage_file_mismatches_total.
+DISAGREE_AFTER is flagged once per episode by the watchdog, which reads both every interval: a
+Warning Event on its pod (GpuUsageFileMismatch), a log line and the counter
+gpufrac_usage_file_mismatches_total.
 """
 
 from __future__ import annotations
@@ -29,11 +30,15 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gpufrac.agent.allocations import ContainerAlloc
 from gpufrac.agent.peers import PeerError
 from gpufrac.agent.units import format_bytes
-from gpufrac.agent.watchdog import Lookup, Observed
+from gpufrac.memguard import formats
+
+if TYPE_CHECKING:  # the watchdog imports this module
+    from gpufrac.agent.watchdog import Lookup, Observed
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +79,18 @@ def attribute(seen: Iterable[Observed], lookup: Lookup) -> DriverUsage:
         out.by_container[at] = out.by_container.get(at, 0) + o.proc.used
         out.pids.setdefault(at, []).append(o.proc.pid)
     return out
+
+
+def file_on_gpu(directory: str) -> int | None:
+    """What a usage file says the container holds on the GPU now: its total less what its
+    swapped-out processes hold (that is in host RAM, where NVML does not count it). None when
+    the file is unusable. Blocking (a pread)."""
+    try:
+        u = formats.read_usage(directory)
+    except formats.FormatError:
+        return None
+    swapped = sum(int(s.used_bytes) for s in u.slots if s.pid > 0 and s.swapped)
+    return max(0, int(u.total_used) - swapped)
 
 
 def clamp_file(alloc: ContainerAlloc, total_used: int) -> int:

@@ -37,12 +37,13 @@ from typing import Protocol
 
 import pynvml
 
-from gpufrac.agent import metrics
+from gpufrac.agent import metrics, truth
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.config import WatchdogConfig
 from gpufrac.agent.events import (
     REASON_LIMIT_ENFORCED,
     REASON_OVER_LIMIT,
+    REASON_USAGE_MISMATCH,
     WARNING,
     container_name,
     container_ref,
@@ -216,6 +217,8 @@ class Watchdog:
         self.reports = 0
         self.errors = 0
         self._task: asyncio.Task[None] | None = None
+        # Usage files checked against NVML (gpufrac.agent.truth), flagged once per episode.
+        self.mismatch = truth.MismatchTracker(config.tolerance)
 
     @property
     def enforcing(self) -> bool:
@@ -271,6 +274,7 @@ class Watchdog:
             idents[o.proc.pid] = o.cgroup
             owned.append((alloc, o.proc))
         self._report_unowned(unowned)
+        await self._check_files(owned)
         verdicts = plan(owned, self.config.tolerance, self.enforcing)
         now_over = {(v.alloc.key, v.gpu) for v in verdicts}
         for v in verdicts:
@@ -284,6 +288,27 @@ class Watchdog:
         self.scans += 1
         metrics.set_watchdog_unowned(len(unowned), sum(p.used for p in unowned.values()))
         return verdicts
+
+    async def _check_files(self, owned: list[tuple[ContainerAlloc, GpuProcess]]) -> None:
+        """Each container's usage file against NVML's count for it on its GPU: a disagreement
+        beyond the allowance that lasts is flagged (Event, log, metric), once per episode."""
+        allocs = [a for a in self.ledger.containers() if not (a.whole_gpu or a.config.flags & FLAG_WHOLE_GPU)]
+        if not allocs:
+            return
+        files = await asyncio.to_thread(lambda: [truth.file_on_gpu(a.directory) for a in allocs])
+        driver: dict[str, int] = {}
+        for alloc, p in owned:
+            if p.gpu == alloc.gpus[0]:
+                driver[alloc.key] = driver.get(alloc.key, 0) + p.used
+        for alloc, file_used in zip(allocs, files, strict=True):
+            if file_used is None or self.ledger.get(alloc.key) is not alloc:
+                continue
+            msg = self.mismatch.check(alloc, file_used, driver.get(alloc.key, 0))
+            if msg is not None:
+                log.warning("watchdog: %s", msg)
+                self._event(alloc, REASON_USAGE_MISMATCH, msg)
+                metrics.count_usage_mismatch()
+        self.mismatch.forget([k for k in self.mismatch.since if self.ledger.get(k) is None])
 
     def _owner(self, ident: CgroupIdentity | None) -> ContainerAlloc | None:
         if ident is None:
