@@ -52,8 +52,8 @@ def zero_usage(host_dir: Path) -> None:
     u = formats.UsageFile(host_dir)
     try:
         u.usage.total_used = 0
-        for s in u.usage.slots:
-            s.used_bytes = 0
+        for i in range(formats.MAX_PROCS):
+            u.usage.slots[i].used_bytes = 0
     finally:
         u.close()
 

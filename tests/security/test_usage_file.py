@@ -95,7 +95,8 @@ def test_any_bytes_are_a_clean_result_or_a_format_error(data: bytes) -> None:
 def test_a_valid_header_with_any_counters_is_clamped(
     total: int, returned: int, slots: dict[int, tuple[int, int]], tail: bytes, cut: int
 ) -> None:
-    u = formats.UsageStruct.from_buffer_copy(header(total, returned) + bytes(SIZE - formats.USAGE_HEADER.size))
+    blank = bytes(SIZE - formats.USAGE_HEADER.size)
+    u = formats.UsageStruct.from_buffer_copy(header(total, returned) + blank)
     for i, (used, peak) in slots.items():
         u.slots[i].pid, u.slots[i].used_bytes, u.slots[i].peak_bytes = i + 1, used, peak
     data = (bytes(u) + tail)[:cut]
