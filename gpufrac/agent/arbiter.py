@@ -57,7 +57,7 @@ from gpufrac.agent.peers import (
     kill_and_wait,
     read_cgroup,
 )
-from gpufrac.agent.resolvers import Chain, Holding, Need, build_chain
+from gpufrac.agent.resolvers import Chain, Holding, Need, build_chain, guarantee_chain
 from gpufrac.agent.units import format_bytes
 from gpufrac.memguard import formats
 from gpufrac.memguard.formats import (
@@ -163,6 +163,8 @@ class Arbiter:
         self._nvml_task: asyncio.Task[None] | None = None
         self._nvml_error_logged = False
         self.chain = resolvers if resolvers is not None else build_chain(config.resolvers, self)
+        # A guarantee is reclaimed with an evict step even where `resolvers` leaves it out.
+        self.guarantee_chain = guarantee_chain(self.chain, self)
         # The swap resolver, if configured: its victims' memory is in host RAM, not on the GPU.
         self.swap = swap_mod.of(self.chain)
         self.stats = Stats()

@@ -273,6 +273,18 @@ class EvictResolver:
         return killed
 
 
+def guarantee_chain(chain: Chain, ctx: ResolverContext) -> Chain:
+    """The chain a guarantee is reclaimed with (gpufrac.agent.admission.reclaim_guarantee):
+    the configured one, with an evict step before `wait` when the node config left it out.
+    `resolvers` says how burst collisions are settled; a guarantee is not a burst, and the
+    bursts holding it must come back whatever the node or their holders declare."""
+    if any(r.name == EvictResolver.name for r in chain.resolvers):
+        return chain
+    ahead = [r for r in chain.resolvers if r.name != WaitResolver.name]
+    waits = [r for r in chain.resolvers if r.name == WaitResolver.name]
+    return Chain([*ahead, EvictResolver(ctx), *waits])
+
+
 def build_chain(names: Sequence[str], ctx: ResolverContext) -> Chain:
     """The resolvers named in the config, in its order. `swap` needs more of the arbiter
     than ResolverContext (gpufrac.agent.swap.SwapHost)."""
