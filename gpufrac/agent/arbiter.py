@@ -445,8 +445,8 @@ class Arbiter:
         return fd
 
     def _usage_bad(self, alloc: ContainerAlloc, why: str) -> None:
-        """A usage file the agent cannot use: logged once per container and reason."""
-        if self._bad_usage.get(alloc.key) != why:
+        """A usage file the agent cannot use: logged once per container (until it reads well)."""
+        if alloc.key not in self._bad_usage:
             self._bad_usage[alloc.key] = why
             log.warning("usage file of %s is unusable (%s): its own bursts are refused until the shim "
                         "rewrites it; others are not affected", alloc.who(), why)  # fmt: skip
@@ -471,17 +471,16 @@ class Arbiter:
         if fd is None:
             return None
         try:
+            # One pread per request: a file cut short reads short (no SIGBUS, unlike a mapping).
             head = os.pread(fd, formats.USAGE_HEADER.size, 0)
-            if len(head) < formats.USAGE_HEADER.size or os.fstat(fd).st_size < formats.USAGE_SIZE:
-                raise FormatError("truncated")
+            if len(head) < formats.USAGE_HEADER.size:
+                raise FormatError(f"{len(head)} bytes, truncated")
             magic, version, size, total, _ = formats.USAGE_HEADER.unpack(head)
             if (magic, version, size) != (formats.USAGE_MAGIC, formats.ABI_VERSION, formats.USAGE_SIZE):
                 raise FormatError(f"bad magic, version {version} or size {size}")
         except (OSError, FormatError) as e:
             self._usage_bad(alloc, str(e.strerror if isinstance(e, OSError) else e))
             return None
-        if alloc.key in self._bad_usage:
-            del self._bad_usage[alloc.key]
         return min(total, formats.USAGE_MAX_BYTES)
 
     def driver_used(self, alloc: ContainerAlloc) -> int | None:

@@ -82,15 +82,17 @@ def attribute(seen: Iterable[Observed], lookup: Lookup) -> DriverUsage:
 
 
 def file_on_gpu(directory: str) -> int | None:
-    """What a usage file says the container holds on the GPU now: its total less what its
-    swapped-out processes hold (that is in host RAM, where NVML does not count it). None when
-    the file is unusable. Blocking (a pread)."""
+    """What a usage file says the container holds on the GPU now, for the mismatch check; None
+    when the file is unusable, or while any of its processes is swapped out or moving (its
+    memory is in host RAM, or on its way, and NVML's count follows only when it lands; the
+    arbiter's decisions use its own swap state, never this flag). Blocking (a pread)."""
     try:
         u = formats.read_usage(directory)
     except formats.FormatError:
         return None
-    swapped = sum(int(s.used_bytes) for s in u.slots if s.pid > 0 and s.swapped)
-    return max(0, int(u.total_used) - swapped)
+    if any(s.pid > 0 and s.swapped for s in u.slots):
+        return None
+    return int(u.total_used)
 
 
 def clamp_file(alloc: ContainerAlloc, total_used: int) -> int:
@@ -113,9 +115,14 @@ class MismatchTracker:
         self, alloc: ContainerAlloc, file_used: int, driver_used: int, now: float | None = None
     ) -> str | None:
         """The message to flag `alloc` with now, or None. `file_used` unclamped, `driver_used`
-        NVML's raw sum for the container on its GPU."""
+        NVML's raw sum for the container on its GPU.
+
+        Under-reporting (the file below the driver's count) is what hides usage. A file above
+        it is flagged only past what the agent granted (request + grant): a slot of a killed
+        process keeps its bytes until a shim or the agent reaps it, within that."""
         now = time.monotonic() if now is None else now
-        gap = file_used - driver_used
+        granted = clamp_file(alloc, file_used)
+        gap = file_used - max(driver_used, granted) if file_used > driver_used else file_used - driver_used
         if abs(gap) <= self.allowance:
             self.since.pop(alloc.key, None)
             if alloc.key in self.flagged:

@@ -107,3 +107,27 @@ def test_start_time_orders_processes() -> None:
 
     assert start_time(os.getpid()) > 0 and start_time(1) <= start_time(os.getpid())
     assert start_time(1 << 30) == 0
+
+
+def test_the_mismatch_flag_is_raised_once_per_lasting_episode() -> None:
+    from gpufrac.agent.allocations import ContainerAlloc
+    from gpufrac.agent.truth import DISAGREE_AFTER, MismatchTracker
+    from gpufrac.memguard.formats import ContainerConfig
+
+    cfg = ContainerConfig(gpu_uuid="GPU-0", request_bytes=512 * MiB, limit_bytes=1024 * MiB, grant_bytes=0)
+    alloc = ContainerAlloc("k", "r", (), ("GPU-0",), 512 * MiB, "/x/k", False, cfg)
+    t = MismatchTracker(allowance=16 * MiB)
+    # Under-reporting (hiding 300 MiB): flagged once it lasts, once.
+    assert t.check(alloc, 0, 300 * MiB, now=0.0) is None
+    msg = t.check(alloc, 0, 300 * MiB, now=DISAGREE_AFTER)
+    assert msg is not None and "under-reports" in msg
+    assert t.check(alloc, 0, 300 * MiB, now=DISAGREE_AFTER * 3) is None
+    assert t.check(alloc, 300 * MiB, 300 * MiB, now=DISAGREE_AFTER * 4) is None  # agrees: episode over
+    # Over-reporting within what was granted (a killed process's slot not reaped yet): not flagged.
+    assert t.check(alloc, 400 * MiB, 0, now=100.0) is None
+    assert t.check(alloc, 400 * MiB, 0, now=100.0 + DISAGREE_AFTER) is None
+    # Past it: flagged.
+    assert t.check(alloc, 1 << 40, 0, now=200.0) is None
+    msg = t.check(alloc, 1 << 40, 0, now=200.0 + DISAGREE_AFTER)
+    assert msg is not None and "over-reports" in msg
+    assert t.flags == 2
