@@ -485,8 +485,9 @@ class Arbiter:
 
     def driver_used(self, alloc: ContainerAlloc) -> int | None:
         """What NVML counts for the container's processes on its GPU, less one context
-        allowance (gpufrac.agent.truth); None without a process reading."""
-        if self._driver is None:
+        allowance (gpufrac.agent.truth); None without a recent process reading (decisions take
+        a fresh one first; a stale count must not hold a grant that was given back)."""
+        if self._driver is None or time.monotonic() - self._nvml_at > NVML_STALE:
             return None
         raw = self._driver.bytes_of(alloc.key, alloc.gpus[0])
         return max(0, raw - self.allowance)
