@@ -287,12 +287,15 @@ class Arbiter:
             return formats.BURST_GRANTED, self._generation(alloc)
         if self._nvml_ready():
             return self._burst_decide(alloc, target, used)  # the common case: no task
-        return self._burst_after_reading(alloc, target, used)
+        return self._burst_after_reading(caller, nbytes, total_after)
 
-    async def _burst_after_reading(self, alloc: ContainerAlloc, target: int, used: int) -> Result:
+    async def _burst_after_reading(self, caller: Caller, nbytes: int, total_after: int) -> Result:
         await self._fresh_nvml()
-        out = self._burst_decide(alloc, target, used)
-        return out if isinstance(out, tuple) else await out
+        # Again with the fresh reading: the driver's count of the caller may have been stale.
+        out = self._burst(caller, nbytes, total_after)
+        while not isinstance(out, tuple):
+            out = await out
+        return out
 
     def _burst_decide(
         self, alloc: ContainerAlloc, target: int, used: int
