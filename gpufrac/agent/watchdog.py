@@ -292,7 +292,12 @@ class Watchdog:
     async def _check_files(self, owned: list[tuple[ContainerAlloc, GpuProcess]]) -> None:
         """Each container's usage file against NVML's count for it on its GPU: a disagreement
         beyond the allowance that lasts is flagged (Event, log, metric), once per episode."""
-        allocs = [a for a in self.ledger.containers() if not (a.whole_gpu or a.config.flags & FLAG_WHOLE_GPU)]
+        allocs = [
+            a
+            for a in self.ledger.containers()
+            # Not yet attached: its path may still hold a released container's file.
+            if self.ledger.attached(a.key) and not (a.whole_gpu or a.config.flags & FLAG_WHOLE_GPU)
+        ]
         if not allocs:
             return
         files = await asyncio.to_thread(lambda: [truth.file_on_gpu(a.directory) for a in allocs])
