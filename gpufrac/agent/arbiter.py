@@ -475,16 +475,10 @@ class Arbiter:
             return None
         try:
             # One pread per request: a file cut short reads short (no SIGBUS, unlike a mapping).
-            head = os.pread(fd, formats.USAGE_HEADER.size, 0)
-            if len(head) < formats.USAGE_HEADER.size:
-                raise FormatError(f"{len(head)} bytes, truncated")
-            magic, version, size, total, _ = formats.USAGE_HEADER.unpack(head)
-            if (magic, version, size) != (formats.USAGE_MAGIC, formats.ABI_VERSION, formats.USAGE_SIZE):
-                raise FormatError(f"bad magic, version {version} or size {size}")
+            return formats.parse_usage_total(os.pread(fd, formats.USAGE_HEADER.size, 0))
         except (OSError, FormatError) as e:
             self._usage_bad(alloc, str(e.strerror if isinstance(e, OSError) else e))
             return None
-        return min(total, formats.USAGE_MAX_BYTES)
 
     def driver_used(self, alloc: ContainerAlloc) -> int | None:
         """What NVML counts for the container's processes on its GPU, less one context

@@ -409,6 +409,17 @@ def read_usage(directory: str | os.PathLike[str]) -> UsageStruct:
     return parse_usage(data, str(path))
 
 
+def parse_usage_total(head: bytes, where: str = "usage file") -> int:
+    """The clamped total_used from the first USAGE_HEADER.size bytes of a usage file, its
+    header validated; FormatError (only) otherwise."""
+    if len(head) < USAGE_HEADER.size:
+        raise FormatError(f"{where}: {len(head)} bytes, truncated")
+    magic, version, size, total, _ = USAGE_HEADER.unpack(head[: USAGE_HEADER.size])
+    if magic != USAGE_MAGIC or version != ABI_VERSION or size != USAGE_SIZE:
+        raise FormatError(f"{where}: bad magic, version {version} or size {size}")
+    return min(total, USAGE_MAX_BYTES)
+
+
 def read_usage_total(directory: str | os.PathLike[str]) -> int:
     """Only the header's total_used (the arbiter reads it per request: 32 bytes, not 16 KiB)."""
     path = Path(directory) / USAGE_FILE
@@ -419,12 +430,7 @@ def read_usage_total(directory: str | os.PathLike[str]) -> int:
         raise FormatError(f"cannot read {path}: {e.strerror}") from None
     finally:
         os.close(fd)
-    if len(data) < USAGE_HEADER.size:
-        raise FormatError(f"{path}: truncated while read")
-    magic, version, size, total, _ = USAGE_HEADER.unpack(data)
-    if magic != USAGE_MAGIC or version != ABI_VERSION or size != USAGE_SIZE:
-        raise FormatError(f"{path}: bad magic, version {version} or size {size}")
-    return min(total, USAGE_MAX_BYTES)
+    return parse_usage_total(data, str(path))
 
 
 def slot_field_offset(index: int, name: str) -> int:

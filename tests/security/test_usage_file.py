@@ -63,13 +63,18 @@ def header(total: int = 0, returned: int = 0, magic: int = formats.USAGE_MAGIC) 
 
 
 def check_clean(data: bytes) -> None:
-    """parse_usage on `data`: a clamped copy or FormatError, nothing else."""
+    """parse_usage on `data`: a clamped copy or FormatError, nothing else (and the header-only
+    reader the arbiter uses per request agrees on the total)."""
+    try:
+        total = formats.parse_usage_total(data)
+    except formats.FormatError:
+        total = None
     try:
         u = formats.parse_usage(data)
     except formats.FormatError:
         return
     assert len(data) >= SIZE and data[:8] == formats.USAGE_MAGIC.to_bytes(8, "little")
-    assert 0 <= u.total_used <= formats.USAGE_MAX_BYTES
+    assert 0 <= u.total_used <= formats.USAGE_MAX_BYTES and total == u.total_used
     assert 0 <= u.grant_returned <= formats.USAGE_MAX_BYTES
     for s in u.slots:
         assert 0 <= s.used_bytes <= formats.USAGE_MAX_BYTES and 0 <= s.peak_bytes <= formats.USAGE_MAX_BYTES
