@@ -7,14 +7,16 @@ waits for it before starting the container) awaits that, bounded by PRESTART_WAI
 
 Per GPU of the newcomer: shortfall = its request - (NVML free - grantMargin - what the
 other containers may still charge within their request + grant) (Arbiter.guarantee_shortfall).
-To close it: unused grants are taken back at once, then the arbiter's resolver chain runs a
-Need of kind "reclaim" whose priority is above every pod's, so evict admits any preemptible
-borrower and the newcomer is first in line among waiters. Resolvers only ever win burst
-bytes (memory above a container's request), so nobody's guarantee is touched.
+To close it: unused grants are taken back at once, then the arbiter's guarantee chain
+(Arbiter.guarantee_chain: the configured resolvers, with an evict step even where the node
+config leaves it out) runs a Need of kind "reclaim" whose priority is above every pod's, so
+evict admits any borrower, preemptible or not (preemptible ones first), and the newcomer is
+first in line among waiters. Resolvers only ever win burst bytes (memory above a
+container's request), so nobody's guarantee is touched.
 
-If it cannot free enough (only non-preemptible borrowers), the container still starts
-(a pod start never fails for this): one log line, and a Warning Event on its pod naming
-who holds the memory.
+If it cannot free enough (memory held outside gpufrac), the container still starts (a pod
+start never fails for this): one log line, and a Warning Event on its pod naming who holds
+the memory.
 """
 
 from __future__ import annotations
@@ -172,7 +174,8 @@ async def reclaim_guarantee(
     )
     loop = asyncio.get_running_loop()
     try:
-        ok = await asyncio.wait_for(arb.chain.resolve(need), max(0.0, deadline - loop.time()) + 0.05)
+        chain = getattr(arb, "guarantee_chain", arb.chain)
+        ok = await asyncio.wait_for(chain.resolve(need), max(0.0, deadline - loop.time()) + 0.05)
     except asyncio.TimeoutError:
         ok = need.try_grant()
     return 0 if ok else max(shortfall(), 1)

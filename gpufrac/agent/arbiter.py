@@ -42,7 +42,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from gpufrac.agent import metrics
+from gpufrac.agent import metrics, truth
 from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.admission import reclaim_guarantee
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
@@ -58,7 +58,7 @@ from gpufrac.agent.peers import (
     kill_and_wait,
     read_cgroup,
 )
-from gpufrac.agent.resolvers import Chain, Holding, Need, build_chain
+from gpufrac.agent.resolvers import Chain, Holding, Need, build_chain, guarantee_chain
 from gpufrac.agent.units import format_bytes
 from gpufrac.memguard import formats
 from gpufrac.memguard.formats import (
@@ -66,7 +66,6 @@ from gpufrac.memguard.formats import (
     BurstReply,
     BurstRequest,
     FormatError,
-    UsageFile,
 )
 
 log = logging.getLogger(__name__)
@@ -133,6 +132,7 @@ class Arbiter:
         socket_path: str,
         *,
         memory: Callable[[], dict[str, Any]] | None = None,
+        processes: Callable[[], list[Any]] | None = None,
         events: Any | None = None,
         resolvers: Chain | None = None,
         read_timeout: float | None = None,
@@ -149,16 +149,29 @@ class Arbiter:
 
             memory = read_memory
         self._read_memory = memory
+        if processes is None:
+            from gpufrac.agent.watchdog import observe
+
+            processes = observe
+        # NVML's processes with their cgroups (gpufrac.agent.truth): what each container holds.
+        self._read_processes = processes
+        self._driver: truth.DriverUsage | None = None
+        self._driver_error_logged = False
+        # One context allowance per container (docs/watchdog.md), as the watchdog's.
+        self.allowance = config.watchdog.tolerance
+        self._bad_usage: dict[str, str] = {}  # key -> what was wrong with its usage file (logged once)
         self._nvml: dict[str, Any] | None = None
         self._nvml_at = -1e9
         self._nvml_task: asyncio.Task[None] | None = None
         self._nvml_error_logged = False
         self.chain = resolvers if resolvers is not None else build_chain(config.resolvers, self)
+        # A guarantee is reclaimed with an evict step even where `resolvers` leaves it out.
+        self.guarantee_chain = guarantee_chain(self.chain, self)
         # The swap resolver, if configured: its victims' memory is in host RAM, not on the GPU.
         self.swap = swap_mod.of(self.chain)
         self.stats = Stats()
         self._server: asyncio.base_events.Server | None = None
-        self._usage: dict[str, UsageFile] = {}
+        self._usage: dict[str, int] = {}  # container key -> an fd on its usage file (read by pread)
         self._config_maps: dict[str, mmap.mmap] = {}
         self._waiters: dict[str, list[_Waiter]] = {}
         self._claims: dict[str, list[Need]] = {}  # per GPU: needs a resolver is freeing memory for
@@ -213,8 +226,8 @@ class Arbiter:
                 await asyncio.wait_for(self._server.wait_closed(), 5)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
-        for u in self._usage.values():
-            u.close()
+        for fd in self._usage.values():
+            os.close(fd)
         self._usage.clear()
         for mm in self._config_maps.values():
             mm.close()
@@ -281,12 +294,15 @@ class Arbiter:
             return formats.BURST_GRANTED, self._generation(alloc)
         if self._nvml_ready():
             return self._burst_decide(alloc, target, used)  # the common case: no task
-        return self._burst_after_reading(alloc, target, used)
+        return self._burst_after_reading(caller, nbytes, total_after)
 
-    async def _burst_after_reading(self, alloc: ContainerAlloc, target: int, used: int) -> Result:
+    async def _burst_after_reading(self, caller: Caller, nbytes: int, total_after: int) -> Result:
         await self._fresh_nvml()
-        out = self._burst_decide(alloc, target, used)
-        return out if isinstance(out, tuple) else await out
+        # Again with the fresh reading: the driver's count of the caller may have been stale.
+        out = self._burst(caller, nbytes, total_after)
+        while not isinstance(out, tuple):
+            out = await out
+        return out
 
     def _burst_decide(
         self, alloc: ContainerAlloc, target: int, used: int
@@ -344,7 +360,9 @@ class Arbiter:
             or alloc.whole_gpu
             or cfg.flags & FLAG_DISABLED
             or used is None
-            or max(used, total_after) > alloc.request_bytes  # past the guarantee: BURST rules apply
+            # Past the guarantee: BURST rules apply. The file counts the refused bytes already;
+            # the driver's count does not, and a tenant cannot lower it.
+            or max(used, total_after, (self.driver_used(alloc) or 0) + nbytes) > alloc.request_bytes
         ):
             self.stats.denied += 1
             return formats.BURST_DENIED, 0
@@ -420,24 +438,74 @@ class Arbiter:
 
     # -- accounting ------------------------------------------------------------------------------
 
-    def _usage_of(self, alloc: ContainerAlloc) -> UsageFile | None:
-        u = self._usage.get(alloc.key)
-        if u is None:
+    def _usage_fd(self, alloc: ContainerAlloc) -> int | None:
+        fd = self._usage.get(alloc.key)
+        if fd is None:
             if not self.ledger.attached(alloc.key):
                 return None  # not written yet: the path may hold a released container's file
             try:
-                u = self._usage[alloc.key] = UsageFile(alloc.directory)
-            except FormatError as e:
-                log.debug("usage of %s: %s", alloc.who(), e)
+                fd = os.open(
+                    os.path.join(alloc.directory, formats.USAGE_FILE),
+                    os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                )
+            except OSError as e:
+                self._usage_bad(alloc, f"cannot open it: {e.strerror}")
                 return None
-        return u
+            self._usage[alloc.key] = fd
+        return fd
+
+    def _usage_bad(self, alloc: ContainerAlloc, why: str) -> None:
+        """A usage file the agent cannot use: logged once per container (until it reads well)."""
+        if alloc.key not in self._bad_usage:
+            self._bad_usage[alloc.key] = why
+            log.warning("usage file of %s is unusable (%s): its own bursts are refused until the shim "
+                        "rewrites it; others are not affected", alloc.who(), why)  # fmt: skip
+
+    def _usage_of(self, alloc: ContainerAlloc) -> formats.UsageStruct | None:
+        """A validated copy of the container's usage file (pread on a kept fd: never a mapping,
+        which a container truncating its file would turn into SIGBUS); None when unusable."""
+        fd = self._usage_fd(alloc)
+        if fd is None:
+            return None
+        try:
+            out = formats.parse_usage(os.pread(fd, formats.USAGE_SIZE, 0), "usage file")
+        except (OSError, FormatError) as e:
+            self._usage_bad(alloc, str(e.strerror if isinstance(e, OSError) else e))
+            return None
+        self._bad_usage.pop(alloc.key, None)
+        return out
+
+    def _file_used(self, alloc: ContainerAlloc) -> int | None:
+        """The usage file's total_used, validated and clamped (header only: per request)."""
+        fd = self._usage_fd(alloc)
+        if fd is None:
+            return None
+        try:
+            # One pread per request: a file cut short reads short (no SIGBUS, unlike a mapping).
+            return formats.parse_usage_total(os.pread(fd, formats.USAGE_HEADER.size, 0))
+        except (OSError, FormatError) as e:
+            self._usage_bad(alloc, str(e.strerror if isinstance(e, OSError) else e))
+            return None
+
+    def driver_used(self, alloc: ContainerAlloc) -> int | None:
+        """What NVML counts for the container's processes on its GPU, less one context
+        allowance (gpufrac.agent.truth); None without a recent process reading (decisions take
+        a fresh one first; a stale count must not hold a grant that was given back)."""
+        if self._driver is None or time.monotonic() - self._nvml_at > NVML_STALE:
+            return None
+        raw = self._driver.bytes_of(alloc.key, alloc.gpus[0])
+        return max(0, raw - self.allowance)
 
     def _used(self, alloc: ContainerAlloc) -> int | None:
-        """What the container holds on its GPU (a swapped-out container: nothing)."""
+        """What the container holds on its GPU (a swapped-out container: nothing): the larger
+        of its usage file (clamped to what it was given) and the driver's count
+        (gpufrac.agent.truth). None when the file cannot be read."""
         if self.swap is not None and self.swap.is_swapped(alloc.key):
             return 0
-        u = self._usage_of(alloc)
-        return None if u is None else int(u.usage.total_used)
+        used = self._file_used(alloc)
+        if used is None:
+            return None
+        return max(truth.clamp_file(alloc, used), self.driver_used(alloc) or 0)
 
     def _burst_held(self, alloc: ContainerAlloc, used: int | None = None) -> int:
         used = self._used(alloc) if used is None else used
@@ -481,7 +549,7 @@ class Arbiter:
             used = self._used(a)
             if u is None or used is None:
                 continue
-            last = max((int(s.last_activity_ns) for s in u.usage.slots if s.pid > 0), default=0)
+            last = max((int(s.last_activity_ns) for s in u.slots if s.pid > 0), default=0)
             out.append(
                 Holding(
                     alloc=a,
@@ -530,7 +598,14 @@ class Arbiter:
             if a.key != alloc.key:
                 # Unknown usage (not started yet): it may still charge all it was promised.
                 pending += max(0, a.request_bytes + a.config.grant_bytes - (self._used(a) or 0))
-        mine = min(alloc.request_bytes, alloc.request_bytes - (self._used(alloc) or 0) + inflight)
+        # What it holds now: the file less what it counted but the driver refused, or the
+        # driver's count, whichever is larger (gpufrac.agent.truth): a zeroed counter cannot
+        # make its guarantee look missing.
+        file_used = self._file_used(alloc) or 0
+        held = max(truth.clamp_file(alloc, file_used) - inflight, self.driver_used(alloc) or 0, 0)
+        if self.swap is not None and self.swap.is_swapped(alloc.key):
+            held = 0
+        mine = min(alloc.request_bytes, alloc.request_bytes - held)
         return max(0, mine - (int(mem.free) - self.config.grant_margin - pending))
 
     def release_unused(self, alloc: ContainerAlloc) -> None:
@@ -570,20 +645,43 @@ class Arbiter:
             assert self._nvml_task is not None
             await asyncio.shield(self._nvml_task)
 
+    def _read_driver(self) -> tuple[dict[str, Any], list[Any] | Exception]:
+        """Blocking: NVML's memory per GPU, then its processes with their cgroups."""
+        mem = self._read_memory()
+        try:
+            procs: list[Any] | Exception = self._read_processes()
+        except Exception as e:
+            procs = e
+        return mem, procs
+
     async def _refresh_nvml(self) -> None:
         try:
-            self._nvml = await asyncio.to_thread(self._read_memory)
+            self._nvml, procs = await asyncio.to_thread(self._read_driver)
             self._nvml_at = time.monotonic()
             self._nvml_error_logged = False
         except Exception as e:
             self._nvml = None  # no reading, no grants
+            self._driver = None
             self._nvml_at = time.monotonic()
             if not self._nvml_error_logged:
                 self._nvml_error_logged = True
                 log.error("arbiter: NVML memory reading failed, bursts are refused until it works: %s", e)
+        else:
+            self._take_processes(procs)
         # A fresh reading may let waiters in that a stale one kept out.
         for gpu in list(self._waiters):
             self.notify(gpu)
+
+    def _take_processes(self, procs: list[Any] | Exception) -> None:
+        """A new per-process reading: each container's driver count, checked against its file."""
+        if isinstance(procs, Exception):
+            self._driver = None  # decisions fall back on the files (clamped) until it works
+            if not self._driver_error_logged:
+                self._driver_error_logged = True
+                log.error("arbiter: NVML per-process reading failed, usage files are trusted: %s", procs)
+            return
+        self._driver_error_logged = False
+        self._driver = truth.attribute(procs, self.peers)
 
     # -- releases and waiters ----------------------------------------------------------------------
 
@@ -700,7 +798,8 @@ class Arbiter:
             for key in [k for k in self._config_maps if booked(k) is None]:
                 self._config_maps.pop(key).close()
             for key in [k for k in self._usage if booked(k) is None]:
-                self._usage.pop(key).close()
+                os.close(self._usage.pop(key))
+                self._bad_usage.pop(key, None)
                 self._returned.pop(key, None)
                 self._unused_since.pop(key, None)
             for key in [k for k in self._granted_at if booked(k) is None]:
@@ -723,7 +822,7 @@ class Arbiter:
             u = self._usage_of(alloc)
             if u is None:
                 continue
-            returned = int(u.usage.grant_returned)
+            returned = int(u.grant_returned)
             # A usage file starts at 0: a container whose process returned its grant before the
             # first sweep saw it (a short-lived burst) still counts as returned.
             last = self._returned.setdefault(alloc.key, 0)
@@ -736,7 +835,7 @@ class Arbiter:
             if g <= 0:
                 self._unused_since.pop(alloc.key, None)
                 continue
-            unused = alloc.request_bytes + g - int(u.usage.total_used)
+            unused = alloc.request_bytes + g - max(int(u.total_used), self.driver_used(alloc) or 0)
             if unused <= STALE_SLACK:
                 self._unused_since.pop(alloc.key, None)
                 continue
@@ -780,16 +879,20 @@ class Arbiter:
         return out
 
     def _reap_all(self, alloc: ContainerAlloc) -> None:
+        """Free the slots of a container with no process left (written by pwrite, never mapped)."""
         u = self._usage_of(alloc)
         if u is None:
             return
-        for s in u.usage.slots:
+        total = int(u.total_used)
+        writes: list[tuple[str, int, int]] = []
+        for i, s in enumerate(u.slots):
             if s.pid > 0:
-                s.pid = -1  # being reaped (the shim's own convention)
-                mine = int(s.used_bytes)
-                u.usage.total_used = max(0, int(u.usage.total_used) - mine)
-                s.used_bytes = 0
-                s.pid = 0
+                total = max(0, total - int(s.used_bytes))
+                # -1 first: being reaped (the shim's own convention), then the counters, then free.
+                writes += [("pid", i, -1), ("total_used", -1, total), ("used_bytes", i, 0), ("pid", i, 0)]
+        if writes:
+            with contextlib.suppress(FormatError):
+                formats.write_usage_fields(alloc.directory, writes)
 
     def event(self, alloc: ContainerAlloc, type_: str, reason: str, message: str) -> None:
         # `events` is an EventRecorder, or a callable returning the agent's (it may come later).

@@ -85,7 +85,7 @@ class HealthConfig:
 
 @dataclass
 class WatchdogConfig:
-    mode: str = _choice("report", "off", "report", "enforce")
+    mode: str = _choice("enforce", "off", "report", "enforce")
     tolerance: int = _bytes(256 << 20)
     interval: float = _seconds(5.0, positive=True)
 

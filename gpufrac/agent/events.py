@@ -22,6 +22,7 @@ user lost something or must act, Normal otherwise), a structured log line
 | GpuGuaranteeAtRisk | Warning | pod | admission | at its start, others' bursts held its request |
 | GpuMemoryOverLimit | Warning | pod | watchdog | NVML shows usage above the limit (report mode) |
 | GpuMemoryLimitEnforced | Warning | pod | watchdog | a process over the limit was killed (enforce mode) |
+| GpuUsageFileMismatch | Warning | pod | arbiter | its usage file disagrees with NVML's count (truth.py) |
 | IdleWarning, MaxRuntimeWarning | Warning | pod | idle | the pod will be reaped after the grace period |
 | IdleCancelled | Normal | pod | idle | the pod became active again (or exempt): no reaping |
 | (Idle or MaxRuntime) + (Notify, Swapped, Evicted, Deleted, DryRun) | Warning | pod | idle | what was done |
@@ -62,6 +63,7 @@ REASON_BURST_DENIED = "GpuBurstDenied"
 REASON_GUARANTEE_AT_RISK = "GpuGuaranteeAtRisk"
 REASON_OVER_LIMIT = "GpuMemoryOverLimit"
 REASON_LIMIT_ENFORCED = "GpuMemoryLimitEnforced"
+REASON_USAGE_MISMATCH = "GpuUsageFileMismatch"
 REASON_GPU_UNHEALTHY = "GpuUnhealthy"
 REASON_GPU_HEALTHY = "GpuHealthy"
 # The idle reaper: a warning ahead of the action, then the action (trigger prefix + what was done).

@@ -195,6 +195,7 @@ class Metrics(Collector):
         self._watchdog: dict[str, int] = dict.fromkeys(WATCHDOG_ACTIONS, 0)
         self._unowned: tuple[int, int] | None = None  # GPU processes of no gpufrac container: count, bytes
         self.reconcile_errors = 0
+        self.usage_mismatches = 0  # containers whose usage file disagreed with NVML (gpufrac.agent.truth)
         self.scrape_errors = 0
         self._server: ThreadingWSGIServer | None = None
         self._thread: threading.Thread | None = None
@@ -257,6 +258,10 @@ class Metrics(Collector):
     def count_reconcile_error(self) -> None:
         with self._lock:
             self.reconcile_errors += 1
+
+    def count_usage_mismatch(self) -> None:
+        with self._lock:
+            self.usage_mismatches += 1
 
     def forget(self, container: Any) -> None:
         """Drop a released container's counts now (they are also dropped at the next scrape)."""
@@ -517,6 +522,12 @@ class Metrics(Collector):
                 "GPU memory those processes use, per NVML (last watchdog scan).",
                 value=self._unowned[1],
             )
+        yield CounterMetricFamily(
+            f"{NAMESPACE}_usage_file_mismatches",
+            "Times a container's memguard usage file disagreed with NVML's per-process count beyond the "
+            "context allowance (a Warning Event names the pod; decisions used the larger figure).",
+            value=self.usage_mismatches,
+        )
         ready = GaugeMetricFamily(
             f"{NAMESPACE}_ready", "1 when the agent is ready (registered, inventory read)."
         )
@@ -683,3 +694,8 @@ def count_annotation_error(key: str) -> None:
 def count_reconcile_error() -> None:
     if _active is not None:
         _active.count_reconcile_error()
+
+
+def count_usage_mismatch() -> None:
+    if _active is not None:
+        _active.count_usage_mismatch()

@@ -93,10 +93,13 @@ def peer_credentials(sock: socket.socket) -> Credentials:
 def parse_cgroup_path(path: str) -> CgroupIdentity | None:
     """Pod UID and container ID from one cgroup path; None if it is not a kubelet container's.
 
-    The last pod component wins (nested layouts, e.g. kind's kubelet.slice), and the
-    container must be the component right below it."""
+    The OUTERMOST pod component wins, and the container must be the component right below
+    it. Only the kubelet's runtime creates those two levels; anything below them (a nested
+    cgroup a container with a writable cgroupfs made itself, even one named after another
+    pod) is still that container's. The kubelet's hierarchy may sit below another one
+    (kind's kubelet.slice): components above the first pod component are not looked at."""
     parts = [p for p in path.split("/") if p]
-    for i in range(len(parts) - 2, -1, -1):
+    for i in range(len(parts) - 1):
         m = _POD_CGROUPFS.match(parts[i]) or _POD_SYSTEMD.match(parts[i])
         if m is None:
             continue

@@ -181,7 +181,14 @@ class EvictResolver:
     """Kills the processes of containers that hold burst memory on the GPU, are
     preemptible and rank below the requester (lower priority; or equal priority and
     idle longer than evictIdleThreshold). Guaranteed memory is never counted as won:
-    only the victims' burst bytes are."""
+    only the victims' burst bytes are.
+
+    A guarantee outranks every burst, whatever its holder declared: for a reclaim (a
+    container taking back memory within its request, kind "reclaim") a burst that is not
+    preemptible is a victim too, after every preemptible one. `preemptible: "false"` shields
+    a burst from other containers' bursts, never from a neighbour's guarantee (a burst is
+    borrowed memory: the swap resolver, ahead in the chain when configured, may move a
+    swappable one to host RAM first)."""
 
     name = "evict"
 
@@ -191,8 +198,11 @@ class EvictResolver:
 
     def victims(self, need: Need) -> list[Holding]:
         out = []
+        guarantee = need.kind == "reclaim"
         for h in self.ctx.holdings(need.gpu):
-            if h.alloc.key == need.requester.key or not h.preemptible or h.burst <= 0 or h.grant <= 0:
+            if h.alloc.key == need.requester.key or h.burst <= 0 or h.grant <= 0:
+                continue
+            if not h.preemptible and not guarantee:
                 continue
             if h.used <= h.request:
                 continue  # holds a grant but uses only its guarantee: nothing to win by killing
@@ -200,8 +210,8 @@ class EvictResolver:
             idle = h.priority == need.priority and h.idle_s >= self.ctx.evict_idle_threshold
             if lower or idle:
                 out.append(h)
-        # Lowest priority first, then longest idle, then the largest burst.
-        out.sort(key=lambda h: (h.priority, -h.idle_s, -h.burst))
+        # Preemptible ones first, then the lowest priority, the longest idle, the largest burst.
+        out.sort(key=lambda h: (not h.preemptible, h.priority, -h.idle_s, -h.burst))
         return out
 
     async def resolve(self, need: Need) -> Outcome:
@@ -246,11 +256,12 @@ class EvictResolver:
             log.exception("evicting %s for %s failed", h.alloc.who(), need.who())
             return None
         metrics.count_eviction(h.alloc)
-        why = (
-            f"priority {h.priority} < {need.priority}"
-            if h.priority < need.priority
-            else f"idle {h.idle_s:.0f}s"
-        )
+        if need.kind == "reclaim":
+            why = "within its guarantee" + ("" if h.preemptible else ", which outranks any burst")
+        elif h.priority < need.priority:
+            why = f"priority {h.priority} < {need.priority}"
+        else:
+            why = f"idle {h.idle_s:.0f}s"
         message = (
             f"{killed} process(es) of container {container_name(h.alloc)} killed to reclaim "
             f"{format_bytes(h.burst)} of burst GPU memory on GPU {need.gpu}: {need.who()} needed "
@@ -267,6 +278,18 @@ class EvictResolver:
         )
         log.warning("evicted %s (burst %s) for %s", h.alloc.who(), format_bytes(h.burst), need.who())
         return killed
+
+
+def guarantee_chain(chain: Chain, ctx: ResolverContext) -> Chain:
+    """The chain a guarantee is reclaimed with (gpufrac.agent.admission.reclaim_guarantee):
+    the configured one, with an evict step before `wait` when the node config left it out.
+    `resolvers` says how burst collisions are settled; a guarantee is not a burst, and the
+    bursts holding it must come back whatever the node or their holders declare."""
+    if any(r.name == EvictResolver.name for r in chain.resolvers):
+        return chain
+    ahead = [r for r in chain.resolvers if r.name != WaitResolver.name]
+    waits = [r for r in chain.resolvers if r.name == WaitResolver.name]
+    return Chain([*ahead, EvictResolver(ctx), *waits])
 
 
 def build_chain(names: Sequence[str], ctx: ResolverContext) -> Chain:

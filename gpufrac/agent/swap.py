@@ -35,7 +35,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -64,7 +64,7 @@ from gpufrac.agent.peers import PeerLookup, scan_pids
 from gpufrac.agent.resolvers import Chain, Holding, Need, Outcome
 from gpufrac.agent.units import format_bytes
 from gpufrac.memguard import formats
-from gpufrac.memguard.formats import FLAG_SWAPPABLE, FLAG_WHOLE_GPU, FormatError, UsageFile
+from gpufrac.memguard.formats import FLAG_SWAPPABLE, FLAG_WHOLE_GPU, FormatError
 
 log = logging.getLogger(__name__)
 
@@ -155,47 +155,30 @@ def pick(candidates: Sequence[Holding], missing: int, ram_left: int, lend: bool)
 # -- blocking helpers (worker threads) ------------------------------------------------------------
 
 
-def _with_usage(directory: str, fn: Callable[[formats.UsageStruct], int]) -> int:
-    """Run fn on a writable mapping of a container's usage file (fn's views of the mapping
-    must be gone by the time it returns, or the mapping cannot be closed)."""
-    u = UsageFile(directory)
-    try:
-        return fn(u.usage)
-    finally:
-        u.close()
-
-
 def set_swapped(directory: str, slots: Iterable[SlotId], value: int) -> int:
     """Set the `swapped` flag of the given usage slots; returns the sum of their launch
-    counters (to notice a launch that raced the swap-out). Blocking file I/O."""
+    counters (to notice a launch that raced the swap-out). Blocking file I/O: a copy is read
+    and the flags written by pwrite (the file is the container's: never mapped)."""
     want = set(slots)
-
-    def apply(usage: formats.UsageStruct) -> int:
-        launches = 0
-        for s in usage.slots:
-            if s.pid > 0 and (int(s.pid), int(s.start_time)) in want:
-                s.swapped = value
-                launches += int(s.launches)
-        return launches
-
-    return _with_usage(directory, apply)
+    usage = formats.read_usage(directory)
+    launches, writes = 0, []
+    for i, s in enumerate(usage.slots):
+        if s.pid > 0 and (int(s.pid), int(s.start_time)) in want:
+            writes.append(("swapped", i, value))
+            launches += int(s.launches)
+    formats.write_usage_fields(directory, writes)
+    return launches
 
 
 def clear_all_flags(directory: str) -> int:
     """Clear every slot's swapped flag (nothing of the container is swapped); returns how many."""
-
-    def apply(usage: formats.UsageStruct) -> int:
-        n = 0
-        for s in usage.slots:
-            if s.swapped:
-                s.swapped = 0
-                n += 1
-        return n
-
     try:
-        return _with_usage(directory, apply)
+        usage = formats.read_usage(directory)
+        writes = [("swapped", i, 0) for i, s in enumerate(usage.slots) if s.swapped]
+        formats.write_usage_fields(directory, writes)
     except FormatError:
         return 0
+    return len(writes)
 
 
 def maps_file(pid: int, dev: int, ino: int, proc: str = "/proc") -> bool:

@@ -5,15 +5,18 @@ program that bypasses it (a static binary, LD_PRELOAD unset, its own dlopen of
 the driver by path) is invisible to the shim but not to NVML: every interval the
 watchdog reads NVML's per-process used memory, maps each process to its
 container through /proc/<pid>/cgroup (gpufrac.agent.peers), sums per container
-and GPU, and compares with the container's limit plus a tolerance per process (NVML also
-counts each process's CUDA context, which the shim does not).
+and GPU, and compares with the container's limit plus ONE allowance per container (`tolerance`: NVML
+also counts CUDA contexts, which the shim does not; docs/watchdog.md sizes it). Per container,
+not per process: an allowance per process would let a container buy headroom by starting idle
+CUDA processes.
 
 Modes (config.watchdog.mode):
 * off      - not started;
 * report   - a container over its limit gets a Warning Event, a log line and a
              metric, once per episode (until it is back under);
-* enforce  - the same, and its offending processes are killed, largest first,
-             until the rest fits; each kill is an Event naming usage and limit.
+* enforce  - the same, and its processes are killed, newest first, until the rest
+             fits, in the scan that found it (within one interval); each kill is an
+             Event naming usage and limit.
 
 GPU processes that belong to no gpufrac container (another device plugin's pod,
 a process on the host) are reported in the log and a metric, never killed.
@@ -34,12 +37,13 @@ from typing import Protocol
 
 import pynvml
 
-from gpufrac.agent import metrics
+from gpufrac.agent import metrics, truth
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.config import WatchdogConfig
 from gpufrac.agent.events import (
     REASON_LIMIT_ENFORCED,
     REASON_OVER_LIMIT,
+    REASON_USAGE_MISMATCH,
     WARNING,
     container_name,
     container_ref,
@@ -62,6 +66,7 @@ class GpuProcess:
     pid: int
     gpu: str  # GPU UUID
     used: int  # bytes
+    start: int = 0  # start time in clock ticks after boot (/proc/<pid>/stat): newest first
 
 
 @dataclass(frozen=True)
@@ -80,8 +85,8 @@ class Verdict:
     gpu: str
     usage: int  # bytes NVML shows for the container on that GPU
     limit: int  # the container's limit there (0 on a GPU it was not given)
-    allowed: int  # limit + tolerance per process
-    procs: list[GpuProcess]  # the container's processes on that GPU, largest first
+    allowed: int  # limit + one allowance (the tolerance) for the container
+    procs: list[GpuProcess]  # the container's processes on that GPU, newest first
     kill: list[GpuProcess] = field(default_factory=list)
 
 
@@ -109,6 +114,17 @@ def read_gpu_processes() -> list[GpuProcess]:
     return out
 
 
+def start_time(pid: int, proc_root: str = "/proc") -> int:
+    """A process's start time (clock ticks after boot), 0 when it is gone."""
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # Field 22; the command name (field 2) may hold spaces and parentheses: split after it.
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def observe(proc_root: str = "/proc") -> list[Observed]:
     """NVML's GPU processes, each with its container's cgroup identity (blocking)."""
     out = []
@@ -117,7 +133,7 @@ def observe(proc_root: str = "/proc") -> list[Observed]:
             ident = read_cgroup(p.pid, proc_root)
         except PeerError:
             continue  # exited since NVML listed it
-        out.append(Observed(p, ident))
+        out.append(Observed(GpuProcess(p.pid, p.gpu, p.used, start_time(p.pid, proc_root)), ident))
     return out
 
 
@@ -135,8 +151,12 @@ def kill_if_same(
 
 def plan(owned: Iterable[tuple[ContainerAlloc, GpuProcess]], tolerance: int, enforce: bool) -> list[Verdict]:
     """Containers over limit + tolerance on some GPU, and (when enforcing) the processes to
-    kill: the largest first, until what is left fits. Whole-GPU containers are accounted,
-    never limited."""
+    kill: the newest first, until what is left fits. The tolerance is one allowance per
+    container, whatever its process count. Whole-GPU containers are accounted, never limited.
+
+    Newest first: the process that pushed the container over is most likely a recent one, and
+    the oldest is most likely the container's main work; idle processes started to gain headroom
+    go before it."""
     per: dict[tuple[str, str], tuple[ContainerAlloc, list[GpuProcess]]] = {}
     for alloc, proc in owned:
         if alloc.config.flags & FLAG_WHOLE_GPU or alloc.whole_gpu:
@@ -147,16 +167,17 @@ def plan(owned: Iterable[tuple[ContainerAlloc, GpuProcess]], tolerance: int, enf
         usage = sum(p.used for p in procs)
         # On a GPU the container was not given, any memory is a breach.
         limit = alloc.config.limit_bytes if gpu in alloc.gpus else 0
-        # Tolerance per process: each has a CUDA context NVML counts and the shim does not.
-        allowed = limit + tolerance * len(procs)
+        # One allowance per container (the contexts NVML counts and the shim does not): not
+        # multiplied by the process count, which the container chooses.
+        allowed = limit + tolerance
         if usage <= allowed:
             continue
-        procs = sorted(procs, key=lambda p: (-p.used, p.pid))
+        procs = sorted(procs, key=lambda p: (-p.start, -p.pid))
         v = Verdict(alloc, gpu, usage, limit, allowed, procs)
         if enforce:
             left = usage
-            for i, p in enumerate(procs):
-                if left <= limit + tolerance * (len(procs) - i):
+            for p in procs:
+                if left <= allowed:
                     break
                 v.kill.append(p)
                 left -= p.used
@@ -196,6 +217,8 @@ class Watchdog:
         self.reports = 0
         self.errors = 0
         self._task: asyncio.Task[None] | None = None
+        # Usage files checked against NVML (gpufrac.agent.truth), flagged once per episode.
+        self.mismatch = truth.MismatchTracker(config.tolerance)
 
     @property
     def enforcing(self) -> bool:
@@ -253,6 +276,7 @@ class Watchdog:
             idents[o.proc.pid] = o.cgroup
             owned.append((alloc, o.proc))
         self._report_unowned(unowned)
+        await self._check_files(owned)
         verdicts = plan(owned, self.config.tolerance, self.enforcing)
         now_over = {(v.alloc.key, v.gpu) for v in verdicts}
         for v in verdicts:
@@ -266,6 +290,32 @@ class Watchdog:
         self.scans += 1
         metrics.set_watchdog_unowned(len(unowned), sum(p.used for p in unowned.values()))
         return verdicts
+
+    async def _check_files(self, owned: list[tuple[ContainerAlloc, GpuProcess]]) -> None:
+        """Each container's usage file against NVML's count for it on its GPU: a disagreement
+        beyond the allowance that lasts is flagged (Event, log, metric), once per episode."""
+        allocs = [
+            a
+            for a in self.ledger.containers()
+            # Not yet attached: its path may still hold a released container's file.
+            if self.ledger.attached(a.key) and not (a.whole_gpu or a.config.flags & FLAG_WHOLE_GPU)
+        ]
+        if not allocs:
+            return
+        files = await asyncio.to_thread(lambda: [truth.file_on_gpu(a.directory) for a in allocs])
+        driver: dict[str, int] = {}
+        for alloc, p in owned:
+            if p.gpu == alloc.gpus[0]:
+                driver[alloc.key] = driver.get(alloc.key, 0) + p.used
+        for alloc, file_used in zip(allocs, files, strict=True):
+            if file_used is None or self.ledger.get(alloc.key) is not alloc:
+                continue
+            msg = self.mismatch.check(alloc, file_used, driver.get(alloc.key, 0))
+            if msg is not None:
+                log.warning("watchdog: %s", msg)
+                self._event(alloc, REASON_USAGE_MISMATCH, msg)
+                metrics.count_usage_mismatch()
+        self.mismatch.forget([k for k in self.mismatch.since if self.ledger.get(k) is None])
 
     def _owner(self, ident: CgroupIdentity | None) -> ContainerAlloc | None:
         if ident is None:
@@ -292,7 +342,7 @@ class Watchdog:
         return (
             f"container {container_name(v.alloc)} uses {format_bytes(v.usage)} of GPU memory on GPU "
             f"{v.gpu}{where} as NVML counts it, over its limit {format_bytes(v.limit)} "
-            f"(+{format_bytes(self.config.tolerance)} tolerance per process)"
+            f"(+{format_bytes(self.config.tolerance)} allowance for the container)"
         )
 
     def _report(self, v: Verdict) -> None:

@@ -13,6 +13,9 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import stat
+import struct as _struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -349,7 +352,10 @@ def create_usage(directory: str | os.PathLike[str], durable: bool = True) -> Pat
 
 
 class UsageFile:
-    """A writable mapping of a container's usage file (agent reaps dead slots here)."""
+    """A writable mapping of a container's usage file: the shim's side of it (the stand-in
+    workload of gpufrac.simgpu.runtime, tests). The agent never keeps one: a container may
+    truncate its own usage file, and a mapping of a shrunk file kills its reader with SIGBUS.
+    The agent reads with read_usage() and writes with write_usage_fields() (copies)."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.path = Path(directory) / USAGE_FILE
@@ -363,8 +369,120 @@ class UsageFile:
         self._mm.close()
 
 
+USAGE_SIZE = ctypes.sizeof(UsageStruct)
+# No GPU holds this much (256 TiB): a byte counter above it is garbage (a tenant's write, or a
+# u64 the shim would have to have underflowed), and is read as this much, never as 0, so that
+# garbage cannot hide usage. What a counter may count against others is decided by its reader
+# (the arbiter caps it at what it granted, gpufrac.agent.truth).
+USAGE_MAX_BYTES = 1 << 48
+USAGE_HEADER = _struct.Struct("=QIIQQ")  # magic, abi_version, file_size, total_used, grant_returned
+assert USAGE_HEADER.size == UsageStruct.slots.offset
+_SLOT_SIZE = ctypes.sizeof(ProcSlot)
+_SLOTS_AT = UsageStruct.slots.offset
+
+
+def _open_usage(path: Path, writable: bool) -> int:
+    """An fd on a regular usage file (never a FIFO or a device: the file is the tenant's)."""
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        raise FormatError(f"cannot open {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(f"{path}: not a regular file")
+        if st.st_size < USAGE_SIZE:
+            raise FormatError(f"{path}: {st.st_size} bytes, want {USAGE_SIZE} (truncated or foreign file)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def parse_usage(data: bytes | bytearray | memoryview, where: str = "usage file") -> UsageStruct:
+    """Validate and clamp the bytes of a usage file: a UsageStruct copy, or FormatError (the only
+    exception it raises, whatever the bytes). Byte counters are clamped to USAGE_MAX_BYTES."""
+    if len(data) < USAGE_SIZE:
+        raise FormatError(f"{where}: {len(data)} bytes, want {USAGE_SIZE} (truncated or foreign file)")
+    s = UsageStruct.from_buffer_copy(bytes(data[:USAGE_SIZE]))
+    if s.magic != USAGE_MAGIC:
+        raise FormatError(f"{where}: bad magic {int(s.magic):#x}")
+    if s.abi_version != ABI_VERSION:
+        raise FormatError(f"{where}: ABI version {int(s.abi_version)}, want {ABI_VERSION}")
+    if s.file_size != USAGE_SIZE:
+        raise FormatError(f"{where}: header says {int(s.file_size)} bytes, want {USAGE_SIZE}")
+    s.total_used = min(int(s.total_used), USAGE_MAX_BYTES)
+    s.grant_returned = min(int(s.grant_returned), USAGE_MAX_BYTES)
+    for slot in s.slots:
+        slot.used_bytes = min(int(slot.used_bytes), USAGE_MAX_BYTES)
+        slot.peak_bytes = min(int(slot.peak_bytes), USAGE_MAX_BYTES)
+    return s
+
+
 def read_usage(directory: str | os.PathLike[str]) -> UsageStruct:
-    """A copy of a container's usage file."""
-    mm, s = _map(Path(directory) / USAGE_FILE, UsageStruct, USAGE_MAGIC, writable=False)
-    mm.close()
-    return s  # type: ignore[return-value]
+    """A validated, clamped copy of a container's usage file, read by pread (never mapped: the
+    file is writable, and truncatable, by the container). Raises FormatError only."""
+    path = Path(directory) / USAGE_FILE
+    fd = _open_usage(path, writable=False)
+    try:
+        data = os.pread(fd, USAGE_SIZE, 0)
+    except OSError as e:
+        raise FormatError(f"cannot read {path}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    return parse_usage(data, str(path))
+
+
+def parse_usage_total(head: bytes, where: str = "usage file") -> int:
+    """The clamped total_used from the first USAGE_HEADER.size bytes of a usage file, its
+    header validated; FormatError (only) otherwise."""
+    if len(head) < USAGE_HEADER.size:
+        raise FormatError(f"{where}: {len(head)} bytes, truncated")
+    magic, version, size, total, _ = USAGE_HEADER.unpack(head[: USAGE_HEADER.size])
+    if magic != USAGE_MAGIC or version != ABI_VERSION or size != USAGE_SIZE:
+        raise FormatError(f"{where}: bad magic, version {version} or size {size}")
+    return min(total, USAGE_MAX_BYTES)
+
+
+def read_usage_total(directory: str | os.PathLike[str]) -> int:
+    """Only the header's total_used (the arbiter reads it per request: 32 bytes, not 16 KiB)."""
+    path = Path(directory) / USAGE_FILE
+    fd = _open_usage(path, writable=False)
+    try:
+        data = os.pread(fd, USAGE_HEADER.size, 0)
+    except OSError as e:
+        raise FormatError(f"cannot read {path}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    return parse_usage_total(data, str(path))
+
+
+def slot_field_offset(index: int, name: str) -> int:
+    """Where slot `index`'s field `name` lies in the usage file."""
+    return _SLOTS_AT + index * _SLOT_SIZE + getattr(ProcSlot, name).offset
+
+
+def write_usage_fields(directory: str | os.PathLike[str], writes: list[tuple[str, int, int]]) -> None:
+    """Write fields of a usage file in place by pwrite, in order: (field name in UsageStruct or
+    ProcSlot, slot index or -1 for the header, value). The file is checked first (size, header)
+    and never mapped; a file the container broke meanwhile only loses these writes."""
+    path = Path(directory) / USAGE_FILE
+    fd = _open_usage(path, writable=True)
+    try:
+        head = os.pread(fd, USAGE_HEADER.size, 0)
+        want = (USAGE_MAGIC, ABI_VERSION, USAGE_SIZE)
+        if len(head) < USAGE_HEADER.size or USAGE_HEADER.unpack(head)[:3] != want:
+            raise FormatError(f"{path}: bad header")
+        for name, index, value in writes:
+            if index < 0:
+                field = getattr(UsageStruct, name)
+                at = field.offset
+            else:
+                field = getattr(ProcSlot, name)
+                at = slot_field_offset(index, name)
+            os.pwrite(fd, value.to_bytes(field.size, sys.byteorder, signed=name == "pid"), at)
+    except OSError as e:
+        raise FormatError(f"cannot write {path}: {e.strerror}") from None
+    finally:
+        os.close(fd)

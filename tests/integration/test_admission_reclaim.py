@@ -19,6 +19,7 @@ from polling import until
 
 from gpufrac.agent.events import REASON_EVICTED, REASON_GUARANTEE_AT_RISK, REASON_SWAPPED_OUT
 from gpufrac.memguard import formats
+from gpufrac.simgpu.workload import WorkloadProcess
 
 MakeNode = Callable[..., E2ENode]
 
@@ -48,21 +49,28 @@ def test_preemptible_borrower_is_evicted_so_the_newcomer_gets_its_request(e2e_no
     assert not node.events(b, REASON_GUARANTEE_AT_RISK)
 
 
-def test_non_preemptible_borrower_keeps_its_burst_and_the_newcomer_is_warned(e2e_node: MakeNode) -> None:
+def test_memory_held_outside_gpufrac_gets_the_newcomer_warned(e2e_node: MakeNode) -> None:
+    """Bursts always come back for a guarantee, non-preemptible ones too
+    (tests/security/test_guarantees.py). What the agent cannot take back is memory held
+    outside gpufrac: the newcomer still starts, with a Warning naming the cause."""
     node = e2e_node(resolvers=["evict", "wait"])
-    a = borrower(node, preemptible=False)
-    # Nothing may be taken from a: b still starts (after the bounded reclaim), with a Warning.
-    b = node.run_pod("b", 8, None)
-    assert b.alive()
-    warned = until(lambda: node.events(b, REASON_GUARANTEE_AT_RISK), what="the GuaranteeAtRisk event on b")
-    assert warned[0]["type"] == "Warning"
-    assert "pod default/a" in warned[0]["message"] and "not preemptible" in warned[0]["message"]
-    # a was not touched.
-    assert a.alive() and a.app.do("check 1") == "ok" and a.app.do("check 2") == "ok"
-    assert not node.events(a, REASON_EVICTED)
-    # b gets what is really free, and its allocation past that fails cleanly (no crash).
-    assert b.alloc(100 * MiB, 3) == "ok 1"
-    assert b.alive()
+    # A CUDA program on the node, in no kubelet container and without the shim.
+    outsider = WorkloadProcess.spawn(node.app_env(), "outsider", timeout=120)
+    try:
+        assert outsider.do(f"alloc {700 * MiB} 1") == "ok 1"
+        # b: a 512 MiB request, admitted (960 MiB unrequested) though under 300 MiB are free.
+        b = node.run_pod("b", 8, None)
+        assert b.alive()
+        warned = until(lambda: node.events(b, REASON_GUARANTEE_AT_RISK), what="the GuaranteeAtRisk event")
+        assert warned[0]["type"] == "Warning"
+        assert "memory used outside gpufrac" in warned[0]["message"], warned[0]
+        # b gets what is really free, and its allocation past that fails cleanly (no crash).
+        assert b.alloc(100 * MiB, 3) == "ok 1"
+        assert b.alive()
+        # The outsider was reported, never touched.
+        assert outsider.do("check 1") == "ok"
+    finally:
+        outsider.close()
 
 
 def idle_for(p: PodRun, seconds: float) -> bool:

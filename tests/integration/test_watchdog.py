@@ -108,13 +108,13 @@ def events(kube: KubeServer, reason: str) -> list[dict[str, Any]]:
     return [e for e in kube.events("default") if e.get("reason") == reason]
 
 
-def test_enforce_kills_the_largest_shimless_process_over_the_limit(
+def test_enforce_kills_the_newest_shimless_process_until_the_rest_fits(
     node: ArbiterNode,
     sim_state: Path,
     kube_server: KubeServer,
 ) -> None:
     a = node.add("a", 1, "2Gi", start=False)
-    big, small = start_hog(node, a, [3 * GiB, 512 * MiB], sim_state)
+    small, big = start_hog(node, a, [512 * MiB, 3 * GiB], sim_state)  # started in this order
     wd = make_watchdog(node, "enforce")
     node.on_loop(wd.start)
     try:
@@ -122,7 +122,8 @@ def test_enforce_kills_the_largest_shimless_process_over_the_limit(
         until(lambda: events(kube_server, REASON_KILLED), what="the Warning Event")
     finally:
         node.on_loop(wd.stop)
-    # 3.5 GiB > 2 GiB + 256 MiB: the 3 GiB process went, the 512 MiB one fits and stays.
+    # 3.5 GiB > 2 GiB + 256 MiB: the newest (3 GiB) process went, the older 512 MiB one fits
+    # and stays.
     assert alive(small)
     (ev,) = events(kube_server, REASON_KILLED)
     assert ev["type"] == "Warning"

@@ -1,4 +1,4 @@
-"""The watchdog's decision: which containers are over limit + tolerance, and whom to kill."""
+"""The watchdog's decision: which containers are over limit + one allowance, and whom to kill."""
 
 from __future__ import annotations
 
@@ -25,35 +25,41 @@ def test_within_limit_plus_tolerance_is_left_alone() -> None:
     assert plan(owned, TOL, enforce=True) == []
 
 
-def test_each_process_has_its_tolerance_for_the_context_nvml_counts() -> None:
-    """Four processes at the limit between them, each with a context the shim does not count:
-    not a breach. One process more than its share over is."""
+def test_one_allowance_per_container_whatever_its_process_count() -> None:
+    """The tolerance is the container's, once: idle CUDA processes started to gain headroom
+    buy none. The newest processes go first, until the rest fits."""
     a = alloc("a", 4 * GiB)
-    ctx = 200 * MiB
-    owned = [(a, GpuProcess(p, GPU0, GiB + ctx)) for p in (1, 2, 3, 4)]
-    assert plan(owned, TOL, enforce=True) == []
-    (v,) = plan([*owned, (a, GpuProcess(5, GPU0, GiB))], TOL, enforce=True)
-    assert v.allowed == 4 * GiB + 5 * TOL
-    # 5 GiB + 800 MiB against 4 GiB + 1280 MiB: one 1.2 GiB process goes; the rest
-    # (4 GiB + 600 MiB) fits in 4 GiB + 1 GiB.
-    assert [p.pid for p in v.kill] == [1]
+    owned = [(a, GpuProcess(1, GPU0, 4 * GiB, start=100))]
+    owned += [(a, GpuProcess(p, GPU0, 100 * MiB, start=100 + p)) for p in (2, 3, 4, 5)]
+    # 4 GiB + 400 MiB: four idle processes of 100 MiB would have been 4 tolerances per process.
+    (v,) = plan(owned, TOL, enforce=True)
+    assert v.allowed == 4 * GiB + TOL
+    # Newest first (5, then 4): 4 GiB + 200 MiB fits in 4 GiB + 256 MiB; the oldest stays.
+    assert [p.pid for p in v.kill] == [5, 4]
+    assert [p.pid for p in v.procs] == [5, 4, 3, 2, 1]
 
 
-def test_enforce_kills_largest_first_until_the_rest_fits() -> None:
+def test_enforce_kills_newest_first_until_the_rest_fits() -> None:
     a = alloc("a", 2 * GiB)
-    small, big, mid = GpuProcess(1, GPU0, 512 * MiB), GpuProcess(2, GPU0, 3 * GiB), GpuProcess(3, GPU0, GiB)
-    (v,) = plan([(a, small), (a, big), (a, mid)], TOL, enforce=True)
-    assert (v.usage, v.limit, v.allowed) == (4.5 * GiB, 2 * GiB, 2 * GiB + 3 * TOL)
-    # 4.5 GiB - 3 GiB = 1.5 GiB fits: the 1 GiB and 512 MiB processes stay.
-    assert v.kill == [big]
-    assert v.procs == [big, mid, small]
+    old, mid, new = (
+        GpuProcess(1, GPU0, 3 * GiB, start=10),
+        GpuProcess(2, GPU0, GiB, start=20),
+        GpuProcess(3, GPU0, 512 * MiB, start=30),
+    )
+    (v,) = plan([(a, old), (a, new), (a, mid)], TOL, enforce=True)
+    assert (v.usage, v.limit, v.allowed) == (4.5 * GiB, 2 * GiB, 2 * GiB + TOL)
+    # 4.5 GiB - 512 MiB - 1 GiB = 3 GiB is still over 2 GiB + 256 MiB: all three go.
+    assert v.kill == [new, mid, old]
+    assert v.procs == [new, mid, old]
+    (v,) = plan([(a, GpuProcess(1, GPU0, 2 * GiB, start=10)), (a, new)], TOL, enforce=True)
+    assert [p.pid for p in v.kill] == [3]  # the newest alone brings it back within
 
 
 def test_several_kills_when_one_is_not_enough() -> None:
     a = alloc("a", GiB)
-    procs = [GpuProcess(p, GPU0, GiB) for p in (10, 11, 12)]
+    procs = [GpuProcess(p, GPU0, GiB, start=p) for p in (10, 11, 12)]
     (v,) = plan([(a, p) for p in procs], TOL, enforce=True)
-    assert [p.pid for p in v.kill] == [10, 11]
+    assert [p.pid for p in v.kill] == [12, 11]
 
 
 def test_report_mode_kills_nobody() -> None:
