@@ -1089,6 +1089,14 @@ uint64_t mg_container_total(void) {
     return g_usage ? atomic_load_explicit(&g_usage->total_used, memory_order_acquire) : 0;
 }
 
+uint64_t mg_process_counted(void) {
+    mg_proc_slot_t *s = atomic_load_explicit(&g_slot, memory_order_acquire);
+    return s ? atomic_load_explicit(&s->used_bytes, memory_order_acquire) : 0;
+}
+
+/* NVML's pids are this namespace's (see "NVML: the container's view"): ours is getpid(). */
+unsigned mg_nvml_self_pid(void) { return g_nvml_pids_local && g_pid > 0 ? (unsigned)g_pid : 0; }
+
 /* This process's share of bytes already added to the total (and its peak). */
 static void mg_slot_add(mg_proc_slot_t *s, uint64_t bytes) {
     uint64_t mine = atomic_fetch_add_explicit(&s->used_bytes, bytes, memory_order_relaxed) + bytes;
