@@ -4,9 +4,10 @@ A context's memory is measured around its creation. Another tenant allocating
 (or freeing) on the GPU meanwhile must not land on the victim's count: that
 would give the victim false OOMs inside its guarantee (or under-charge a tenant
 that frees elsewhere while it creates contexts). Where NVML names this process
-(its pids are this namespace's) the charge is the driver's per-process figure,
-exact whatever the neighbours do; where it does not, the device-wide reading is
-bounded by what a context can take (docs/architecture.md, "context charge").
+(its pids are this namespace's, or it found its own host pid at its first
+context) the charge is the driver's per-process figure, exact whatever the
+neighbours do; where it cannot, the device-wide reading is bounded by what a
+context can take (docs/architecture.md, "context charge").
 
 Real processes on a simulated node whose contexts cost CTX and take 20 ms to set
 up: a neighbour without the shim keeps allocating and freeing GiBs while the
@@ -139,6 +140,21 @@ def test_a_neighbour_churning_memory_never_moves_the_context_charge(
     and a 2 GiB container never sees a false OOM."""
     c = container(request=2 * GiB, limit=2 * GiB)
     out = victim(ctx_shim, c, MEMGUARD_NVML_PIDS="local")
+    assert neighbour.poll() is None, "the neighbour stopped churning"
+    assert out["rounds"] == [{"rc": 0, "charge": CTX}] * ROUNDS
+    assert out["left"] == 0
+
+
+def test_with_host_pids_the_process_learns_its_own_and_is_charged_exactly(
+    ctx_shim: Shim, neighbour: subprocess.Popen[str], container: Callable[..., Container]
+) -> None:
+    """NVML's pids are another namespace's (MEMGUARD_NVML_PIDS=host, as in a
+    container): at its first context the process finds itself as the one process
+    NVML newly lists (the neighbour was listed before), and from then on every
+    context is charged the driver's figure for it, exactly, while the neighbour
+    churns."""
+    c = container(request=2 * GiB, limit=2 * GiB)
+    out = victim(ctx_shim, c, MEMGUARD_NVML_PIDS="host")
     assert neighbour.poll() is None, "the neighbour stopped churning"
     assert out["rounds"] == [{"rc": 0, "charge": CTX}] * ROUNDS
     assert out["left"] == 0

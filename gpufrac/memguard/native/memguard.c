@@ -1097,6 +1097,13 @@ uint64_t mg_process_counted(void) {
 /* NVML's pids are this namespace's (see "NVML: the container's view"): ours is getpid(). */
 unsigned mg_nvml_self_pid(void) { return g_nvml_pids_local && g_pid > 0 ? (unsigned)g_pid : 0; }
 
+/* NVML's pids are another namespace's (the host's): mg_ctx.c may learn which is
+ * this process's; not under MEMGUARD_NVML_PIDS=none (no per-process figures). */
+int mg_nvml_pids_foreign(void) {
+    const char *e = getenv("MEMGUARD_NVML_PIDS");
+    return !g_nvml_pids_local && !(e && strcmp(e, "none") == 0);
+}
+
 /* This process's share of bytes already added to the total (and its peak). */
 static void mg_slot_add(mg_proc_slot_t *s, uint64_t bytes) {
     uint64_t mine = atomic_fetch_add_explicit(&s->used_bytes, bytes, memory_order_relaxed) + bytes;
@@ -2213,7 +2220,8 @@ HOOK nvmlReturn_t mg_h_nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemor
  * slots hold pids of the container's namespace. They compare only when the two
  * are the same: a process in the initial pid namespace (hostPID, a simulated
  * node on a host), or MEMGUARD_NVML_PIDS=local, set where NVML reports pids of
- * the caller's namespace (simgpu in a container); =none: never. Elsewhere the shim cannot
+ * the caller's namespace (simgpu in a container); =none: never; =host: NVML's pids
+ * are another namespace's even here (as in a container). Elsewhere the shim cannot
  * tell which host pid is whose, so it lists no process at all (never a
  * neighbour's: a container pid can equal a neighbour's host pid), and says so
  * once in the log.
@@ -2231,7 +2239,7 @@ HOOK nvmlReturn_t mg_h_nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemor
 static int mg_nvml_pids_local(void) {
     const char *e = getenv("MEMGUARD_NVML_PIDS");
     if (e && strcmp(e, "local") == 0) return 1;
-    if (e && strcmp(e, "none") == 0) return 0;
+    if (e && (strcmp(e, "none") == 0 || strcmp(e, "host") == 0)) return 0;
     char buf[64];
     ssize_t n = readlink("/proc/self/ns/pid", buf, sizeof buf - 1);
     if (n <= 0) return 0;

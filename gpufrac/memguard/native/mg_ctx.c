@@ -15,13 +15,20 @@
  * unloaded, limit lowered) uncounts exactly what was charged for it; a context
  * going also uncounts its modules and limits, which the driver frees with it.
  *
- * Per process first. Where NVML names this process (its pids are this pid
- * namespace's: mg_nvml_self_pid), the figure is NVML's per-process used memory
- * of this process (nvmlDeviceGetComputeRunningProcesses), before and after, less
- * what this process's other threads had counted meanwhile: exact, whatever other
- * processes on the GPU take or free during the call. A call after which NVML does
- * not list this process, or lists no figure for it, falls back to the device-wide
- * reading below.
+ * Per process first. Where NVML names this process, the figure is NVML's
+ * per-process used memory of this process (nvmlDeviceGetComputeRunningProcesses),
+ * before and after, less what this process's other threads had counted
+ * meanwhile: exact, whatever other processes on the GPU take or free during the
+ * call. NVML names it when its pids are this pid namespace's (mg_nvml_self_pid),
+ * or once it is learnt: NVML's pids are the host's (a container), but a process
+ * holding no context is not listed, so at its first context creation every
+ * process listed before is another; if exactly one process is listed new after
+ * it and its figure accounts for the device's whole change beyond the others'
+ * (within MG_LEARN_SLACK, so it cannot be a neighbour starting while this
+ * process goes unlisted), that pid is this process's. Until then that first
+ * creation is still read device-wide less the listed others' change. A call
+ * after which NVML does not list this process, or gives no figure, falls back
+ * to the device-wide reading below.
  *
  * Device-wide, bounded. Otherwise the reading is the device's used memory, and
  * memory other processes take or give back during the call would land on this
@@ -154,13 +161,12 @@ static int mg_dev_mem(CUdevice dev, uint64_t *used, uint64_t *free_) {
 static nvml_procs_fn g_nvml_procs;
 static mg_nvml_proc_t *g_procs_buf; /* under g_ov_mu */
 static unsigned g_procs_cap;
+static unsigned g_self_learnt; /* this process's NVML pid, learnt at its first context (see top) */
 
-/* This process's memory on `dev` by NVML's per-process figure: 1 and *bytes if
- * NVML lists it with one, 0 if NVML lists the device's processes without it
- * (nothing there yet), -1 if it cannot tell. Callers hold g_ov_mu. */
-static int mg_own_mem(CUdevice dev, uint64_t *bytes) {
-    unsigned self = mg_nvml_self_pid();
-    nvmlDevice_t h = self ? mg_nvml_dev(dev) : NULL;
+/* NVML's compute processes on `dev` (in g_procs_buf, valid until the next call):
+ * their number, or -1 if NVML cannot list them with a figure each. Callers hold g_ov_mu. */
+static int nvml_list(CUdevice dev) {
+    nvmlDevice_t h = mg_nvml_dev(dev);
     if (!h) return -1;
     if (!g_nvml_procs) g_nvml_procs = (nvml_procs_fn)mg_driver_fn(LIB_NVML, "nvmlDeviceGetComputeRunningProcesses_v3");
     if (!g_nvml_procs) g_nvml_procs = (nvml_procs_fn)mg_driver_fn(LIB_NVML, "nvmlDeviceGetComputeRunningProcesses_v2");
@@ -175,17 +181,33 @@ static int mg_own_mem(CUdevice dev, uint64_t *bytes) {
             g_procs_buf = v, g_procs_cap = cap;
             continue;
         }
-        if (rc != 0) return -1;
-        for (unsigned i = 0; i < n && i < g_procs_cap; i++) {
-            if (g_procs_buf[i].pid != self) continue;
+        if (rc != 0 || n > g_procs_cap || n > INT32_MAX) return -1;
+        for (unsigned i = 0; i < n; i++)
             if (g_procs_buf[i].used == NVML_VALUE_NOT_AVAILABLE) return -1;
-            *bytes = g_procs_buf[i].used;
-            return 1;
-        }
-        *bytes = 0;
-        return 0;
+        return (int)n;
     }
     return -1;
+}
+
+static unsigned self_pid(void) {
+    unsigned p = mg_nvml_self_pid();
+    return p ? p : g_self_learnt;
+}
+
+/* This process's memory on `dev` by NVML's per-process figure: 1 and *bytes if
+ * NVML lists it, 0 if NVML lists the device's processes without it (nothing
+ * there yet), -1 if it cannot tell. Callers hold g_ov_mu. */
+static int mg_own_mem(CUdevice dev, uint64_t *bytes) {
+    unsigned self = self_pid();
+    int n = self ? nvml_list(dev) : -1;
+    if (n < 0) return -1;
+    for (int i = 0; i < n; i++) {
+        if (g_procs_buf[i].pid != self) continue;
+        *bytes = g_procs_buf[i].used;
+        return 1;
+    }
+    *bytes = 0;
+    return 0;
 }
 
 #define MG_MEASURE_WAIT_MS 2000
@@ -222,6 +244,8 @@ typedef struct {
     uint64_t own0, mine0; /* NVML's figure for this process, this process's counted bytes */
     int ok, own_ok, turn;
     int64_t lo, hi; /* the device-wide reading's bounds for this kind of object */
+    mg_nvml_proc_t *l0; /* learning: NVML's processes before (none of them this one) */
+    int n0;
 } mg_meas_t;
 
 /* Callers hold g_ov_mu from meas_begin to meas_release, which must follow every
@@ -231,6 +255,7 @@ static void meas_begin(mg_meas_t *m, CUdevice dev) {
     m->dev = dev;
     m->turn = turn_take(dev);
     m->lo = INT64_MIN, m->hi = INT64_MAX;
+    m->l0 = NULL, m->n0 = 0;
     m->mine0 = mg_process_counted();
     m->own_ok = mg_own_mem(dev, &m->own0) >= 0;
     m->total0 = mg_container_total();
@@ -240,6 +265,56 @@ static void meas_begin(mg_meas_t *m, CUdevice dev) {
 static void meas_release(mg_meas_t *m) {
     if (m->turn) turn_lock(m->dev, F_UNLCK);
     m->turn = 0;
+    free(m->l0);
+    m->l0 = NULL;
+}
+
+static int holds_context(void); /* with the records, below */
+
+/* Before a context creation whose process's NVML pid is not known: while it
+ * holds no context NVML does not list it, so every process listed now is
+ * another; keep that list (see top, learning). Call right after meas_begin. */
+static void meas_learn_begin(mg_meas_t *m) {
+    if (self_pid() || !mg_nvml_pids_foreign() || holds_context()) return;
+    int n = nvml_list(m->dev);
+    if (n < 0) return;
+    m->l0 = malloc(((size_t)n + 1) * sizeof *m->l0);
+    if (!m->l0) return;
+    memcpy(m->l0, g_procs_buf, (size_t)n * sizeof *m->l0);
+    m->n0 = n;
+}
+
+#define MG_LEARN_SLACK (16ll << 20)
+
+/* After a successful creation with a list kept: what the processes listed before
+ * changed by is theirs, not this one's; a single process new in the list, whose
+ * figure accounts for the device's whole change beyond theirs (within
+ * MG_LEARN_SLACK: this process cannot be unlisted), is this one. 1 and *d if
+ * learnt; else 0 and *others, the change of the processes listed before. */
+static int meas_learn_end(mg_meas_t *m, uint64_t used1, int64_t *d, int64_t *others) {
+    int n = nvml_list(m->dev);
+    if (n < 0) return -1;
+    int64_t chg = 0;
+    for (int j = 0; j < m->n0; j++) {
+        uint64_t after = 0;
+        for (int i = 0; i < n; i++)
+            if (g_procs_buf[i].pid == m->l0[j].pid) after = g_procs_buf[i].used;
+        chg += (int64_t)(after - m->l0[j].used);
+    }
+    *others = chg;
+    int fresh = 0;
+    unsigned pid = 0;
+    uint64_t used = 0;
+    for (int i = 0; i < n; i++) {
+        int seen = 0;
+        for (int j = 0; j < m->n0 && !seen; j++) seen = m->l0[j].pid == g_procs_buf[i].pid;
+        if (!seen) fresh++, pid = g_procs_buf[i].pid, used = g_procs_buf[i].used;
+    }
+    int64_t residual = (int64_t)(used1 - m->used0) - chg - (int64_t)used;
+    if (fresh != 1 || used == 0 || residual > MG_LEARN_SLACK || residual < -MG_LEARN_SLACK) return 0;
+    g_self_learnt = pid;
+    *d = (int64_t)used - (int64_t)(mg_process_counted() - m->mine0);
+    return 1;
 }
 
 /* The memory the call took (negative: gave back), corrected and clamped (see top);
@@ -254,6 +329,13 @@ static int64_t meas_end(mg_meas_t *m, CUresult rc) {
     }
     int ok = m->ok && mg_dev_mem(m->dev, &used1, &free1) == 0;
     uint64_t total1 = mg_container_total();
+    int64_t listed = 0; /* the change of processes known to be others */
+    int learnt = -1;
+    if (ok && m->l0) {
+        int64_t d;
+        learnt = meas_learn_end(m, used1, &d, &listed);
+        if (learnt == 1) return d;
+    }
     if (!ok) {
         if (!g_warned_measure) {
             g_warned_measure = 1;
@@ -263,7 +345,8 @@ static int64_t meas_end(mg_meas_t *m, CUresult rc) {
         return 0;
     }
     int64_t d = (int64_t)(used1 - m->used0);
-    int64_t others = (int64_t)(total1 - m->total0);
+    /* Listed others include the container's processes that allocated (they hold contexts). */
+    int64_t others = learnt == 0 ? listed : (int64_t)(total1 - m->total0);
     d -= others;
     if (d > (int64_t)m->free0) d = (int64_t)m->free0;
     if (d > m->hi) d = m->hi;
@@ -342,6 +425,14 @@ static mg_ov_t *ov_find(int kind, uint64_t key, int sub) {
     return NULL;
 }
 
+/* Does this process hold a context (so NVML may list it already)? */
+static int holds_context(void) {
+    for (size_t i = 0; i < g_ov_n; i++)
+        if (g_ov[i].kind == OV_CTX || g_ov[i].kind == OV_GREEN || (g_ov[i].kind == OV_PRIMARY && g_ov[i].refs > 0))
+            return 1;
+    return 0;
+}
+
 static mg_ov_t *ov_add(int kind, uint64_t key, int sub, uint64_t ctx) {
     if (g_ov_n == g_ov_cap) {
         size_t cap = g_ov_cap ? g_ov_cap * 2 : 64;
@@ -404,7 +495,7 @@ CUresult mg_h_cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     mg_ov_t *o = ov_find(OV_PRIMARY, 0, dev);
     mg_meas_t m;
     int measure = !o || o->refs == 0;
-    if (measure) meas_begin(&m, dev), meas_bound_ctx(&m);
+    if (measure) meas_begin(&m, dev), meas_bound_ctx(&m), meas_learn_begin(&m);
     CUresult rc = XCALL(cuDevicePrimaryCtxRetain, pctx, dev);
     int64_t d = measure ? meas_end(&m, rc) : 0;
     if (rc == CUDA_SUCCESS && !measure) {
@@ -461,6 +552,7 @@ CUresult mg_h_cuDevicePrimaryCtxReset_v2(CUdevice dev) { return primary_release(
         mg_meas_t m_;                                                          \
         meas_begin(&m_, (dev));                                                \
         meas_bound_ctx(&m_);                                                   \
+        meas_learn_begin(&m_);                                                 \
         CUresult rc_ = (rc_expr);                                              \
         int64_t d_ = meas_end(&m_, rc_);                                       \
         if (rc_ == CUDA_SUCCESS && (handle_ptr)) {                             \
@@ -641,6 +733,7 @@ CUresult mg_h_cuLibraryUnload(CUlibrary library) {
 static void mg_ctx_atfork_child(void) {
     pthread_mutex_init(&g_ov_mu, NULL);
     g_ov_n = 0;
+    g_self_learnt = 0; /* a new process: its own pid */
     if (g_ov_fd >= 0) close(g_ov_fd); /* its own open file: the turn locks are per open file */
     g_ov_fd = -1;
 }
