@@ -1282,14 +1282,18 @@ static uint64_t mg_array_bytes(size_t w, size_t h, size_t d, int format, unsigne
 
 /* Bytes of a mipmapped array: every level (each dimension halved, at least 1)
  * counted as an array of its own, rounded up to 512 bytes as the driver lays
- * levels out at least that aligned. More levels than any image can have (64)
- * are refused by the driver; they count nothing more here. */
+ * levels out at least that aligned. A layered or cubemap array's Depth is its
+ * layers (faces), which every level keeps. More levels than any image can have
+ * (64) are refused by the driver; they count nothing more here. */
+#define MG_ARRAY3D_LAYERED 0x01
+#define MG_ARRAY3D_CUBEMAP 0x04
 static uint64_t mg_mip_bytes(const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned int levels) {
     uint64_t total = 0;
+    int layers = (d->Flags & (MG_ARRAY3D_LAYERED | MG_ARRAY3D_CUBEMAP)) != 0;
     for (unsigned int l = 0; l < levels && l < 64; l++) {
         size_t w = d->Width >> l ? d->Width >> l : 1;
         size_t h = d->Height ? (d->Height >> l ? d->Height >> l : 1) : 0;
-        size_t z = d->Depth ? (d->Depth >> l ? d->Depth >> l : 1) : 0;
+        size_t z = d->Depth ? (layers ? d->Depth : d->Depth >> l ? d->Depth >> l : 1) : 0;
         uint64_t b = mg_array_bytes(w, h, z, d->Format, d->NumChannels);
         if (b > UINT64_MAX - 511 || total + ((b + 511) & ~511ull) < total) return UINT64_MAX;
         total += (b + 511) & ~511ull;
