@@ -25,7 +25,8 @@
  * process listed before is another; if exactly one process is listed new after
  * it and its figure accounts for the device's whole change beyond the others'
  * (within MG_LEARN_SLACK, so it cannot be a neighbour starting while this
- * process goes unlisted), that pid is this process's. Until then that first
+ * process goes unlisted), that pid is this process's. Each list is read with the
+ * device's used memory as of one moment (read again until unchanged). Until then that first
  * creation is still read device-wide less the listed others' change. A call
  * after which NVML does not list this process, or gives no figure, falls back
  * to the device-wide reading below.
@@ -274,14 +275,38 @@ static int holds_context(void); /* with the records, below */
 /* Before a context creation whose process's NVML pid is not known: while it
  * holds no context NVML does not list it, so every process listed now is
  * another; keep that list (see top, learning). Call right after meas_begin. */
+/* NVML's process list and the device's used memory read as of one moment: the
+ * list read again after the reading until it has not changed (a few tries), so
+ * a neighbour allocating between the two reads is not misread. The list is left
+ * in a malloc'd copy (*out); -1 if no consistent pair could be read. */
+static int snapshot(CUdevice dev, mg_nvml_proc_t **out, uint64_t *used, uint64_t *free_) {
+    *out = NULL;
+    for (int tries = 0; tries < 8; tries++) {
+        int n = nvml_list(dev);
+        if (n < 0) return -1;
+        mg_nvml_proc_t *v = malloc(((size_t)n + 1) * sizeof *v);
+        if (!v) return -1;
+        memcpy(v, g_procs_buf, (size_t)n * sizeof *v);
+        if (mg_dev_mem(dev, used, free_) != 0) {
+            free(v);
+            return -1;
+        }
+        int again = nvml_list(dev);
+        if (again == n && memcmp(v, g_procs_buf, (size_t)n * sizeof *v) == 0) {
+            *out = v;
+            return n;
+        }
+        free(v);
+    }
+    return -1;
+}
+
 static void meas_learn_begin(mg_meas_t *m) {
     if (self_pid() || !mg_nvml_pids_foreign() || holds_context()) return;
-    int n = nvml_list(m->dev);
+    uint64_t used, free_;
+    int n = snapshot(m->dev, &m->l0, &used, &free_);
     if (n < 0) return;
-    m->l0 = malloc(((size_t)n + 1) * sizeof *m->l0);
-    if (!m->l0) return;
-    memcpy(m->l0, g_procs_buf, (size_t)n * sizeof *m->l0);
-    m->n0 = n;
+    m->n0 = n, m->used0 = used, m->free0 = free_, m->ok = 1;
 }
 
 #define MG_LEARN_SLACK (16ll << 20)
@@ -291,9 +316,13 @@ static void meas_learn_begin(mg_meas_t *m) {
  * figure accounts for the device's whole change beyond theirs (within
  * MG_LEARN_SLACK: this process cannot be unlisted), is this one. 1 and *d if
  * learnt; else 0 and *others, the change of the processes listed before. */
-static int meas_learn_end(mg_meas_t *m, uint64_t used1, int64_t *d, int64_t *others) {
-    int n = nvml_list(m->dev);
+static int meas_learn_end(mg_meas_t *m, uint64_t *used1, int64_t *d, int64_t *others) {
+    mg_nvml_proc_t *l1;
+    uint64_t free1;
+    int n = snapshot(m->dev, &l1, used1, &free1);
     if (n < 0) return -1;
+    memcpy(g_procs_buf, l1, (size_t)n * sizeof *l1); /* g_procs_cap >= n: nvml_list filled it */
+    free(l1);
     int64_t chg = 0;
     for (int j = 0; j < m->n0; j++) {
         uint64_t after = 0;
@@ -310,7 +339,7 @@ static int meas_learn_end(mg_meas_t *m, uint64_t used1, int64_t *d, int64_t *oth
         for (int j = 0; j < m->n0 && !seen; j++) seen = m->l0[j].pid == g_procs_buf[i].pid;
         if (!seen) fresh++, pid = g_procs_buf[i].pid, used = g_procs_buf[i].used;
     }
-    int64_t residual = (int64_t)(used1 - m->used0) - chg - (int64_t)used;
+    int64_t residual = (int64_t)(*used1 - m->used0) - chg - (int64_t)used;
     if (fresh != 1 || used == 0 || residual > MG_LEARN_SLACK || residual < -MG_LEARN_SLACK) return 0;
     g_self_learnt = pid;
     *d = (int64_t)used - (int64_t)(mg_process_counted() - m->mine0);
@@ -333,7 +362,7 @@ static int64_t meas_end(mg_meas_t *m, CUresult rc) {
     int learnt = -1;
     if (ok && m->l0) {
         int64_t d;
-        learnt = meas_learn_end(m, used1, &d, &listed);
+        learnt = meas_learn_end(m, &used1, &d, &listed);
         if (learnt == 1) return d;
     }
     if (!ok) {
