@@ -1305,7 +1305,10 @@ static uint64_t mg_mip_bytes(const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned int leve
  * CUmemAllocationProp and CUmemPoolProps (type, handle types, CUmemLocation).
  * CUmemLocationType HOST 2, HOST_NUMA 3, HOST_NUMA_CURRENT 4 are host RAM the
  * GPU reaches over the bus (NCCL's cuMem host buffers): not GPU memory, never
- * counted. Every other type (DEVICE 1, or one this shim does not know) counts. */
+ * counted. Every other type (DEVICE 1, or one this shim does not know) counts.
+ * Only for pinned memory (allocation type PINNED 1): for MANAGED (2, CUDA 13
+ * managed pools) the location is only preferred, and the memory moves onto the
+ * GPU that touches it, so it counts like cuMemAllocManaged's. */
 typedef struct {
     int type, handle_types;
     struct {
@@ -1314,7 +1317,8 @@ typedef struct {
 } mg_loc_head_t;
 
 static int mg_loc_host(const void *props) {
-    int t = props ? ((const mg_loc_head_t *)props)->location.type : 0;
+    if (!props || ((const mg_loc_head_t *)props)->type != 1) return 0;
+    int t = ((const mg_loc_head_t *)props)->location.type;
     return t == 2 || t == 3 || t == 4;
 }
 
