@@ -41,11 +41,11 @@ out["after"] = [used(), nvml()]
 """
 
 
-@pytest.mark.parametrize("where", ["HOST", "HOST_NUMA"])
+@pytest.mark.parametrize("where", ["HOST", "HOST_NUMA", "INVALID"])  # 0: NONE, no preference
 def test_a_managed_pool_on_a_host_location_is_counted(
     shim: Shim, container: Callable[..., Container], where: str
 ) -> None:
-    """64 MiB from a managed pool preferring host memory are counted (what NVML
+    """64 MiB from a managed pool preferring host memory (or nothing) are counted (what NVML
     shows for the process), a second 64 MiB does not fit a 96 MiB container, and
     nothing stays counted once the pool is gone."""
     out = shim.python(container(request=96 * MiB, limit=96 * MiB), BODY.replace("{where}", where))

@@ -211,10 +211,12 @@ CU_API CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolPr
      * a managed pool is charged to the GPU whatever location it prefers. */
     if (!pool || !poolProps || (poolProps->allocType != 1 && poolProps->allocType != 2)) return CUDA_ERROR_INVALID_VALUE;
     int managed = poolProps->allocType == 2;
-    int on_host = cu_loc_host(&poolProps->location);
+    /* A managed pool: no IPC, no maximum size, and location NONE (0) for no preference. */
+    if (managed && (poolProps->handleTypes != 0 || poolProps->maxSize != 0)) return CUDA_ERROR_INVALID_VALUE;
+    int on_host = cu_loc_host(&poolProps->location) || (managed && poolProps->location.type == 0);
     if (!on_host && poolProps->location.type != 1) return CUDA_ERROR_INVALID_VALUE;
     if (!on_host && cu_check_dev(poolProps->location.id)) return CUDA_ERROR_INVALID_DEVICE;
-    if (!cu_loc_ok(&poolProps->location)) return CUDA_ERROR_INVALID_VALUE;
+    if (poolProps->location.type != 0 && !cu_loc_ok(&poolProps->location)) return CUDA_ERROR_INVALID_VALUE;
     /* A host pool serves the device of the calling context (its blocks are host RAM). */
     struct CUctx_st *c = cu_current_ctx();
     pthread_mutex_lock(&g_pool_lock);
