@@ -149,6 +149,11 @@ def test_cudart_lookups_reach_the_hooks(
                 ver,
                 flags,
             )  # the hook of that variant
+        elif driver_sym == "stub" and name in hooked:
+            # Stood in for by the fake (it does not simulate it), but hooked: the
+            # shim wraps whatever entry the driver answers with, as with a real
+            # driver's internal entries.
+            assert (got_lib, got_sym) == (shim_lib, name), (name, ver, flags, got_lib, got_sym)
         else:
             assert got_lib == "libcuda.so.1", (name, ver, flags, got_lib, got_sym)  # the driver's own
         seen[(name, ver, flags)] = got_sym if got_lib == shim_lib else None

@@ -1089,6 +1089,21 @@ uint64_t mg_container_total(void) {
     return g_usage ? atomic_load_explicit(&g_usage->total_used, memory_order_acquire) : 0;
 }
 
+uint64_t mg_process_counted(void) {
+    mg_proc_slot_t *s = atomic_load_explicit(&g_slot, memory_order_acquire);
+    return s ? atomic_load_explicit(&s->used_bytes, memory_order_acquire) : 0;
+}
+
+/* NVML's pids are this namespace's (see "NVML: the container's view"): ours is getpid(). */
+unsigned mg_nvml_self_pid(void) { return g_nvml_pids_local && g_pid > 0 ? (unsigned)g_pid : 0; }
+
+/* NVML's pids are another namespace's (the host's): mg_ctx.c may learn which is
+ * this process's; not under MEMGUARD_NVML_PIDS=none (no per-process figures). */
+int mg_nvml_pids_foreign(void) {
+    const char *e = getenv("MEMGUARD_NVML_PIDS");
+    return !g_nvml_pids_local && !(e && strcmp(e, "none") == 0);
+}
+
 /* This process's share of bytes already added to the total (and its peak). */
 static void mg_slot_add(mg_proc_slot_t *s, uint64_t bytes) {
     uint64_t mine = atomic_fetch_add_explicit(&s->used_bytes, bytes, memory_order_relaxed) + bytes;
@@ -1267,14 +1282,18 @@ static uint64_t mg_array_bytes(size_t w, size_t h, size_t d, int format, unsigne
 
 /* Bytes of a mipmapped array: every level (each dimension halved, at least 1)
  * counted as an array of its own, rounded up to 512 bytes as the driver lays
- * levels out at least that aligned. More levels than any image can have (64)
- * are refused by the driver; they count nothing more here. */
+ * levels out at least that aligned. A layered or cubemap array's Depth is its
+ * layers (faces), which every level keeps. More levels than any image can have
+ * (64) are refused by the driver; they count nothing more here. */
+#define MG_ARRAY3D_LAYERED 0x01
+#define MG_ARRAY3D_CUBEMAP 0x04
 static uint64_t mg_mip_bytes(const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned int levels) {
     uint64_t total = 0;
+    int layers = (d->Flags & (MG_ARRAY3D_LAYERED | MG_ARRAY3D_CUBEMAP)) != 0;
     for (unsigned int l = 0; l < levels && l < 64; l++) {
         size_t w = d->Width >> l ? d->Width >> l : 1;
         size_t h = d->Height ? (d->Height >> l ? d->Height >> l : 1) : 0;
-        size_t z = d->Depth ? (d->Depth >> l ? d->Depth >> l : 1) : 0;
+        size_t z = d->Depth ? (layers ? d->Depth : d->Depth >> l ? d->Depth >> l : 1) : 0;
         uint64_t b = mg_array_bytes(w, h, z, d->Format, d->NumChannels);
         if (b > UINT64_MAX - 511 || total + ((b + 511) & ~511ull) < total) return UINT64_MAX;
         total += (b + 511) & ~511ull;
@@ -1286,7 +1305,10 @@ static uint64_t mg_mip_bytes(const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned int leve
  * CUmemAllocationProp and CUmemPoolProps (type, handle types, CUmemLocation).
  * CUmemLocationType HOST 2, HOST_NUMA 3, HOST_NUMA_CURRENT 4 are host RAM the
  * GPU reaches over the bus (NCCL's cuMem host buffers): not GPU memory, never
- * counted. Every other type (DEVICE 1, or one this shim does not know) counts. */
+ * counted. Every other type (DEVICE 1, or one this shim does not know) counts.
+ * Only for pinned memory (allocation type PINNED 1): for MANAGED (2, CUDA 13
+ * managed pools) the location is only preferred, and the memory moves onto the
+ * GPU that touches it, so it counts like cuMemAllocManaged's. */
 typedef struct {
     int type, handle_types;
     struct {
@@ -1295,7 +1317,8 @@ typedef struct {
 } mg_loc_head_t;
 
 static int mg_loc_host(const void *props) {
-    int t = props ? ((const mg_loc_head_t *)props)->location.type : 0;
+    if (!props || ((const mg_loc_head_t *)props)->type != 1) return 0;
+    int t = ((const mg_loc_head_t *)props)->location.type;
     return t == 2 || t == 3 || t == 4;
 }
 
@@ -2205,7 +2228,8 @@ HOOK nvmlReturn_t mg_h_nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemor
  * slots hold pids of the container's namespace. They compare only when the two
  * are the same: a process in the initial pid namespace (hostPID, a simulated
  * node on a host), or MEMGUARD_NVML_PIDS=local, set where NVML reports pids of
- * the caller's namespace (simgpu in a container); =none: never. Elsewhere the shim cannot
+ * the caller's namespace (simgpu in a container); =none: never; =host: NVML's pids
+ * are another namespace's even here (as in a container). Elsewhere the shim cannot
  * tell which host pid is whose, so it lists no process at all (never a
  * neighbour's: a container pid can equal a neighbour's host pid), and says so
  * once in the log.
@@ -2223,7 +2247,7 @@ HOOK nvmlReturn_t mg_h_nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemor
 static int mg_nvml_pids_local(void) {
     const char *e = getenv("MEMGUARD_NVML_PIDS");
     if (e && strcmp(e, "local") == 0) return 1;
-    if (e && strcmp(e, "none") == 0) return 0;
+    if (e && (strcmp(e, "none") == 0 || strcmp(e, "host") == 0)) return 0;
     char buf[64];
     ssize_t n = readlink("/proc/self/ns/pid", buf, sizeof buf - 1);
     if (n <= 0) return 0;

@@ -15,8 +15,26 @@
  * unloaded, limit lowered) uncounts exactly what was charged for it; a context
  * going also uncounts its modules and limits, which the driver frees with it.
  *
- * Concurrency. The reading is device-wide, so memory other processes take or
- * give back during the call would be misattributed. Three things bound it:
+ * Per process first. Where NVML names this process, the figure is NVML's
+ * per-process used memory of this process (nvmlDeviceGetComputeRunningProcesses),
+ * before and after, less what this process's other threads had counted
+ * meanwhile: exact, whatever other processes on the GPU take or free during the
+ * call. NVML names it when its pids are this pid namespace's (mg_nvml_self_pid),
+ * or once it is learnt: NVML's pids are the host's (a container), but a process
+ * holding no context is not listed, so at its first context creation every
+ * process listed before is another; if exactly one process is listed new after
+ * it and its figure accounts for the device's whole change beyond the others'
+ * (within MG_LEARN_SLACK, so it cannot be a neighbour starting while this
+ * process goes unlisted), that pid is this process's. Each list is read with the
+ * device's used memory as of one moment (read again until unchanged). Until then that first
+ * creation is still read device-wide less the listed others' change. A call
+ * after which NVML does not list this process, or gives no figure, falls back
+ * to the device-wide reading below.
+ *
+ * Device-wide, bounded. Otherwise the reading is the device's used memory, and
+ * memory other processes take or give back during the call would land on this
+ * object (a neighbour allocating GiBs during a victim's context creation would
+ * give the victim a false OOM). What bounds it:
  *   - measured calls on one device take turns: within the process under a
  *     process-local mutex, across the container's processes by an
  *     open-file-description lock on that device's byte of the usage file (the
@@ -30,11 +48,17 @@
  *     and its change subtracted: explicit allocations of the container's other
  *     processes (and this process's other threads) counted in that window do
  *     not land on this object;
- *   - the result is clamped to [0, the memory that was free before the call].
- * What is left is the net memory other containers' processes took or freed
- * during the call itself (a context creation: milliseconds on simgpu, up to a
- * few hundred on real hardware). The count is exact on a quiet GPU; an error
- * never accumulates, because each object gives back exactly what it was charged.
+ *   - the result is clamped to what that kind of object can take: a context at
+ *     most MG_CTX_MAX (twice the 512 MiB an H100 context takes, docs/simgpu.md);
+ *     a limit change to what the old and new values imply (the stack limit for
+ *     every resident thread of the device, the printf FIFO and malloc heap by the
+ *     difference, plus a 2 MiB granule) and never the other way (a raise charges,
+ *     a lowering gives back); anything to the memory that was free before it.
+ * What is left is other containers' net change during the call, within those
+ * bounds: a neighbour can raise a context's charge to MG_CTX_MAX at most, or
+ * lower it (to 0 at worst); a module or a limit of a kind not listed is not
+ * bounded beyond free memory. An error never accumulates, because each object
+ * gives back exactly what it was charged.
  *
  * Only a limited container (the shim ON) measures; otherwise these calls pass
  * straight through (a broken config refuses allocations, not contexts).
@@ -73,6 +97,18 @@ typedef CUresult (*cu_getlimit_fn)(size_t *, int);
 typedef nvmlReturn_t (*nvml_init_fn)(void);
 typedef nvmlReturn_t (*nvml_bybus_fn)(const char *, nvmlDevice_t *);
 typedef nvmlReturn_t (*nvml_meminfo_fn)(nvmlDevice_t, mg_nvml_mem_t *);
+typedef struct {
+    unsigned int pid;
+    unsigned long long used;
+    unsigned int gi, ci;
+} mg_nvml_proc_t; /* nvmlProcessInfo_v2_t (the _v2 and _v3 lists) */
+typedef nvmlReturn_t (*nvml_procs_fn)(nvmlDevice_t, unsigned int *, mg_nvml_proc_t *);
+typedef CUresult (*cu_devattr_fn)(int *, int, CUdevice);
+
+#define NVML_ERROR_INSUFFICIENT_SIZE 7
+#define NVML_VALUE_NOT_AVAILABLE (~0ull)
+#define MG_CTX_MAX (1ull << 30)
+#define MG_GRANULE (2ll << 20)
 
 #define MG_MAX_DEVS 64
 
@@ -123,6 +159,58 @@ static int mg_dev_mem(CUdevice dev, uint64_t *used, uint64_t *free_) {
     return -1;
 }
 
+static nvml_procs_fn g_nvml_procs;
+static mg_nvml_proc_t *g_procs_buf; /* under g_ov_mu */
+static unsigned g_procs_cap;
+static unsigned g_self_learnt; /* this process's NVML pid, learnt at its first context (see top) */
+
+/* NVML's compute processes on `dev` (in g_procs_buf, valid until the next call):
+ * their number, or -1 if NVML cannot list them with a figure each. Callers hold g_ov_mu. */
+static int nvml_list(CUdevice dev) {
+    nvmlDevice_t h = mg_nvml_dev(dev);
+    if (!h) return -1;
+    if (!g_nvml_procs) g_nvml_procs = (nvml_procs_fn)mg_driver_fn(LIB_NVML, "nvmlDeviceGetComputeRunningProcesses_v3");
+    if (!g_nvml_procs) g_nvml_procs = (nvml_procs_fn)mg_driver_fn(LIB_NVML, "nvmlDeviceGetComputeRunningProcesses_v2");
+    if (!g_nvml_procs) return -1;
+    for (int tries = 0; tries < 4; tries++) {
+        unsigned n = g_procs_cap;
+        nvmlReturn_t rc = g_nvml_procs(h, &n, g_procs_buf);
+        if (rc == NVML_ERROR_INSUFFICIENT_SIZE) {
+            unsigned cap = n + n / 2 + 16;
+            mg_nvml_proc_t *v = realloc(g_procs_buf, (size_t)cap * sizeof *v);
+            if (!v) return -1;
+            g_procs_buf = v, g_procs_cap = cap;
+            continue;
+        }
+        if (rc != 0 || n > g_procs_cap || n > INT32_MAX) return -1;
+        for (unsigned i = 0; i < n; i++)
+            if (g_procs_buf[i].used == NVML_VALUE_NOT_AVAILABLE) return -1;
+        return (int)n;
+    }
+    return -1;
+}
+
+static unsigned self_pid(void) {
+    unsigned p = mg_nvml_self_pid();
+    return p ? p : g_self_learnt;
+}
+
+/* This process's memory on `dev` by NVML's per-process figure: 1 and *bytes if
+ * NVML lists it, 0 if NVML lists the device's processes without it (nothing
+ * there yet), -1 if it cannot tell. Callers hold g_ov_mu. */
+static int mg_own_mem(CUdevice dev, uint64_t *bytes) {
+    unsigned self = self_pid();
+    int n = self ? nvml_list(dev) : -1;
+    if (n < 0) return -1;
+    for (int i = 0; i < n; i++) {
+        if (g_procs_buf[i].pid != self) continue;
+        *bytes = g_procs_buf[i].used;
+        return 1;
+    }
+    *bytes = 0;
+    return 0;
+}
+
 #define MG_MEASURE_WAIT_MS 2000
 static int g_ov_fd = -1; /* the usage file, for the turn locks (under g_ov_mu) */
 
@@ -154,7 +242,11 @@ static int turn_take(CUdevice dev) {
 typedef struct {
     CUdevice dev;
     uint64_t used0, free0, total0;
-    int ok, turn;
+    uint64_t own0, mine0; /* NVML's figure for this process, this process's counted bytes */
+    int ok, own_ok, turn;
+    int64_t lo, hi; /* the device-wide reading's bounds for this kind of object */
+    mg_nvml_proc_t *l0; /* learning: NVML's processes before (none of them this one) */
+    int n0;
 } mg_meas_t;
 
 /* Callers hold g_ov_mu from meas_begin to meas_release, which must follow every
@@ -163,6 +255,10 @@ typedef struct {
 static void meas_begin(mg_meas_t *m, CUdevice dev) {
     m->dev = dev;
     m->turn = turn_take(dev);
+    m->lo = INT64_MIN, m->hi = INT64_MAX;
+    m->l0 = NULL, m->n0 = 0;
+    m->mine0 = mg_process_counted();
+    m->own_ok = mg_own_mem(dev, &m->own0) >= 0;
     m->total0 = mg_container_total();
     m->ok = mg_dev_mem(dev, &m->used0, &m->free0) == 0;
 }
@@ -170,15 +266,105 @@ static void meas_begin(mg_meas_t *m, CUdevice dev) {
 static void meas_release(mg_meas_t *m) {
     if (m->turn) turn_lock(m->dev, F_UNLCK);
     m->turn = 0;
+    free(m->l0);
+    m->l0 = NULL;
+}
+
+static int holds_context(void); /* with the records, below */
+
+/* Before a context creation whose process's NVML pid is not known: while it
+ * holds no context NVML does not list it, so every process listed now is
+ * another; keep that list (see top, learning). Call right after meas_begin. */
+/* NVML's process list and the device's used memory read as of one moment: the
+ * list read again after the reading until it has not changed (a few tries), so
+ * a neighbour allocating between the two reads is not misread. The list is left
+ * in a malloc'd copy (*out); -1 if no consistent pair could be read. */
+static int snapshot(CUdevice dev, mg_nvml_proc_t **out, uint64_t *used, uint64_t *free_) {
+    *out = NULL;
+    for (int tries = 0; tries < 8; tries++) {
+        int n = nvml_list(dev);
+        if (n < 0) return -1;
+        mg_nvml_proc_t *v = malloc(((size_t)n + 1) * sizeof *v);
+        if (!v) return -1;
+        memcpy(v, g_procs_buf, (size_t)n * sizeof *v);
+        if (mg_dev_mem(dev, used, free_) != 0) {
+            free(v);
+            return -1;
+        }
+        int again = nvml_list(dev);
+        if (again == n && memcmp(v, g_procs_buf, (size_t)n * sizeof *v) == 0) {
+            *out = v;
+            return n;
+        }
+        free(v);
+    }
+    return -1;
+}
+
+static void meas_learn_begin(mg_meas_t *m) {
+    if (self_pid() || !mg_nvml_pids_foreign() || holds_context()) return;
+    uint64_t used, free_;
+    int n = snapshot(m->dev, &m->l0, &used, &free_);
+    if (n < 0) return;
+    m->n0 = n, m->used0 = used, m->free0 = free_, m->ok = 1;
+}
+
+#define MG_LEARN_SLACK (16ll << 20)
+
+/* After a successful creation with a list kept: what the processes listed before
+ * changed by is theirs, not this one's; a single process new in the list, whose
+ * figure accounts for the device's whole change beyond theirs (within
+ * MG_LEARN_SLACK: this process cannot be unlisted), is this one. 1 and *d if
+ * learnt; else 0 and *others, the change of the processes listed before. */
+static int meas_learn_end(mg_meas_t *m, uint64_t *used1, int64_t *d, int64_t *others) {
+    mg_nvml_proc_t *l1;
+    uint64_t free1;
+    int n = snapshot(m->dev, &l1, used1, &free1);
+    if (n < 0) return -1;
+    memcpy(g_procs_buf, l1, (size_t)n * sizeof *l1); /* g_procs_cap >= n: nvml_list filled it */
+    free(l1);
+    int64_t chg = 0;
+    for (int j = 0; j < m->n0; j++) {
+        uint64_t after = 0;
+        for (int i = 0; i < n; i++)
+            if (g_procs_buf[i].pid == m->l0[j].pid) after = g_procs_buf[i].used;
+        chg += (int64_t)(after - m->l0[j].used);
+    }
+    *others = chg;
+    int fresh = 0;
+    unsigned pid = 0;
+    uint64_t used = 0;
+    for (int i = 0; i < n; i++) {
+        int seen = 0;
+        for (int j = 0; j < m->n0 && !seen; j++) seen = m->l0[j].pid == g_procs_buf[i].pid;
+        if (!seen) fresh++, pid = g_procs_buf[i].pid, used = g_procs_buf[i].used;
+    }
+    int64_t residual = (int64_t)(*used1 - m->used0) - chg - (int64_t)used;
+    if (fresh != 1 || used == 0 || residual > MG_LEARN_SLACK || residual < -MG_LEARN_SLACK) return 0;
+    g_self_learnt = pid;
+    *d = (int64_t)used - (int64_t)(mg_process_counted() - m->mine0);
+    return 1;
 }
 
 /* The memory the call took (negative: gave back), corrected and clamped (see top);
  * `rc`: the call's result (a failed call took nothing). */
 static int64_t meas_end(mg_meas_t *m, CUresult rc) {
-    uint64_t used1 = 0, free1;
-    int ok = m->ok && rc == CUDA_SUCCESS && mg_dev_mem(m->dev, &used1, &free1) == 0;
-    uint64_t total1 = mg_container_total();
+    uint64_t used1 = 0, free1, own1 = 0;
     if (rc != CUDA_SUCCESS) return 0;
+    /* Per process: exact (see top). */
+    if (m->own_ok && mg_own_mem(m->dev, &own1) > 0) {
+        uint64_t mine1 = mg_process_counted();
+        return (int64_t)(own1 - m->own0) - (int64_t)(mine1 - m->mine0);
+    }
+    int ok = m->ok && mg_dev_mem(m->dev, &used1, &free1) == 0;
+    uint64_t total1 = mg_container_total();
+    int64_t listed = 0; /* the change of processes known to be others */
+    int learnt = -1;
+    if (ok && m->l0) {
+        int64_t d;
+        learnt = meas_learn_end(m, &used1, &d, &listed);
+        if (learnt == 1) return d;
+    }
     if (!ok) {
         if (!g_warned_measure) {
             g_warned_measure = 1;
@@ -188,10 +374,45 @@ static int64_t meas_end(mg_meas_t *m, CUresult rc) {
         return 0;
     }
     int64_t d = (int64_t)(used1 - m->used0);
-    int64_t others = (int64_t)(total1 - m->total0);
+    /* Listed others include the container's processes that allocated (they hold contexts). */
+    int64_t others = learnt == 0 ? listed : (int64_t)(total1 - m->total0);
     d -= others;
     if (d > (int64_t)m->free0) d = (int64_t)m->free0;
+    if (d > m->hi) d = m->hi;
+    if (d < m->lo) d = m->lo;
     return d;
+}
+
+/* The bounds of a device-wide reading for a new context: [0, MG_CTX_MAX]. */
+static void meas_bound_ctx(mg_meas_t *m) { m->lo = 0, m->hi = (int64_t)MG_CTX_MAX; }
+
+/* |new - old| times `per`, plus a granule, saturated. */
+static int64_t limit_span(size_t old, size_t value, uint64_t per) {
+    uint64_t diff = value > old ? value - old : old - value;
+    if (per && diff > (uint64_t)(INT64_MAX - MG_GRANULE) / per) return INT64_MAX;
+    return (int64_t)(diff * per) + MG_GRANULE;
+}
+
+/* The bounds of a device-wide reading for a limit going from `old` to `value`:
+ * what they imply (see top); unbounded for limits whose cost the shim cannot tell. */
+static void meas_bound_limit(mg_meas_t *m, int limit, size_t old, size_t value, CUdevice dev) {
+    int64_t span;
+    if (limit == 0) { /* CU_LIMIT_STACK_SIZE: per resident thread */
+        cu_devattr_fn attr = (cu_devattr_fn)cu_fn("cuDeviceGetAttribute");
+        int sms = 0, tps = 0; /* MULTIPROCESSOR_COUNT 16, MAX_THREADS_PER_MULTIPROCESSOR 39 */
+        if (!attr || attr(&sms, 16, dev) != CUDA_SUCCESS || attr(&tps, 39, dev) != CUDA_SUCCESS || sms <= 0 ||
+            tps <= 0)
+            return;
+        span = limit_span(old, value, (uint64_t)sms * (uint64_t)tps);
+    } else if (limit == 1 || limit == 2) { /* the printf FIFO, the malloc heap */
+        span = limit_span(old, value, 1);
+    } else if (limit == 5 || limit == 6) { /* L2 fetch granularity, persisting L2: no memory */
+        span = MG_GRANULE;
+    } else {
+        return;
+    }
+    m->lo = value >= old ? 0 : -span;
+    m->hi = value >= old ? span : 0;
 }
 
 /* The current context's device (or 0), for calls that act on the current context. */
@@ -231,6 +452,14 @@ static mg_ov_t *ov_find(int kind, uint64_t key, int sub) {
         if (g_ov[i].kind == kind && g_ov[i].key == key && (kind != OV_PRIMARY && kind != OV_LIMIT ? 1 : g_ov[i].sub == sub))
             return &g_ov[i];
     return NULL;
+}
+
+/* Does this process hold a context (so NVML may list it already)? */
+static int holds_context(void) {
+    for (size_t i = 0; i < g_ov_n; i++)
+        if (g_ov[i].kind == OV_CTX || g_ov[i].kind == OV_GREEN || (g_ov[i].kind == OV_PRIMARY && g_ov[i].refs > 0))
+            return 1;
+    return 0;
 }
 
 static mg_ov_t *ov_add(int kind, uint64_t key, int sub, uint64_t ctx) {
@@ -295,7 +524,7 @@ CUresult mg_h_cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     mg_ov_t *o = ov_find(OV_PRIMARY, 0, dev);
     mg_meas_t m;
     int measure = !o || o->refs == 0;
-    if (measure) meas_begin(&m, dev);
+    if (measure) meas_begin(&m, dev), meas_bound_ctx(&m), meas_learn_begin(&m);
     CUresult rc = XCALL(cuDevicePrimaryCtxRetain, pctx, dev);
     int64_t d = measure ? meas_end(&m, rc) : 0;
     if (rc == CUDA_SUCCESS && !measure) {
@@ -351,6 +580,8 @@ CUresult mg_h_cuDevicePrimaryCtxReset_v2(CUdevice dev) { return primary_release(
         pthread_mutex_lock(&g_ov_mu);                                          \
         mg_meas_t m_;                                                          \
         meas_begin(&m_, (dev));                                                \
+        meas_bound_ctx(&m_);                                                   \
+        meas_learn_begin(&m_);                                                 \
         CUresult rc_ = (rc_expr);                                              \
         int64_t d_ = meas_end(&m_, rc_);                                       \
         if (rc_ == CUDA_SUCCESS && (handle_ptr)) {                             \
@@ -422,7 +653,9 @@ CUresult mg_h_cuCtxSetLimit(int limit, size_t value) {
     int have_old = getlimit && getlimit(&old, limit) == CUDA_SUCCESS;
     uint64_t ctx = (uint64_t)(uintptr_t)mg_cur_ctx();
     mg_meas_t m;
-    meas_begin(&m, mg_cur_dev());
+    CUdevice dev = mg_cur_dev();
+    meas_begin(&m, dev);
+    if (have_old) meas_bound_limit(&m, limit, old, value, dev);
     CUresult rc = XCALL(cuCtxSetLimit, limit, value);
     int64_t d = meas_end(&m, rc);
     uint64_t freed = 0;
@@ -529,6 +762,7 @@ CUresult mg_h_cuLibraryUnload(CUlibrary library) {
 static void mg_ctx_atfork_child(void) {
     pthread_mutex_init(&g_ov_mu, NULL);
     g_ov_n = 0;
+    g_self_learnt = 0; /* a new process: its own pid */
     if (g_ov_fd >= 0) close(g_ov_fd); /* its own open file: the turn locks are per open file */
     g_ov_fd = -1;
 }

@@ -5,7 +5,9 @@
  *
  * The driver gives such memory from the device's graph memory pool, one per
  * device and process: physical memory joins an executable graph when it is
- * uploaded or first launched and stays with it; the pool keeps what it holds
+ * uploaded or first launched and stays with it until a cuDeviceGraphMemTrim
+ * finds that graph idle (neither running nor queued: its next upload or launch
+ * takes memory again, so it is checked again); the pool keeps what it holds
  * after graphs go until cuDeviceGraphMemTrim. So what the container is charged
  * for is the pool's reservation, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT of
  * cuDeviceGetGraphMemAttribute: per process, so no other process's activity
@@ -270,10 +272,21 @@ CUresult mg_h_cuGraphExecDestroy(CUgraphExec e) {
     return rc;
 }
 
+/* A trim takes their memory from executable graphs that are neither running nor
+ * queued; their next upload or launch takes it again. Which ones it took the
+ * driver does not say, so every executable graph of the device is checked again
+ * at its next upload or launch (one that kept its memory is charged what the
+ * pool lacks for it until the launch's reconcile corrects it: at worst a false
+ * OUT_OF_MEMORY for a graph that was running while trimmed at the limit). */
 CUresult mg_h_cuDeviceGraphMemTrim(CUdevice dev) {
     CUresult rc = XCALL(cuDeviceGraphMemTrim, dev);
     if (rc != CUDA_SUCCESS || !mg_x_on()) return rc;
     pthread_mutex_lock(&g_gr_mu);
+    for (size_t i = 0; i < g_gx_n; i++)
+        if (g_gx[i].dev == dev && g_gx[i].mapped) {
+            g_gx[i].mapped = 0;
+            atomic_fetch_add(&mg_graph_unmapped, 1);
+        }
     reconcile(dev);
     pthread_mutex_unlock(&g_gr_mu);
     mg_maybe_return_grant();

@@ -153,6 +153,9 @@ MG_HIDDEN int mg_admit(uint64_t bytes);
 MG_HIDDEN void mg_uncharge(uint64_t bytes);
 MG_HIDDEN void mg_maybe_return_grant(void);
 MG_HIDDEN uint64_t mg_container_total(void);
+MG_HIDDEN uint64_t mg_process_counted(void); /* this process's slot: bytes counted for it */
+MG_HIDDEN unsigned mg_nvml_self_pid(void);   /* this process's pid as NVML reports it, or 0 if unknown */
+MG_HIDDEN int mg_nvml_pids_foreign(void);    /* NVML's pids are the host's: this process's may be learnt */
 MG_HIDDEN const char *mg_container_dir(void); /* $GPUFRAC_CONTAINER_DIR as the shim uses it */
 MG_HIDDEN void mg_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 MG_HIDDEN CUresult mg_x_refuse(void); /* count a refusal; CUDA_ERROR_OUT_OF_MEMORY */

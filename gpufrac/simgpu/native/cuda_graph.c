@@ -12,9 +12,11 @@
  * cuGraphAddNode, or cuMemAllocAsync while capturing) fixes a virtual address
  * when it is added; physical memory comes from the device's graph memory pool
  * when an executable graph is first uploaded or launched, and stays with that
- * executable graph until it is destroyed. The pool grows (charged to the GPU, so
- * NVML counts it) when it has too little idle memory, and keeps what it holds
- * after graphs go until cuDeviceGraphMemTrim. A launch whose memory does not fit
+ * executable graph until it is destroyed or a cuDeviceGraphMemTrim finds it idle
+ * (neither running nor queued: its memory goes back, and its next upload or
+ * launch takes it again). The pool grows (charged to the GPU, so NVML counts it)
+ * when it has too little idle memory, and keeps what it holds after graphs go
+ * until cuDeviceGraphMemTrim. A launch whose memory does not fit
  * fails with CUDA_ERROR_OUT_OF_MEMORY and runs nothing. Simplifications: every
  * alloc node of a graph has memory of its own (no reuse between an allocation
  * freed inside the graph and a later one), and freeing graph memory outside the
@@ -66,6 +68,7 @@ struct CUgraphExec_st {
     uint64_t need; /* bytes of graph memory it holds while mapped */
     int dev;
     int mapped;
+    uint64_t done_ns; /* when its last launch's work completes (under g_graph_lock) */
     struct CUgraph_st *graph;
 };
 
@@ -476,6 +479,10 @@ CU_API CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) {
     pthread_mutex_unlock(&g_graph_lock);
     if (r) return r; /* its memory does not fit: nothing runs */
     for (size_t i = 0; i < hGraphExec->n; i++) cu_kernel_exec(c, s, hGraphExec->k[i].kernel, hGraphExec->k[i].buf);
+    uint64_t done = atomic_load(&s->done_ns), now = sim_now_ns();
+    pthread_mutex_lock(&g_graph_lock);
+    hGraphExec->done_ns = done > now ? done : now;
+    pthread_mutex_unlock(&g_graph_lock);
     return CUDA_SUCCESS;
 }
 
@@ -521,12 +528,20 @@ CU_API CUresult cuDeviceSetGraphMemAttribute(CUdevice device, int attr, void *va
     return CUDA_SUCCESS;
 }
 
-/* Give the pool's idle memory (held by no executable graph) back to the GPU. */
+/* Give the pool's memory that no graph running or queued uses back to the GPU:
+ * idle executable graphs lose theirs (taken again at their next upload or launch). */
 CU_API CUresult cuDeviceGraphMemTrim(CUdevice device) {
     CU_ENTER();
     CUresult r = cu_check_dev(device);
     if (r) return r;
+    void *execs[256];
+    size_t n = cu_obj_owned(OBJ_GRAPH_EXEC, NULL, execs, 256);
     pthread_mutex_lock(&g_graph_lock);
+    uint64_t now = sim_now_ns();
+    for (size_t i = 0; i < n; i++) {
+        struct CUgraphExec_st *e = execs[i];
+        if (cu_obj_ok(e, OBJ_GRAPH_EXEC) && e->dev == device && e->mapped && e->done_ns <= now) exec_unmap(e);
+    }
     gpool_t *p = &g_gpool[device];
     if (p->reserved > p->used) {
         cu_uncharge(cu_g_devs[device], p->reserved - p->used);

@@ -415,7 +415,11 @@ static CUresult array_create(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d)
 }
 
 /* Mipmapped arrays: level l is max(1, dim >> l) in each dimension; every level is
- * laid out like an array of its own (512-byte aligned). The chain is charged as one. */
+ * laid out like an array of its own (512-byte aligned). The chain is charged as one.
+ * A layered or cubemap array's Depth counts layers (faces): every level keeps them
+ * all, and only width and height bound the number of levels. */
+#define ARRAY3D_LAYERED 0x01
+#define ARRAY3D_CUBEMAP 0x04
 struct CUmipmappedArray_st {
     cu_obj_t hdr;
     void *mem;
@@ -437,14 +441,15 @@ CU_API CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARR
     size_t elem = format_bytes(d->Format);
     if (!elem || !d->Width || (d->NumChannels != 1 && d->NumChannels != 2 && d->NumChannels != 4))
         return CUDA_ERROR_INVALID_VALUE;
+    int layers = (d->Flags & (ARRAY3D_LAYERED | ARRAY3D_CUBEMAP)) != 0;
     size_t biggest = d->Width > d->Height ? d->Width : d->Height;
-    if (d->Depth > biggest) biggest = d->Depth;
+    if (!layers && d->Depth > biggest) biggest = d->Depth;
     unsigned int max_levels = 1;
     while (biggest >> max_levels) max_levels++;
     if (numMipmapLevels == 0 || numMipmapLevels > max_levels) return CUDA_ERROR_INVALID_VALUE;
     size_t size = 0;
     for (unsigned int l = 0; l < numMipmapLevels; l++) {
-        size_t w = mip_dim(d->Width, l), h = d->Height ? mip_dim(d->Height, l) : 1, z = d->Depth ? mip_dim(d->Depth, l) : 1;
+        size_t w = mip_dim(d->Width, l), h = d->Height ? mip_dim(d->Height, l) : 1, z = d->Depth ? (layers ? d->Depth : mip_dim(d->Depth, l)) : 1;
         size_t row = w * elem * d->NumChannels;
         if (row / w != elem * d->NumChannels || h > SIZE_MAX / row || z > SIZE_MAX / (row * h))
             return CUDA_ERROR_INVALID_VALUE;

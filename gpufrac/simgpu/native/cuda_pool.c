@@ -35,6 +35,7 @@ struct CUmemPoolHandle_st {
     uint32_t gpu;
     int is_default, destroyed;
     int host; /* host-located pool: its blocks are host RAM, never charged to the GPU */
+    int managed; /* CU_MEM_ALLOCATION_TYPE_MANAGED: its location is only preferred (below) */
     size_t max_size;
     uint64_t threshold, reserved, reserved_high, used, used_high;
     int reuse[3];
@@ -204,16 +205,23 @@ CU_API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
 
 CU_API CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps) {
     CU_ENTER();
-    if (!pool || !poolProps || poolProps->allocType != 1) return CUDA_ERROR_INVALID_VALUE;
-    int host = cu_loc_host(&poolProps->location);
-    if (!host && poolProps->location.type != 1) return CUDA_ERROR_INVALID_VALUE;
-    if (!host && cu_check_dev(poolProps->location.id)) return CUDA_ERROR_INVALID_DEVICE;
-    if (!cu_loc_ok(&poolProps->location)) return CUDA_ERROR_INVALID_VALUE;
+    /* allocType PINNED (1), or MANAGED (2, CUDA 13): managed memory whose location
+     * is only its preferred one; the GPU that touches it pulls it in, and here
+     * managed memory stays resident on the device (as cuMemAllocManaged's does), so
+     * a managed pool is charged to the GPU whatever location it prefers. */
+    if (!pool || !poolProps || (poolProps->allocType != 1 && poolProps->allocType != 2)) return CUDA_ERROR_INVALID_VALUE;
+    int managed = poolProps->allocType == 2;
+    /* A managed pool: no IPC, no maximum size, and location NONE (0) for no preference. */
+    if (managed && (poolProps->handleTypes != 0 || poolProps->maxSize != 0)) return CUDA_ERROR_INVALID_VALUE;
+    int on_host = cu_loc_host(&poolProps->location) || (managed && poolProps->location.type == 0);
+    if (!on_host && poolProps->location.type != 1) return CUDA_ERROR_INVALID_VALUE;
+    if (!on_host && cu_check_dev(poolProps->location.id)) return CUDA_ERROR_INVALID_DEVICE;
+    if (poolProps->location.type != 0 && !cu_loc_ok(&poolProps->location)) return CUDA_ERROR_INVALID_VALUE;
     /* A host pool serves the device of the calling context (its blocks are host RAM). */
     struct CUctx_st *c = cu_current_ctx();
     pthread_mutex_lock(&g_pool_lock);
-    struct CUmemPoolHandle_st *p = pool_new(host ? (c ? c->dev : 0) : poolProps->location.id, 0, poolProps->maxSize);
-    if (p) p->host = host;
+    struct CUmemPoolHandle_st *p = pool_new(on_host ? (c ? c->dev : 0) : poolProps->location.id, 0, poolProps->maxSize);
+    if (p) p->host = on_host && !managed, p->managed = managed;
     pthread_mutex_unlock(&g_pool_lock);
     if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
     *pool = p;
@@ -320,7 +328,7 @@ CU_API CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool) {
     CUresult r = cu_check_dev(dev);
     if (r) return r;
     if (!pool_ok(pool)) return CUDA_ERROR_INVALID_HANDLE;
-    if (pool->dev != dev || pool->host) return CUDA_ERROR_INVALID_DEVICE;
+    if (pool->dev != dev || pool->host || pool->managed) return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&g_pool_lock);
     g_current[dev] = pool;
     pthread_mutex_unlock(&g_pool_lock);
