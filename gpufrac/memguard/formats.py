@@ -11,11 +11,13 @@ The shim is the writer of `usage`; the agent reads it and reaps dead slots.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import mmap
 import os
 import stat
 import struct as _struct
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -303,12 +305,27 @@ def _seq(mm: mmap.mmap) -> int:
     return int(u64.from_buffer_copy(mm, ConfigStruct.seq.offset).value)
 
 
+SEQ_SPINS = 1000  # tries before read_config starts sleeping between them
+SEQ_PATIENCE_S = 0.5  # how long read_config waits for a write in flight to complete
+
+
 def read_config(directory: str | os.PathLike[str]) -> ContainerConfig:
     """A consistent snapshot of a container's config (retries while a write is in flight)."""
     path = Path(directory) / CONFIG_FILE
     mm, _ = _map(path, ConfigStruct, CONFIG_MAGIC, writable=False)
     try:
-        for _ in range(1000):
+        deadline = 0.0
+        for tries in itertools.count():
+            if tries >= SEQ_SPINS:
+                # A writer preempted mid-write holds seq odd for a scheduler slice or more on a
+                # busy node: past the spins, wait for it in short sleeps, up to SEQ_PATIENCE_S.
+                # Only a writer killed mid-write (fixed when the agent attaches the directory
+                # again) leaves it odd for good.
+                now = time.monotonic()
+                deadline = deadline or now + SEQ_PATIENCE_S
+                if now > deadline:
+                    break
+                time.sleep(0.0005)
             # The seqlock: seq even before the copy and unchanged after it, read from the live
             # mapping (the copy's own seq may predate a write that began during the copy).
             before = _seq(mm)

@@ -6,6 +6,8 @@ import asyncio
 import dataclasses
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -424,6 +426,28 @@ def test_a_config_an_agent_left_mid_write_is_repaired_in_the_same_file(tmp_path:
     finally:
         os.close(mounted)
     assert formats.read_config(directory).limit_bytes == 2 * GiB
+
+
+def test_a_reader_waits_out_a_write_its_writer_was_preempted_in(tmp_path: Path) -> None:
+    """On a busy node the agent's writer can be descheduled between the two seq increments
+    for longer than a reader's spins: the reader (the CLI, a test, recovery) must wait for
+    the write to end, not report a broken file."""
+    directory = str(tmp_path / "m-1")
+    handle = write_container_dir(directory, formats.ContainerConfig("GPU-a", GiB, GiB))
+    try:
+        handle._s.seq |= 1  # a write begun ...
+        handle._s.limit_bytes = 3 * GiB
+
+        def finish() -> None:
+            time.sleep(0.05)  # ... and finished 50 ms later
+            handle._s.seq += 1
+
+        writer = threading.Thread(target=finish)
+        writer.start()
+        assert formats.read_config(directory).limit_bytes == 3 * GiB
+        writer.join()
+    finally:
+        handle.close()
 
 
 def test_a_limit_set_while_the_directory_is_being_written_reaches_the_file(ledger: Ledger) -> None:
