@@ -5,8 +5,9 @@ program that bypasses it (a static binary, LD_PRELOAD unset, its own dlopen of
 the driver by path) is invisible to the shim but not to NVML: every interval the
 watchdog reads NVML's per-process used memory, maps each process to its
 container through /proc/<pid>/cgroup (gpufrac.agent.peers), sums per container
-and GPU, and compares with the container's limit plus a tolerance per process (NVML also
-counts each process's CUDA context, which the shim does not).
+and GPU, and compares with the container's limit plus a tolerance per process (the shim
+charges each process's CUDA context and modules as measured around the call, which a
+neighbour's allocations during that call can skew).
 
 Modes (config.watchdog.mode):
 * off      - not started;
@@ -147,7 +148,8 @@ def plan(owned: Iterable[tuple[ContainerAlloc, GpuProcess]], tolerance: int, enf
         usage = sum(p.used for p in procs)
         # On a GPU the container was not given, any memory is a breach.
         limit = alloc.config.limit_bytes if gpu in alloc.gpus else 0
-        # Tolerance per process: each has a CUDA context NVML counts and the shim does not.
+        # Tolerance per process: the shim's measure of its context and modules can be skewed
+        # by what neighbours allocate or free during that call.
         allowed = limit + tolerance * len(procs)
         if usage <= allowed:
             continue
