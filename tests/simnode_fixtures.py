@@ -62,9 +62,10 @@ def nvml_in_process(state: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def nvml_node(directory: Path, preset: str = "dgx-h100") -> Iterator[Path]:
-    """A fresh node of `preset` in `directory`, seen by this process's nvidia-ml-py."""
-    path = create_node(load_preset(preset), directory / "node.state")
+def nvml_node(directory: Path, preset: str = "dgx-h100", context_memory: int | None = None) -> Iterator[Path]:
+    """A fresh node of `preset` in `directory`, seen by this process's nvidia-ml-py
+    (context_memory: see preset_spec)."""
+    path = create_node(preset_spec(preset, context_memory), directory / "node.state")
     with nvml_in_process(path):
         yield path
 
