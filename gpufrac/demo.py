@@ -364,8 +364,8 @@ def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
     for p in (server, embedder, notebook):
         node.start(p)
         held = format_bytes(used_bytes(node, p))
-        say(f"  {p.name:10} {'starts: a CUDA context, nothing allocated yet':48} -> the shim counts {held}")
-    do(server, "cuMemGetInfo (total = its 40Gi limit)", "info")
+        say(f"  {p.name:10} {'starts: cuInit, its CUDA context, a module':48} -> the shim counts {held}")
+    do(server, "cuMemGetInfo (total = limit; free = less context)", "info")
     do(server, "allocates 11Gi, within its 16Gi request", f"alloc {gib(11)}")
     do(notebook, "allocates 7Gi, within its 8Gi request", f"alloc {gib(7)} 7")
     do(notebook, "bursts 3Gi past its request", f"alloc {gib(3)} 7")
