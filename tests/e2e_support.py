@@ -46,9 +46,20 @@ UNIT = 64 * MiB  # memoryUnit: gpufrac.dev/gpu-memory counts these
 TIMEOUT = 120.0  # generous: a loaded 2-core box
 
 # One 1 GiB GPU; the driver keeps 32 MiB, the agent reserves 64 MiB: 960 MiB allocatable (15 units).
+# A 1 GiB GPU: the tests size requests, bursts and collisions to the MiB on it. Its contexts
+# cost nothing (a real one, hundreds of MiB, would not leave room for them); what a context
+# costs a container end to end is tested on the presets (test_context_cost_agent.py).
 SMALL_NODE = {
     "node_name": "sim-small",
-    "gpus": [{"model": "NVIDIA L4", "memory": "1Gi", "reserved": "32Mi", "pci_bus_id": "00000000:17:00.0"}],
+    "gpus": [
+        {
+            "model": "NVIDIA L4",
+            "memory": "1Gi",
+            "reserved": "32Mi",
+            "pci_bus_id": "00000000:17:00.0",
+            "context_memory": 0,
+        }
+    ],
 }
 
 

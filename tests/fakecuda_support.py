@@ -181,3 +181,8 @@ def slot_used(node: SimNode, pid: int) -> int:
 
 def gpu_used(node: SimNode, gpu: int = 0) -> int:
     return gpu_fields(node, gpu)["used_bytes"]
+
+
+def ctx_bytes(node: SimNode, gpu: int = 0) -> int:
+    """Device memory each CUDA context takes on the GPU (the node spec's context_memory)."""
+    return int(gpu_fields(node, gpu)["ctx_mib"]) << 20

@@ -31,9 +31,13 @@ from gpufrac.agent.allocations import ContainerAlloc, container_key
 from gpufrac.agent.main import Agent, AgentThread
 from gpufrac.memguard import build
 from gpufrac.simgpu.kubelet import Container, KubeletEmulator, Pod
+from gpufrac.simgpu.spec import load_preset
 
 NODE = "sim-metrics-node"
 GiB, MiB = 1 << 30, 1 << 20
+# The node is the dgx-h100 preset as it is: each workload process's CUDA context takes the
+# H100 estimate (docs/simgpu.md), and the shim charges it to the process's container.
+CTX = load_preset("dgx-h100").gpus[0].context_memory
 TIMEOUT = 90.0
 
 

@@ -19,7 +19,7 @@ import pynvml
 import pytest
 
 from gpufrac import native
-from gpufrac.simgpu.spec import create_node, load_preset
+from gpufrac.simgpu.spec import NodeSpec, create_node, load_preset, spec_from_dict
 
 
 @dataclass
@@ -62,21 +62,33 @@ def nvml_in_process(state: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def nvml_node(directory: Path, preset: str = "dgx-h100") -> Iterator[Path]:
-    """A fresh node of `preset` in `directory`, seen by this process's nvidia-ml-py."""
-    path = create_node(load_preset(preset), directory / "node.state")
+def nvml_node(directory: Path, preset: str = "dgx-h100", context_memory: int | None = None) -> Iterator[Path]:
+    """A fresh node of `preset` in `directory`, seen by this process's nvidia-ml-py
+    (context_memory: see preset_spec)."""
+    path = create_node(preset_spec(preset, context_memory), directory / "node.state")
     with nvml_in_process(path):
         yield path
 
 
+def preset_spec(preset: str, context_memory: int | None = None) -> NodeSpec:
+    """`preset` as it is (each CUDA context takes the preset's estimate, as on the real part),
+    or with every context taking `context_memory` bytes instead (0: contexts are free)."""
+    if context_memory is None:
+        return load_preset(preset)
+    return spec_from_dict({"preset": preset, "gpu_defaults": {"context_memory": context_memory}})
+
+
 @pytest.fixture
 def make_sim_node(tmp_path: Path) -> Callable[..., SimNode]:
-    """Factory: make_sim_node("pcie-l4x4") -> SimNode (default preset dgx-h100)."""
+    """Factory: make_sim_node("pcie-l4x4") -> SimNode (default preset dgx-h100, its contexts
+    charged as the preset says; context_memory=N overrides that, see preset_spec)."""
     counter = iter(range(1000))
 
-    def make(preset: str = "dgx-h100", flavour: str = "release") -> SimNode:
+    def make(
+        preset: str = "dgx-h100", flavour: str = "release", context_memory: int | None = None
+    ) -> SimNode:
         path = tmp_path / f"node-{next(counter)}.state"
-        create_node(load_preset(preset), path)
+        create_node(preset_spec(preset, context_memory), path)
         libdir = native.native_dir(flavour)
         native.library(native.FAKE_NVML, flavour)
         native.library(native.FAKE_CUDA, flavour)

@@ -148,6 +148,8 @@ class MetricsConfig:
 class Config:
     node_name: str = field(default_factory=lambda: os.environ.get("NODE_NAME", os.uname().nodename))
     memory_unit: int = _bytes(GiB)
+    # What no container is charged for: the driver's reservation and fragmentation (each
+    # process's CUDA context is charged to its container by the shim).
     reserved_per_gpu: int = _bytes(GiB)
     allocation_policy: str = _choice("binpack", "binpack", "spread")
     device_list_strategy: str = _choice("envvar", "envvar", "cdi")

@@ -5,10 +5,11 @@ program that bypasses it (a static binary, LD_PRELOAD unset, its own dlopen of
 the driver by path) is invisible to the shim but not to NVML: every interval the
 watchdog reads NVML's per-process used memory, maps each process to its
 container through /proc/<pid>/cgroup (gpufrac.agent.peers), sums per container
-and GPU, and compares with the container's limit plus ONE allowance per container (`tolerance`: NVML
-also counts CUDA contexts, which the shim does not; docs/watchdog.md sizes it). Per container,
-not per process: an allowance per process would let a container buy headroom by starting idle
-CUDA processes.
+and GPU, and compares with the container's limit plus ONE allowance per container (`tolerance`:
+the shim charges contexts and modules as measured around the call, which can be a little off,
+and lazily loaded modules take memory no hooked call sees; docs/watchdog.md sizes it). Per
+container, not per process: an allowance per process would let a container buy headroom by
+starting idle CUDA processes.
 
 Modes (config.watchdog.mode):
 * off      - not started;
@@ -167,7 +168,7 @@ def plan(owned: Iterable[tuple[ContainerAlloc, GpuProcess]], tolerance: int, enf
         usage = sum(p.used for p in procs)
         # On a GPU the container was not given, any memory is a breach.
         limit = alloc.config.limit_bytes if gpu in alloc.gpus else 0
-        # One allowance per container (the contexts NVML counts and the shim does not): not
+        # One allowance per container (measurement skew, lazily loaded modules): not
         # multiplied by the process count, which the container chooses.
         allowed = limit + tolerance
         if usage <= allowed:

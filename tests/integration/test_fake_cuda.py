@@ -15,6 +15,7 @@ from fakecuda_support import (
     GIB,
     MIB,
     Workload,
+    ctx_bytes,
     gpu_fields,
     gpu_used,
     ok,
@@ -91,8 +92,8 @@ def test_devices_contexts_alloc_and_node_state(flavour_node: SimNode) -> None:
         mem = w.read()
         assert mem["free0"] - mem["free1"] == 64 * MIB
         assert (mem["base"], mem["size"]) == (mem["p"], 64 * MIB)
-        # NVML's view: this process holds the memory on GPU 0.
-        assert slot_used(node, w.p.pid) == 64 * MIB
+        # NVML's view: this process holds the memory on GPU 0, and its context's.
+        assert slot_used(node, w.p.pid) == ctx_bytes(node) + 64 * MIB
         w.send("free")
         end = w.read()
         assert end["free2"] == mem["free0"]
@@ -178,9 +179,10 @@ def test_physical_oom_between_two_processes(make_sim_node: Callable[..., SimNode
         )
         first, second = ok(r)
         assert first["big"] == 2  # CUDA_ERROR_OUT_OF_MEMORY
-        assert first["free"] == (23034 - 318) * MIB - 12 * GIB
+        # Free is what neither process holds: the holder's 12 GiB, and both contexts.
+        assert first["free"] == (23034 - 318) * MIB - 12 * GIB - 2 * ctx_bytes(node)
         assert second["small"]
-        assert slot_used(node, holder.p.pid) == 12 * GIB
+        assert slot_used(node, holder.p.pid) == 12 * GIB + ctx_bytes(node)
         holder.send("exit")
         holder.finish()
     finally:
@@ -193,7 +195,7 @@ def test_sigkill_holder_is_reaped(make_sim_node: Callable[..., SimNode]) -> None
     holder = Workload(node, "setup(0)\np = ck(d.cuMemAlloc(16 << 30))\nsay(held=True)\nwait_for('exit')\n")
     try:
         holder.read()
-        assert slot_used(node, holder.p.pid) == 16 * GIB
+        assert slot_used(node, holder.p.pid) == 16 * GIB + ctx_bytes(node)
         os.kill(holder.p.pid, signal.SIGKILL)
         holder.p.wait(timeout=30)
     finally:

@@ -11,6 +11,14 @@ from fakecuda_support import MIB, Workload, gpu_used, ok, run_py, slot_used
 from simnode_fixtures import SimNode
 
 
+@pytest.fixture
+def sim_node(make_sim_node: Callable[..., SimNode]) -> SimNode:
+    # Contexts cost nothing here: these tests read the GPU's used memory to the byte to check
+    # what VMM and pools charge, and each process's context would only add a constant.
+    # test_fake_cuda.py checks a context's charge on the presets' own figures.
+    return make_sim_node(context_memory=0)
+
+
 def script(*parts: str) -> str:
     """Join workload fragments written at different indentations."""
     return "\n".join(textwrap.dedent(p) for p in parts)

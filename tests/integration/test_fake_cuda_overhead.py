@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from fakecuda_support import ok, run_py
+from fakecuda_support import ctx_bytes, ok, run_py
 from simnode_fixtures import SimNode
 
 from gpufrac import native
@@ -191,9 +191,11 @@ say(step="mipmap gone", mine=mine())
     )
     # levels 64x16, 32x8, 16x4, 8x2, 4x1, 2x1, 1x1 of 4 bytes, each 512-byte aligned
     mip = 4096 + 1024 + 512 * 5
+    ctx = ctx_bytes(node)  # the process's context (the preset's estimate): all it holds on the GPU
+    assert ctx > 0
     assert out == [
-        {"step": "host cuMem", "mine": 0, "granularity": 2 * MiB},
-        {"step": "host pool", "mine": 0, "current": 101},
-        {"step": "mipmap", "mine": mip, "too_many": 1},
-        {"step": "mipmap gone", "mine": 0},
+        {"step": "host cuMem", "mine": ctx, "granularity": 2 * MiB},
+        {"step": "host pool", "mine": ctx, "current": 101},
+        {"step": "mipmap", "mine": ctx + mip, "too_many": 1},
+        {"step": "mipmap gone", "mine": ctx},
     ]

@@ -46,9 +46,13 @@ from gpufrac.deviceplugin.slices import MEMORY, device_id
 from gpufrac.memguard import formats
 from gpufrac.simgpu.kubelet import Container as KContainer
 from gpufrac.simgpu.kubelet import Pod as KPod
+from gpufrac.simgpu.spec import load_preset
 
 NODE = "node-a"
 MiB = 1 << 20
+# What a workload's container holds: its 64 MiB and its process's CUDA context (the node is the
+# dgx-h100 preset, whose contexts take the H100 estimate).
+HELD = 64 * MiB + load_preset("dgx-h100").gpus[0].context_memory
 DEADLINE = 90.0  # generous: a loaded 2-core box
 INTERACTIVE = {annotations.WORKLOAD_CLASS: "interactive"}
 
@@ -419,7 +423,7 @@ def test_dry_run_reports_and_changes_nothing(make_scenario: Any, caplog: pytest.
         await until(lambda: s.events("nb", "IdleDryRun"), what="IdleDryRun")
         await s.passes_later(20)
         assert w.alive()
-        assert formats.read_usage(nb.directory).total_used == 64 * MiB  # its GPU memory untouched
+        assert formats.read_usage(nb.directory).total_used == HELD  # its GPU memory untouched
 
     with caplog.at_level("WARNING", logger="gpufrac.agent.idle"):
         s.run(body)
@@ -486,7 +490,7 @@ def test_cpu_only_phase_is_not_reaped_before_the_pods_own_timeout(make_scenario:
     w = s.workload(nb, launch_first=False)
 
     async def body(reaper: IdleReaper) -> None:
-        assert formats.read_usage(nb.directory).total_used == 64 * MiB
+        assert formats.read_usage(nb.directory).total_used == HELD
         await until(lambda: not s.exists("nb"), what="eviction after its own timeout")
 
     s.run(body)
