@@ -80,6 +80,26 @@ def run(shim: Shim, c: Container, body: str) -> list[dict]:
     return [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
 
 
+def start(shim: Shim, c: Container, body: str) -> subprocess.Popen[str]:
+    """A workload process of `c` that we talk to line by line (see stop())."""
+    return subprocess.Popen(
+        [sys.executable, "-c", PRE + body],
+        env=shim.env(c),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def stop(procs: list[subprocess.Popen[str]]) -> None:
+    """Let each still running process finish: closing its stdin ends its wait."""
+    for p in procs:
+        if p.poll() is None:
+            p.stdin.close()
+            p.wait(timeout=TIMEOUT)
+
+
 def nvml_used(shim: Shim, pid: int) -> int:
     """The memory NVML shows for `pid` (the fake driver's per-process figure)."""
     with NodeState(shim.sim_env["SIMGPU_STATE"]) as node:
@@ -104,17 +124,7 @@ def test_each_process_context_and_module_count_and_the_third_does_not_fit(
     cuDevicePrimaryCtxRetain fails with CUDA_ERROR_OUT_OF_MEMORY, as it would on a
     full GPU, and it holds nothing on the GPU."""
     c = container(request=1400 * MiB, limit=1400 * MiB)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", PRE + HOLD],
-            env=ctx_shim.env(c),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
+    procs = [start(ctx_shim, c, HOLD) for _ in range(2)]
     try:
         for p in procs:
             line = read_line(p)
@@ -133,10 +143,7 @@ def test_each_process_context_and_module_count_and_the_third_does_not_fit(
         )
         assert third == [{"rc": OOM, "used": 2 * (CTX + MOD)}]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.stdin.close()
-                p.wait(timeout=TIMEOUT)
+        stop(procs)
     assert c.total() == 0
 
 
@@ -252,17 +259,7 @@ sys.stdin.readline()
 """
         + HOLD
     )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", PRE + body],
-            env=ctx_shim.env(c),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(4)
-    ]
+    procs = [start(ctx_shim, c, body) for _ in range(4)]
     try:
         for p in procs:  # all of them up, waiting
             assert p.stdin is not None
@@ -278,10 +275,7 @@ sys.stdin.readline()
         assert [slots.get(p.pid) for p in procs] == per_process
         assert c.total() == 4 * (CTX + MOD)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.stdin.close()
-                p.wait(timeout=TIMEOUT)
+        stop(procs)
 
 
 def test_a_module_that_does_not_fit_is_refused_and_unloaded(
