@@ -142,6 +142,16 @@ chk(cu.cuCtxSetCurrent(ctx))
 out = {}
 """
 
+# For workloads that set their count beside the driver's: nvml() is the GPU memory
+# the fake driver holds for this process (NVML's per-process figure).
+NVML = """
+from gpufrac.simgpu.nodestate import NodeState
+pid = os.getpid()
+def nvml():
+    with NodeState(os.environ["SIMGPU_STATE"]) as n:
+        return sum(p.used_bytes for p in n.live_procs() if p.pid == pid)
+"""
+
 
 class Shim:
     def __init__(self, sim_env: dict[str, str], flavour: str) -> None:
