@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pynvml
 import yaml
-from metrics_support import NODE, GiB, InprocNode, MiB, Scrape, finish, read_line
+from metrics_support import NODE, GiB, InprocNode, MiB, Scrape, finish, result
 
 from gpufrac.deviceplugin.slices import FRACTION, MEMORY
 from gpufrac.native import REPO_ROOT
@@ -46,15 +46,6 @@ def recipes() -> dict[str, str]:
         assert first.startswith("# "), f"recipe without a name line: {block!r}"
         out[first[2:].strip()] = expr.strip()
     return out
-
-
-def result(p: subprocess.Popen[bytes], command: str) -> int:
-    while True:
-        line = read_line(p)
-        assert line, f"the workload exited before {command}"
-        parts = line.split()
-        if parts and parts[0] == command:
-            return int(parts[1])
 
 
 def series(name: str, labels: dict[str, str]) -> str:
