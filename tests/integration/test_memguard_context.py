@@ -21,7 +21,7 @@ import textwrap
 from collections.abc import Callable
 
 import pytest
-from memguard_fixtures import TIMEOUT, Container, MiB, Shim, read_line
+from memguard_fixtures import NVML, TIMEOUT, Container, MiB, Shim, read_line
 from simnode_fixtures import SimNode
 
 from gpufrac import native
@@ -32,7 +32,8 @@ CTX = 512 * MiB  # the documented H100 estimate (docs/simgpu.md)
 MOD = 8 * MiB
 OOM = 2
 
-# Helpers of every workload here; unlike memguard_fixtures' prelude, no context yet.
+# Helpers of every workload here (nvml() too); unlike memguard_fixtures' prelude,
+# no context yet.
 PRE = """
 import ctypes, json, os, sys
 from cuda.bindings import driver as cu
@@ -51,6 +52,7 @@ def say(**kw):
 chk(cu.cuInit(0))
 dev = chk(cu.cuDeviceGet(0))
 """
+PRE += NVML
 
 
 def ctx_node(make_sim_node: Callable[..., SimNode], flavour: str, ctx: int) -> SimNode:
@@ -162,11 +164,6 @@ def test_context_module_and_limits_counted_and_released(
         ctx_shim,
         c,
         f"""
-        pid = os.getpid()
-        def nvml():
-            from gpufrac.simgpu.nodestate import NodeState
-            with NodeState(os.environ["SIMGPU_STATE"]) as n:
-                return sum(p.used_bytes for p in n.live_procs() if p.pid == pid)
         ctx = chk(cu.cuDevicePrimaryCtxRetain(dev))
         chk(cu.cuCtxSetCurrent(ctx))
         say(step="ctx", used=used(), nvml=nvml())
@@ -291,11 +288,6 @@ def test_a_module_that_does_not_fit_is_refused_and_unloaded(
         ctx_shim,
         c,
         f"""
-        pid = os.getpid()
-        def nvml():
-            from gpufrac.simgpu.nodestate import NodeState
-            with NodeState(os.environ["SIMGPU_STATE"]) as n:
-                return sum(p.used_bytes for p in n.live_procs() if p.pid == pid)
         ctx = chk(cu.cuDevicePrimaryCtxRetain(dev))
         chk(cu.cuCtxSetCurrent(ctx))
         r = cu.cuModuleLoadData(b"SIMGPU-MODULE:{128 * MiB}\\0")
