@@ -97,16 +97,19 @@ class Bench:
             return dict(self.base)
         return mg_build.shim_env(container or self.containers[0], base=self.base)
 
-    def loop(self, op: str, shim: bool, *args: object) -> tuple[float, float]:
-        out = subprocess.run(
-            [str(DRIVER), op, str(ROUNDS), str(LOOP_N), *map(str, args)],
+    def drive(self, shim: bool, *argv: object) -> str:
+        """The driver program's output for `argv`, with or without the shim."""
+        return subprocess.run(
+            [str(DRIVER), *map(str, argv)],
             env=self.env(shim),
             capture_output=True,
             text=True,
             check=True,
             timeout=600,
         ).stdout
-        return parse(out)
+
+    def loop(self, op: str, shim: bool, *args: object) -> tuple[float, float]:
+        return parse(self.drive(shim, op, ROUNDS, LOOP_N, *args))
 
     def overhead(self, op: str, *args: object) -> dict[str, float]:
         """Interleave plain and shim runs (separate processes)."""
@@ -128,14 +131,7 @@ class Bench:
 
     def ab(self, op: str, shim: bool) -> dict[str, float]:
         """One process alternating rounds between the hooks and the driver's own functions."""
-        out = subprocess.run(
-            [str(DRIVER), op, str(AB_ROUNDS), str(AB_PAIRS[op]), "4096"],
-            env=self.env(shim),
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=600,
-        ).stdout
+        out = self.drive(shim, op, AB_ROUNDS, AB_PAIRS[op], 4096)
         kv = dict(p.split("=") for p in out.split()[1:])
         return {k: float(v) for k, v in kv.items()}
 

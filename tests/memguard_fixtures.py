@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from gpufrac.memguard import build, formats
+from gpufrac.simgpu.nodestate import NodeState
 
 MiB = 1 << 20
 CUDA_ERROR_OUT_OF_MEMORY = 2
@@ -142,6 +143,16 @@ chk(cu.cuCtxSetCurrent(ctx))
 out = {}
 """
 
+# For workloads that set their count beside the driver's: nvml() is the GPU memory
+# the fake driver holds for this process (NVML's per-process figure).
+NVML = """
+from gpufrac.simgpu.nodestate import NodeState
+pid = os.getpid()
+def nvml():
+    with NodeState(os.environ["SIMGPU_STATE"]) as n:
+        return sum(p.used_bytes for p in n.live_procs() if p.pid == pid)
+"""
+
 
 class Shim:
     def __init__(self, sim_env: dict[str, str], flavour: str) -> None:
@@ -222,6 +233,36 @@ def read_line(p: subprocess.Popen[str], timeout: float = TIMEOUT) -> str:
         return q.get(timeout=timeout)
     except queue.Empty:
         raise AssertionError("workload printed nothing in time") from None
+
+
+def held(
+    shim: Shim, c: Container, *script: object, then: tuple[object, ...] = ()
+) -> tuple[list[str], int, int, list[str]]:
+    """Run mg_ctest's `script`, then "hold", then `then`: the lines it printed up to
+    the hold, what the fake driver held for the process then (NVML's per-process
+    figure), the container's count then, and the lines it printed once let go (it
+    exits 0)."""
+    node = NodeState(shim.sim_env["SIMGPU_STATE"])
+    p = shim.ctest_popen(c, *script, "hold", *then)
+    try:
+        out: list[str] = []
+        while not out or not out[-1].startswith("hold"):
+            line = read_line(p)
+            assert line, f"mg_ctest ended early: {out}"
+            out.append(line)
+        physical = sum(pr.used_bytes for pr in node.live_procs() if pr.pid == p.pid)
+        counted = c.total()
+        assert p.stdin is not None
+        p.stdin.write("\n")
+        p.stdin.close()
+        rest = list(iter(lambda: read_line(p), ""))
+        assert p.wait(timeout=120) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        node.close()
+    return out, physical, counted, rest
 
 
 # ---------------------------------------------------------------- fixtures

@@ -178,6 +178,16 @@ def read_line(p: subprocess.Popen[bytes], timeout: float = TIMEOUT) -> str:
         return p.stdout.readline().decode()
 
 
+def result(p: subprocess.Popen[bytes], command: str) -> int:
+    """The CUresult mg_ctest printed for `command` (its lines: <command> <CUresult> [k=v ...])."""
+    while True:
+        line = read_line(p)
+        assert line, f"the workload exited before {command}: {p.stderr.read() if p.stderr else b''!r}"
+        parts = line.split()
+        if parts and parts[0] == command:
+            return int(parts[1])
+
+
 def finish(p: subprocess.Popen[bytes]) -> None:
     if p.poll() is None:
         assert p.stdin is not None

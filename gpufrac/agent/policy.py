@@ -134,22 +134,20 @@ def enforce(
                     f"maxLimitRatio {_ratio(ratio)}: limit {format_bytes(most)} applied",
                 )
             )
-    if not policy.preemptible and not ns.allow_non_preemptible:
-        changes["preemptible"] = True
-        caps.append(
-            Cap(
-                PREEMPTIBLE,
-                f"container {container}: preemptible=false is not allowed by the node policy for {where} "
-                "(allowNonPreemptible: false): applied preemptible=true",
+    # Opt-outs of eviction and swap the namespace may forbid: (the ContainerPolicy field,
+    # which its Cap is named after, what was asked, whether allowed, the policy key).
+    forced = (
+        (PREEMPTIBLE, policy.preemptible, ns.allow_non_preemptible, "allowNonPreemptible"),
+        (SWAPPABLE, policy.swappable, ns.allow_unswappable, "allowUnswappable"),
+    )
+    for name, asked, allowed, key in forced:
+        if not asked and not allowed:
+            changes[name] = True
+            caps.append(
+                Cap(
+                    name,
+                    f"container {container}: {name}=false is not allowed by the node policy for {where} "
+                    f"({key}: false): applied {name}=true",
+                )
             )
-        )
-    if not policy.swappable and not ns.allow_unswappable:
-        changes["swappable"] = True
-        caps.append(
-            Cap(
-                SWAPPABLE,
-                f"container {container}: swappable=false is not allowed by the node policy for {where} "
-                "(allowUnswappable: false): applied swappable=true",
-            )
-        )
     return (dataclasses.replace(policy, **changes) if changes else policy), caps

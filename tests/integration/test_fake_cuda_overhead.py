@@ -38,17 +38,20 @@ def node_of(tmp_path: Path, gpu: dict, flavour: str = "release") -> SimNode:
     return SimNode(path=path, flavour=flavour, env=env)
 
 
+def run(node: SimNode, body: str) -> list[dict]:
+    """Run `body` with a primary context current on GPU 0 (`dev`, `ctx`) and MINE's
+    helpers; what it said, after checking it exited cleanly."""
+    return ok(run_py(node, MINE + "dev, ctx = setup(0)\n" + body))
+
+
 H100 = {"model": "NVIDIA H100 80GB HBM3", "memory": "81559Mi", "reserved": "540Mi", "sm_count": 132}
 
 
 def test_contexts_modules_and_limits_take_device_memory(tmp_path: Path) -> None:
     node = node_of(tmp_path, {**H100, "context_memory": "512Mi"})
-    out = ok(
-        run_py(
-            node,
-            MINE
-            + """
-dev, ctx = setup(0)
+    out = run(
+        node,
+        """
 say(step="primary", mine=mine())
 again = ck(d.cuDevicePrimaryCtxRetain(dev))
 say(step="retained twice", mine=mine())
@@ -66,7 +69,6 @@ say(step="released once", mine=mine())
 ck(d.cuDevicePrimaryCtxRelease(dev))
 say(step="inactive", mine=mine(), gpu=gpu())
 """,
-        )
     )
     by = {o["step"]: o for o in out}
     ctx, mod, stack = 512 * MiB, 4 * MiB, 256 * 132 * 2048  # the module rounds up to 2 MiB granules
@@ -81,17 +83,13 @@ say(step="inactive", mine=mine(), gpu=gpu())
 
 def test_a_context_or_limit_that_does_not_fit_fails(tmp_path: Path) -> None:
     node = node_of(tmp_path, {"model": "X", "memory": "1Gi", "sm_count": 8, "context_memory": "600Mi"})
-    out = ok(
-        run_py(
-            node,
-            MINE
-            + """
-dev, ctx = setup(0)
+    out = run(
+        node,
+        """
 say(step="second", rc=err(d.cuCtxCreate(None, 0, dev)), mine=mine())
 say(step="heap", rc=err(d.cuCtxSetLimit(d.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE, 1 << 30)),
     heap=int(ck(d.cuCtxGetLimit(d.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE))), mine=mine())
 """,
-        )
     )
     assert out == [
         {"step": "second", "rc": 2, "mine": 600 * MiB},
@@ -101,12 +99,9 @@ say(step="heap", rc=err(d.cuCtxSetLimit(d.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE, 1 <
 
 def test_graph_memory_comes_from_the_device_graph_pool(tmp_path: Path) -> None:
     node = node_of(tmp_path, {"model": "X", "memory": "1Gi"})
-    out = ok(
-        run_py(
-            node,
-            MINE
-            + """
-dev, ctx = setup(0)
+    out = run(
+        node,
+        """
 A = d.CUgraphMem_attribute
 def pool():
     return [int(ck(d.cuDeviceGetGraphMemAttribute(dev, a))) for a in (
@@ -144,7 +139,6 @@ ck(d.cuGraphExecDestroy(e2))
 ck(d.cuDeviceGraphMemTrim(dev))
 say(step="trimmed", mine=mine(), pool=pool())
 """,
-        )
     )
     by = {o["step"]: o for o in out}
     assert by["added"] == {"step": "added", "size": 5 * MiB, "has_address": True, "mine": 0}
@@ -158,12 +152,9 @@ say(step="trimmed", mine=mine(), pool=pool())
 
 def test_host_locations_and_mipmaps(make_sim_node: Callable[..., SimNode]) -> None:
     node = make_sim_node()
-    out = ok(
-        run_py(
-            node,
-            MINE
-            + """
-dev, ctx = setup(0)
+    out = run(
+        node,
+        """
 L = d.CUmemLocationType
 prop = d.CUmemAllocationProp()
 prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -187,7 +178,6 @@ say(step="mipmap", mine=mine(), too_many=err(d.cuMipmappedArrayCreate(desc, 8)))
 ck(d.cuMipmappedArrayDestroy(m))
 say(step="mipmap gone", mine=mine())
 """,
-        )
     )
     # levels 64x16, 32x8, 16x4, 8x2, 4x1, 2x1, 1x1 of 4 bytes, each 512-byte aligned
     mip = 4096 + 1024 + 512 * 5

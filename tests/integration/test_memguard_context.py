@@ -21,7 +21,7 @@ import textwrap
 from collections.abc import Callable
 
 import pytest
-from memguard_fixtures import TIMEOUT, Container, MiB, Shim, read_line
+from memguard_fixtures import NVML, TIMEOUT, Container, MiB, Shim, read_line
 from simnode_fixtures import SimNode
 
 from gpufrac.simgpu.nodestate import NodeState
@@ -31,7 +31,8 @@ CTX = load_preset("dgx-h100").gpus[0].context_memory  # the H100 estimate (docs/
 MOD = 8 * MiB
 OOM = 2
 
-# Helpers of every workload here; unlike memguard_fixtures' prelude, no context yet.
+# Helpers of every workload here (nvml() too); unlike memguard_fixtures' prelude,
+# no context yet.
 PRE = """
 import ctypes, json, os, sys
 from cuda.bindings import driver as cu
@@ -50,6 +51,7 @@ def say(**kw):
 chk(cu.cuInit(0))
 dev = chk(cu.cuDeviceGet(0))
 """
+PRE += NVML
 
 
 @pytest.fixture
@@ -70,6 +72,26 @@ def run(shim: Shim, c: Container, body: str) -> list[dict]:
     )
     assert p.returncode == 0, f"workload failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
     return [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+
+
+def start(shim: Shim, c: Container, body: str) -> subprocess.Popen[str]:
+    """A workload process of `c` that we talk to line by line (see stop())."""
+    return subprocess.Popen(
+        [sys.executable, "-c", PRE + body],
+        env=shim.env(c),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def stop(procs: list[subprocess.Popen[str]]) -> None:
+    """Let each still running process finish: closing its stdin ends its wait."""
+    for p in procs:
+        if p.poll() is None:
+            p.stdin.close()
+            p.wait(timeout=TIMEOUT)
 
 
 def nvml_used(shim: Shim, pid: int) -> int:
@@ -96,17 +118,7 @@ def test_each_process_context_and_module_count_and_the_third_does_not_fit(
     cuDevicePrimaryCtxRetain fails with CUDA_ERROR_OUT_OF_MEMORY, as it would on a
     full GPU, and it holds nothing on the GPU."""
     c = container(request=1400 * MiB, limit=1400 * MiB)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", PRE + HOLD],
-            env=ctx_shim.env(c),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
+    procs = [start(ctx_shim, c, HOLD) for _ in range(2)]
     try:
         for p in procs:
             line = read_line(p)
@@ -125,10 +137,7 @@ def test_each_process_context_and_module_count_and_the_third_does_not_fit(
         )
         assert third == [{"rc": OOM, "used": 2 * (CTX + MOD)}]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.stdin.close()
-                p.wait(timeout=TIMEOUT)
+        stop(procs)
     assert c.total() == 0
 
 
@@ -147,11 +156,6 @@ def test_context_module_and_limits_counted_and_released(
         ctx_shim,
         c,
         f"""
-        pid = os.getpid()
-        def nvml():
-            from gpufrac.simgpu.nodestate import NodeState
-            with NodeState(os.environ["SIMGPU_STATE"]) as n:
-                return sum(p.used_bytes for p in n.live_procs() if p.pid == pid)
         ctx = chk(cu.cuDevicePrimaryCtxRetain(dev))
         chk(cu.cuCtxSetCurrent(ctx))
         say(step="ctx", used=used(), nvml=nvml())
@@ -244,17 +248,7 @@ sys.stdin.readline()
 """
         + HOLD
     )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", PRE + body],
-            env=ctx_shim.env(c),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(4)
-    ]
+    procs = [start(ctx_shim, c, body) for _ in range(4)]
     try:
         for p in procs:  # all of them up, waiting
             assert p.stdin is not None
@@ -270,10 +264,7 @@ sys.stdin.readline()
         assert [slots.get(p.pid) for p in procs] == per_process
         assert c.total() == 4 * (CTX + MOD)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.stdin.close()
-                p.wait(timeout=TIMEOUT)
+        stop(procs)
 
 
 def test_a_module_that_does_not_fit_is_refused_and_unloaded(
@@ -289,11 +280,6 @@ def test_a_module_that_does_not_fit_is_refused_and_unloaded(
         ctx_shim,
         c,
         f"""
-        pid = os.getpid()
-        def nvml():
-            from gpufrac.simgpu.nodestate import NodeState
-            with NodeState(os.environ["SIMGPU_STATE"]) as n:
-                return sum(p.used_bytes for p in n.live_procs() if p.pid == pid)
         ctx = chk(cu.cuDevicePrimaryCtxRetain(dev))
         chk(cu.cuCtxSetCurrent(ctx))
         r = cu.cuModuleLoadData(b"SIMGPU-MODULE:{128 * MiB}\\0")

@@ -15,19 +15,16 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Callable
 
-from memguard_fixtures import Container, MiB, Shim
+from memguard_fixtures import NVML, Container, MiB, Shim
 
 OOM = 2
 
 # Helpers for the workloads below (they run after memguard_fixtures' prelude:
 # a current primary context, chk/rc/used, `out`).
-GRAPH = """
-from gpufrac.simgpu.nodestate import NodeState
+GRAPH = (
+    NVML
+    + """
 U64, U32 = ctypes.c_uint64, ctypes.c_uint32
-pid = os.getpid()
-def nvml():
-    with NodeState(os.environ["SIMGPU_STATE"]) as n:
-        return sum(p.used_bytes for p in n.live_procs() if p.pid == pid)
 def reserved():
     a = cu.CUgraphMem_attribute.CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT
     return int(chk(cu.cuDeviceGetGraphMemAttribute(dev, a)))
@@ -46,6 +43,7 @@ def graph_with_alloc(n):
 mod = chk(cu.cuModuleLoadData(b"SIMGPU-MODULE\\0"))
 fill = chk(cu.cuModuleGetFunction(mod, b"fill_u32"))
 """
+)
 
 
 def graph_body(body: str) -> str:

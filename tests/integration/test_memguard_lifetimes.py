@@ -25,11 +25,11 @@ from memguard_fixtures import (
     MiB,
     Shim,
     answer_bursts,
+    held,
     read_line,
 )
 
 from gpufrac.memguard import formats
-from gpufrac.simgpu.nodestate import NodeState
 
 # ------------------------------------------------------------------ exec
 
@@ -143,26 +143,12 @@ def test_vmm_memory_stays_counted_while_mapped(shim: Shim, container: Callable[.
     The mapping keeps the memory (the driver frees it at the unmap), so it stays
     counted; ten such 32 MiB allocations cannot fit a 96 MiB limit."""
     c = container(request=96 * MiB, limit=96 * MiB)
-    node = NodeState(shim.sim_env["SIMGPU_STATE"])
-    try:
-        p = shim.ctest_popen(c, *["mapped", 32 * MiB, "used"] * 10, "hold", "unmapall", "used")
-        lines = []
-        while not lines or not lines[-1].startswith("hold"):
-            lines.append(read_line(p))
-        rcs = [ln.split()[1] for ln in lines if ln.startswith("mapped ")]
-        # What the fake driver really holds for this process while mapped.
-        physical = sum(pr.used_bytes for pr in node.live_procs() if pr.pid == p.pid)
-        counted = c.total()
-        assert p.stdin is not None
-        p.stdin.write("\n")
-        p.stdin.close()
-        unmapped, after = read_line(p).split(), read_line(p)
-        assert p.wait(timeout=120) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        node.close()
+    # physical: what the fake driver really holds for this process while mapped.
+    lines, physical, counted, rest = held(
+        shim, c, *["mapped", 32 * MiB, "used"] * 10, then=("unmapall", "used")
+    )
+    rcs = [ln.split()[1] for ln in lines if ln.startswith("mapped ")]
+    unmapped, after = rest[0].split(), rest[1]
     assert rcs == ["0"] * 3 + [str(CUDA_ERROR_OUT_OF_MEMORY)] * 7, lines
     assert counted == 96 * MiB
     assert physical >= counted  # the driver still holds what is counted

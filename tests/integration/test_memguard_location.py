@@ -16,17 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from memguard_fixtures import Container, MiB, Shim
+from memguard_fixtures import NVML, Container, MiB, Shim
 
 OOM = 2
-
-NVML = """
-from gpufrac.simgpu.nodestate import NodeState
-pid = os.getpid()
-def nvml():
-    with NodeState(os.environ["SIMGPU_STATE"]) as n:
-        return sum(p.used_bytes for p in n.live_procs() if p.pid == pid)
-"""
 
 
 @pytest.mark.parametrize("where", ["HOST", "HOST_NUMA", "HOST_NUMA_CURRENT"])

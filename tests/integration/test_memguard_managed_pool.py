@@ -14,16 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from memguard_fixtures import Container, MiB, Shim
+from memguard_fixtures import NVML, Container, MiB, Shim
 
 OOM = 2
 
-BODY = """
-from gpufrac.simgpu.nodestate import NodeState
-pid = os.getpid()
-def nvml():
-    with NodeState(os.environ["SIMGPU_STATE"]) as n:
-        return sum(p.used_bytes for p in n.live_procs() if p.pid == pid)
+BODY = (
+    NVML
+    + """
 props = cu.CUmemPoolProps()
 props.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_MANAGED
 props.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_{where}
@@ -39,6 +36,7 @@ chk(cu.cuStreamSynchronize(s))
 chk(cu.cuMemPoolDestroy(pool))
 out["after"] = [used(), nvml()]
 """
+)
 
 
 @pytest.mark.parametrize("where", ["HOST", "HOST_NUMA", "INVALID"])  # 0: NONE, no preference

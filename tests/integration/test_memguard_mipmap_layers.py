@@ -13,16 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from memguard_fixtures import Container, MiB, Shim
+from memguard_fixtures import NVML, Container, MiB, Shim
 
 LAYERED, CUBEMAP = 0x01, 0x04
 
-BODY = """
-from gpufrac.simgpu.nodestate import NodeState
-pid = os.getpid()
-def nvml():
-    with NodeState(os.environ["SIMGPU_STATE"]) as n:
-        return sum(p.used_bytes for p in n.live_procs() if p.pid == pid)
+BODY = (
+    NVML
+    + """
 def desc(side, layers, flags):
     d = cu.CUDA_ARRAY3D_DESCRIPTOR()
     d.Width = side
@@ -38,6 +35,7 @@ for name, side, layers, flags, levels in CASES:
     chk(cu.cuMipmappedArrayDestroy(m))
 out["destroyed"] = [used(), nvml()]
 """
+)
 
 CASES = [
     ("layered", 256, 8, LAYERED, 9),

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from memguard_fixtures import Container, Line, MiB, Shim, parse_ctest, read_line
-
-from gpufrac.simgpu.nodestate import NodeState
+from memguard_fixtures import Container, Line, MiB, Shim, held, parse_ctest
 
 KEEP_ALL = (1 << 64) - 1
 KiB = 1 << 10
@@ -24,25 +22,7 @@ KiB = 1 << 10
 def _held(shim: Shim, c: Container, *script: object) -> tuple[list[Line], int, int]:
     """Run `script`, then hold: its lines, what the fake driver holds for the
     process then (NVML's per-process figure) and the container's count."""
-    node = NodeState(shim.sim_env["SIMGPU_STATE"])
-    p = shim.ctest_popen(c, *script, "hold")
-    try:
-        out: list[str] = []
-        while not out or not out[-1].startswith("hold"):
-            line = read_line(p)
-            assert line, f"mg_ctest ended early: {out}"
-            out.append(line)
-        physical = sum(pr.used_bytes for pr in node.live_procs() if pr.pid == p.pid)
-        counted = c.total()
-        assert p.stdin is not None
-        p.stdin.write("\n")
-        p.stdin.close()
-        assert p.wait(timeout=120) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        node.close()
+    out, physical, counted, _ = held(shim, c, *script)
     return parse_ctest("".join(out)), physical, counted
 
 

@@ -25,7 +25,7 @@ from metrics_support import (
     Scrape,
     finish,
     http_get,
-    read_line,
+    result,
     start_node,
 )
 
@@ -73,16 +73,6 @@ def expected_free(node: InprocNode, uuid: str, resource: str) -> int:
         for d in per.get(resource, [])
     }
     return sum(1 for d in node.kubelet.healthy(resource) if d.startswith(uuid + "::") and d not in allocated)
-
-
-def result(p: subprocess.Popen[bytes], command: str) -> int:
-    """The CUresult mg_ctest printed for `command` (its lines: <command> <CUresult> [k=v ...])."""
-    while True:
-        line = read_line(p)
-        assert line, f"the workload exited before {command}: {p.stderr.read() if p.stderr else b''!r}"
-        parts = line.split()
-        if parts and parts[0] == command:
-            return int(parts[1])
 
 
 def test_scrape_matches_the_scenario(node: InprocNode) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pynvml
 import yaml
-from metrics_support import CTX, NODE, GiB, InprocNode, MiB, Scrape, finish, read_line
+from metrics_support import CTX, NODE, GiB, InprocNode, MiB, Scrape, finish, result
 
 from gpufrac.deviceplugin.slices import FRACTION, MEMORY
 from gpufrac.native import REPO_ROOT
@@ -46,15 +46,6 @@ def recipes() -> dict[str, str]:
         assert first.startswith("# "), f"recipe without a name line: {block!r}"
         out[first[2:].strip()] = expr.strip()
     return out
-
-
-def result(p: subprocess.Popen[bytes], command: str) -> int:
-    while True:
-        line = read_line(p)
-        assert line, f"the workload exited before {command}"
-        parts = line.split()
-        if parts and parts[0] == command:
-            return int(parts[1])
 
 
 def series(name: str, labels: dict[str, str]) -> str:
@@ -117,9 +108,8 @@ def samples(s: Scrape, name: str) -> list[tuple[dict[str, str], float]]:
 def test_dcgm_recipes_join_on_one_label(node: InprocNode, tmp_path: Path) -> None:
     infer = node.admit("infer", MEMORY, 8)
     notebook = node.admit("notebook", FRACTION, 25)
-    # One after the other: the shim measures a context as the GPU's used memory around its
-    # creation, so a neighbour allocating meanwhile would be charged to it (memguard/native/
-    # mg_ctx.c); on a quiet GPU each container is charged exactly its own.
+    # One after the other, so each scrape figure is one container's allocation plus its one
+    # context (docs/architecture.md, "context charge", for how a context is measured).
     w1 = node.workload(infer, "alloc", 3 * GiB, "hold")
     w2 = None
     try:

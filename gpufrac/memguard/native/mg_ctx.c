@@ -573,6 +573,23 @@ CUresult mg_h_cuDevicePrimaryCtxRelease_v2(CUdevice dev) { return primary_releas
 CUresult mg_h_cuDevicePrimaryCtxReset(CUdevice dev) { return primary_release(dev, 0, 1); }
 CUresult mg_h_cuDevicePrimaryCtxReset_v2(CUdevice dev) { return primary_release(dev, 1, 1); }
 
+/* After a call (result `rc`) that made an object at *handle_ptr and took `d` bytes:
+ * they are counted for the object, which goes with context `owner_ctx` (0: none);
+ * past the limit it is undone (`undo`) and the call refused. Under g_ov_mu. */
+#define CHARGE_NEW(kind, handle_ptr, owner_ctx, rc, d, undo)                   \
+    do {                                                                       \
+        if ((rc) == CUDA_SUCCESS && (handle_ptr)) {                            \
+            mg_ov_t *o_ = ov_add((kind), (uint64_t)(uintptr_t)*(handle_ptr), 0, (owner_ctx)); \
+            if (!o_) ov_warn_full();                                           \
+            if (ov_charge(o_, (d)) != 0) {                                     \
+                if (o_) ov_drop(o_);                                           \
+                undo;                                                          \
+                *(handle_ptr) = NULL;                                          \
+                (rc) = mg_x_refuse();                                          \
+            }                                                                  \
+        }                                                                      \
+    } while (0)
+
 /* A new context (regular or green) of `dev`, made by `rc_expr`; `undo` destroys it. */
 #define CREATE_MEASURED(kind, dev, handle_ptr, rc_expr, undo)                  \
     do {                                                                       \
@@ -584,16 +601,7 @@ CUresult mg_h_cuDevicePrimaryCtxReset_v2(CUdevice dev) { return primary_release(
         meas_learn_begin(&m_);                                                 \
         CUresult rc_ = (rc_expr);                                              \
         int64_t d_ = meas_end(&m_, rc_);                                       \
-        if (rc_ == CUDA_SUCCESS && (handle_ptr)) {                             \
-            mg_ov_t *o_ = ov_add((kind), (uint64_t)(uintptr_t)*(handle_ptr), 0, 0); \
-            if (!o_) ov_warn_full();                                           \
-            if (ov_charge(o_, d_) != 0) {                                      \
-                if (o_) ov_drop(o_);                                           \
-                undo;                                                          \
-                *(handle_ptr) = NULL;                                          \
-                rc_ = mg_x_refuse();                                           \
-            }                                                                  \
-        }                                                                      \
+        CHARGE_NEW((kind), (handle_ptr), 0, rc_, d_, undo);                    \
         meas_release(&m_);                                                     \
         pthread_mutex_unlock(&g_ov_mu);                                        \
         return rc_;                                                            \
@@ -692,16 +700,7 @@ CUresult mg_h_cuCtxSetLimit(int limit, size_t value) {
         meas_begin(&m_, mg_cur_dev());                                         \
         CUresult rc_ = (rc_expr);                                              \
         int64_t d_ = meas_end(&m_, rc_);                                       \
-        if (rc_ == CUDA_SUCCESS && (handle_ptr)) {                             \
-            mg_ov_t *o_ = ov_add((kind), (uint64_t)(uintptr_t)*(handle_ptr), 0, (kind) == OV_MODULE ? ctx_ : 0); \
-            if (!o_) ov_warn_full();                                           \
-            if (ov_charge(o_, d_) != 0) {                                      \
-                if (o_) ov_drop(o_);                                           \
-                undo;                                                          \
-                *(handle_ptr) = NULL;                                          \
-                rc_ = mg_x_refuse();                                           \
-            }                                                                  \
-        }                                                                      \
+        CHARGE_NEW((kind), (handle_ptr), (kind) == OV_MODULE ? ctx_ : 0, rc_, d_, undo); \
         meas_release(&m_);                                                     \
         pthread_mutex_unlock(&g_ov_mu);                                        \
         return rc_;                                                            \
