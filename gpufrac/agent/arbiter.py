@@ -182,6 +182,7 @@ class Arbiter:
             os.unlink(self.socket_path)  # a previous agent's socket: nobody listens on it
         os.makedirs(os.path.dirname(self.socket_path) or ".", exist_ok=True)
         loop = asyncio.get_running_loop()
+        self.fairness.fit_fd_limit()  # before the first connection: the cap must fit the file limit
         self._server = await loop.create_unix_server(
             lambda: _Connection(self),
             path=self.socket_path,

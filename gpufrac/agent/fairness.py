@@ -22,6 +22,12 @@ connections is closed to make room, unless the newcomer belongs to that
 container, which is then refused at once: a crowd of containers shares the
 node's connections evenly.
 
+The cap only holds if the agent may open that many files: a container runtime may start
+it with a soft RLIMIT_NOFILE of 1024, and past it accept() fails (EMFILE), the loop stops
+accepting for a while and the agent cannot open its own files either. So the arbiter
+raises its soft limit to the cap plus FD_RESERVE at start, and where the hard limit is
+lower, lowers the cap to fit (fit_fd_limit, Fairness.fit_fd_limit), saying so.
+
 Callers outside any kubelet container (the agent's own tools) share one account.
 Each container's refusals are logged at most once per LOG_EVERY seconds (with the
 count since) and counted in gpufrac_arbiter_limited_total{limit}.
@@ -30,6 +36,7 @@ count since) and counted in gpufrac_arbiter_limited_total{limit}.
 from __future__ import annotations
 
 import logging
+import resource
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +54,19 @@ PRUNE_EVERY = 10.0  # seconds between two sweeps of idle accounts
 REFUSE_DELAY = 1.0
 OUTSIDE = "outside-containers"  # the account of callers in no kubelet container
 LIMITS = ("connections", "inflight", "rate", "node")
+# Files the agent keeps open besides arbiter connections (gRPC, the apiserver, NVML, usage
+# and config files, logs): the node cap leaves them this many under the file limit.
+FD_RESERVE = 1024
+
+
+def fit_fd_limit(want: int, soft: int, hard: int) -> tuple[int, int]:
+    """(the soft RLIMIT_NOFILE to set, the node connection cap that fits it) for a wanted
+    cap of `want` connections under limits (soft, hard)."""
+    need = want + FD_RESERVE
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return soft, want
+    new_soft = need if hard == resource.RLIM_INFINITY or hard >= need else hard
+    return new_soft, max(1, min(want, new_soft - FD_RESERVE))
 
 
 @dataclass
@@ -96,6 +116,29 @@ class Fairness:
             node_connections=lim.max_connections,
             proc=proc,
         )
+
+    def fit_fd_limit(self) -> None:
+        """Raise this process's soft file limit for the node cap, or lower the cap to fit the
+        hard limit (said once, naming the key, its value and why)."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        new_soft, cap = fit_fd_limit(self.node_connections, soft, hard)
+        if new_soft != soft:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
+            except (OSError, ValueError) as e:
+                new_soft, cap = soft, max(1, min(self.node_connections, soft - FD_RESERVE))
+                log.warning("arbiter: cannot raise the file limit from %d to %d: %s", soft, new_soft, e)
+        if cap < self.node_connections:
+            log.warning(
+                "arbiterLimits.maxConnections: %d lowered to %d: this process may open %d files "
+                "(RLIMIT_NOFILE hard limit %d) and keeps %d for its own",
+                self.node_connections,
+                cap,
+                new_soft,
+                hard,
+                FD_RESERVE,
+            )
+            self.node_connections = cap
 
     def container_of(self, sock: Any) -> str:
         """The caller's account key: its kubelet container as the kernel names it."""
