@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpufrac.agent import metrics
-from gpufrac.agent.peers import PeerError, peer_credentials, read_cgroup
+from gpufrac.agent.peers import PeerError, peer_cgroup
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class Fairness:
     def container_of(self, sock: Any) -> str:
         """The caller's account key: its kubelet container as the kernel names it."""
         try:
-            ident = read_cgroup(peer_credentials(sock).pid, self.proc)
+            _, ident = peer_cgroup(sock, self.proc)
         except (PeerError, OSError):
             return OUTSIDE  # it will be refused when it asks; until then it counts as outside
         if ident is None:
