@@ -169,12 +169,15 @@ class Fairness:
         victim = None
         if self.open >= self.node_connections:
             heaviest = max(self.accounts.values(), key=lambda a: len(a.connections))
-            pending = [c for c in heaviest.connections if c.op is None]
-            if heaviest is acc or len(heaviest.connections) <= len(acc.connections) or not pending:
+            # Looked for only when the newcomer is not the heaviest's, newest first: the
+            # heaviest reconnecting at the cap must cost one comparison, not a walk over
+            # its thousands of connections each time.
+            if heaviest is not acc and len(heaviest.connections) > len(acc.connections):
+                victim = next((c for c in reversed(heaviest.connections) if c.op is None), None)
+            if victim is None:
                 if not over:
                     self.refuse(acc, "node")
                 return None, None, over
-            victim = pending[-1]
             self.refuse(heaviest, "node")
         acc.connections.append(conn)
         self.open += 1
