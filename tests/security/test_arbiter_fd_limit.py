@@ -5,7 +5,8 @@ agent if the process may open that many files: a container runtime commonly star
 agent with a soft RLIMIT_NOFILE of 1024. Past it, accept() fails (EMFILE), the loop stops
 accepting for a while, and the agent cannot open its own files either. Real processes in
 real cgroups on the real socket (tests/arbiter_harness.py), the flood from
-gpufrac.simgpu.flood.
+gpufrac.simgpu.flood. Also here: a flood that holds nothing at all (connect and close,
+never over a limit) but keeps the kernel's listen queue full.
 """
 
 from __future__ import annotations
