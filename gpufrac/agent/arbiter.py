@@ -36,6 +36,7 @@ import itertools
 import logging
 import mmap
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -73,6 +74,7 @@ log = logging.getLogger(__name__)
 _GEN_OFFSET = formats.ConfigStruct.generation.offset
 REQUEST_SIZE = ctypes.sizeof(BurstRequest)
 REPLY_SIZE = ctypes.sizeof(BurstReply)
+REFUSAL_LOG_EVERY = 60.0  # seconds between two log lines about refusals alike (Arbiter._say_refused)
 NVML_FRESH = 0.1  # an NVML reading younger than this is used as is
 # Metric label values for requests (gpufrac_arbiter_requests_total{kind,outcome}); the
 # runtime emulator's stand-in workload prints the same status names.
@@ -179,6 +181,7 @@ class Arbiter:
         self._tasks: list[asyncio.Task[Any]] = []
         self._connections: set[_Connection] = set()
         self.fairness = Fairness.from_config(config, peers.proc)
+        self._refusals_said: dict[str, tuple[float, int]] = {}  # refusal kind -> (logged at, unsaid since)
         self._returned: dict[str, int] = {}  # last grant_returned seen per container
         self._unused_since: dict[str, float] = {}
         self._granted_at: dict[str, float] = {}  # container key -> time.monotonic() of its last grant
@@ -195,6 +198,7 @@ class Arbiter:
             os.unlink(self.socket_path)  # a previous agent's socket: nobody listens on it
         os.makedirs(os.path.dirname(self.socket_path) or ".", exist_ok=True)
         loop = asyncio.get_running_loop()
+        self.fairness.fit_fd_limit()  # before the first connection: the cap must fit the file limit
         self._server = await loop.create_unix_server(
             lambda: _Connection(self),
             path=self.socket_path,
@@ -256,7 +260,7 @@ class Arbiter:
             caller = self.peers.identify(sock)
         except PeerError as e:
             self.stats.refused += 1
-            log.warning("arbiter: refused a request: %s", e)
+            self._say_refused(str(e))
             return formats.BURST_REFUSED, 0
         if req.op == formats.BURST_OP_RELEASE:
             return formats.BURST_GRANTED, self._release(caller.alloc)
@@ -265,6 +269,24 @@ class Arbiter:
         if req.op == formats.BURST_OP_RECLAIM:
             return self._reclaim(caller, int(req.bytes), int(req.total_after))
         return self._burst(caller, int(req.bytes), int(req.total_after))
+
+    def _say_refused(self, why: str) -> None:
+        """Log a refusal of an unidentified caller, once per REFUSAL_LOG_EVERY for refusals
+        alike but for their numbers (pids), with how many were left unsaid: anyone who
+        reaches the socket can send hundreds a second."""
+        kind = re.sub(r"\d+", "#", why)
+        now = time.monotonic()
+        said_at, unsaid = self._refusals_said.get(kind, (float("-inf"), 0))
+        if now - said_at < REFUSAL_LOG_EVERY:
+            self._refusals_said[kind] = (said_at, unsaid + 1)
+            return
+        more = f" ({unsaid} more like it since the last report)" if unsaid else ""
+        log.warning("arbiter: refused a request: %s%s", why, more)
+        if len(self._refusals_said) >= 1024:
+            self._refusals_said = {
+                k: v for k, v in self._refusals_said.items() if now - v[0] < REFUSAL_LOG_EVERY
+            }
+        self._refusals_said[kind] = (now, 0)
 
     # -- bursts ----------------------------------------------------------------------------------
 

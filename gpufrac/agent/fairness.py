@@ -22,6 +22,12 @@ connections is closed to make room, unless the newcomer belongs to that
 container, which is then refused at once: a crowd of containers shares the
 node's connections evenly.
 
+The cap only holds if the agent may open that many files: a container runtime may start
+it with a soft RLIMIT_NOFILE of 1024, and past it accept() fails (EMFILE), the loop stops
+accepting for a while and the agent cannot open its own files either. So the arbiter
+raises its soft limit to the cap plus FD_RESERVE at start, and where the hard limit is
+lower, lowers the cap to fit (fit_fd_limit, Fairness.fit_fd_limit), saying so.
+
 Callers outside any kubelet container (the agent's own tools) share one account.
 Each container's refusals are logged at most once per LOG_EVERY seconds (with the
 count since) and counted in gpufrac_arbiter_limited_total{limit}.
@@ -30,12 +36,13 @@ count since) and counted in gpufrac_arbiter_limited_total{limit}.
 from __future__ import annotations
 
 import logging
+import resource
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpufrac.agent import metrics
-from gpufrac.agent.peers import PeerError, peer_credentials, read_cgroup
+from gpufrac.agent.peers import PeerError, peer_cgroup
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +54,19 @@ PRUNE_EVERY = 10.0  # seconds between two sweeps of idle accounts
 REFUSE_DELAY = 1.0
 OUTSIDE = "outside-containers"  # the account of callers in no kubelet container
 LIMITS = ("connections", "inflight", "rate", "node")
+# Files the agent keeps open besides arbiter connections (gRPC, the apiserver, NVML, usage
+# and config files, logs): the node cap leaves them this many under the file limit.
+FD_RESERVE = 1024
+
+
+def fit_fd_limit(want: int, soft: int, hard: int) -> tuple[int, int]:
+    """(the soft RLIMIT_NOFILE to set, the node connection cap that fits it) for a wanted
+    cap of `want` connections under limits (soft, hard)."""
+    need = want + FD_RESERVE
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return soft, want
+    new_soft = need if hard == resource.RLIM_INFINITY or hard >= need else hard
+    return new_soft, max(1, min(want, new_soft - FD_RESERVE))
 
 
 @dataclass
@@ -97,10 +117,33 @@ class Fairness:
             proc=proc,
         )
 
+    def fit_fd_limit(self) -> None:
+        """Raise this process's soft file limit for the node cap, or lower the cap to fit the
+        hard limit (said once, naming the key, its value and why)."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        new_soft, cap = fit_fd_limit(self.node_connections, soft, hard)
+        if new_soft != soft:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
+            except (OSError, ValueError) as e:
+                new_soft, cap = soft, max(1, min(self.node_connections, soft - FD_RESERVE))
+                log.warning("arbiter: cannot raise the file limit from %d to %d: %s", soft, new_soft, e)
+        if cap < self.node_connections:
+            log.warning(
+                "arbiterLimits.maxConnections: %d lowered to %d: this process may open %d files "
+                "(RLIMIT_NOFILE hard limit %d) and keeps %d for its own",
+                self.node_connections,
+                cap,
+                new_soft,
+                hard,
+                FD_RESERVE,
+            )
+            self.node_connections = cap
+
     def container_of(self, sock: Any) -> str:
         """The caller's account key: its kubelet container as the kernel names it."""
         try:
-            ident = read_cgroup(peer_credentials(sock).pid, self.proc)
+            _, ident = peer_cgroup(sock, self.proc)
         except (PeerError, OSError):
             return OUTSIDE  # it will be refused when it asks; until then it counts as outside
         if ident is None:
@@ -126,12 +169,15 @@ class Fairness:
         victim = None
         if self.open >= self.node_connections:
             heaviest = max(self.accounts.values(), key=lambda a: len(a.connections))
-            pending = [c for c in heaviest.connections if c.op is None]
-            if heaviest is acc or len(heaviest.connections) <= len(acc.connections) or not pending:
+            # Looked for only when the newcomer is not the heaviest's, newest first: the
+            # heaviest reconnecting at the cap must cost one comparison, not a walk over
+            # its thousands of connections each time.
+            if heaviest is not acc and len(heaviest.connections) > len(acc.connections):
+                victim = next((c for c in reversed(heaviest.connections) if c.op is None), None)
+            if victim is None:
                 if not over:
                     self.refuse(acc, "node")
                 return None, None, over
-            victim = pending[-1]
             self.refuse(heaviest, "node")
         acc.connections.append(conn)
         self.open += 1

@@ -79,6 +79,7 @@ class PodIdentity:
         self._policies: dict[str, ContainerPolicy] = {}
         self._applied: dict[str, _Applied] = {}
         self._caps: dict[str, frozenset[str]] = {}  # policy caps already told, per container key
+        self._problems: dict[str, frozenset[str]] = {}  # annotation refusals already told, likewise
         self._fetched: dict[tuple[str, str], float] = {}
         self._pending: asyncio.Task[None] | None = None
         # resolve() awaits the apiserver; a watch-triggered pass must not interleave with it.
@@ -135,6 +136,7 @@ class PodIdentity:
             self._policies.pop(key, None)
             self._applied.pop(key, None)
             self._caps.pop(key, None)
+            self._problems.pop(key, None)
         return changed
 
     async def _list(self) -> dict[str, ContainerDevices]:
@@ -210,12 +212,18 @@ class PodIdentity:
         self._policies[alloc.key] = policy
         self._applied[alloc.key] = inputs
         ref = ObjectRef.pod(pod, container)
-        for problem in result.problems:
+        # Each refusal is told once, not again when only something else changed (a tenant may
+        # rewrite an unrelated annotation as often as the apiserver lets it).
+        told_problems = self._problems.get(alloc.key, frozenset())
+        messages = [problem.message(container) for problem in result.problems]
+        for problem, message in zip(result.problems, messages, strict=True):
+            if message in told_problems:
+                continue
             self.annotation_problems += 1
             metrics.count_annotation_error(problem.key)
-            message = problem.message(container)
             log.warning("pod %s/%s: %s", pod.namespace, pod.name, message)
             self._event(ref, "Warning", REASON_INVALID, message)
+        self._problems[alloc.key] = frozenset(messages)
         # Each cap is told once, not on every re-apply (a watch event, an unrelated annotation).
         told = self._caps.get(alloc.key, frozenset())
         for cap in caps:

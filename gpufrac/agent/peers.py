@@ -26,6 +26,7 @@ run them in worker threads.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -88,6 +89,42 @@ def peer_credentials(sock: socket.socket) -> Credentials:
     if pid <= 0:
         raise PeerError("the kernel reports no peer process (SO_PEERCRED pid 0)")
     return Credentials(pid, uid, gid)
+
+
+# SO_PEERPIDFD (Linux 6.5; not named by Python 3.11's socket module): a pidfd of the very
+# process that connected, which no later process given the same pid can stand for.
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
+
+
+def peer_cgroup(sock: socket.socket, proc: str = "/proc") -> tuple[Credentials, CgroupIdentity | None]:
+    """The connecting process and its kubelet container, read now.
+
+    SO_PEERCRED's pid is only a number: once the process that connected has exited, the
+    kernel may give it to any new process (a pid_max of 32768 wraps in a second), and a
+    socket kept by the tenant would then pass for that process's container. So the pid's
+    cgroup counts only if the process that connected is still there after it was read
+    (its pidfd): then the pid still names it. On a kernel without SO_PEERPIDFD, the pid
+    alone, as before."""
+    creds = peer_credentials(sock)
+    try:
+        pidfd: int | None = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError as e:
+        if e.errno == errno.ESRCH:  # the kernel knows it exited
+            raise PeerError(f"process {creds.pid} that connected has exited") from None
+        pidfd = None  # ENOPROTOOPT: a kernel before 6.5
+    try:
+        ident = read_cgroup(creds.pid, proc)
+        if pidfd is not None:
+            try:
+                signal.pidfd_send_signal(pidfd, 0)
+            except ProcessLookupError:
+                raise PeerError(
+                    f"process {creds.pid} that connected has exited (its pid may name another process now)"
+                ) from None
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+    return creds, ident
 
 
 def parse_cgroup_path(path: str) -> CgroupIdentity | None:
@@ -264,8 +301,7 @@ class PeerLookup:
         self.seen: dict[str, CgroupIdentity] = {}
 
     def identify(self, sock: socket.socket) -> Caller:
-        creds = peer_credentials(sock)
-        ident = read_cgroup(creds.pid, self.proc)
+        creds, ident = peer_cgroup(sock, self.proc)
         if ident is None:
             raise PeerError(f"process {creds.pid} is not in a kubelet container cgroup")
         alloc = self.allocation(ident.pod_uid, ident.container_id)

@@ -181,6 +181,37 @@ def clear_all_flags(directory: str) -> int:
     return len(writes)
 
 
+# The agent's record of how much of a container's GPU memory it moved to host RAM, in the
+# container's host directory (never mounted into the container, unlike its usage file): an
+# agent started while the container is swapped out counts it from here, not from a usage
+# file the container writes.
+SIZE_RECORD = "swapped-bytes"
+
+
+def write_size(directory: str, nbytes: int) -> None:
+    """Record a swap-out's size (blocking; written whole, then renamed into place)."""
+    path = os.path.join(directory, SIZE_RECORD)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{nbytes}\n")
+    os.replace(tmp, path)
+
+
+def read_size(directory: str) -> int | None:
+    """A recorded swap-out's size; None when there is none (or it cannot be read)."""
+    try:
+        with open(os.path.join(directory, SIZE_RECORD)) as f:
+            n = int(f.read(64).strip())
+    except (OSError, ValueError):
+        return None
+    return n if n >= 0 else None
+
+
+def drop_size(directory: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(directory, SIZE_RECORD))
+
+
 def maps_file(pid: int, dev: int, ino: int, proc: str = "/proc") -> bool:
     """Whether process `pid` has the file (device, inode) mapped: the shim keeps its
     container's usage file mapped, whatever path its container sees it under."""
@@ -519,6 +550,7 @@ class SwapResolver:
             await asyncio.to_thread(set_swapped, alloc.directory, slots, 0)
             raise _Skip(str(e)) from None
         entry = Swapped(alloc, gpu, h.used, tuple(pids), tuple(slots), needed_by=needed_by)
+        await asyncio.to_thread(write_size, alloc.directory, h.used)
         after = await asyncio.to_thread(launches_of, alloc.directory, slots)
         if after != before:
             # It launched work while being swapped; a launch that passed the flag check just
@@ -586,6 +618,7 @@ class SwapResolver:
             # No checkpoint API: nothing here can have been checkpointed by us (flags a
             # container set on itself, its usage file being writable to it).
             n = await asyncio.to_thread(clear_all_flags, alloc.directory)
+            await asyncio.to_thread(drop_size, alloc.directory)
             log.info("swap: cleared %d swapped flag(s) of %s (no checkpoint API here)", n, alloc.who())
             return None
 
@@ -617,6 +650,7 @@ class SwapResolver:
         self._unknown_said.discard(alloc.key)
         if not procs:
             n = await asyncio.to_thread(clear_all_flags, alloc.directory)
+            await asyncio.to_thread(drop_size, alloc.directory)
             log.info(
                 "swap: cleared %d stale swapped flag(s) of %s (no process of it is locked)", n, alloc.who()
             )
@@ -627,10 +661,17 @@ class SwapResolver:
             # Locked or checkpointed without a flag (its slot was reused, or the flag was
             # cleared): it comes back with the others, or it would stay blocked forever.
             log.warning("swap: %s has locked process(es) %s without a swapped flag", alloc.who(), stray)
+        # Its size is what the previous agent recorded when it moved it, not the usage
+        # file's total, which the container writes (a huge one would fill the host-RAM
+        # budget, a small one bring its memory back without room for it). Without a record
+        # (an agent that kept none), the file's total, never more than its limit.
+        recorded = await asyncio.to_thread(read_size, alloc.directory)
+        if recorded is None:
+            recorded = min(int(usage.total_used), int(alloc.config.limit_bytes))
         entry = Swapped(
             alloc,
             alloc.gpus[0],
-            int(usage.total_used),
+            recorded,
             tuple(p for p, _, _ in procs),
             tuple(ident for _, ident, _ in procs),
             needed_by="a previous agent",
@@ -717,6 +758,7 @@ class SwapResolver:
             return False
         self.swapped.pop(alloc.key, None)
         await asyncio.to_thread(set_swapped, alloc.directory, entry.slots, 0)
+        await asyncio.to_thread(drop_size, alloc.directory)
         await self.ctx.refresh_memory()
         secs = time.monotonic() - t0
         if reverted:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, InvalidOperation, Underflow, localcontext
 
 from kubernetes.utils.quantity import parse_quantity
 
@@ -26,8 +26,12 @@ def parse_bytes(value: str | int) -> int:
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a quantity")
     try:
-        q = parse_quantity(value)
-    except (ValueError, InvalidOperation, TypeError) as e:
+        # An underflow trapped: "1e-999999999999Ki" would otherwise come out as 0 bytes,
+        # where "1e-9" is refused as not a whole number of bytes.
+        with localcontext() as ctx:
+            ctx.traps[Underflow] = True
+            q = parse_quantity(value)
+    except (ValueError, InvalidOperation, TypeError, ArithmeticError) as e:
         raise ValueError(f"{value!r} is not a quantity like 24Gi or 2500Mi") from e
     if not q.is_finite():  # Decimal accepts "NaN" and "Infinity"
         raise ValueError(f"{value!r} is not a finite quantity")

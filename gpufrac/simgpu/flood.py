@@ -8,6 +8,9 @@ bench (gpufrac.agent.fairness is the defence):
     rate N [BYTES]  N processes sending BURST requests (of BYTES, default 1 GiB) back to
              back, as fast as answers come (a burst that has to wait holds its process)
     junk N   N processes sending random bytes, a connection each
+    churn N  N processes connecting and closing at once, never waiting for an answer,
+             retrying a full backlog at once (non-blocking connect): the agent's listen
+             queue kept full
 
 It prints "ready" once the flood is under way, then one line per second:
 "<connects> <replies> <busy replies>" (for rate and junk, the first process's counts
@@ -118,6 +121,24 @@ def hammer(path: str, junk: bool, report: bool, nbytes: int) -> None:
             print(*stats, flush=True)
 
 
+def churn(path: str, report: bool) -> None:
+    """Connect and close, as fast as the kernel lets: a full backlog (EAGAIN) is retried at once."""
+    stats = [0, 0, 0]
+    last = time.monotonic()
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        try:
+            s.connect(path)
+            stats[0] += 1
+        except OSError:
+            pass
+        finally:
+            s.close()
+        if report and time.monotonic() - last >= 1:
+            last = time.monotonic()
+            print(*stats, flush=True)
+
+
 def main(argv: list[str]) -> int:
     mode, n = argv[0], int(argv[1])
     nbytes = int(argv[2]) if len(argv) > 2 else 1 << 30
@@ -125,7 +146,7 @@ def main(argv: list[str]) -> int:
     if mode in ("idle", "slow"):
         hold(path, n, mode == "slow")
         return 0
-    if mode not in ("rate", "junk"):
+    if mode not in ("rate", "junk", "churn"):
         print(f"unknown mode {mode}", file=sys.stderr)
         return 2
     children = []
@@ -133,6 +154,8 @@ def main(argv: list[str]) -> int:
         pid = os.fork()
         if pid == 0:
             try:
+                if mode == "churn":
+                    churn(path, False)
                 hammer(path, mode == "junk", False, nbytes)
             finally:
                 os._exit(0)
@@ -146,6 +169,8 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, stop)
     print("ready", flush=True)
     try:
+        if mode == "churn":
+            churn(path, True)
         hammer(path, mode == "junk", True, nbytes)
     finally:
         stop()

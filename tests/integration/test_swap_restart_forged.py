@@ -1,0 +1,72 @@
+"""After an agent restart, a swapped-out container's size is the agent's record, not its file.
+
+A new agent finds a container a previous one swapped out from its usage file's flags; how
+much of its memory sits in host RAM it must not take from that file, which the container
+writes. A huge value there would fill the host-RAM budget (no other swap for anyone's burst)
+and make its own swap-in impossible; a small one would bring its memory back onto the GPU
+without the room for it being arbitrated. Real cuda-python processes under the real shim,
+the fake driver's checkpoint API (tests/integration/test_swap.py's node).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from arbiter_harness import ArbiterNode, GiB
+from test_swap import RESULT, fill_gpu, gpu_pids, idle, node, node_file, sim_state, swappable  # noqa: F401
+
+from gpufrac.agent import swap as swap_mod
+from gpufrac.memguard import formats
+
+
+@pytest.mark.parametrize(("forged", "record"), [(1 << 62, True), (0, True), (1 << 62, False)])
+def test_a_swapped_container_cannot_resize_itself_across_an_agent_restart(
+    node: ArbiterNode,  # noqa: F811
+    sim_state: Path,  # noqa: F811
+    forged: int,
+    record: bool,
+) -> None:
+    """`record`: False plays an agent that kept no record (one from before it did): the
+    container then counts at most at its limit, the most it may hold."""
+    victim = node.add("victim", 2, "8Gi", start=False)
+    swappable(node, victim)
+    v = node.start_cuda(victim, sim_state)
+    assert v.do(f"alloc {2 * GiB} 1111") == "ok 1"
+    assert v.do(f"alloc {4 * GiB} 2222") == "ok 2"
+    requester = node.add("requester", 2, "8Gi", start=False)
+    r = node.start_cuda(requester, sim_state)
+    assert r.do(f"alloc {2 * GiB} 3333") == "ok 1"
+    fill_gpu(node, sim_state, leave_free=2 * GiB)
+    idle(node, victim)
+    assert r.do(f"alloc {4 * GiB} 4444") == "ok 2"  # the victim is swapped out for it
+    swap = node.arbiter.swap
+    assert swap is not None and swap.is_swapped(victim.alloc.key)
+    moved = swap.swapped[victim.alloc.key].bytes
+    assert r.do("free 2") == "ok"
+
+    # The agent restarts (it knows nothing of the swap-out), and the tenant, whose usage
+    # file is its own, writes a size of its choice into it meanwhile.
+    node.on_loop(swap.swapped.clear)
+    usage = formats.UsageFile(victim.alloc.directory)
+    usage.usage.total_used = forged
+    usage.close()
+    if not record:
+        os.unlink(os.path.join(victim.alloc.directory, swap_mod.SIZE_RECORD))
+        moved = 8 * GiB
+
+    async def take_over() -> int:
+        entry = await swap._rediscover(victim.alloc)
+        assert entry is not None
+        swap.swapped[victim.alloc.key] = entry
+        return swap.host_ram_used
+
+    # The new agent counts what the old one moved, whatever the file says.
+    assert node.on_loop(take_over) == moved
+    if not record:
+        return  # it asked for its limit's room to come back: its own doing
+    # And the container comes back on its next GPU call, bytes intact.
+    assert v.do("check 1") == "ok" and v.do("check 2") == "ok"
+    assert not swap.is_swapped(victim.alloc.key) and swap.host_ram_used == 0
+    assert gpu_pids()[v.pid] == 6 * GiB + RESULT
