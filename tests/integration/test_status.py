@@ -17,9 +17,10 @@ from typing import Any
 
 import pynvml
 import yaml
-from metrics_support import GiB, InprocNode, finish, read_line
+from metrics_support import CTX, GiB, InprocNode, finish, read_line
 
 from gpufrac.agent.status import MAX_REQUEST, StatusServer
+from gpufrac.agent.units import format_bytes
 from gpufrac.deviceplugin import slices
 from gpufrac.deviceplugin.slices import FRACTION, MEMORY
 
@@ -49,13 +50,14 @@ def test_status_shows_the_node_at_a_glance(node: InprocNode, tmp_path: Path) -> 
             d = status_json(node)
             pods = {c["pod"]: c for c in d["containers"]}
             ok = (
-                pods.get("server", {}).get("used_bytes") == 3 * GiB
+                # its allocation and the CUDA context the shim charges it
+                pods.get("server", {}).get("used_bytes") == 3 * GiB + CTX
                 and pods.get("server", {}).get("limit_bytes") == 24 * GiB
                 and pods.get("notebook", {}).get("workload_class") == "interactive"
             )
             return d if ok else None
 
-        doc = node.wait(settled, "the status to show both pods, the limit and the 3 GiB")
+        doc = node.wait(settled, "the status to show both pods, the limit and the 3 GiB + context")
         text = gpufrac("status", "--socket", str(node.status_socket))
     finally:
         finish(work)
@@ -70,7 +72,7 @@ def test_status_shows_the_node_at_a_glance(node: InprocNode, tmp_path: Path) -> 
     assert (s["request_bytes"], s["limit_bytes"], s["used_bytes"], s["processes"]) == (
         8 * GiB,
         24 * GiB,
-        3 * GiB,
+        3 * GiB + CTX,
         1,
     )
     # Idle since its last GPU work, never longer than the container has existed (this test's span).
@@ -96,7 +98,7 @@ def test_status_shows_the_node_at_a_glance(node: InprocNode, tmp_path: Path) -> 
     assert "gpu-fraction registered" in lines[1] and "gpu-memory registered" in lines[1]
     row = next(line for line in lines if " server " in line).split()
     assert row[:2] == ["default", "server"] and row[-1] == "batch"
-    assert row[6:9] == ["8Gi", "24Gi", "3Gi"], row
+    assert row[6:9] == ["8Gi", "24Gi", format_bytes(3 * GiB + CTX)], row  # its allocation + context
     nb_row = next(line for line in lines if " notebook " in line)
     assert "gpu-fraction 25" in nb_row and nb_row.endswith("interactive")
     assert sum(1 for line in lines if "NVIDIA H100" in line) == len(gpus)
