@@ -9,7 +9,7 @@ of the classes listed in `idle.reapClasses`; never a pod in `idle.exemptNamespac
 or annotated gpufrac.dev/idle-exempt: "true"; never a pod whose annotations are not
 known yet (its class is unknown).
 
-When, per pod (annotation first, node config second; DESIGN.md section 1):
+When, per pod (annotation first, node config second; docs/design.md section 1):
 * idle: no GPU work for `idle-timeout` -> Warning Event IdleWarning, then after
   `idle.gracePeriod` the action. GPU work during the grace period cancels it
   (Normal Event IdleCancelled). So an idle pod is acted on after timeout + grace,

@@ -631,7 +631,7 @@ class NodeLabeler:
     update() is called on the agent's loop and returns at once; one task applies the
     newest wish in a worker thread, so a burst of changes costs one PATCH. The first sync
     reads the Node and removes labels of `owned` that are no longer wished for (left by an
-    earlier agent); later syncs send only what changed. Labels outside `owned` are never
+    earlier run of the agent); later syncs send only what changed. Labels outside `owned` are never
     touched. A failed call is logged, counted and retried with backoff until it lands.
     """
 
