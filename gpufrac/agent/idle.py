@@ -128,6 +128,8 @@ def _status_detail(e: ApiException) -> tuple[str, float | None]:
 
 class PodEvictor:
     """Evicts pods through the policy/v1 Eviction subresource (PodDisruptionBudgets hold).
+    The reaper's own apiserver calls; everything else the agent asks the apiserver goes
+    through gpufrac.agent.kube.
 
     A plain DELETE is used only when `allow_delete` is set AND the Eviction API itself
     is unusable (not served, forbidden); a PodDisruptionBudget's 429 is never
