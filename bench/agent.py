@@ -24,7 +24,7 @@ Writes bench/results/agent.json (quick mode: tiny counts, a smoke run; see bench
   agent_rss_mib, agent_cpu_percent_idle  with 64 containers allocated, steady state (psutil,
                                       IDLE_SECONDS of agent CPU time)
 The agent runs its default config, except XIDs heal after 1 s (several can be measured).
-Targets (issue 3): p99 < 10 ms, propagation < 200 ms, RSS < 100 MiB, idle CPU < 2 %.
+Targets: p99 < 10 ms, propagation < 200 ms, RSS < 100 MiB, idle CPU < 2 %.
 """
 
 from __future__ import annotations

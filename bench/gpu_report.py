@@ -13,7 +13,7 @@ Inputs (all written by gpu_suite.sh into one work directory):
         --markdown bench/results/gpu_suite.md [--copy docs/gpu-results.md] [--pytest-rc N]
 
 `render` exits 0 when the suite passed (tests ran, none failed), 1 otherwise. The 2 %
-training-loop overhead target (issue 8) is reported as PASS/FAIL in the summary; it
+training-loop overhead target is reported as PASS/FAIL in the summary; it
 is a measurement, so it does not change the exit status.
 
 No `main()`: `python -m bench` (make bench) runs every bench module with one, and this

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The real-GPU suite in one command (issue 8), on a node with an NVIDIA GPU:
+# The real-GPU suite in one command, on a node with an NVIDIA GPU:
 #   sets up (venv, native build, protos; PyTorch if missing), runs tests/gpu (PyTorch and
 #   cuda-python under the real memguard shim, the resolvers, the shim's overhead), records
 #   the GPU model and driver version, and writes

@@ -2,7 +2,7 @@
 holding N GiB, through the agent's own checkpoint wrapper (cuda-python on the fake
 libcuda.so.1). `swap_roundtrip_ms_per_gib_sim` is what bench/results/arbiter.json
 reports; the fake driver keeps device memory in host RAM and moves no bytes, so this
-measures the agent's and driver API's overhead, not PCIe (reference/cuda-facts.md 4).
+measures the agent's and driver API's overhead, not PCIe (docs/cuda-facts.md section 4).
 
 `python -m bench swap` writes bench/results/swap.json (`--quick`: one small size, once).
 """

@@ -12,7 +12,7 @@ from bench.packing.sim import MAX_QUEUE_WAIT_S, replay
 from bench.packing.strategies import Strategy, default_strategies
 from bench.packing.trace import generate
 
-# Keys every strategy reports, in table order (the must-have keys first).
+# Keys every strategy reports, in table order (the headline keys first).
 TABLE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("pods_served", "pods served"),
     ("memory_utilisation", "memory util."),

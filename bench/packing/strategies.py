@@ -101,7 +101,7 @@ class StaticFractions(Strategy):
 
 @dataclass(frozen=True)
 class Gpufrac(Strategy):
-    """gpufrac as DESIGN.md section 2 specifies it (lendUnusedRequests off).
+    """gpufrac as docs/design.md section 2 specifies it (lendUnusedRequests off).
 
     A pod reserves its request: the device plugin never lets the requests on a GPU
     exceed its allocatable memory, and up to its request a pod always gets its

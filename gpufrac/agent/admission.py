@@ -174,8 +174,8 @@ async def reclaim_guarantee(
     )
     loop = asyncio.get_running_loop()
     try:
-        chain = getattr(arb, "guarantee_chain", arb.chain)
-        ok = await asyncio.wait_for(chain.resolve(need), max(0.0, deadline - loop.time()) + 0.05)
+        timeout = max(0.0, deadline - loop.time()) + 0.05
+        ok = await asyncio.wait_for(arb.guarantee_chain.resolve(need), timeout)
     except asyncio.TimeoutError:
         ok = need.try_grant()
     return 0 if ok else max(shortfall(), 1)

@@ -232,8 +232,8 @@ class ContainerDirs:
         os.makedirs(self.root, exist_ok=True)
         shutil.rmtree(self._spare_root, ignore_errors=True)
         os.makedirs(self._spare_root, exist_ok=True)
-        # What an earlier agent, which moved released directories to state/trash before
-        # deleting them, left there.
+        # A node upgraded from an agent that parked released directories in state/trash
+        # may still have that folder; nothing uses it now.
         shutil.rmtree(os.path.join(os.path.dirname(self._spare_root), "trash"), ignore_errors=True)
 
     async def close(self) -> None:

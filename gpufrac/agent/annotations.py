@@ -1,4 +1,4 @@
-"""Pod annotations -> the policy of one container (DESIGN.md section 1).
+"""Pod annotations -> the policy of one container (docs/design.md section 1).
 
 Pure functions: no I/O, no Kubernetes client. Every bad value becomes an
 AnnotationProblem naming the key, the value and why, plus the SAFE default for

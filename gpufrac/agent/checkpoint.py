@@ -1,7 +1,7 @@
 """The driver's process checkpoint API (cuCheckpointProcess*) through cuda-python.
 
 Swap moves a whole process's GPU memory to host RAM and back at the same
-addresses (reference/cuda-facts.md 1b): swap-out = lock(timeout) + checkpoint,
+addresses (docs/cuda-facts.md section 1b): swap-out = lock(timeout) + checkpoint,
 swap-in = restore + unlock, each call naming the target by its host pid. The
 same code drives a real r570+ driver and simgpu's fake libcuda.so.1, both found
 by cuda-python through the soname.

@@ -9,7 +9,7 @@ of the classes listed in `idle.reapClasses`; never a pod in `idle.exemptNamespac
 or annotated gpufrac.dev/idle-exempt: "true"; never a pod whose annotations are not
 known yet (its class is unknown).
 
-When, per pod (annotation first, node config second; DESIGN.md section 1):
+When, per pod (annotation first, node config second; docs/design.md section 1):
 * idle: no GPU work for `idle-timeout` -> Warning Event IdleWarning, then after
   `idle.gracePeriod` the action. GPU work during the grace period cancels it
   (Normal Event IdleCancelled). So an idle pod is acted on after timeout + grace,
@@ -128,6 +128,8 @@ def _status_detail(e: ApiException) -> tuple[str, float | None]:
 
 class PodEvictor:
     """Evicts pods through the policy/v1 Eviction subresource (PodDisruptionBudgets hold).
+    The reaper's own apiserver calls; everything else the agent asks the apiserver goes
+    through gpufrac.agent.kube.
 
     A plain DELETE is used only when `allow_delete` is set AND the Eviction API itself
     is unusable (not served, forbidden); a PodDisruptionBudget's 429 is never

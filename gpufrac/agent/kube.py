@@ -1,4 +1,4 @@
-"""The agent's only door to the Kubernetes apiserver (the kubernetes client lives here).
+"""The agent's calls to the Kubernetes apiserver: API client setup, pods, Events, its Node.
 
 * make_api_client: in-cluster service account, a kubeconfig, or an explicit host.
 * PodCache: this node's pods, fed by a list + watch (fieldSelector spec.nodeName)
@@ -13,6 +13,10 @@
   were killed to reclaim GPU memory (pods/status, as Kubernetes marks its own disruptions).
 * NodeLabeler: the agent's gpufrac.dev/ labels on its own Node (gpufrac.agent.nodelabels
   decides them), patched from a worker thread; no other label is ever touched.
+
+The calls made elsewhere: the idle reaper evicts pods itself (gpufrac.agent.idle.PodEvictor:
+the policy/v1 Eviction subresource, a pod read to tell a gone pod from an unserved
+subresource, a DELETE only as the fallback), on an API client built by make_api_client.
 
 An apiserver that is slow, down or refusing never stalls the loop or crashes the
 agent: blocking calls run in threads, errors are logged and counted.
@@ -631,7 +635,7 @@ class NodeLabeler:
     update() is called on the agent's loop and returns at once; one task applies the
     newest wish in a worker thread, so a burst of changes costs one PATCH. The first sync
     reads the Node and removes labels of `owned` that are no longer wished for (left by an
-    earlier agent); later syncs send only what changed. Labels outside `owned` are never
+    earlier run of the agent); later syncs send only what changed. Labels outside `owned` are never
     touched. A failed call is logged, counted and retried with backoff until it lands.
     """
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import inspect
 import logging
 import signal
@@ -584,20 +583,11 @@ class Agent:
                 return
 
     async def _resolve_identity(self) -> None:
-        """gpufrac.agent.identity.resolve(agent), when that module exists."""
+        """Pod identity for new and changed containers (gpufrac.agent.identity.resolve)."""
+        from gpufrac.agent.identity import resolve
+
         try:
-            mod = importlib.import_module("gpufrac.agent.identity")
-        except ModuleNotFoundError as e:
-            if e.name != "gpufrac.agent.identity":
-                log.error("pod identity unavailable: %s", e)
-            return
-        resolve: Callable[[Agent], Any] | None = getattr(mod, "resolve", None)
-        if resolve is None:
-            return
-        try:
-            result = resolve(self)
-            if inspect.isawaitable(result):
-                await result
+            await resolve(self)
         except Exception:
             log.exception("pod identity resolution failed")
 

@@ -74,9 +74,11 @@ SWAP_DIRECTIONS = ("out", "in")
 REAP_ACTIONS = ("notify", "swap", "evict", "delete", "dry_run")
 REAP_REASONS = ("idle", "max_runtime")
 WATCHDOG_ACTIONS = ("report", "kill")
-# Liveness: the loop's heartbeat task beats this often; older than STALE_AFTER = the loop is stuck.
+# Liveness: the loop's heartbeat task beats this often; a beat older than
+# HEARTBEAT_STALE_AFTER means the loop is stuck (/healthz fails). Not the arbiter's
+# grant staleness: a different clock with a different job.
 HEARTBEAT_INTERVAL = 1.0
-STALE_AFTER = 15.0
+HEARTBEAT_STALE_AFTER = 15.0
 
 
 def annotation_label(key: str) -> str:
@@ -148,7 +150,9 @@ class _Counts:
 class Probes:
     """/healthz: the loop's heartbeat is fresh. /readyz: live, and `ready()` says so."""
 
-    def __init__(self, stale_after: float = STALE_AFTER, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, stale_after: float = HEARTBEAT_STALE_AFTER, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.stale_after = stale_after
         self.clock = clock
         self.last_beat: float | None = None

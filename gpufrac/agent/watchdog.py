@@ -57,8 +57,6 @@ from gpufrac.memguard.formats import FLAG_WHOLE_GPU
 
 log = logging.getLogger(__name__)
 
-REASON_KILLED = REASON_LIMIT_ENFORCED  # the name this module exported before gpufrac.agent.events
-
 
 @dataclass(frozen=True)
 class GpuProcess:

@@ -67,9 +67,7 @@ class Backend(Protocol):
 
 def arbiter_socket(config: Config) -> str:
     """Host path of the arbiter's unix socket (one per node; peers are told apart by SO_PEERCRED)."""
-    return getattr(config.paths, "arbiter_socket", None) or os.path.join(
-        config.paths.state_dir, "arbiter.sock"
-    )
+    return os.path.join(config.paths.state_dir, "arbiter.sock")
 
 
 def container_response(alloc: ContainerAlloc, config: Config) -> pb.ContainerAllocateResponse:

@@ -1,7 +1,7 @@
 """A kubelet emulator: the device-manager and pod-resources sides of a kubelet.
 
 It behaves as the real kubelet does towards device plugins
-(/work/shared/reference/kubelet-contract.md, DESIGN.md section 4):
+(docs/design.md section 4):
 
 * start/restart: every socket in the device-plugin directory is removed, then
   kubelet.sock is created (Registration only); old plugins are never re-dialled;

@@ -1,6 +1,6 @@
 """The memguard shim on a real GPU: PyTorch and cuda-python processes under the real
 shim (LD_PRELOAD), each with a container directory whose config the test writes as the
-agent would. The same promises as on simgpu (DESIGN.md section 2), on real hardware:
+agent would. The same promises as on simgpu (docs/design.md section 2), on real hardware:
 
 * what the process sees (torch.cuda.mem_get_info, NVML v1/v2, nvidia-smi) is the
   container: total = limit, free = limit - container usage;

@@ -72,7 +72,7 @@ RUNTIMES = {
     "13": ("nvidia-cuda-runtime", "libcudart.so.13", 13050),
 }
 
-# What the survey of the real libraries found cudart asking, and the
+# What a survey of the real libraries (docs/cuda-facts.md section 2) found cudart asking, and the
 # variant each must reach: (name, version, flags) -> the shim's hook.
 EXPECTED = {
     ("cuMemAlloc", 3020, 0): "cuMemAlloc_v2",

@@ -456,7 +456,7 @@ def test_dashboard_queries_only_documented_metrics_and_covers_them() -> None:
         base = re.sub(r"_(bucket|count|sum)$", "", name) if name not in table else name
         assert base in table, f"dashboard queries {name}, which METRICS.md does not list"
         used.add(base)
-    # Everything issue 7 asks the dashboard to show; NVLink topology is a table, not a trend.
+    # The dashboard charts every metric METRICS.md lists but one: NVLink topology is a table, not a trend.
     assert set(table) - used == {"gpufrac_gpu_nvlink_links"}
     # Every panel reads from the chosen data source.
     assert all(p["datasource"]["uid"] == "${datasource}" for p in dash["panels"] if p["type"] != "row")

@@ -1,4 +1,4 @@
-"""Pods with identical requests never get each other's policy (DESIGN.md section 6: "Matching
+"""Pods with identical requests never get each other's policy (docs/design.md section 6: "Matching
 an Allocate call to a pod by request size mixed pods up").
 
 Allocate carries only device IDs, and here every pod asks for the same number of them; only

@@ -91,7 +91,7 @@ def test_memory_usage_is_read_per_gpu(inventory: Inventory) -> None:
         assert 0 <= m.used <= m.total and m.used + m.free == m.total
 
 
-# The node shapes the issue promises, checked independently of the spec code.
+# The node shapes simgpu's presets promise (docs/simgpu.md), checked independently of the spec code.
 
 
 def _numa_nodes(inv: Inventory) -> set[int | None]:

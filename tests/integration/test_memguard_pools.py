@@ -67,7 +67,7 @@ def held_while(shim: Shim, c: Container, *script: object) -> tuple[list[str], in
     return lines, physical, counted
 
 
-# ------------------------------------------------------------------ the reviewer's scenario
+# --------------------------------------------------- pools that keep what they free
 
 
 def test_pools_that_keep_freed_memory_cannot_exceed_the_limit(

@@ -50,7 +50,7 @@ def nvml_total(uuid: str) -> int:
 
 def expected_requested(node: InprocNode) -> Counter[str]:
     """Bytes requested per GPU from what the kubelet admitted: memory slices are 1Gi, a
-    fraction slice 1 % of the GPU's allocatable memory (DESIGN.md section 1)."""
+    fraction slice 1 % of the GPU's allocatable memory (docs/design.md section 1)."""
     out: Counter[str] = Counter()
     for pod in node.kubelet.pods():
         for per in node.kubelet.pod_devices(pod.uid).values():

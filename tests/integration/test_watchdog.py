@@ -18,7 +18,8 @@ from kube_fixtures import KubeServer
 from polling import until
 
 from gpufrac.agent.config import WatchdogConfig
-from gpufrac.agent.watchdog import REASON_KILLED, REASON_OVER_LIMIT, Watchdog
+from gpufrac.agent.events import REASON_LIMIT_ENFORCED, REASON_OVER_LIMIT
+from gpufrac.agent.watchdog import Watchdog
 
 # A program that bypasses the shim: it records GPU memory for itself in the simulated
 # driver's node state, as a static binary talking to the driver would, and waits. With
@@ -119,13 +120,13 @@ def test_enforce_kills_the_newest_shimless_process_until_the_rest_fits(
     node.on_loop(wd.start)
     try:
         until(lambda: not alive(big), what="the watchdog to kill the 3 GiB process")
-        until(lambda: events(kube_server, REASON_KILLED), what="the Warning Event")
+        until(lambda: events(kube_server, REASON_LIMIT_ENFORCED), what="the Warning Event")
     finally:
         node.on_loop(wd.stop)
     # 3.5 GiB > 2 GiB + 256 MiB: the newest (3 GiB) process went, the older 512 MiB one fits
     # and stays.
     assert alive(small)
-    (ev,) = events(kube_server, REASON_KILLED)
+    (ev,) = events(kube_server, REASON_LIMIT_ENFORCED)
     assert ev["type"] == "Warning"
     assert ev["involvedObject"]["name"] == "a"
     assert "3.5Gi" in ev["message"] and "limit 2Gi" in ev["message"] and str(big) in ev["message"]

@@ -887,7 +887,7 @@ static int mg_read_limits(mg_limits_t *l) {
 }
 
 /* ------------------------------------------------------------------------ */
-/* Slow path: the arbiter (issue 5).                                         */
+/* Slow path: the arbiter (docs/arbiter-protocol.md).                       */
 
 /* Wait up to `ms` for `events` on fd. */
 static int mg_poll(int fd, short events, int ms) {
@@ -1053,7 +1053,7 @@ static void mg_exit_return_grant(void) {
     if (unused) atomic_fetch_add_explicit(&g_usage->grant_returned, unused, memory_order_relaxed);
 }
 
-/* Swap-in (issue 5, gpufrac/agent/swap.py): the agent moved this process's GPU
+/* Swap-in (gpufrac/agent/swap.py): the agent moved this process's GPU
  * memory to host RAM (slot->swapped) and its CUDA calls block in the driver
  * until it is restored. So before the next launch or allocation, ask the agent
  * to bring it back (op SWAP_IN, arbitrated like a burst); the agent restores,

@@ -91,8 +91,8 @@ typedef struct {
 } mg_usage_t;
 
 /*
- * Slow path on arbiter.sock (added with the shim, issue 4; the arbiter is
- * issue 5). One request and one reply per connection, both fixed-size,
+ * Slow path on arbiter.sock (the agent's side: gpufrac/agent/arbiter.py,
+ * docs/arbiter-protocol.md). One request and one reply per connection, both fixed-size,
  * native byte order. The agent identifies the caller by SO_PEERCRED, never by
  * `pid`. On MG_BURST_GRANTED the agent has ALREADY published the larger
  * grant_bytes in config (generation >= rep.generation) before replying; the
