@@ -336,14 +336,7 @@ def run(bursts: int = BURSTS, handoffs: int = HANDOFFS) -> dict[str, Any]:
             "(includes its socket connect and the agent's SO_PEERCRED/cgroup identity lookup)",
         ],
     }
-    try:
-        import gpufrac.agent.swap  # type: ignore[import-not-found]  # noqa: F401
-    except ImportError:
-        out["notes"].append("swap_roundtrip_ms_per_gib_sim omitted: gpufrac.agent.swap does not exist yet")
-    else:
-        out["notes"].append(
-            "swap_roundtrip_ms_per_gib_sim: measured by bench/swap.py (the swap resolver's bench)"
-        )
+    out["notes"].append("swap_roundtrip_ms_per_gib_sim: measured by bench/swap.py (the swap resolver's)")
     return out
 
 

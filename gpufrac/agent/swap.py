@@ -1,4 +1,4 @@
-"""The swap resolver: idle, swappable containers moved to host RAM and back (DESIGN.md 2).
+"""The swap resolver: idle, swappable containers moved to host RAM and back (docs/design.md, section 2).
 
 Swap-out (a resolver in the arbiter's chain, gpufrac.agent.resolvers): when a burst
 needs more than is free on a GPU, pick idle containers (no kernel launch for
