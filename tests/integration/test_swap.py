@@ -16,7 +16,7 @@ from typing import Any
 
 import pynvml
 import pytest
-from arbiter_harness import ArbiterNode, Box, GiB, MiB
+from arbiter_harness import ArbiterNode, Box, CudaApp, GiB, MiB
 from kube_fixtures import KubeServer
 from polling import until
 from simnode_fixtures import nvml_node
@@ -24,6 +24,7 @@ from simnode_fixtures import nvml_node
 from gpufrac import native
 from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.checkpoint import Support
+from gpufrac.agent.swap import SwapResolver
 from gpufrac.memguard import formats
 from gpufrac.simgpu.nodestate import NodeState
 from gpufrac.simgpu.workload import RESULT_BYTES
@@ -149,6 +150,26 @@ def idle(node: ArbiterNode, box: Box) -> None:
         timeout=TIMEOUT,
         what=f"{box.pod} idle for {threshold}s",
     )
+
+
+def swap_victim_out(node: ArbiterNode, sim_state: Path) -> tuple[Box, CudaApp, CudaApp, SwapResolver]:
+    """A swappable victim holding 6 GiB (two buffers, 1111 and 2222) swapped out, on a GPU
+    filled from outside, for a requester's 4 GiB burst: the victim's box and app, the
+    requester's app (holding buffers 1 and 2) and the swap resolver."""
+    victim = node.add("victim", 2, "8Gi", start=False)
+    swappable(node, victim)
+    v = node.start_cuda(victim, sim_state)
+    assert v.do(f"alloc {2 * GiB} 1111") == "ok 1"
+    assert v.do(f"alloc {4 * GiB} 2222") == "ok 2"
+    requester = node.add("requester", 2, "8Gi", start=False)
+    r = node.start_cuda(requester, sim_state)
+    assert r.do(f"alloc {2 * GiB} 3333") == "ok 1"
+    fill_gpu(node, sim_state, leave_free=2 * GiB)
+    idle(node, victim)
+    assert r.do(f"alloc {4 * GiB} 4444") == "ok 2"  # the victim is swapped out for it
+    swap = node.arbiter.swap
+    assert swap is not None and swap.is_swapped(victim.alloc.key)
+    return victim, v, r, swap
 
 
 def events(kube: KubeServer, reason: str, pod: str) -> list[dict[str, Any]]:
@@ -348,19 +369,7 @@ def test_an_agent_after_a_restart_takes_over_a_swapped_container_once(
     """A new agent knows nothing of a container the previous one swapped out: the first
     SWAP_IN finds it from its usage file. Two processes of it asking at once must restore it
     once, and both go on."""
-    victim = node.add("victim", 2, "8Gi", start=False)
-    swappable(node, victim)
-    v = node.start_cuda(victim, sim_state)
-    assert v.do(f"alloc {2 * GiB} 1111") == "ok 1"
-    assert v.do(f"alloc {4 * GiB} 2222") == "ok 2"
-    requester = node.add("requester", 2, "8Gi", start=False)
-    r = node.start_cuda(requester, sim_state)
-    assert r.do(f"alloc {2 * GiB} 3333") == "ok 1"
-    fill_gpu(node, sim_state, leave_free=2 * GiB)
-    idle(node, victim)
-    assert r.do(f"alloc {4 * GiB} 4444") == "ok 2"  # the victim is swapped out for it
-    swap = node.arbiter.swap
-    assert swap is not None and swap.is_swapped(victim.alloc.key)
+    victim, v, r, swap = swap_victim_out(node, sim_state)
     assert r.do("free 1") == "ok" and r.do("free 2") == "ok"
     r.c.stop()
 

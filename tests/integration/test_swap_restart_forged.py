@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from arbiter_harness import ArbiterNode, GiB
-from test_swap import RESULT, fill_gpu, gpu_pids, idle, node, node_file, sim_state, swappable  # noqa: F401
+from test_swap import RESULT, gpu_pids, node, node_file, sim_state, swap_victim_out  # noqa: F401
 
 from gpufrac.agent import swap as swap_mod
 from gpufrac.memguard import formats
@@ -30,19 +30,7 @@ def test_a_swapped_container_cannot_resize_itself_across_an_agent_restart(
 ) -> None:
     """`record`: False plays an agent that kept no record (one from before it did): the
     container then counts at most at its limit, the most it may hold."""
-    victim = node.add("victim", 2, "8Gi", start=False)
-    swappable(node, victim)
-    v = node.start_cuda(victim, sim_state)
-    assert v.do(f"alloc {2 * GiB} 1111") == "ok 1"
-    assert v.do(f"alloc {4 * GiB} 2222") == "ok 2"
-    requester = node.add("requester", 2, "8Gi", start=False)
-    r = node.start_cuda(requester, sim_state)
-    assert r.do(f"alloc {2 * GiB} 3333") == "ok 1"
-    fill_gpu(node, sim_state, leave_free=2 * GiB)
-    idle(node, victim)
-    assert r.do(f"alloc {4 * GiB} 4444") == "ok 2"  # the victim is swapped out for it
-    swap = node.arbiter.swap
-    assert swap is not None and swap.is_swapped(victim.alloc.key)
+    victim, v, r, swap = swap_victim_out(node, sim_state)
     moved = swap.swapped[victim.alloc.key].bytes
     assert r.do("free 2") == "ok"
 
