@@ -376,20 +376,29 @@ class Arbiter:
         Take it back as at admission, bounded by the container's wait timeout."""
         alloc = caller.alloc
         cfg = alloc.config
-        used = self._used(alloc)
-        if (
-            nbytes <= 0
-            or alloc.whole_gpu
-            or cfg.flags & FLAG_DISABLED
-            or used is None
-            # Past the guarantee: BURST rules apply. The file counts the refused bytes already;
-            # the driver's count does not, and a tenant cannot lower it.
-            or max(used, total_after, (self.driver_used(alloc) or 0) + nbytes) > alloc.request_bytes
-        ):
+        if nbytes <= 0 or alloc.whole_gpu or cfg.flags & FLAG_DISABLED:
             self.stats.denied += 1
             return formats.BURST_DENIED, 0
         deadline = asyncio.get_running_loop().time() + cfg.wait_timeout_ms / 1000.0
         await self._refresh_nvml()  # the driver just failed: a cached reading may predate the burst
+        used, driver = self._used(alloc), self.driver_used(alloc)
+        if (
+            used is None
+            # Without the driver's count only the tenant's file would say what it holds, and a
+            # reclaim takes from others: refused.
+            or driver is None
+            # Past the guarantee: BURST rules apply. The file counts the refused bytes already;
+            # the driver's count does not, and a tenant cannot lower it.
+            or max(used, total_after, driver + nbytes) > alloc.request_bytes
+        ):
+            if driver is None:
+                log.info(
+                    "could not reclaim the guarantee of %s on GPU %s (no NVML memory reading)",
+                    alloc.who(),
+                    alloc.gpus[0],
+                )
+            self.stats.denied += 1
+            return formats.BURST_DENIED, 0
         left = await reclaim_guarantee(self, alloc, alloc.gpus[0], deadline, nbytes)
         if left == 0:
             self.stats.granted += 1
@@ -529,6 +538,16 @@ class Arbiter:
             return None
         return max(truth.clamp_file(alloc, used), self.driver_used(alloc) or 0)
 
+    def _held(self, alloc: ContainerAlloc) -> int:
+        """`_used`, or, for a container whose usage file cannot be read (the tenant's to
+        break), the driver's count, else all it may hold: breaking its own bookkeeping must
+        shield it from no reclaim and inflate no one else's shortfall."""
+        used = self._used(alloc)
+        if used is not None:
+            return used
+        driver = self.driver_used(alloc)
+        return driver if driver is not None else alloc.request_bytes + alloc.config.grant_bytes
+
     def _burst_held(self, alloc: ContainerAlloc, used: int | None = None) -> int:
         used = self._used(alloc) if used is None else used
         if used is None:  # unknown usage: assume it uses everything it may
@@ -568,10 +587,9 @@ class Arbiter:
         out = []
         for a in self._on_gpu(gpu):
             u = self._usage_of(a)
-            used = self._used(a)
-            if u is None or used is None:
-                continue
-            last = max((int(s.last_activity_ns) for s in u.slots if s.pid > 0), default=0)
+            used = self._held(a)
+            # An unreadable usage file gives no activity either: the container counts as idle.
+            last = max((int(s.last_activity_ns) for s in u.slots if s.pid > 0), default=0) if u else 0
             out.append(
                 Holding(
                     alloc=a,
@@ -618,8 +636,8 @@ class Arbiter:
         pending = 0
         for a in self._on_gpu(gpu):
             if a.key != alloc.key:
-                # Unknown usage (not started yet): it may still charge all it was promised.
-                pending += max(0, a.request_bytes + a.config.grant_bytes - (self._used(a) or 0))
+                # Not started yet (nothing held): it may still charge all it was promised.
+                pending += max(0, a.request_bytes + a.config.grant_bytes - self._held(a))
         # What it holds now: the file less what it counted but the driver refused, or the
         # driver's count, whichever is larger (gpufrac.agent.truth): a zeroed counter cannot
         # make its guarantee look missing.
@@ -697,10 +715,14 @@ class Arbiter:
     def _take_processes(self, procs: list[Any] | Exception) -> None:
         """A new per-process reading: each container's driver count, checked against its file."""
         if isinstance(procs, Exception):
-            self._driver = None  # decisions fall back on the files (clamped) until it works
+            self._driver = None  # until it works: reclaims refused, other decisions use the files (clamped)
             if not self._driver_error_logged:
                 self._driver_error_logged = True
-                log.error("arbiter: NVML per-process reading failed, usage files are trusted: %s", procs)
+                log.error(
+                    "arbiter: NVML per-process reading failed; reclaims are refused and usage files "
+                    "(clamped) are trusted until it works: %s",
+                    procs,
+                )
             return
         self._driver_error_logged = False
         self._driver = truth.attribute(procs, self.peers)

@@ -233,6 +233,27 @@ def fuzz_node(node: ArbiterNode) -> ArbiterNode:
     return node
 
 
+def test_a_reclaim_without_the_drivers_per_process_count_is_refused(node: ArbiterNode) -> None:
+    """A RECLAIM takes memory from others, so it rests on NVML's per-process count: without
+    one, a tenant that zeroed its usage counter must not have the file alone vouch for it."""
+    a = node.add("a", 4, "8Gi")
+    assert a.workload is not None and a.workload.do(f"alloc {2 * GiB}") == "fast"
+    assert a.container is not None
+    caller = Caller(Credentials(a.container.proc.pid, 0, 0), CgroupIdentity(a.uid, "0" * 64, ""), a.alloc)
+    u = formats.UsageFile(a.alloc.directory)
+    try:
+        u.usage.total_used = 0  # "I hold nothing"
+    finally:
+        u.close()
+
+    def no_processes() -> list[object]:
+        raise RuntimeError("NVML process query failed")
+
+    node.arbiter._read_processes = no_processes  # type: ignore[method-assign]
+    out = node.on_loop(lambda: node.arbiter._reclaim(caller, GiB, GiB))
+    assert out == (formats.BURST_DENIED, 0)
+
+
 def test_a_reclaim_without_an_nvml_reading_says_there_was_none(
     node: ArbiterNode, caplog: pytest.LogCaptureFixture
 ) -> None:

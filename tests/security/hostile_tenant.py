@@ -8,6 +8,7 @@ real cgroups on the simulated GPU).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
 from pathlib import Path
@@ -65,6 +66,16 @@ def write_total(host_dir: Path, value: int) -> None:
         u.usage.total_used = value
     finally:
         u.close()
+
+
+def break_magic(host_dir: Path) -> None:
+    """Overwrite the usage file's magic, as any of the container's processes can: from then
+    on the agent cannot read the file at all."""
+    fd = os.open(os.path.join(host_dir, formats.USAGE_FILE), os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"\0\0\0\0", 0)
+    finally:
+        os.close(fd)
 
 
 def agent_alive(node: Any) -> bool:
