@@ -23,8 +23,9 @@ SIM_HDR := $(wildcard $(SIM_SRC)/*.h)
 # The fake libcuda is split by area: cuda.c (core, symbol table), cuda_*.c (the rest).
 CUDA_SRC := $(sort $(wildcard $(SIM_SRC)/cuda*.c))
 MG_HDR  := $(wildcard $(MG_SRC)/*.h)
-# libmemguard.so: memguard.c and every mg_*.c but the test program mg_ctest.c.
-MG_LIB_SRC := $(MG_SRC)/memguard.c $(sort $(filter-out $(MG_SRC)/mg_ctest.c,$(wildcard $(MG_SRC)/mg_*.c)))
+# libmemguard.so: every mg_*.c but the test program mg_ctest.c; mg_init.c first, so
+# its constructor (the shim's init) runs before the other sources' ones.
+MG_LIB_SRC := $(MG_SRC)/mg_init.c $(sort $(filter-out $(MG_SRC)/mg_ctest.c $(MG_SRC)/mg_init.c,$(wildcard $(MG_SRC)/mg_*.c)))
 
 NATIVE_LIBS = libnvidia-ml.so.1 libcuda.so.1 libmemguard.so mg_ctest
 

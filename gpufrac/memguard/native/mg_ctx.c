@@ -83,12 +83,6 @@
 
 #include "mg_internal.h"
 
-typedef int nvmlReturn_t;
-typedef struct nvmlDevice_st *nvmlDevice_t;
-typedef struct {
-    unsigned long long total, free, used;
-} mg_nvml_mem_t;
-
 typedef CUresult (*cu_getinfo_fn)(size_t *, size_t *);
 typedef CUresult (*cu_busid_fn)(char *, int, CUdevice);
 typedef CUresult (*cu_ctxdev_fn)(CUdevice *);
@@ -96,16 +90,10 @@ typedef CUresult (*cu_ctxcur_fn)(CUcontext *);
 typedef CUresult (*cu_getlimit_fn)(size_t *, int);
 typedef nvmlReturn_t (*nvml_init_fn)(void);
 typedef nvmlReturn_t (*nvml_bybus_fn)(const char *, nvmlDevice_t *);
-typedef nvmlReturn_t (*nvml_meminfo_fn)(nvmlDevice_t, mg_nvml_mem_t *);
-typedef struct {
-    unsigned int pid;
-    unsigned long long used;
-    unsigned int gi, ci;
-} mg_nvml_proc_t; /* nvmlProcessInfo_v2_t (the _v2 and _v3 lists) */
-typedef nvmlReturn_t (*nvml_procs_fn)(nvmlDevice_t, unsigned int *, mg_nvml_proc_t *);
+typedef nvmlReturn_t (*nvml_meminfo_fn)(nvmlDevice_t, nvmlMemory_t *);
+typedef nvmlReturn_t (*nvml_procs_fn)(nvmlDevice_t, unsigned int *, nvmlProcessInfo_t *); /* the _v2 and _v3 lists */
 typedef CUresult (*cu_devattr_fn)(int *, int, CUdevice);
 
-#define NVML_ERROR_INSUFFICIENT_SIZE 7
 #define NVML_VALUE_NOT_AVAILABLE (~0ull)
 #define MG_CTX_MAX (1ull << 30)
 #define MG_GRANULE (2ll << 20)
@@ -142,7 +130,7 @@ static nvmlDevice_t mg_nvml_dev(CUdevice dev) {
 /* The device's used and free memory as the driver sees it; 0 if it can be read. */
 static int mg_dev_mem(CUdevice dev, uint64_t *used, uint64_t *free_) {
     nvmlDevice_t h = mg_nvml_dev(dev);
-    mg_nvml_mem_t m;
+    nvmlMemory_t m;
     if (h && g_nvml_meminfo(h, &m) == 0) {
         *used = m.used, *free_ = m.free;
         return 0;
@@ -160,7 +148,7 @@ static int mg_dev_mem(CUdevice dev, uint64_t *used, uint64_t *free_) {
 }
 
 static nvml_procs_fn g_nvml_procs;
-static mg_nvml_proc_t *g_procs_buf; /* under g_ov_mu */
+static nvmlProcessInfo_t *g_procs_buf; /* under g_ov_mu */
 static unsigned g_procs_cap;
 static unsigned g_self_learnt; /* this process's NVML pid, learnt at its first context (see top) */
 
@@ -177,14 +165,14 @@ static int nvml_list(CUdevice dev) {
         nvmlReturn_t rc = g_nvml_procs(h, &n, g_procs_buf);
         if (rc == NVML_ERROR_INSUFFICIENT_SIZE) {
             unsigned cap = n + n / 2 + 16;
-            mg_nvml_proc_t *v = realloc(g_procs_buf, (size_t)cap * sizeof *v);
+            nvmlProcessInfo_t *v = realloc(g_procs_buf, (size_t)cap * sizeof *v);
             if (!v) return -1;
             g_procs_buf = v, g_procs_cap = cap;
             continue;
         }
         if (rc != 0 || n > g_procs_cap || n > INT32_MAX) return -1;
         for (unsigned i = 0; i < n; i++)
-            if (g_procs_buf[i].used == NVML_VALUE_NOT_AVAILABLE) return -1;
+            if (g_procs_buf[i].usedGpuMemory == NVML_VALUE_NOT_AVAILABLE) return -1;
         return (int)n;
     }
     return -1;
@@ -204,7 +192,7 @@ static int mg_own_mem(CUdevice dev, uint64_t *bytes) {
     if (n < 0) return -1;
     for (int i = 0; i < n; i++) {
         if (g_procs_buf[i].pid != self) continue;
-        *bytes = g_procs_buf[i].used;
+        *bytes = g_procs_buf[i].usedGpuMemory;
         return 1;
     }
     *bytes = 0;
@@ -245,7 +233,7 @@ typedef struct {
     uint64_t own0, mine0; /* NVML's figure for this process, this process's counted bytes */
     int ok, own_ok, turn;
     int64_t lo, hi; /* the device-wide reading's bounds for this kind of object */
-    mg_nvml_proc_t *l0; /* learning: NVML's processes before (none of them this one) */
+    nvmlProcessInfo_t *l0; /* learning: NVML's processes before (none of them this one) */
     int n0;
 } mg_meas_t;
 
@@ -279,12 +267,12 @@ static int holds_context(void); /* with the records, below */
  * list read again after the reading until it has not changed (a few tries), so
  * a neighbour allocating between the two reads is not misread. The list is left
  * in a malloc'd copy (*out); -1 if no consistent pair could be read. */
-static int snapshot(CUdevice dev, mg_nvml_proc_t **out, uint64_t *used, uint64_t *free_) {
+static int snapshot(CUdevice dev, nvmlProcessInfo_t **out, uint64_t *used, uint64_t *free_) {
     *out = NULL;
     for (int tries = 0; tries < 8; tries++) {
         int n = nvml_list(dev);
         if (n < 0) return -1;
-        mg_nvml_proc_t *v = malloc(((size_t)n + 1) * sizeof *v);
+        nvmlProcessInfo_t *v = malloc(((size_t)n + 1) * sizeof *v);
         if (!v) return -1;
         memcpy(v, g_procs_buf, (size_t)n * sizeof *v);
         if (mg_dev_mem(dev, used, free_) != 0) {
@@ -317,7 +305,7 @@ static void meas_learn_begin(mg_meas_t *m) {
  * MG_LEARN_SLACK: this process cannot be unlisted), is this one. 1 and *d if
  * learnt; else 0 and *others, the change of the processes listed before. */
 static int meas_learn_end(mg_meas_t *m, uint64_t *used1, int64_t *d, int64_t *others) {
-    mg_nvml_proc_t *l1;
+    nvmlProcessInfo_t *l1;
     uint64_t free1;
     int n = snapshot(m->dev, &l1, used1, &free1);
     if (n < 0) return -1;
@@ -327,8 +315,8 @@ static int meas_learn_end(mg_meas_t *m, uint64_t *used1, int64_t *d, int64_t *ot
     for (int j = 0; j < m->n0; j++) {
         uint64_t after = 0;
         for (int i = 0; i < n; i++)
-            if (g_procs_buf[i].pid == m->l0[j].pid) after = g_procs_buf[i].used;
-        chg += (int64_t)(after - m->l0[j].used);
+            if (g_procs_buf[i].pid == m->l0[j].pid) after = g_procs_buf[i].usedGpuMemory;
+        chg += (int64_t)(after - m->l0[j].usedGpuMemory);
     }
     *others = chg;
     int fresh = 0;
@@ -337,7 +325,7 @@ static int meas_learn_end(mg_meas_t *m, uint64_t *used1, int64_t *d, int64_t *ot
     for (int i = 0; i < n; i++) {
         int seen = 0;
         for (int j = 0; j < m->n0 && !seen; j++) seen = m->l0[j].pid == g_procs_buf[i].pid;
-        if (!seen) fresh++, pid = g_procs_buf[i].pid, used = g_procs_buf[i].used;
+        if (!seen) fresh++, pid = g_procs_buf[i].pid, used = g_procs_buf[i].usedGpuMemory;
     }
     int64_t residual = (int64_t)(*used1 - m->used0) - chg - (int64_t)used;
     if (fresh != 1 || used == 0 || residual > MG_LEARN_SLACK || residual < -MG_LEARN_SLACK) return 0;
@@ -519,13 +507,13 @@ static void ov_warn_full(void) { mg_log("too many contexts and modules to record
 /* Contexts.                                                                 */
 
 CUresult mg_h_cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
-    if (!mg_x_on()) return XCALL(cuDevicePrimaryCtxRetain, pctx, dev);
+    if (!mg_on()) return CALL_REAL(cuDevicePrimaryCtxRetain, pctx, dev);
     pthread_mutex_lock(&g_ov_mu);
     mg_ov_t *o = ov_find(OV_PRIMARY, 0, dev);
     mg_meas_t m;
     int measure = !o || o->refs == 0;
     if (measure) meas_begin(&m, dev), meas_bound_ctx(&m), meas_learn_begin(&m);
-    CUresult rc = XCALL(cuDevicePrimaryCtxRetain, pctx, dev);
+    CUresult rc = CALL_REAL(cuDevicePrimaryCtxRetain, pctx, dev);
     int64_t d = measure ? meas_end(&m, rc) : 0;
     if (rc == CUDA_SUCCESS && !measure) {
         o->refs++;
@@ -535,7 +523,7 @@ CUresult mg_h_cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
         else ov_warn_full();
         if (ov_charge(o, d) != 0) {
             if (o) ov_drop(o);
-            XCALL(cuDevicePrimaryCtxRelease_v2, dev);
+            CALL_REAL(cuDevicePrimaryCtxRelease_v2, dev);
             *pctx = NULL;
             rc = mg_x_refuse();
         }
@@ -546,14 +534,14 @@ CUresult mg_h_cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
 }
 
 static CUresult primary_release(CUdevice dev, int v2, int reset) {
-    if (!mg_x_on()) {
-        if (reset) return v2 ? XCALL(cuDevicePrimaryCtxReset_v2, dev) : XCALL(cuDevicePrimaryCtxReset, dev);
-        return v2 ? XCALL(cuDevicePrimaryCtxRelease_v2, dev) : XCALL(cuDevicePrimaryCtxRelease, dev);
+    if (!mg_on()) {
+        if (reset) return v2 ? CALL_REAL(cuDevicePrimaryCtxReset_v2, dev) : CALL_REAL(cuDevicePrimaryCtxReset, dev);
+        return v2 ? CALL_REAL(cuDevicePrimaryCtxRelease_v2, dev) : CALL_REAL(cuDevicePrimaryCtxRelease, dev);
     }
     pthread_mutex_lock(&g_ov_mu);
     CUresult rc;
-    if (reset) rc = v2 ? XCALL(cuDevicePrimaryCtxReset_v2, dev) : XCALL(cuDevicePrimaryCtxReset, dev);
-    else rc = v2 ? XCALL(cuDevicePrimaryCtxRelease_v2, dev) : XCALL(cuDevicePrimaryCtxRelease, dev);
+    if (reset) rc = v2 ? CALL_REAL(cuDevicePrimaryCtxReset_v2, dev) : CALL_REAL(cuDevicePrimaryCtxReset, dev);
+    else rc = v2 ? CALL_REAL(cuDevicePrimaryCtxRelease_v2, dev) : CALL_REAL(cuDevicePrimaryCtxRelease, dev);
     uint64_t freed = 0;
     mg_ov_t *o = rc == CUDA_SUCCESS ? ov_find(OV_PRIMARY, 0, dev) : NULL;
     if (o && o->refs > 0 && (reset || --o->refs == 0)) { /* inactive: the driver freed it and what it held */
@@ -593,7 +581,7 @@ CUresult mg_h_cuDevicePrimaryCtxReset_v2(CUdevice dev) { return primary_release(
 /* A new context (regular or green) of `dev`, made by `rc_expr`; `undo` destroys it. */
 #define CREATE_MEASURED(kind, dev, handle_ptr, rc_expr, undo)                  \
     do {                                                                       \
-        if (!mg_x_on()) return (rc_expr); \
+        if (!mg_on()) return (rc_expr); \
         pthread_mutex_lock(&g_ov_mu);                                          \
         mg_meas_t m_;                                                          \
         meas_begin(&m_, (dev));                                                \
@@ -608,28 +596,28 @@ CUresult mg_h_cuDevicePrimaryCtxReset_v2(CUdevice dev) { return primary_release(
     } while (0)
 
 CUresult mg_h_cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev) {
-    CREATE_MEASURED(OV_CTX, dev, pctx, XCALL(cuCtxCreate, pctx, flags, dev), XCALL(cuCtxDestroy_v2, *pctx));
+    CREATE_MEASURED(OV_CTX, dev, pctx, CALL_REAL(cuCtxCreate, pctx, flags, dev), CALL_REAL(cuCtxDestroy_v2, *pctx));
 }
 CUresult mg_h_cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
-    CREATE_MEASURED(OV_CTX, dev, pctx, XCALL(cuCtxCreate_v2, pctx, flags, dev), XCALL(cuCtxDestroy_v2, *pctx));
+    CREATE_MEASURED(OV_CTX, dev, pctx, CALL_REAL(cuCtxCreate_v2, pctx, flags, dev), CALL_REAL(cuCtxDestroy_v2, *pctx));
 }
 CUresult mg_h_cuCtxCreate_v3(CUcontext *pctx, void *paramsArray, int numParams, unsigned int flags, CUdevice dev) {
-    CREATE_MEASURED(OV_CTX, dev, pctx, XCALL(cuCtxCreate_v3, pctx, paramsArray, numParams, flags, dev),
-                    XCALL(cuCtxDestroy_v2, *pctx));
+    CREATE_MEASURED(OV_CTX, dev, pctx, CALL_REAL(cuCtxCreate_v3, pctx, paramsArray, numParams, flags, dev),
+                    CALL_REAL(cuCtxDestroy_v2, *pctx));
 }
 CUresult mg_h_cuCtxCreate_v4(CUcontext *pctx, void *ctxCreateParams, unsigned int flags, CUdevice dev) {
-    CREATE_MEASURED(OV_CTX, dev, pctx, XCALL(cuCtxCreate_v4, pctx, ctxCreateParams, flags, dev),
-                    XCALL(cuCtxDestroy_v2, *pctx));
+    CREATE_MEASURED(OV_CTX, dev, pctx, CALL_REAL(cuCtxCreate_v4, pctx, ctxCreateParams, flags, dev),
+                    CALL_REAL(cuCtxDestroy_v2, *pctx));
 }
 CUresult mg_h_cuGreenCtxCreate(CUgreenCtx *phCtx, CUdevResourceDesc desc, CUdevice dev, unsigned int flags) {
-    CREATE_MEASURED(OV_GREEN, dev, phCtx, XCALL(cuGreenCtxCreate, phCtx, desc, dev, flags),
-                    XCALL(cuGreenCtxDestroy, *phCtx));
+    CREATE_MEASURED(OV_GREEN, dev, phCtx, CALL_REAL(cuGreenCtxCreate, phCtx, desc, dev, flags),
+                    CALL_REAL(cuGreenCtxDestroy, *phCtx));
 }
 
 static CUresult ctx_destroy(CUcontext ctx, int v2) {
-    if (!mg_x_on()) return v2 ? XCALL(cuCtxDestroy_v2, ctx) : XCALL(cuCtxDestroy, ctx);
+    if (!mg_on()) return v2 ? CALL_REAL(cuCtxDestroy_v2, ctx) : CALL_REAL(cuCtxDestroy, ctx);
     pthread_mutex_lock(&g_ov_mu);
-    CUresult rc = v2 ? XCALL(cuCtxDestroy_v2, ctx) : XCALL(cuCtxDestroy, ctx);
+    CUresult rc = v2 ? CALL_REAL(cuCtxDestroy_v2, ctx) : CALL_REAL(cuCtxDestroy, ctx);
     uint64_t freed = rc == CUDA_SUCCESS ? ov_drop_ctx((uint64_t)(uintptr_t)ctx) : 0;
     pthread_mutex_unlock(&g_ov_mu);
     ov_freed(freed);
@@ -640,9 +628,9 @@ CUresult mg_h_cuCtxDestroy(CUcontext ctx) { return ctx_destroy(ctx, 0); }
 CUresult mg_h_cuCtxDestroy_v2(CUcontext ctx) { return ctx_destroy(ctx, 1); }
 
 CUresult mg_h_cuGreenCtxDestroy(CUgreenCtx hCtx) {
-    if (!mg_x_on()) return XCALL(cuGreenCtxDestroy, hCtx);
+    if (!mg_on()) return CALL_REAL(cuGreenCtxDestroy, hCtx);
     pthread_mutex_lock(&g_ov_mu);
-    CUresult rc = XCALL(cuGreenCtxDestroy, hCtx);
+    CUresult rc = CALL_REAL(cuGreenCtxDestroy, hCtx);
     mg_ov_t *o = rc == CUDA_SUCCESS ? ov_find(OV_GREEN, (uint64_t)(uintptr_t)hCtx, 0) : NULL;
     uint64_t freed = o ? ov_drop(o) : 0;
     pthread_mutex_unlock(&g_ov_mu);
@@ -654,7 +642,7 @@ CUresult mg_h_cuGreenCtxDestroy(CUgreenCtx hCtx) {
 /* Limits: the value's memory, above what the context already took.         */
 
 CUresult mg_h_cuCtxSetLimit(int limit, size_t value) {
-    if (!mg_x_on()) return XCALL(cuCtxSetLimit, limit, value);
+    if (!mg_on()) return CALL_REAL(cuCtxSetLimit, limit, value);
     pthread_mutex_lock(&g_ov_mu);
     cu_getlimit_fn getlimit = (cu_getlimit_fn)cu_fn("cuCtxGetLimit");
     size_t old = 0;
@@ -664,7 +652,7 @@ CUresult mg_h_cuCtxSetLimit(int limit, size_t value) {
     CUdevice dev = mg_cur_dev();
     meas_begin(&m, dev);
     if (have_old) meas_bound_limit(&m, limit, old, value, dev);
-    CUresult rc = XCALL(cuCtxSetLimit, limit, value);
+    CUresult rc = CALL_REAL(cuCtxSetLimit, limit, value);
     int64_t d = meas_end(&m, rc);
     uint64_t freed = 0;
     if (rc == CUDA_SUCCESS) {
@@ -677,7 +665,7 @@ CUresult mg_h_cuCtxSetLimit(int limit, size_t value) {
             if (!o && !(o = ov_add(OV_LIMIT, ctx, limit, ctx))) ov_warn_full();
             if (ov_charge(o, d) != 0) {
                 if (o && !o->bytes) ov_drop(o);
-                if (have_old) XCALL(cuCtxSetLimit, limit, old);
+                if (have_old) CALL_REAL(cuCtxSetLimit, limit, old);
                 rc = mg_x_refuse();
             }
         }
@@ -693,7 +681,7 @@ CUresult mg_h_cuCtxSetLimit(int limit, size_t value) {
 
 #define LOAD_MEASURED(kind, handle_ptr, rc_expr, undo)                         \
     do {                                                                       \
-        if (!mg_x_on()) return (rc_expr); \
+        if (!mg_on()) return (rc_expr); \
         pthread_mutex_lock(&g_ov_mu);                                          \
         uint64_t ctx_ = (uint64_t)(uintptr_t)mg_cur_ctx();                     \
         mg_meas_t m_;                                                          \
@@ -707,34 +695,34 @@ CUresult mg_h_cuCtxSetLimit(int limit, size_t value) {
     } while (0)
 
 CUresult mg_h_cuModuleLoad(CUmodule *module, const char *fname) {
-    LOAD_MEASURED(OV_MODULE, module, XCALL(cuModuleLoad, module, fname), XCALL(cuModuleUnload, *module));
+    LOAD_MEASURED(OV_MODULE, module, CALL_REAL(cuModuleLoad, module, fname), CALL_REAL(cuModuleUnload, *module));
 }
 CUresult mg_h_cuModuleLoadData(CUmodule *module, const void *image) {
-    LOAD_MEASURED(OV_MODULE, module, XCALL(cuModuleLoadData, module, image), XCALL(cuModuleUnload, *module));
+    LOAD_MEASURED(OV_MODULE, module, CALL_REAL(cuModuleLoadData, module, image), CALL_REAL(cuModuleUnload, *module));
 }
 CUresult mg_h_cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int numOptions, void *options,
                                  void **optionValues) {
-    LOAD_MEASURED(OV_MODULE, module, XCALL(cuModuleLoadDataEx, module, image, numOptions, options, optionValues),
-                  XCALL(cuModuleUnload, *module));
+    LOAD_MEASURED(OV_MODULE, module, CALL_REAL(cuModuleLoadDataEx, module, image, numOptions, options, optionValues),
+                  CALL_REAL(cuModuleUnload, *module));
 }
 CUresult mg_h_cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin) {
-    LOAD_MEASURED(OV_MODULE, module, XCALL(cuModuleLoadFatBinary, module, fatCubin), XCALL(cuModuleUnload, *module));
+    LOAD_MEASURED(OV_MODULE, module, CALL_REAL(cuModuleLoadFatBinary, module, fatCubin), CALL_REAL(cuModuleUnload, *module));
 }
 CUresult mg_h_cuLibraryLoadData(CUlibrary *library, const void *code, void *jitOptions, void **jitOptionsValues,
                                 unsigned int numJitOptions, void *libraryOptions, void **libraryOptionValues,
                                 unsigned int numLibraryOptions) {
     LOAD_MEASURED(OV_LIBRARY, library,
-                  XCALL(cuLibraryLoadData, library, code, jitOptions, jitOptionsValues, numJitOptions, libraryOptions,
+                  CALL_REAL(cuLibraryLoadData, library, code, jitOptions, jitOptionsValues, numJitOptions, libraryOptions,
                         libraryOptionValues, numLibraryOptions),
-                  XCALL(cuLibraryUnload, *library));
+                  CALL_REAL(cuLibraryUnload, *library));
 }
 CUresult mg_h_cuLibraryLoadFromFile(CUlibrary *library, const char *fileName, void *jitOptions,
                                     void **jitOptionsValues, unsigned int numJitOptions, void *libraryOptions,
                                     void **libraryOptionValues, unsigned int numLibraryOptions) {
     LOAD_MEASURED(OV_LIBRARY, library,
-                  XCALL(cuLibraryLoadFromFile, library, fileName, jitOptions, jitOptionsValues, numJitOptions,
+                  CALL_REAL(cuLibraryLoadFromFile, library, fileName, jitOptions, jitOptionsValues, numJitOptions,
                         libraryOptions, libraryOptionValues, numLibraryOptions),
-                  XCALL(cuLibraryUnload, *library));
+                  CALL_REAL(cuLibraryUnload, *library));
 }
 
 static CUresult unload(int kind, uint64_t key, CUresult rc) {
@@ -748,13 +736,13 @@ static CUresult unload(int kind, uint64_t key, CUresult rc) {
 }
 
 CUresult mg_h_cuModuleUnload(CUmodule hmod) {
-    CUresult rc = XCALL(cuModuleUnload, hmod);
-    return mg_x_on() ? unload(OV_MODULE, (uint64_t)(uintptr_t)hmod, rc) : rc;
+    CUresult rc = CALL_REAL(cuModuleUnload, hmod);
+    return mg_on() ? unload(OV_MODULE, (uint64_t)(uintptr_t)hmod, rc) : rc;
 }
 
 CUresult mg_h_cuLibraryUnload(CUlibrary library) {
-    CUresult rc = XCALL(cuLibraryUnload, library);
-    return mg_x_on() ? unload(OV_LIBRARY, (uint64_t)(uintptr_t)library, rc) : rc;
+    CUresult rc = CALL_REAL(cuLibraryUnload, library);
+    return mg_on() ? unload(OV_LIBRARY, (uint64_t)(uintptr_t)library, rc) : rc;
 }
 
 /* A forked child has none of the parent's contexts (CUDA does not survive fork). */
