@@ -24,14 +24,20 @@
  *   mg_nvml.c     NVML's process lists, utilisation and BAR1, the container's view
  *   mg_launch.c   kernel and graph launches: activity and the swap-in gate
  *   mg_ctx.c      contexts, modules, libraries and cuCtxSetLimit memory
+ *   mg_measure.c  how much memory such a call took, measured around it
  *   mg_graph.c    CUDA graph memory and stream capture
  *
  * Design rules every source keeps: nothing on the fast path (an allocation
  * within request + grant) but the real call and atomics: no syscall, no getenv,
  * no lock, no scan; no lock shared between processes (a process killed at any
- * instruction leaves both files usable): process-local mutexes only, off the
- * fast path. The fast path's helpers (mg_mode, mg_slot, mg_real) are inline
- * here so it stays one load each across sources.
+ * instruction leaves both files usable). Memory pools (cuMemAllocAsync & co.)
+ * also count what a pool keeps reserved after frees (mg_pool.c): those calls
+ * take a process-local mutex (never one in a shared file) and read the pool's
+ * attributes through the driver. Context and graph calls take process-local
+ * mutexes of their own (mg_ctx.c, mg_graph.c); measuring a context also takes
+ * turns by a lock the kernel drops when its holder dies (mg_measure.c). The
+ * fast path's helpers (mg_mode, mg_slot, mg_real) are inline here so it stays
+ * one load each across sources.
  *
  * State one source defines and others use keeps a g_ name and is declared here
  * with the source that defines it; everything else a source keeps is static.
@@ -243,6 +249,27 @@ MG_HIDDEN void mg_pool_freed(CUresult rc, uint64_t key, uint64_t bytes, uint64_t
 MG_HIDDEN int mg_loc_host(const void *props);
 /* mg_nvml.c */
 MG_HIDDEN int mg_nvml_pids_local(void);
+
+/* mg_measure.c: the memory a driver call took, measured around it (callers
+ * hold mg_ctx.c's g_ov_mu from mg_meas_begin to mg_meas_release). */
+typedef struct {
+    CUdevice dev;
+    uint64_t used0, free0, total0;
+    uint64_t own0, mine0; /* NVML's figure for this process, this process's counted bytes */
+    int ok, own_ok, turn;
+    int64_t lo, hi; /* the device-wide reading's bounds for this kind of object */
+    nvmlProcessInfo_t *l0; /* learning: NVML's processes before (none of them this one) */
+    int n0;
+} mg_meas_t;
+MG_HIDDEN void mg_meas_begin(mg_meas_t *m, CUdevice dev);
+MG_HIDDEN void mg_meas_learn_begin(mg_meas_t *m);
+MG_HIDDEN int64_t mg_meas_end(mg_meas_t *m, CUresult rc);
+MG_HIDDEN void mg_meas_release(mg_meas_t *m);
+MG_HIDDEN void mg_meas_bound_ctx(mg_meas_t *m);
+MG_HIDDEN void mg_meas_bound_limit(mg_meas_t *m, int limit, size_t old, size_t value, CUdevice dev);
+MG_HIDDEN void mg_meas_atfork_child(void);
+/* mg_ctx.c: does this process hold a context (so NVML may list it already)? */
+MG_HIDDEN int mg_holds_context(void);
 
 /* mg_graph.c: executable graphs whose memory is not yet counted (graph launches
  * look further only while this is non-zero), streams capturing now (stream-ordered
