@@ -646,7 +646,7 @@ class Ledger:
         self._changed()
         return alloc
 
-    # -- identity and policy (used by gpufrac.agent.identity) ----------------------------
+    # -- identity and policy (used by gpufrac.agent.pods) ----------------------------
 
     def bind(
         self,

@@ -100,6 +100,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     module, func, _ = handlers[args.command]
+    # Each subcommand's module is imported only when that subcommand runs: `gpufrac gpus` must
+    # not pay for (or fail on) the agent's grpc/kubernetes/prometheus imports, nor `gpufrac
+    # status` for NVML. The table above names every module and function, so this is a lookup,
+    # not a discovery.
     fn: Callable[[argparse.Namespace], int] = getattr(importlib.import_module(module), func)
     try:
         return int(fn(args) or 0)

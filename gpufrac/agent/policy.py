@@ -13,7 +13,7 @@ A pod sets its own burst limit (gpufrac.dev/gpu-memory-limit), `preemptible` and
 
 A namespace entry names only what differs from `default`. A pod asking beyond its
 namespace's policy gets the capped value (a limit of ratio x request, preemptible,
-swappable), and one Warning Event naming the cap (gpufrac.agent.identity posts it).
+swappable), and one Warning Event naming the cap (gpufrac.agent.pods posts it).
 
 This module imports nothing of the agent (gpufrac.agent.config imports it), so the
 policy applies to an annotations.ContainerPolicy by dataclasses.replace.
