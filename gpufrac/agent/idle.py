@@ -33,6 +33,9 @@ would do, and changes nothing.
 Every action leaves an Event naming idle time, runtime, the policy and its source,
 and the action (reason Idle<Action> / MaxRuntime<Action>), and counts in
 gpufrac_idle_reaps_total{reason, action}.
+
+One file a little over the usual size: the judging and the words of its Events belong
+together (each Event names the policy and its source as the decision used them).
 """
 
 from __future__ import annotations
