@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpufrac.core import flags as _flags
+
 CONFIG_MAGIC = 0x3147464347464D47
 USAGE_MAGIC = 0x3147534547464D47
 ABI_VERSION = 1
@@ -31,15 +33,19 @@ USAGE_FILE = "usage"
 SOCKET_FILE = "arbiter.sock"
 DEFAULT_DIR = "/var/run/gpufrac"
 
-FLAG_POD_KNOWN = 1 << 0
-FLAG_PREEMPTIBLE = 1 << 1
-FLAG_SWAPPABLE = 1 << 2
-FLAG_WHOLE_GPU = 1 << 3
-FLAG_DISABLED = 1 << 4
+# The flag bits and class numbers are part of this ABI; the policy in gpufrac.core speaks them
+# too, so they are defined there (gpufrac.core.flags) and named here with the files' other fields.
+FLAG_POD_KNOWN = _flags.FLAG_POD_KNOWN
+FLAG_PREEMPTIBLE = _flags.FLAG_PREEMPTIBLE
+FLAG_SWAPPABLE = _flags.FLAG_SWAPPABLE
+FLAG_WHOLE_GPU = _flags.FLAG_WHOLE_GPU
+FLAG_DISABLED = _flags.FLAG_DISABLED
+CLASS_BATCH = _flags.CLASS_BATCH
+CLASS_INTERACTIVE = _flags.CLASS_INTERACTIVE
+CLASS_INFERENCE = _flags.CLASS_INFERENCE
+CLASS_NAMES = _flags.CLASS_NAMES
+CLASS_BY_NUMBER = _flags.CLASS_BY_NUMBER
 
-CLASS_BATCH, CLASS_INTERACTIVE, CLASS_INFERENCE = 0, 1, 2
-CLASS_NAMES = {"batch": CLASS_BATCH, "interactive": CLASS_INTERACTIVE, "inference": CLASS_INFERENCE}
-CLASS_BY_NUMBER = {v: k for k, v in CLASS_NAMES.items()}
 
 u32, u64, i32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int32
 
