@@ -30,20 +30,21 @@ from gpufrac.agent import metrics as metrics_mod
 from gpufrac.agent import status as status_mod
 from gpufrac.agent.admission import Admission
 from gpufrac.agent.allocations import (
-    AllocationError,
     ContainerAlloc,
-    ContainerDirs,
     Ledger,
     keyed,
 )
 from gpufrac.agent.config import Config
+from gpufrac.agent.container_dirs import ContainerDirs
 from gpufrac.agent.gpus import GpuHealth, Inventory
 from gpufrac.agent.nodelabels import NodeLabels
 from gpufrac.agent.state import StateStore, restore
+from gpufrac.core.errors import AllocationError, ErrorKind
 from gpufrac.deviceplugin import preferred as preferred_mod
 from gpufrac.deviceplugin import slices
-from gpufrac.deviceplugin.podresources import ContainerDevices, PodResourcesClient
+from gpufrac.deviceplugin.podresources import PodResourcesClient
 from gpufrac.deviceplugin.server import DevicePlugin, PluginServer
+from gpufrac.deviceplugin.slices import ContainerDevices
 
 log = logging.getLogger("gpufrac.agent")
 T = TypeVar("T")
@@ -174,8 +175,8 @@ class Agent:
         """The burst arbiter on one node-wide socket (bind-mounted into each container).
         Pod identity and Events come from gpufrac.agent.identity once it exists."""
         from gpufrac.agent.arbiter import Arbiter
+        from gpufrac.agent.config import arbiter_socket
         from gpufrac.agent.peers import PeerLookup, namer_from_pods
-        from gpufrac.deviceplugin.server import arbiter_socket
 
         assert self.ledger is not None
         path = arbiter_socket(self.config)
@@ -517,7 +518,7 @@ class Agent:
         except OSError as e:
             ledger.release(alloc.key)
             raise AllocationError(
-                grpc.StatusCode.INTERNAL, f"cannot create container directory {alloc.directory}: {e}"
+                ErrorKind.NODE_FAILURE, f"cannot create container directory {alloc.directory}: {e}"
             ) from e
         ledger.attach(alloc.key, handle)
         # The state file follows through the persist loop, off the kubelet's critical path:
@@ -549,7 +550,7 @@ class Agent:
         if alloc is None:
             ids = sorted(device_ids)
             raise AllocationError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                ErrorKind.STATE_CONFLICT,
                 f"PreStartContainer: {resource} devices {ids[:6]}{'…' if len(ids) > 6 else ''} were never "
                 "allocated by this agent",
             )
