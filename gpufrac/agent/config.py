@@ -248,7 +248,7 @@ def _convert(path: str, f: dataclasses.Field[Any], hint: Any, value: Any) -> Any
         if value not in f.metadata["choices"]:
             raise ConfigError(f"{path}: {value!r} is not one of {list(f.metadata['choices'])}")
         return value
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {value!r}")
         return _build(hint, value, path + ".")
@@ -304,7 +304,7 @@ def load(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] |
         data = loaded or {}
     if overrides:
         data = _merge(data, overrides)
-    cfg = _build(Config, data)
+    cfg: Config = _build(Config, data)
     cfg.validate()
     return cfg
 

@@ -252,12 +252,12 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         return data
 
     async def GetDevicePluginOptions(
-        self, request: pb.Empty, context: grpc.aio.ServicerContext
+        self, request: pb.Empty, context: grpc.aio.ServicerContext[pb.Empty, pb.DevicePluginOptions]
     ) -> pb.DevicePluginOptions:
         return OPTIONS
 
     async def ListAndWatch(
-        self, request: pb.Empty, context: grpc.aio.ServicerContext
+        self, request: pb.Empty, context: grpc.aio.ServicerContext[pb.Empty, pb.ListAndWatchResponse]
     ) -> AsyncIterator[pb.ListAndWatchResponse]:
         self.active_streams += 1
         sent: pb.ListAndWatchResponse | None = None
@@ -275,7 +275,9 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
             self.stream_ended.set()
 
     async def GetPreferredAllocation(
-        self, request: pb.PreferredAllocationRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.PreferredAllocationRequest,
+        context: grpc.aio.ServicerContext[pb.PreferredAllocationRequest, pb.PreferredAllocationResponse],
     ) -> pb.PreferredAllocationResponse:
         t0 = time.perf_counter()
         resp = pb.PreferredAllocationResponse()
@@ -291,7 +293,9 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         return resp
 
     async def Allocate(
-        self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.AllocateRequest,
+        context: grpc.aio.ServicerContext[pb.AllocateRequest, pb.AllocateResponse],
     ) -> pb.AllocateResponse:
         t0 = time.perf_counter()
         resp = pb.AllocateResponse()
@@ -308,7 +312,9 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         return resp
 
     async def PreStartContainer(
-        self, request: pb.PreStartContainerRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.PreStartContainerRequest,
+        context: grpc.aio.ServicerContext[pb.PreStartContainerRequest, pb.PreStartContainerResponse],
     ) -> pb.PreStartContainerResponse:
         t0 = time.perf_counter()
         try:
@@ -359,7 +365,7 @@ class PluginServer:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)  # stale socket of an earlier run
         server = grpc.aio.server()
-        pb_grpc.add_DevicePluginServicer_to_server(self.plugin, server)
+        pb_grpc.add_DevicePluginServicer_to_server(self.plugin, server)  # type: ignore[no-untyped-call]  # generated, unannotated
         server.add_insecure_port(f"unix://{self.socket_path}")
         await server.start()
         self._server = server
@@ -374,7 +380,8 @@ class PluginServer:
             options=OPTIONS,
         )
         async with grpc.aio.insecure_channel(f"unix://{self.kubelet_socket}") as ch:
-            await pb_grpc.RegistrationStub(ch).Register(req, timeout=REGISTER_TIMEOUT)
+            stub = pb_grpc.RegistrationStub(ch)  # type: ignore[no-untyped-call]  # generated, unannotated
+            await stub.Register(req, timeout=REGISTER_TIMEOUT)
 
     async def _supervise(self) -> None:
         backoff = WATCH_INTERVAL
