@@ -465,7 +465,7 @@ def parse_usage_total(head: bytes, where: str = "usage file") -> int:
     magic, version, size, total, _ = USAGE_HEADER.unpack(head[: USAGE_HEADER.size])
     if magic != USAGE_MAGIC or version != ABI_VERSION or size != USAGE_SIZE:
         raise FormatError(f"{where}: bad magic, version {version} or size {size}")
-    return min(total, USAGE_MAX_BYTES)
+    return min(int(total), USAGE_MAX_BYTES)
 
 
 def read_usage_total(directory: str | os.PathLike[str]) -> int:
@@ -483,7 +483,8 @@ def read_usage_total(directory: str | os.PathLike[str]) -> int:
 
 def slot_field_offset(index: int, name: str) -> int:
     """Where slot `index`'s field `name` lies in the usage file."""
-    return _SLOTS_AT + index * _SLOT_SIZE + getattr(ProcSlot, name).offset
+    offset: int = getattr(ProcSlot, name).offset  # a ctypes field, looked up by name
+    return _SLOTS_AT + index * _SLOT_SIZE + offset
 
 
 def write_usage_fields(directory: str | os.PathLike[str], writes: list[tuple[str, int, int]]) -> None:
