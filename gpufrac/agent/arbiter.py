@@ -1,6 +1,6 @@
 """The arbiter: burst grants for the memguard shim's slow path (docs/arbiter-protocol.md).
 
-One unix socket per node (gpufrac.deviceplugin.server.arbiter_socket), bind-mounted
+One unix socket per node (gpufrac.agent.config.arbiter_socket), bind-mounted
 into every sharing container at $GPUFRAC_CONTAINER_DIR/arbiter.sock. A request acts
 only for the caller's own container, which comes from SO_PEERCRED -> cgroup -> pod
 (gpufrac.agent.peers), never from the message.

@@ -75,7 +75,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     add_output_args(p)
     p.add_argument("--socket", help="the agent's status socket (default: statusSocket of --config)")
 
-    p = add("memguard", "gpufrac.memguard.inspect", "cmd_memguard", "inspect a container's memguard files")
+    p = add("memguard", "gpufrac.agent.memguard_cli", "cmd_memguard", "inspect a container's memguard files")
     p.add_argument("action", choices=["inspect"])
     p.add_argument(
         "container_dir",

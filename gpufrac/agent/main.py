@@ -42,14 +42,13 @@ from gpufrac.agent import status as status_mod
 from gpufrac.agent.activity import ActivityTracker
 from gpufrac.agent.admission import Admission
 from gpufrac.agent.allocations import (
-    AllocationError,
     ContainerAlloc,
-    ContainerDirs,
     Ledger,
     keyed,
 )
 from gpufrac.agent.arbiter import Arbiter, adopt_grants, published_grants
-from gpufrac.agent.config import Config
+from gpufrac.agent.config import Config, arbiter_socket
+from gpufrac.agent.container_dirs import ContainerDirs
 from gpufrac.agent.gpus import GpuHealth, Inventory
 from gpufrac.agent.health import HealthMonitor
 from gpufrac.agent.idle import IdleReaper
@@ -60,10 +59,12 @@ from gpufrac.agent.peers import PeerLookup, namer_from_pods
 from gpufrac.agent.pods import PodIdentity
 from gpufrac.agent.state import StateStore, restore
 from gpufrac.agent.watchdog import Watchdog
+from gpufrac.core.errors import AllocationError, ErrorKind
 from gpufrac.deviceplugin import preferred as preferred_mod
 from gpufrac.deviceplugin import slices
-from gpufrac.deviceplugin.podresources import ContainerDevices, PodResourcesClient
-from gpufrac.deviceplugin.server import DevicePlugin, PluginServer, arbiter_socket
+from gpufrac.deviceplugin.podresources import PodResourcesClient
+from gpufrac.deviceplugin.server import DevicePlugin, PluginServer
+from gpufrac.deviceplugin.slices import ContainerDevices
 
 log = logging.getLogger("gpufrac.agent")
 T = TypeVar("T")
@@ -588,7 +589,7 @@ class Agent:
         except OSError as e:
             ledger.release(alloc.key)
             raise AllocationError(
-                grpc.StatusCode.INTERNAL, f"cannot create container directory {alloc.directory}: {e}"
+                ErrorKind.NODE_FAILURE, f"cannot create container directory {alloc.directory}: {e}"
             ) from e
         ledger.attach(alloc.key, handle)
         # The state file follows through the persist loop, off the kubelet's critical path:
@@ -621,7 +622,7 @@ class Agent:
         if alloc is None:
             ids = sorted(device_ids)
             raise AllocationError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                ErrorKind.STATE_CONFLICT,
                 f"PreStartContainer: {resource} devices {ids[:6]}{'…' if len(ids) > 6 else ''} were never "
                 "allocated by this agent",
             )

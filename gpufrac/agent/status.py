@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import gpufrac
-from gpufrac.agent.output import render
-from gpufrac.agent.report import mig_to_dict, table
+from gpufrac.agent.output import render, table
+from gpufrac.agent.report import mig_to_dict
 from gpufrac.agent.units import format_bytes
 from gpufrac.deviceplugin import slices
 from gpufrac.memguard import formats
