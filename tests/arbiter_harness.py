@@ -31,12 +31,12 @@ from simnode_fixtures import nvml_node
 from gpufrac import native
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.arbiter import Arbiter
+from gpufrac.agent.callers import PeerLookup, namer_from_pods
 from gpufrac.agent.config import Config, load
 from gpufrac.agent.eventloop import new_loop
 from gpufrac.agent.identity import PodIdentity
 from gpufrac.agent.inventory import read_inventory
 from gpufrac.agent.kube import EventRecorder, PodCache, make_api_client
-from gpufrac.agent.peers import PeerLookup, namer_from_pods
 from gpufrac.deviceplugin.podresources import ContainerDevices
 from gpufrac.deviceplugin.server import arbiter_socket, container_response
 from gpufrac.deviceplugin.slices import MEMORY, device_id

@@ -4,7 +4,7 @@ The socket is shared by every container on the node, so without limits one
 container could hold every connection (slowloris), keep every request waiting, or
 keep the agent's loop busy answering it. Each caller is counted against its own
 container, named by the kernel (SO_PEERCRED -> /proc/<pid>/cgroup, as in
-gpufrac.agent.peers), never by its message:
+gpufrac.agent.callers), never by its message:
 
 * connections open at once (`connectionsPerContainer`), including ones that have
   not sent their request yet;
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpufrac.agent import metrics
-from gpufrac.agent.peers import PeerError, peer_cgroup
+from gpufrac.agent.callers import PeerError, peer_cgroup
 
 log = logging.getLogger(__name__)
 

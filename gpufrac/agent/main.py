@@ -174,22 +174,30 @@ class Agent:
         """The burst arbiter on one node-wide socket (bind-mounted into each container).
         Pod identity and Events come from gpufrac.agent.identity once it exists."""
         from gpufrac.agent.arbiter import Arbiter
-        from gpufrac.agent.peers import PeerLookup, namer_from_pods
+        from gpufrac.agent.callers import PeerLookup, namer_from_pods
+        from gpufrac.agent.kube import ObjectRef
         from gpufrac.deviceplugin.server import arbiter_socket
 
         assert self.ledger is not None
         path = arbiter_socket(self.config)
+        agent = self
 
         def namer(pod_uid: str, container_id: str) -> str | None:
-            return namer_from_pods(getattr(self.identity, "pods", None))(pod_uid, container_id)
+            pods = agent.identity.pods if agent.identity is not None else None
+            return namer_from_pods(pods)(pod_uid, container_id)
 
-        arbiter = Arbiter(
-            self.config,
-            self.ledger,
-            PeerLookup(self.ledger, namer),
-            path,
-            events=lambda: getattr(self.identity, "events", None),
-        )
+        class Events:
+            """The EventRecorder of pod identity, which comes up after the arbiter."""
+
+            def record(self, ref: ObjectRef, type_: str, reason: str, message: str) -> None:
+                if agent.identity is not None and agent.identity.events is not None:
+                    agent.identity.events.record(ref, type_, reason, message)
+
+            def disruption(self, ref: ObjectRef, reason: str, message: str) -> None:
+                if agent.identity is not None and agent.identity.events is not None:
+                    agent.identity.events.disruption(ref, reason, message)
+
+        arbiter = Arbiter(self.config, self.ledger, PeerLookup(self.ledger, namer), path, events=Events())
         try:
             await arbiter.start()
         except OSError as e:  # the shim then refuses bursts: safe, and the rest still works
@@ -205,16 +213,26 @@ class Agent:
     def _start_watchdog(self) -> None:
         """NVML's per-process memory against each container's limit (gpufrac.agent.watchdog).
         Containers are told apart as the arbiter tells its callers apart."""
-        from gpufrac.agent.peers import PeerLookup, namer_from_pods
+        from gpufrac.agent.callers import PeerLookup, namer_from_pods
+        from gpufrac.agent.kube import ObjectRef
         from gpufrac.agent.watchdog import Watchdog
 
         assert self.ledger is not None
-        peers = getattr(self.arbiter, "peers", None) or PeerLookup(
-            self.ledger, lambda uid, cid: namer_from_pods(getattr(self.identity, "pods", None))(uid, cid)
-        )
-        self.watchdog = Watchdog(
-            self.config.watchdog, self.ledger, peers, lambda: getattr(self.identity, "events", None)
-        )
+        agent = self
+
+        def namer(pod_uid: str, container_id: str) -> str | None:
+            pods = agent.identity.pods if agent.identity is not None else None
+            return namer_from_pods(pods)(pod_uid, container_id)
+
+        class Events:
+            """The EventRecorder of pod identity, which comes up after the watchdog."""
+
+            def record(self, ref: ObjectRef, type_: str, reason: str, message: str) -> None:
+                if agent.identity is not None and agent.identity.events is not None:
+                    agent.identity.events.record(ref, type_, reason, message)
+
+        peers = self.arbiter.peers if self.arbiter is not None else PeerLookup(self.ledger, namer)
+        self.watchdog = Watchdog(self.config.watchdog, self.ledger, peers, Events())
         task = self.watchdog.start()
         if task is not None:
             self._tasks.append(task)

@@ -24,7 +24,8 @@ Outcome(available=False, ...) and the chain moves on; it should log that once,
 not per request. A resolver that waits must honour `need.deadline` (loop time)
 and give up by then.
 
-What resolvers may ask of the arbiter is `ResolverContext` below.
+What resolvers may ask of the arbiter is `ResolverContext` below; the chain the node config
+names is built by gpufrac.agent.arbiter.chain.
 """
 
 from __future__ import annotations
@@ -290,21 +291,3 @@ def guarantee_chain(chain: Chain, ctx: ResolverContext) -> Chain:
     ahead = [r for r in chain.resolvers if r.name != WaitResolver.name]
     waits = [r for r in chain.resolvers if r.name == WaitResolver.name]
     return Chain([*ahead, EvictResolver(ctx), *waits])
-
-
-def build_chain(names: Sequence[str], ctx: ResolverContext) -> Chain:
-    """The resolvers named in the config, in its order. `swap` needs more of the arbiter
-    than ResolverContext (gpufrac.agent.swap.SwapHost)."""
-    out: list[Resolver] = []
-    for name in names:
-        if name == "wait":
-            out.append(WaitResolver(ctx))
-        elif name == "evict":
-            out.append(EvictResolver(ctx))
-        elif name == "swap":
-            from gpufrac.agent import swap  # here: swap imports this module
-
-            out.append(swap.SwapResolver(ctx))  # type: ignore[arg-type]  # ctx is the Arbiter
-        else:
-            raise ValueError(f"resolvers: unknown resolver {name!r}")
-    return Chain(out)

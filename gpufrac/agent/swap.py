@@ -6,7 +6,7 @@ needs more than is free on a GPU, pick idle containers (no kernel launch for
 (FLAG_SWAPPABLE) and that hold memory there; take the fewest, least important
 ones that free enough, within the host-RAM budget; for each, checkpoint every
 CUDA process of the container with the driver's checkpoint API (lock with a
-timeout, then checkpoint; gpufrac.agent.checkpoint) and set the `swapped` flag of
+timeout, then checkpoint; gpufrac.agent.cuda_checkpoint) and set the `swapped` flag of
 their usage slots. The pod stays Running: its processes are merely blocked in
 the driver until they are restored. `SwapResolver.swap_out` swaps one chosen
 container the same way on request (the idle reaper's `swap` action).
@@ -45,14 +45,15 @@ import psutil
 from gpufrac.agent import annotations, metrics
 from gpufrac.agent.activity import proc_identity
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
-from gpufrac.agent.checkpoint import (
+from gpufrac.agent.callers import PeerLookup, scan_pids
+from gpufrac.agent.config import Config
+from gpufrac.agent.cuda_checkpoint import (
     Checkpointer,
     CheckpointError,
     ProcessState,
     Support,
     process_state,
 )
-from gpufrac.agent.config import Config
 from gpufrac.agent.events import (
     NORMAL,
     REASON_FREED_BY_SWAP,
@@ -60,10 +61,9 @@ from gpufrac.agent.events import (
     REASON_SWAPPED_OUT,
     container_name,
 )
-from gpufrac.agent.peers import PeerLookup, scan_pids
 from gpufrac.agent.resolvers import Chain, Holding, Need, Outcome
 from gpufrac.agent.units import format_bytes
-from gpufrac.memguard import formats
+from gpufrac.memguard import formats, wire
 from gpufrac.memguard.formats import FLAG_SWAPPABLE, FLAG_WHOLE_GPU, FormatError
 
 log = logging.getLogger(__name__)
@@ -792,7 +792,7 @@ async def handle_swap_in(ctx: SwapHost, alloc: ContainerAlloc) -> int:
         # No swap resolver here: nothing of ours can be swapped. Flags a container set on
         # itself (its usage file is writable to it) are cleared so its shim goes on.
         await asyncio.to_thread(clear_all_flags, alloc.directory)
-        return formats.BURST_GRANTED
+        return wire.BURST_GRANTED
     # Shielded: a shim that stops listening (its timeout) must not cut a restore in half;
     # it asks again and finds the work done.
-    return formats.BURST_GRANTED if await asyncio.shield(resolver.swap_in(alloc)) else formats.BURST_DENIED
+    return wire.BURST_GRANTED if await asyncio.shield(resolver.swap_in(alloc)) else wire.BURST_DENIED

@@ -23,7 +23,7 @@ from simnode_fixtures import nvml_node
 
 from gpufrac import native
 from gpufrac.agent import swap as swap_mod
-from gpufrac.agent.checkpoint import Support
+from gpufrac.agent.cuda_checkpoint import Support
 from gpufrac.agent.swap import SwapResolver
 from gpufrac.memguard import formats
 from gpufrac.simgpu.nodestate import NodeState
@@ -329,7 +329,7 @@ def test_a_swap_in_queues_behind_a_waiter_for_burst_bytes_only(
     assert filler.workload is not None and filler.workload.do(f"alloc {free - 4 * GiB}") == "granted"
     assert a.workload is not None and v.container is not None
     a.workload.send(f"alloc {8 * GiB}")
-    node.until(lambda: sum(len(w) for w in node.arbiter._waiters.values()) == 1, what="a waiting")
+    node.until(lambda: sum(len(w) for w in node.arbiter.queue.waiters.values()) == 1, what="a waiting")
     swap = node.arbiter.swap
     assert swap is not None
     swap.ckpt = NoopCheckpointer()  # type: ignore[assignment]
