@@ -37,9 +37,10 @@ from __future__ import annotations
 
 import logging
 import resource
+import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 from gpufrac.agent import metrics
 from gpufrac.agent.callers import PeerError, peer_cgroup
@@ -69,12 +70,41 @@ def fit_fd_limit(want: int, soft: int, hard: int) -> tuple[int, int]:
     return new_soft, max(1, min(want, new_soft - FD_RESERVE))
 
 
+class Conn(Protocol):
+    """One open connection on the arbiter socket (gpufrac.agent.arbiter.server.Connection)."""
+
+    @property
+    def op(self) -> int | None: ...  # its request's op, None while none was read
+
+    def abort(self) -> None: ...
+
+
+class Limits(Protocol):
+    """The node config's arbiterLimits (gpufrac.agent.config)."""
+
+    @property
+    def connections_per_container(self) -> int: ...
+    @property
+    def inflight_per_container(self) -> int: ...
+    @property
+    def requests_per_second(self) -> float: ...
+    @property
+    def request_burst(self) -> int: ...
+    @property
+    def max_connections(self) -> int: ...
+
+
+class LimitsConfig(Protocol):
+    @property
+    def arbiter_limits(self) -> Limits: ...
+
+
 @dataclass
 class Account:
     """One container's use of the arbiter socket."""
 
     key: str
-    connections: list[Any] = field(default_factory=list)  # its open connections, oldest first
+    connections: list[Conn] = field(default_factory=list)  # its open connections, oldest first
     inflight: int = 0
     tokens: float = 0.0
     refill_at: float = 0.0
@@ -106,7 +136,7 @@ class Fairness:
         self._pruned_at = time.monotonic()
 
     @classmethod
-    def from_config(cls, config: Any, proc: str = "/proc") -> Fairness:
+    def from_config(cls, config: LimitsConfig, proc: str = "/proc") -> Fairness:
         lim = config.arbiter_limits
         return cls(
             connections=lim.connections_per_container,
@@ -140,7 +170,7 @@ class Fairness:
             )
             self.node_connections = cap
 
-    def container_of(self, sock: Any) -> str:
+    def container_of(self, sock: socket.socket) -> str:
         """The caller's account key: its kubelet container as the kernel names it."""
         try:
             _, ident = peer_cgroup(sock, self.proc)
@@ -156,7 +186,7 @@ class Fairness:
             acc = self.accounts[key] = Account(key, tokens=float(self.burst), refill_at=time.monotonic())
         return acc
 
-    def admit(self, conn: Any, key: str) -> tuple[Account | None, Any | None, bool]:
+    def admit(self, conn: Conn, key: str) -> tuple[Account | None, Conn | None, bool]:
         """Count a new connection of container `key`: (its account, or None when it is to be
         refused at once; a connection of the heaviest container to close to make room, or
         None; whether it is over its container's connection limit, to be answered BUSY after
@@ -183,7 +213,7 @@ class Fairness:
         self.open += 1
         return acc, victim, over
 
-    def gone(self, acc: Account, conn: Any) -> None:
+    def gone(self, acc: Account, conn: Conn) -> None:
         try:
             acc.connections.remove(conn)
         except ValueError:

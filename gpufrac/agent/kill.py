@@ -84,8 +84,10 @@ def kill_if_same(
 class ContainerPids(Protocol):
     """Where a container's host pids come from (gpufrac.agent.callers.PeerLookup)."""
 
-    proc: str
-    seen: Mapping[str, CgroupIdentity]
+    @property
+    def proc(self) -> str: ...  # the /proc root
+    @property
+    def seen(self) -> Mapping[str, CgroupIdentity]: ...  # container key -> the cgroup a caller was in
 
     def pids_of(self, alloc: ContainerAlloc) -> list[int]: ...
 

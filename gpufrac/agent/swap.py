@@ -46,9 +46,10 @@ from typing import Protocol
 
 import psutil
 
-from gpufrac.agent import annotations, metrics
+from gpufrac.agent import metrics
 from gpufrac.agent.activity import proc_identity
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
+from gpufrac.agent.annotations import SWAPPABLE
 from gpufrac.agent.callers import PeerLookup
 from gpufrac.agent.config import Config
 from gpufrac.agent.cuda_checkpoint import (
@@ -303,7 +304,7 @@ class SwapResolver:
             raise _Skip("it has a whole GPU, which is never swapped")
         if not alloc.config.flags & FLAG_SWAPPABLE:
             raise _Skip(
-                f'its pod does not allow swapping (annotation {annotations.SWAPPABLE}: "true", '
+                f'its pod does not allow swapping (annotation {SWAPPABLE}: "true", '
                 "or node config swap.defaultSwappable)"
             )
         self._check_free(alloc.key)

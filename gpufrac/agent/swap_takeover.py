@@ -68,7 +68,7 @@ class Takeover:
             pids = processes_of(alloc, self._peers)
             if pids is None:
                 return None
-            out = []
+            out: list[tuple[int, SlotId, ProcessState]] = []
             for pid in pids:
                 state = process_state(pid, self.ckpt)
                 ident = proc_identity(pid)

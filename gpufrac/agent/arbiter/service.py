@@ -9,6 +9,10 @@ has the bytes and nobody ranks ahead; it is published in the container's config
 (ledger.update_config) before the reply.
 
 Runs entirely on the agent's event loop; NVML reads and kills go to worker threads.
+
+Over 500 lines as one class: it is the one object the resolvers, the swap resolver and
+admission's reclaim talk to (ResolverContext, SwapHost), and each of their entry points here
+is a few lines over the parts above.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.admission import reclaim_guarantee
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.arbiter import grants, recovery
+from gpufrac.agent.arbiter import sweep as grant_sweep
 from gpufrac.agent.arbiter.chain import build_chain
 from gpufrac.agent.arbiter.queue import LAST, WaitQueue
 from gpufrac.agent.arbiter.readings import NVML_FRESH, DriverReadings, ReadMemory, ReadProcesses
@@ -47,8 +52,6 @@ from gpufrac.memguard.formats import FLAG_DISABLED
 from gpufrac.memguard.wire import BurstRequest
 
 log = logging.getLogger(__name__)
-
-RECLAIM_INTERVAL = 1.0  # seconds between two grant sweeps
 
 
 class EventSink(Protocol):
@@ -108,7 +111,7 @@ class Arbiter:
         self.reconcile()
         await self.server.start()
         self.ledger.add_listener(self._on_ledger_change)
-        self._tasks.append(asyncio.create_task(self._reclaim_loop(), name="arbiter-reclaim"))
+        self._tasks.append(asyncio.create_task(grant_sweep.sweep_forever(self.sweep), name="arbiter-reclaim"))
         log.info("arbiter listening on %s (resolvers %s)", self.socket_path, self.chain.names)
 
     async def stop(self) -> None:
@@ -501,34 +504,14 @@ class Arbiter:
                 del self._granted_at[key]
         self.queue.notify_all()
 
-    # -- the grant sweep -------------------------------------------------------------------------
-
-    async def _reclaim_loop(self) -> None:
-        while True:
-            await asyncio.sleep(RECLAIM_INTERVAL)
-            try:
-                self.sweep()
-            except Exception:
-                log.exception("arbiter: grant sweep failed")
+    # -- the grant sweep (gpufrac.agent.arbiter.sweep) -------------------------------------------
 
     def sweep(self, now: float | None = None) -> None:
         """Take back returned grants at once and stale ones after GRANT_STALE_AFTER."""
         now = time.monotonic() if now is None else now
-        for alloc in self.ledger.containers():
-            u = self.files.usage_of(alloc)
-            if u is None:
-                continue
-            g = alloc.config.grant_bytes
-            if self.sweeper.returned_now(alloc.key, int(u.grant_returned)) and g > 0:
-                self._release(alloc)
-                continue
-            if g <= 0:
-                self.sweeper.used(alloc.key)
-                continue
-            unused = alloc.request_bytes + g - max(int(u.total_used), self.driver_used(alloc) or 0)
-            if self.sweeper.stale(alloc.key, unused, now):
-                log.info("taking back %s of unused grant from %s", format_bytes(unused), alloc.who())
-                self._release(alloc)
+        grant_sweep.sweep(
+            self.ledger.containers(), self.files.usage_of, self.driver_used, self._release, self.sweeper, now
+        )
 
     # -- eviction support ----------------------------------------------------------------------------
 
