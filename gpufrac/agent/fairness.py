@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gpufrac.agent import metrics
+from gpufrac.agent import metrics as metrics_mod
 from gpufrac.agent.callers import PeerError, peer_cgroup
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,12 @@ class Limits(Protocol):
     def max_connections(self) -> int: ...
 
 
+class LimitMetrics(Protocol):
+    """Where refusals are counted (gpufrac.agent.metrics)."""
+
+    def count_arbiter_limited(self, limit: str) -> None: ...
+
+
 class LimitsConfig(Protocol):
     @property
     def arbiter_limits(self) -> Limits: ...
@@ -124,6 +130,7 @@ class Fairness:
         burst: int,
         node_connections: int,
         proc: str = "/proc",
+        metrics: LimitMetrics = metrics_mod,
     ) -> None:
         self.max_connections = connections
         self.max_inflight = inflight
@@ -131,12 +138,15 @@ class Fairness:
         self.burst = burst
         self.node_connections = node_connections
         self.proc = proc
+        self.metrics = metrics
         self.accounts: dict[str, Account] = {}
         self.open = 0  # connections node-wide
         self._pruned_at = time.monotonic()
 
     @classmethod
-    def from_config(cls, config: LimitsConfig, proc: str = "/proc") -> Fairness:
+    def from_config(
+        cls, config: LimitsConfig, proc: str = "/proc", metrics: LimitMetrics = metrics_mod
+    ) -> Fairness:
         lim = config.arbiter_limits
         return cls(
             connections=lim.connections_per_container,
@@ -145,6 +155,7 @@ class Fairness:
             burst=lim.request_burst,
             node_connections=lim.max_connections,
             proc=proc,
+            metrics=metrics,
         )
 
     def fit_fd_limit(self) -> None:
@@ -254,7 +265,7 @@ class Fairness:
         return True
 
     def refuse(self, acc: Account, limit: str) -> None:
-        metrics.count_arbiter_limited(limit)
+        self.metrics.count_arbiter_limited(limit)
         acc.refused += 1
         now = time.monotonic()
         if now - acc.logged_at >= LOG_EVERY:

@@ -38,7 +38,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gpufrac.agent import metrics
 from gpufrac.agent.allocations import ContainerAlloc
 from gpufrac.agent.events import (
     CONDITION_GPU_MEMORY_RECLAIMED,
@@ -115,10 +114,20 @@ class Holding:
         return bool(self.flags & FLAG_PREEMPTIBLE)
 
 
+class ResolverMetrics(Protocol):
+    """Where resolvers count what they did (gpufrac.agent.metrics)."""
+
+    def count_wait(self, container: ContainerAlloc, seconds: float) -> None: ...
+    def count_eviction(self, container: ContainerAlloc) -> None: ...
+
+
 class ResolverContext(Protocol):
     """What the arbiter offers resolvers (gpufrac.agent.arbiter.Arbiter implements it)."""
 
     evict_idle_threshold: float
+
+    @property
+    def metrics(self) -> ResolverMetrics: ...
 
     def holdings(self, gpu: str) -> list[Holding]: ...
     def claim(self, need: Need) -> AbstractContextManager[None]: ...
@@ -174,7 +183,7 @@ class WaitResolver:
     async def resolve(self, need: Need) -> Outcome:
         started = time.monotonic()
         ok = await self.ctx.wait_turn(need)
-        metrics.count_wait(need.requester, time.monotonic() - started)
+        self.ctx.metrics.count_wait(need.requester, time.monotonic() - started)
         return Outcome(satisfied=ok, detail="" if ok else "timed out waiting for memory to be freed")
 
 
@@ -256,7 +265,7 @@ class EvictResolver:
         except Exception:
             log.exception("evicting %s for %s failed", h.alloc.who(), need.who())
             return None
-        metrics.count_eviction(h.alloc)
+        self.ctx.metrics.count_eviction(h.alloc)
         if need.kind == "reclaim":
             why = "within its guarantee" + ("" if h.preemptible else ", which outranks any burst")
         elif h.priority < need.priority:

@@ -46,7 +46,6 @@ from typing import Protocol
 
 import psutil
 
-from gpufrac.agent import metrics
 from gpufrac.agent.activity import proc_identity
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.annotations import SWAPPABLE
@@ -85,6 +84,12 @@ from gpufrac.memguard.formats import FLAG_SWAPPABLE, FLAG_WHOLE_GPU
 log = logging.getLogger(__name__)
 
 
+class SwapMetrics(Protocol):
+    """Where swaps are counted (gpufrac.agent.metrics)."""
+
+    def count_swap(self, container: ContainerAlloc, direction: str) -> None: ...
+
+
 class SwapHost(Protocol):
     """What the swap resolver needs of the arbiter (gpufrac.agent.arbiter.Arbiter)."""
 
@@ -93,6 +98,8 @@ class SwapHost(Protocol):
     peers: PeerLookup
     chain: Chain
 
+    @property
+    def metrics(self) -> SwapMetrics: ...
     def holdings(self, gpu: str) -> list[Holding]: ...
     def claim(self, need: Need) -> AbstractContextManager[None]: ...
     def revoke_burst(self, alloc: ContainerAlloc) -> None: ...
@@ -425,7 +432,7 @@ class SwapResolver:
         self.ctx.revoke_burst(alloc)  # the burst goes with it; it is arbitrated again on the way back
         self.stats.swapped_out += 1
         self.stats.bytes_out += h.used
-        metrics.count_swap(alloc, "out")
+        self.ctx.metrics.count_swap(alloc, "out")
         log.warning(
             "swap: %s (%s, idle %.0fs) moved to host RAM from GPU %s in %.2fs (%s)",
             alloc.who(),
@@ -553,7 +560,7 @@ class SwapResolver:
             log.info("swap: swap-out of %s undone in %.2fs (it became active)", alloc.who(), secs)
             return True
         self.stats.swapped_in += 1
-        metrics.count_swap(alloc, "in")
+        self.ctx.metrics.count_swap(alloc, "in")
         away = time.monotonic() - entry.since
         log.info(
             "swap: %s back on GPU %s in %.2fs (%s)", alloc.who(), entry.gpu, secs, format_bytes(entry.bytes)

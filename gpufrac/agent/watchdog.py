@@ -36,7 +36,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gpufrac.agent import metrics, truth
+from gpufrac.agent import metrics as metrics_mod
+from gpufrac.agent import truth
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.callers import CgroupIdentity, PeerError
 from gpufrac.agent.config import WatchdogConfig
@@ -69,6 +70,14 @@ class Verdict:
     allowed: int  # limit + one allowance (the tolerance) for the container
     procs: list[GpuProcess]  # the container's processes on that GPU, newest first
     kill: list[GpuProcess] = field(default_factory=list)
+
+
+class WatchdogMetrics(Protocol):
+    """Where the watchdog counts what it found and did (gpufrac.agent.metrics)."""
+
+    def count_watchdog(self, action: str) -> None: ...
+    def set_watchdog_unowned(self, processes: int, used_bytes: int) -> None: ...
+    def count_usage_mismatch(self) -> None: ...
 
 
 class EventSink(Protocol):
@@ -130,6 +139,7 @@ class Watchdog:
         lookup: Lookup,
         events: EventSink | None = None,
         *,
+        metrics: WatchdogMetrics = metrics_mod,
         observer: Callable[[], list[Observed]] = observe,
         killer: Callable[[int, CgroupIdentity], bool] = kill_if_same,
     ) -> None:
@@ -137,6 +147,7 @@ class Watchdog:
         self.ledger = ledger
         self.lookup = lookup
         self._events = events
+        self._metrics = metrics
         self._observe = observer
         self._kill = killer
         self._over: set[tuple[str, str]] = set()  # (container key, GPU) over limit now: reported once
@@ -218,7 +229,7 @@ class Watchdog:
             log.info("watchdog: container %s is back within its limit on GPU %s", key[0], key[1])
         self._over = now_over
         self.scans += 1
-        metrics.set_watchdog_unowned(len(unowned), sum(p.used for p in unowned.values()))
+        self._metrics.set_watchdog_unowned(len(unowned), sum(p.used for p in unowned.values()))
         return verdicts
 
     async def _check_files(self, owned: list[tuple[ContainerAlloc, GpuProcess]]) -> None:
@@ -244,7 +255,7 @@ class Watchdog:
             if msg is not None:
                 log.warning("watchdog: %s", msg)
                 self._event(alloc, REASON_USAGE_MISMATCH, msg)
-                metrics.count_usage_mismatch()
+                self._metrics.count_usage_mismatch()
         self.mismatch.forget([k for k in self.mismatch.since if self.ledger.get(k) is None])
 
     def _owner(self, ident: CgroupIdentity | None) -> ContainerAlloc | None:
@@ -285,7 +296,7 @@ class Watchdog:
         )
         log.warning("watchdog: %s: %s", v.alloc.who(), msg)
         self._event(v.alloc, REASON_OVER_LIMIT, msg)
-        metrics.count_watchdog("report")
+        self._metrics.count_watchdog("report")
 
     async def _enforce(self, v: Verdict, idents: dict[int, CgroupIdentity]) -> None:
         for p in v.kill:
@@ -296,7 +307,7 @@ class Watchdog:
             msg = f"{self._describe(v)}: killed process {p.pid} using {format_bytes(p.used)}"
             log.warning("watchdog: %s: %s", v.alloc.who(), msg)
             self._event(v.alloc, REASON_LIMIT_ENFORCED, msg)
-            metrics.count_watchdog("kill")
+            self._metrics.count_watchdog("kill")
 
     def _event(self, alloc: ContainerAlloc, reason: str, message: str) -> None:
         ref = container_ref(alloc)

@@ -9,12 +9,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from gpufrac.agent.resolvers import Chain, EvictResolver, Resolver, ResolverContext, WaitResolver
-from gpufrac.agent.swap import SwapHost, SwapResolver
+from gpufrac.agent.resolvers import (
+    Chain,
+    EvictResolver,
+    Resolver,
+    ResolverContext,
+    ResolverMetrics,
+    WaitResolver,
+)
+from gpufrac.agent.swap import SwapHost, SwapMetrics, SwapResolver
+
+
+class ChainMetrics(ResolverMetrics, SwapMetrics, Protocol):
+    """What the resolvers together count."""
 
 
 class ChainHost(ResolverContext, SwapHost, Protocol):
     """What the resolvers together need of the arbiter (gpufrac.agent.arbiter.Arbiter)."""
+
+    @property
+    def metrics(self) -> ChainMetrics: ...
 
 
 def build_chain(names: Sequence[str], host: ChainHost) -> Chain:

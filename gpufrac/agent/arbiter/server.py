@@ -20,7 +20,6 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-from gpufrac.agent import metrics
 from gpufrac.agent.fairness import REFUSE_DELAY, Account, Fairness
 from gpufrac.memguard import wire
 from gpufrac.memguard.wire import BurstRequest
@@ -43,12 +42,21 @@ class Stats:
     wait_timeouts: int = 0
 
 
+class RequestMetrics(Protocol):
+    """Where answered requests are counted (gpufrac.agent.metrics)."""
+
+    def count_arbiter_request(self, kind: str, outcome: str) -> None: ...
+
+
 class Handler(Protocol):
     """What answers requests (gpufrac.agent.arbiter.service.Arbiter)."""
 
     stats: Stats
     fairness: Fairness
     read_timeout: float
+
+    @property
+    def metrics(self) -> RequestMetrics: ...
 
     def handle(self, req: BurstRequest, sock: socket.socket) -> Result | Coroutine[Any, Any, Result]: ...
 
@@ -158,7 +166,7 @@ class Connection(asyncio.Protocol):
     def _busy(self) -> None:
         """Answer BUSY (the caller's container is over its limits; nothing decided) and close."""
         self.arb.stats.busy += 1
-        metrics.count_arbiter_request("connection", "busy")
+        self.arb.metrics.count_arbiter_request("connection", "busy")
         assert self.transport is not None
         if not self.transport.is_closing():
             self.transport.write(wire.reply(wire.BURST_BUSY))
@@ -235,7 +243,7 @@ class Connection(asyncio.Protocol):
         self._uncount()
         if work.cancelled():  # the caller hung up while it waited
             self.arb.stats.dropped += 1
-            metrics.count_arbiter_request(wire.OP_NAMES.get(self.op or -1, "invalid"), "dropped")
+            self.arb.metrics.count_arbiter_request(wire.OP_NAMES.get(self.op or -1, "invalid"), "dropped")
             return
         exc = work.exception()
         if exc is not None:
@@ -247,7 +255,9 @@ class Connection(asyncio.Protocol):
 
     def _answer(self, result: Result) -> None:
         status, generation = result
-        metrics.count_arbiter_request(wire.OP_NAMES.get(self.op or -1, "invalid"), wire.STATUS_NAMES[status])
+        self.arb.metrics.count_arbiter_request(
+            wire.OP_NAMES.get(self.op or -1, "invalid"), wire.STATUS_NAMES[status]
+        )
         assert self.transport is not None
         if not self.transport.is_closing():
             self.transport.write(wire.reply(status, generation))

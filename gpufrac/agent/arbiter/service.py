@@ -28,6 +28,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from gpufrac.agent import kill, truth
+from gpufrac.agent import metrics as metrics_mod
 from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.admission import reclaim_guarantee
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
@@ -36,16 +37,17 @@ from gpufrac.agent.arbiter import sweep as grant_sweep
 from gpufrac.agent.arbiter.chain import build_chain
 from gpufrac.agent.arbiter.queue import LAST, WaitQueue
 from gpufrac.agent.arbiter.readings import NVML_FRESH, DriverReadings, ReadMemory, ReadProcesses
-from gpufrac.agent.arbiter.server import RefusalLog, Result, SocketServer, Stats
+from gpufrac.agent.arbiter.server import RefusalLog, RequestMetrics, Result, SocketServer, Stats
 from gpufrac.agent.arbiter.usage import ContainerFiles
 from gpufrac.agent.callers import Caller, PeerError, PeerLookup
 from gpufrac.agent.config import Config
 from gpufrac.agent.events import container_ref
-from gpufrac.agent.fairness import Fairness
+from gpufrac.agent.fairness import Fairness, LimitMetrics
 from gpufrac.agent.gpu_processes import observe
 from gpufrac.agent.inventory import read_memory
 from gpufrac.agent.kube import ObjectRef
-from gpufrac.agent.resolvers import Chain, Holding, Need, guarantee_chain
+from gpufrac.agent.resolvers import Chain, Holding, Need, ResolverMetrics, guarantee_chain
+from gpufrac.agent.swap import SwapMetrics
 from gpufrac.agent.units import format_bytes
 from gpufrac.memguard import wire
 from gpufrac.memguard.formats import FLAG_DISABLED
@@ -62,6 +64,11 @@ class EventSink(Protocol):
     def disruption(self, ref: ObjectRef, reason: str, message: str) -> None: ...
 
 
+class ArbiterMetrics(RequestMetrics, LimitMetrics, ResolverMetrics, SwapMetrics, Protocol):
+    """What the arbiter and its resolvers count (gpufrac.agent.metrics: the module's functions,
+    or the agent's Metrics)."""
+
+
 class Arbiter:
     def __init__(
         self,
@@ -71,6 +78,7 @@ class Arbiter:
         socket_path: str,
         *,
         events: EventSink | None = None,
+        metrics: ArbiterMetrics = metrics_mod,
         memory: ReadMemory = read_memory,
         processes: ReadProcesses = observe,
         resolvers: Chain | None = None,
@@ -81,6 +89,7 @@ class Arbiter:
         self.peers = peers
         self.socket_path = socket_path
         self.events = events
+        self.metrics = metrics
         self.evict_idle_threshold = config.evict_idle_threshold
         self.read_timeout = read_timeout if read_timeout is not None else config.arbiter_timeout
         self.stats = Stats()
@@ -96,7 +105,7 @@ class Arbiter:
         self.guarantee_chain = guarantee_chain(self.chain, self)
         # The swap resolver, if configured: its victims' memory is in host RAM, not on the GPU.
         self.swap = swap_mod.of(self.chain)
-        self.fairness = Fairness.from_config(config, peers.proc)
+        self.fairness = Fairness.from_config(config, peers.proc, metrics)
         self.server = SocketServer(self, socket_path, config.arbiter_limits.listen_backlog)
         self._refusals = RefusalLog()
         self._seq = itertools.count(1)
