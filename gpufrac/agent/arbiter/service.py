@@ -70,6 +70,10 @@ class ArbiterMetrics(RequestMetrics, LimitMetrics, ResolverMetrics, SwapMetrics,
 
 
 class Arbiter:
+    """Burst grants on one node. Collaborators: the ledger, who callers are (`peers`), where
+    Events go (`events`, None: log only), what is counted (`metrics`), and the two NVML reads
+    (`memory`, `processes`: blocking, run in a worker thread)."""
+
     def __init__(
         self,
         config: Config,
