@@ -47,6 +47,7 @@ from gpufrac.agent.allocations import (
     keyed,
 )
 from gpufrac.agent.arbiter import Arbiter, adopt_grants, published_grants
+from gpufrac.agent.callers import PeerLookup, namer_from_pods
 from gpufrac.agent.config import Config, arbiter_socket
 from gpufrac.agent.container_dirs import ContainerDirs
 from gpufrac.agent.gpus import GpuHealth, Inventory
@@ -55,7 +56,6 @@ from gpufrac.agent.idle import IdleReaper
 from gpufrac.agent.inventory import NvmlError, read_inventory
 from gpufrac.agent.kube import EventRecorder, NodeLabeler, PodCache, PodEvictor
 from gpufrac.agent.nodelabels import NodeLabels
-from gpufrac.agent.peers import PeerLookup, namer_from_pods
 from gpufrac.agent.pods import PodIdentity
 from gpufrac.agent.state import StateStore, restore
 from gpufrac.agent.watchdog import Watchdog
@@ -221,13 +221,12 @@ class Agent:
         """The burst arbiter on one node-wide socket (bind-mounted into each container).
         Its callers are named through the pod cache."""
         path = arbiter_socket(self.config)
-        recorder = self.events
         arbiter = Arbiter(
             self.config,
             ledger,
             PeerLookup(ledger, namer_from_pods(pod_cache)),
             path,
-            events=lambda: recorder,
+            events=self.events,
         )
         try:
             await arbiter.start()
@@ -247,8 +246,7 @@ class Agent:
         peers = (
             self.arbiter.peers if self.arbiter is not None else PeerLookup(ledger, namer_from_pods(pod_cache))
         )
-        recorder = self.events
-        self.watchdog = Watchdog(self.config.watchdog, ledger, peers, lambda: recorder)
+        self.watchdog = Watchdog(self.config.watchdog, ledger, peers, self.events)
         task = self.watchdog.start()
         if task is not None:
             self._tasks.append(task)

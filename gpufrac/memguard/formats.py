@@ -100,47 +100,6 @@ class UsageStruct(ctypes.Structure):
     ]
 
 
-# Slow-path wire format on arbiter.sock (memguard_abi.h mg_burst_req_t / mg_burst_rep_t):
-# one fixed-size request and reply per connection. On BURST_GRANTED the agent has
-# already published the larger grant_bytes in config before replying.
-BURST_MAGIC = 0x3142474D
-BURST_OP_BURST = 1
-BURST_GRANTED, BURST_DENIED = 0, 1
-# Added with the arbiter (docs/arbiter-protocol.md): the shim gives back grant it no
-# longer uses; swap-in is reserved for the swap resolver. Statuses other than GRANTED
-# all mean "refused" to the shim; the extra ones say why.
-BURST_OP_RELEASE, BURST_OP_SWAP_IN = 2, 3
-BURST_REFUSED, BURST_INVALID, BURST_UNAVAILABLE = 2, 3, 4
-# The driver refused an allocation within the request (others' bursts hold the guarantee):
-# the agent takes burst memory back; GRANTED means retry once.
-BURST_OP_RECLAIM = 4
-# The caller's container is over its arbiter limits (connections, requests in flight,
-# request rate: gpufrac.agent.fairness); sent without any work done for the request.
-BURST_BUSY = 5
-
-
-class BurstRequest(ctypes.Structure):
-    _fields_ = [
-        ("magic", u32),
-        ("version", ctypes.c_uint16),
-        ("op", ctypes.c_uint16),
-        ("pid", i32),
-        ("pad0", u32),
-        ("bytes", u64),
-        ("total_after", u64),
-        ("generation", u64),
-    ]
-
-
-class BurstReply(ctypes.Structure):
-    _fields_ = [
-        ("magic", u32),
-        ("version", ctypes.c_uint16),
-        ("status", ctypes.c_uint16),
-        ("generation", u64),
-    ]
-
-
 class FormatError(Exception):
     """A config or usage file is missing, truncated, or of another version."""
 

@@ -360,7 +360,7 @@ def test_a_rebooked_key_is_read_from_its_own_files_only(ledger: Ledger, tmp_path
     old one may still be on disk (its deletion queued); the arbiter must not read it as the
     newcomer's usage, nor keep it mapped after."""
     from gpufrac.agent.arbiter import Arbiter
-    from gpufrac.agent.peers import PeerLookup
+    from gpufrac.agent.callers import PeerLookup
 
     arb = Arbiter(ledger.config, ledger, PeerLookup(ledger, lambda uid, cid: None), str(tmp_path / "a.sock"))
     devs = ids(ledger, 0, MEMORY, range(2))
