@@ -27,7 +27,6 @@ import grpc
 from gpufrac.agent import config as config_mod
 from gpufrac.agent import eventloop, events, logs
 from gpufrac.agent import metrics as metrics_mod
-from gpufrac.agent import status as status_mod
 from gpufrac.agent.admission import Admission
 from gpufrac.agent.allocations import (
     AllocationError,
@@ -40,6 +39,7 @@ from gpufrac.agent.config import Config
 from gpufrac.agent.gpus import GpuHealth, Inventory
 from gpufrac.agent.nodelabels import NodeLabels
 from gpufrac.agent.state import StateStore, restore
+from gpufrac.agent.status import server as status_mod
 from gpufrac.deviceplugin import preferred as preferred_mod
 from gpufrac.deviceplugin import slices
 from gpufrac.deviceplugin.podresources import ContainerDevices, PodResourcesClient

@@ -56,9 +56,10 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 import gpufrac
-from gpufrac.agent import status as status_mod
 from gpufrac.agent.annotations import LIMIT_KEYS, PREFIX, USER_KEYS
-from gpufrac.agent.status import NodeStatus, UsageView
+from gpufrac.agent.status.capture import capture_threadsafe, readiness
+from gpufrac.agent.status.enrich import enrich
+from gpufrac.agent.status.model import NodeStatus, UsageView
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +288,7 @@ class Metrics(Collector):
             try:
                 snap = self.source()
                 if snap is not None:
-                    views = status_mod.enrich(snap)
+                    views = enrich(snap)
             except Exception as e:  # a scrape shows what it can; the agent goes on
                 self.scrape_errors += 1
                 log.warning("metrics: agent state unavailable for this scrape: %s", e)
@@ -607,8 +608,8 @@ class Metrics(Collector):
         during start-up, and the counting functions of this module reach this instance."""
         global _active
         loop = asyncio.get_running_loop()
-        self.source = lambda: status_mod.capture_threadsafe(agent, loop)
-        self.probes.ready_check = lambda: status_mod.readiness(agent)
+        self.source = lambda: capture_threadsafe(agent, loop)
+        self.probes.ready_check = lambda: readiness(agent)
         self.probes.beat()
         self._heartbeat = asyncio.create_task(self._beat(), name="heartbeat")
         _active = self

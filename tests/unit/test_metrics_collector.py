@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpufrac.agent import events, logs, metrics
 from gpufrac.agent.metrics import Metrics, Probes, annotation_label
-from gpufrac.agent.status import ContainerStatus, GpuStatus, NodeStatus, format_status
+from gpufrac.agent.status.cli import format_status
+from gpufrac.agent.status.model import ContainerStatus, GpuStatus, NodeStatus
 from gpufrac.deviceplugin.slices import FRACTION, MEMORY
 from gpufrac.memguard import formats
 
