@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import stat
+import threading
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -64,7 +65,8 @@ class _HeadLimit(io.BufferedIOBase):
 
 
 class _Handler(QuietHandler):
-    """One request: its head read through _HeadLimit, a slow client dropped after REQUEST_TIMEOUT."""
+    """One request: its head read through _HeadLimit within REQUEST_TIMEOUT (a client that
+    trickles it in is hung up on then), each later read or write within REQUEST_TIMEOUT."""
 
     timeout = REQUEST_TIMEOUT
 
@@ -72,18 +74,35 @@ class _Handler(QuietHandler):
         super().setup()
         self.head = _HeadLimit(self.rfile)
         self.rfile = self.head
+        self.hung_up = False
+        self.head_deadline = threading.Timer(REQUEST_TIMEOUT, self._hang_up)
+        self.head_deadline.daemon = True
+        self.head_deadline.start()
+
+    def _hang_up(self) -> None:
+        self.hung_up = True
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)  # the blocked read returns: no request
 
     def parse_request(self) -> bool:
         if self.head.over:  # the request line alone passed the limit
+            self.head_deadline.cancel()
             self.requestline, self.request_version, self.command = "", "", ""
             self._too_large()
             return False
-        ok = super().parse_request()
+        ok = super().parse_request()  # reads the headers
+        self.head_deadline.cancel()  # the head is in (or cut): the rest has the socket timeout
+        if self.hung_up:
+            return False
         if ok and self.head.over:
             self._too_large()
             return False
         self.rfile = self.head.raw_stream  # a body, if any, is the app's to read (it reads none)
         return ok
+
+    def finish(self) -> None:
+        self.head_deadline.cancel()
+        super().finish()
 
     def _too_large(self) -> None:
         self.close_connection = True
