@@ -38,7 +38,6 @@ from kubernetes.client import ApiClient
 from gpufrac.agent import config as config_mod
 from gpufrac.agent import eventloop, events, idle, kube, logs, nodelabels
 from gpufrac.agent import metrics as metrics_mod
-from gpufrac.agent import status as status_mod
 from gpufrac.agent.activity import ActivityTracker
 from gpufrac.agent.admission import Admission
 from gpufrac.agent.allocations import (
@@ -58,6 +57,7 @@ from gpufrac.agent.kube import EventRecorder, NodeLabeler, PodCache, PodEvictor
 from gpufrac.agent.nodelabels import NodeLabels
 from gpufrac.agent.pods import PodIdentity
 from gpufrac.agent.state import StateStore, restore
+from gpufrac.agent.status import server as status_mod
 from gpufrac.agent.watchdog import Watchdog
 from gpufrac.core.errors import AllocationError, ErrorKind
 from gpufrac.deviceplugin import preferred as preferred_mod

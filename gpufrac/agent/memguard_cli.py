@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gpufrac.agent import status as status_mod
 from gpufrac.agent.config import ConfigError
 from gpufrac.agent.output import render
+from gpufrac.agent.status.cli import default_socket
+from gpufrac.agent.status.client import StatusUnavailable, fetch
 from gpufrac.memguard import formats
 from gpufrac.memguard.inspect import (
     TargetError,
@@ -37,12 +38,12 @@ def cmd_memguard(args: argparse.Namespace) -> int:
         except ValueError as e:
             return _fail(str(e), 2)
         try:
-            path = status_mod.default_socket(args)
+            path = default_socket(args)
         except ConfigError as e:
             return _fail(str(e), 2)
         try:
-            directory = resolve_target(status_mod.fetch(path), namespace, pod, container)
-        except (status_mod.StatusUnavailable, TargetError) as e:
+            directory = resolve_target(fetch(path), namespace, pod, container)
+        except (StatusUnavailable, TargetError) as e:
             return _fail(str(e), 1)
     try:
         d = inspect_dir(directory)
