@@ -146,7 +146,9 @@ class SimNode:
         stack.callback(self.api.close)
         self.v1 = self.api.core_v1()
         # The Node object a cluster has for every node: the agent keeps its labels.
-        self.v1.create_node({"metadata": {"name": NODE, "labels": {"gpufrac.dev/enabled": "true"}}})
+        # The client sends a plain dict body as it is; its hints name only the model class.
+        node = {"metadata": {"name": NODE, "labels": {"gpufrac.dev/enabled": "true"}}}
+        self.v1.create_node(node)  # type: ignore[arg-type]
         self.kubelet = KubeletEmulator(root / "k").start()
         stack.callback(self.kubelet.stop)
         self.metrics_port = free_port(9410)
@@ -188,13 +190,11 @@ class SimNode:
         from gpufrac.simgpu.apiserver import pod_manifest
         from gpufrac.simgpu.kubelet import Container, Pod
 
-        created = self.v1.create_namespaced_pod(
-            p.namespace,
-            pod_manifest(
-                p.name, node=NODE, namespace=p.namespace, annotations=p.annotations, priority=p.priority
-            ),
+        manifest = pod_manifest(
+            p.name, node=NODE, namespace=p.namespace, annotations=p.annotations, priority=p.priority
         )
-        p.uid = created.metadata.uid
+        created = self.v1.create_namespaced_pod(p.namespace, manifest)  # type: ignore[arg-type]  # a dict body, as above
+        p.uid = (created.metadata.uid if created.metadata else None) or ""
         pod = Pod(
             p.namespace, p.name, [Container("main", {p.resource: p.count})], p.uid, p.annotations, p.priority
         )
@@ -226,14 +226,15 @@ class SimNode:
         p.workload = WorkloadProcess(c.proc, p.name)
 
     def status(self) -> dict[str, Any]:
-        from gpufrac.agent import status
+        from gpufrac.agent.status.client import fetch
 
-        return status.fetch(str(self.status_socket))
+        return fetch(str(self.status_socket))
 
     def container(self, p: DemoPod) -> dict[str, Any] | None:
         for c in self.status().get("containers", []):
             if c.get("pod") == p.name and c.get("namespace") == p.namespace:
-                return c
+                found: dict[str, Any] = c
+                return found
         return None
 
     def events(self, since: int = 0) -> list[dict[str, Any]]:
@@ -289,7 +290,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
-    from gpufrac.agent import status as status_mod
+    from gpufrac.agent.status.cli import format_status
 
     banner(f"A simulated GPU node: preset {args.preset}")
     say(f"node state {node.state}; fake NVML and CUDA driver libraries in {node.libdir}")
@@ -306,7 +307,8 @@ def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
     banner("Node labels the agent keeps (kubectl get node --show-labels)")
 
     def node_labels() -> dict[str, str]:
-        return dict(node.v1.read_node(NODE).metadata.labels or {})
+        meta = node.v1.read_node(NODE).metadata
+        return dict((meta.labels if meta else None) or {})
 
     until(lambda: "gpufrac.dev/gpu.count" in node_labels(), "node labels")
     for k, v in sorted(node_labels().items()):
@@ -349,7 +351,7 @@ def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
     show_events(node, seen)
 
     def do(p: DemoPod, what: str, cmd: str) -> str:
-        answer = p.workload.do(cmd, timeout=120)
+        answer: str = p.workload.do(cmd, timeout=120)
         if answer.startswith("free "):  # "free N total M" in bytes: say it in GiB
             _, free, _, total = answer.split()
             answer = f"free {format_bytes(int(free))}, total {format_bytes(int(total))}"
@@ -402,7 +404,7 @@ def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
     show_events(node, seen)
 
     banner("gpufrac status")
-    say(status_mod.format_status(node.status()).rstrip())
+    say(format_status(node.status()).rstrip())
 
     url = f"http://127.0.0.1:{node.metrics_port}/metrics"
     banner(f"Prometheus metrics at {url}")

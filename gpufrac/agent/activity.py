@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -61,6 +61,19 @@ class SystemClock:
 
     def time(self) -> float:
         return time.time()
+
+
+class Trackable(Protocol):
+    """A container as poll() takes it (a ledger ContainerAlloc fits)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def directory(self) -> str: ...
+    @property
+    def gpus(self) -> Sequence[str]: ...
+    @property
+    def created(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -151,7 +164,7 @@ class NvmlUtilisation:
     so every call returns only what happened since the previous one."""
 
     def __init__(self, threshold: int = DEFAULT_UTIL_THRESHOLD) -> None:
-        import pynvml
+        import pynvml  # type: ignore[import-untyped]  # nvidia-ml-py ships no type hints
 
         from gpufrac.agent.inventory import nvml_init
 
@@ -249,7 +262,7 @@ class ActivityTracker:
 
     # -- polling ----------------------------------------------------------------------------------
 
-    async def poll(self, containers: Iterable[Tracked]) -> dict[str, ContainerActivity]:
+    async def poll(self, containers: Iterable[Trackable]) -> dict[str, ContainerActivity]:
         """Read every container's usage file and NVML (in a worker thread), then update."""
         tracked = [Tracked(c.key, c.directory, tuple(c.gpus), c.created) for c in containers]
         async with self._poll_lock:

@@ -24,11 +24,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
+from typing import Protocol
 
 from gpufrac.agent import events
 from gpufrac.agent.allocations import ContainerAlloc
-from gpufrac.agent.resolvers import Need
+from gpufrac.agent.events import EventSink
+from gpufrac.agent.resolvers import Holding, Need
 from gpufrac.agent.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -39,17 +40,50 @@ EVENT_WAIT = 60.0  # how long a warning waits for the pod's identity before it i
 IDENTITY_POLL = 0.5
 
 
-class Admission:
-    """Per-container reclaim tasks, started at Allocate and awaited at PreStartContainer."""
+class Bookings(Protocol):
+    """The ledger's bookings (gpufrac.agent.allocations.Ledger)."""
 
-    def __init__(self, agent: Any) -> None:
-        self.agent = agent
+    def containers(self) -> list[ContainerAlloc]: ...
+    def get(self, key: str) -> ContainerAlloc | None: ...
+
+
+class Resolving(Protocol):
+    """A resolver chain (gpufrac.agent.resolvers.Chain)."""
+
+    async def resolve(self, need: Need) -> bool: ...
+
+
+class GrantView(Protocol):
+    """What reclaiming a guarantee needs of the burst arbiter (gpufrac.agent.arbiter.Arbiter):
+    the grants it lent out, NVML's free memory, and the chain that takes bursts back."""
+
+    @property
+    def ledger(self) -> Bookings: ...
+    @property
+    def guarantee_chain(self) -> Resolving: ...
+
+    async def refresh_memory(self) -> None: ...
+    def guarantee_shortfall(self, alloc: ContainerAlloc, gpu: str, inflight: int = 0) -> int | None: ...
+    def release_unused(self, alloc: ContainerAlloc) -> None: ...
+    def holdings(self, gpu: str) -> list[Holding]: ...
+    def next_seq(self) -> int: ...
+
+
+class Admission:
+    """Per-container reclaim tasks, started at Allocate and awaited at PreStartContainer.
+    Without an arbiter (`arbiter` None) no grants are lent, so there is nothing to take back.
+    Warnings go to the pod through `events` (None without an apiserver: logged only)."""
+
+    def __init__(self, arbiter: GrantView | None, ledger: Bookings, events: EventSink | None) -> None:
+        self.arbiter = arbiter
+        self.ledger = ledger
+        self.events = events
         self._tasks: dict[str, asyncio.Task[list[str]]] = {}
         self._notices: set[asyncio.Task[None]] = set()
 
     def start(self, alloc: ContainerAlloc) -> None:
         """Allocate booked `alloc`: begin freeing its request (without delaying the reply)."""
-        if self.agent.arbiter is None:
+        if self.arbiter is None:
             return  # no grants are handed out without an arbiter: nothing to take back
         old = self._tasks.get(alloc.key)
         if old is not None and not old.done():
@@ -58,7 +92,7 @@ class Admission:
 
     async def prestart(self, alloc: ContainerAlloc) -> None:
         """Before the container starts: its request is free, or a warning says who holds it."""
-        if self.agent.arbiter is None:
+        if self.arbiter is None:
             return
         task = self._tasks.get(alloc.key)
         if task is None or task.done():  # a container restart, or an agent restarted since Allocate
@@ -95,7 +129,8 @@ class Admission:
 
     async def _secure(self, alloc: ContainerAlloc) -> list[str]:
         """Free `alloc`'s request on each of its GPUs; what is still missing, per GPU (empty: all free)."""
-        arb = self.agent.arbiter
+        arb = self.arbiter
+        assert arb is not None  # start() begins no reclaim without one
         deadline = asyncio.get_running_loop().time() + PRESTART_WAIT
         short: list[str] = []
         await arb.refresh_memory()
@@ -111,7 +146,7 @@ class Admission:
         held = [
             f"{h.alloc.who()} holds {format_bytes(h.used - h.request)} above its request"
             f"{'' if h.preemptible else ' (not preemptible)'}"
-            for h in self.agent.arbiter.holdings(gpu)
+            for h in (self.arbiter.holdings(gpu) if self.arbiter is not None else [])
             if h.alloc.key != alloc.key and h.used > h.request
         ]
         return "; ".join(held) or "no container holds burst memory (memory used outside gpufrac?)"
@@ -121,17 +156,17 @@ class Admission:
         loop = asyncio.get_running_loop()
         until = loop.time() + EVENT_WAIT
         while loop.time() < until:
-            alloc = self.agent.ledger.get(key) if self.agent.ledger is not None else None
+            alloc = self.ledger.get(key)
             if alloc is None:
                 return  # released meanwhile
-            if events.post(self.agent, alloc, events.WARNING, events.REASON_GUARANTEE_AT_RISK, message):
+            if events.post(self.events, alloc, events.WARNING, events.REASON_GUARANTEE_AT_RISK, message):
                 return
             await asyncio.sleep(IDENTITY_POLL)  # pod identity resolves shortly after admission
         log.warning("no Event posted for %s: its pod is not known", key)
 
 
 async def reclaim_guarantee(
-    arb: Any, alloc: ContainerAlloc, gpu: str, deadline: float, inflight: int = 0
+    arb: GrantView, alloc: ContainerAlloc, gpu: str, deadline: float, inflight: int = 0
 ) -> int | None:
     """Make `alloc`'s request on `gpu` physically free by taking burst memory back, until the loop
     time `deadline`. `inflight`: bytes `alloc` counts in its usage but the driver has not given it

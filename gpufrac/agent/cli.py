@@ -71,11 +71,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     p = add("topo", "gpufrac.agent.report", "cmd_topo", "GPU interconnect matrix, NUMA and CPU affinity")
     add_output_args(p)
 
-    p = add("status", "gpufrac.agent.status", "cmd_status", "the node at a glance, from the running agent")
+    p = add(
+        "status", "gpufrac.agent.status.cli", "cmd_status", "the node at a glance, from the running agent"
+    )
     add_output_args(p)
     p.add_argument("--socket", help="the agent's status socket (default: statusSocket of --config)")
 
-    p = add("memguard", "gpufrac.memguard.inspect", "cmd_memguard", "inspect a container's memguard files")
+    p = add("memguard", "gpufrac.agent.memguard_cli", "cmd_memguard", "inspect a container's memguard files")
     p.add_argument("action", choices=["inspect"])
     p.add_argument(
         "container_dir",
@@ -100,6 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     module, func, _ = handlers[args.command]
+    # Each subcommand's module is imported only when that subcommand runs: `gpufrac gpus` must
+    # not pay for (or fail on) the agent's grpc/kubernetes/prometheus imports, nor `gpufrac
+    # status` for NVML. The table above names every module and function, so this is a lookup,
+    # not a discovery.
     fn: Callable[[argparse.Namespace], int] = getattr(importlib.import_module(module), func)
     try:
         return int(fn(args) or 0)

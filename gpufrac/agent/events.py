@@ -8,9 +8,9 @@ user lost something or must act, Normal otherwise), a structured log line
 
 | reason | type | on | posted by | when |
 |---|---|---|---|---|
-| GpuLimitApplied | Normal | pod | identity | a burst limit from the annotations took effect or changed |
-| InvalidAnnotation | Warning | pod | identity | an annotation was refused; the safe default applies |
-| GpuPolicyCapped | Warning | pod | identity | the node's namespace policy capped what an annotation asked |
+| GpuLimitApplied | Normal | pod | pods | a burst limit from the annotations took effect or changed |
+| InvalidAnnotation | Warning | pod | pods | an annotation was refused; the safe default applies |
+| GpuPolicyCapped | Warning | pod | pods | the node's namespace policy capped what an annotation asked |
 | GpuMemoryEvicted | Warning | victim pod | resolvers | its processes were killed to reclaim burst memory |
 | GpuMemoryPreempted | Normal | requester | resolvers | burst memory was reclaimed from another pod for it |
 | GpuMemorySwappedOut | Normal | victim pod | swap | its GPU memory was moved to host RAM (says for whom) |
@@ -41,7 +41,7 @@ podFailurePolicy can tell a reclaim from an application failure.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Protocol
 
 from gpufrac.agent.kube import ObjectRef
 
@@ -83,40 +83,55 @@ REASONS = frozenset(
 )
 
 
-def container_name(alloc: Any) -> str:
+class EventSink(Protocol):
+    """Where Events go (gpufrac.agent.kube.EventRecorder); never raises, never blocks."""
+
+    def record(self, ref: ObjectRef, type_: str, reason: str, message: str) -> None: ...
+
+
+class Booked(Protocol):
+    """What an Event needs of a container's booking (gpufrac.agent.allocations.ContainerAlloc)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def namespace(self) -> str | None: ...
+    @property
+    def pod(self) -> str | None: ...
+    @property
+    def pod_uid(self) -> str | None: ...
+    @property
+    def container(self) -> str | None: ...
+
+
+def container_name(alloc: Booked) -> str:
     """How an Event on its pod names a container: its name, or its ledger key while the
     kubelet has not said which container of the pod holds it."""
     return str(alloc.container or alloc.key)
 
 
-def container_ref(alloc: Any) -> ObjectRef | None:
+def container_ref(alloc: Booked) -> ObjectRef | None:
     """The pod (and container) of a ContainerAlloc, or None while its pod is not known."""
-    if not getattr(alloc, "pod", None):
+    if not alloc.pod:
         return None
     return ObjectRef.pod_named(alloc.namespace or "", alloc.pod, alloc.pod_uid or "", alloc.container)
 
 
-def recorder(agent: Any) -> Any | None:
-    """The agent's EventRecorder (kept by its pod identity), None without an apiserver."""
-    return getattr(getattr(agent, "identity", None), "events", None)
-
-
-def post(agent: Any, alloc: Any, type_: str, reason: str, message: str) -> bool:
+def post(sink: EventSink | None, alloc: Booked, type_: str, reason: str, message: str) -> bool:
     """Post an Event on the pod of `alloc`; never raises, never blocks (call on the agent's loop).
     False when there is nobody to tell (no apiserver, or the pod is not known yet)."""
     if reason not in REASONS:
         raise ValueError(f"unknown Event reason {reason!r}: add it to gpufrac.agent.events")
-    rec, ref = recorder(agent), container_ref(alloc)
-    if rec is None or ref is None:
+    ref = container_ref(alloc)
+    if sink is None or ref is None:
         return False
-    rec.record(ref, type_, reason, message)
+    sink.record(ref, type_, reason, message)
     return True
 
 
-def post_node(agent: Any, type_: str, reason: str, message: str) -> bool:
+def post_node(sink: EventSink | None, node_name: str, type_: str, reason: str, message: str) -> bool:
     """Post an Event on this agent's Node object (GPU health)."""
-    rec = recorder(agent)
-    if rec is None:
+    if sink is None:
         return False
-    rec.record(ObjectRef("Node", agent.config.node_name, uid=agent.config.node_name), type_, reason, message)
+    sink.record(ObjectRef("Node", node_name, uid=node_name), type_, reason, message)
     return True

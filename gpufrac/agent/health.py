@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
-import pynvml
+import pynvml  # type: ignore[import-untyped]  # nvidia-ml-py ships no type hints
 
 from gpufrac.agent.config import HealthConfig
 from gpufrac.agent.gpus import Gpu, GpuHealth

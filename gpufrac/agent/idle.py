@@ -33,28 +33,28 @@ would do, and changes nothing.
 Every action leaves an Event naming idle time, runtime, the policy and its source,
 and the action (reason Idle<Action> / MaxRuntime<Action>), and counts in
 gpufrac_idle_reaps_total{reason, action}.
+
+One file a little over the usual size: the judging and the words of its Events belong
+together (each Event names the policy and its source as the decision used them).
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Protocol
 
-from kubernetes import client
-from kubernetes.client.rest import ApiException
-
-from gpufrac.agent import annotations, events
+from gpufrac.agent import annotations as annotations_mod
+from gpufrac.agent import events
 from gpufrac.agent import metrics as metrics_mod
 from gpufrac.agent.activity import ActivityTracker, Clock
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.annotations import ContainerPolicy
 from gpufrac.agent.config import Config
-from gpufrac.agent.kube import ObjectRef, PodInfo, make_api_client
+from gpufrac.agent.events import EventSink
+from gpufrac.agent.kube import EvictOutcome, EvictResult, ObjectRef, PodInfo
 from gpufrac.agent.units import format_duration, parse_duration
 
 log = logging.getLogger(__name__)
@@ -83,132 +83,9 @@ def _most_lenient(seconds: Iterable[float]) -> float:
     return 0.0 if any(v <= 0 for v in values) else max(values)
 
 
-# -- eviction ------------------------------------------------------------------------------------------
-
-
-class EvictResult(enum.Enum):
-    EVICTED = "evicted"
-    DELETED = "deleted"
-    GONE = "gone"  # the pod (with that uid) no longer exists
-    BLOCKED = "blocked"  # 429: a PodDisruptionBudget refuses it now
-    UNAVAILABLE = "unavailable"  # the Eviction API cannot be used (missing, forbidden)
-    FAILED = "failed"  # anything else; retried
-
-
-@dataclass(frozen=True)
-class EvictOutcome:
-    result: EvictResult
-    detail: str = ""
-    retry_after: float | None = None
-
-
-def _status_detail(e: ApiException) -> tuple[str, float | None]:
-    """The apiserver's message (with its causes) and retry hint from an error response."""
-    try:
-        body = json.loads(e.body or "{}")
-    except (TypeError, ValueError):
-        body = {}
-    if not isinstance(body, dict):
-        body = {}
-    message = str(body.get("message") or e.reason or f"HTTP {e.status}")
-    details = body.get("details") if isinstance(body.get("details"), dict) else {}
-    causes = [
-        str(c.get("message")) for c in details.get("causes") or [] if isinstance(c, dict) and c.get("message")
-    ]
-    if causes:
-        message += " (" + "; ".join(causes) + ")"
-    retry: float | None = None
-    raw = details.get("retryAfterSeconds") or (e.headers or {}).get("Retry-After")
-    try:
-        retry = float(raw) if raw else None
-    except (TypeError, ValueError):
-        retry = None
-    return message, retry
-
-
-class PodEvictor:
-    """Evicts pods through the policy/v1 Eviction subresource (PodDisruptionBudgets hold).
-    The reaper's own apiserver calls; everything else the agent asks the apiserver goes
-    through gpufrac.agent.kube.
-
-    A plain DELETE is used only when `allow_delete` is set AND the Eviction API itself
-    is unusable (not served, forbidden); a PodDisruptionBudget's 429 is never
-    answered with a delete. Every call carries the pod's uid as a precondition, so a
-    new pod that took the same name is never hit. Blocking calls run in a thread."""
-
-    def __init__(
-        self, api: client.ApiClient, *, allow_delete: bool = False, request_timeout: float = 10.0
-    ) -> None:
-        self._v1 = client.CoreV1Api(api)
-        self.allow_delete = allow_delete
-        self._timeout = request_timeout
-
-    async def evict(self, namespace: str, name: str, uid: str) -> EvictOutcome:
-        outcome = await asyncio.to_thread(self._evict, namespace, name, uid)
-        if outcome.result is EvictResult.UNAVAILABLE and self.allow_delete:
-            return await asyncio.to_thread(self._delete, namespace, name, uid, outcome.detail)
-        return outcome
-
-    def _evict(self, namespace: str, name: str, uid: str) -> EvictOutcome:
-        body: dict[str, Any] = {
-            "apiVersion": "policy/v1",
-            "kind": "Eviction",
-            "metadata": {"name": name, "namespace": namespace},
-        }
-        if uid:
-            body["deleteOptions"] = {"preconditions": {"uid": uid}}
-        try:
-            self._v1.create_namespaced_pod_eviction(
-                name, namespace, body, _preload_content=False, _request_timeout=self._timeout
-            )
-        except ApiException as e:
-            detail, retry = _status_detail(e)
-            if e.status == 429:
-                return EvictOutcome(EvictResult.BLOCKED, detail, retry)
-            if e.status == 409:  # the uid precondition failed: another pod has the name now
-                return EvictOutcome(EvictResult.GONE, detail)
-            if e.status == 404:
-                # The pod is gone, or the apiserver does not serve the subresource: ask which.
-                return self._missing(namespace, name, uid, detail)
-            if e.status in (403, 405):
-                return EvictOutcome(EvictResult.UNAVAILABLE, f"Eviction API: HTTP {e.status} {detail}")
-            return EvictOutcome(EvictResult.FAILED, f"HTTP {e.status} {detail}", retry)
-        except Exception as e:  # connection refused, timeouts
-            return EvictOutcome(EvictResult.FAILED, f"{type(e).__name__}: {e}")
-        return EvictOutcome(EvictResult.EVICTED)
-
-    def _missing(self, namespace: str, name: str, uid: str, detail: str) -> EvictOutcome:
-        try:
-            resp = self._v1.read_namespaced_pod(
-                name, namespace, _preload_content=False, _request_timeout=self._timeout
-            )
-            pod = json.loads(resp.data)
-        except ApiException as e:
-            if e.status == 404:
-                return EvictOutcome(EvictResult.GONE, detail)
-            return EvictOutcome(EvictResult.FAILED, f"HTTP {e.status} {e.reason}")
-        except Exception as e:
-            return EvictOutcome(EvictResult.FAILED, f"{type(e).__name__}: {e}")
-        if uid and (pod.get("metadata") or {}).get("uid") not in (None, uid):
-            return EvictOutcome(EvictResult.GONE, "a new pod has the name")
-        return EvictOutcome(EvictResult.UNAVAILABLE, f"Eviction API not served: {detail}")
-
-    def _delete(self, namespace: str, name: str, uid: str, why: str) -> EvictOutcome:
-        body = {"preconditions": {"uid": uid}} if uid else {}
-        try:
-            self._v1.delete_namespaced_pod(
-                name, namespace, body=body, _preload_content=False, _request_timeout=self._timeout
-            )
-        except ApiException as e:
-            if e.status in (404, 409):
-                return EvictOutcome(EvictResult.GONE, _status_detail(e)[0])
-            return EvictOutcome(EvictResult.FAILED, f"delete: HTTP {e.status} {_status_detail(e)[0]}")
-        except Exception as e:
-            return EvictOutcome(EvictResult.FAILED, f"delete: {type(e).__name__}: {e}")
-        return EvictOutcome(EvictResult.DELETED, why)
-
-
 class Evictor(Protocol):
+    """How the reaper ends a pod (gpufrac.agent.kube.PodEvictor)."""
+
     async def evict(self, namespace: str, name: str, uid: str) -> EvictOutcome: ...
 
 
@@ -219,15 +96,14 @@ class PodSource(Protocol):
     def get(self, namespace: str, name: str) -> PodInfo | None: ...
 
 
-class EventSink(Protocol):
-    def record(self, ref: ObjectRef, type_: str, reason: str, message: str) -> None: ...
-
-
 class Identity(Protocol):
-    """What the reaper needs of gpufrac.agent.identity.PodIdentity."""
+    """What the reaper needs of gpufrac.agent.pods.PodIdentity: the pod cache and the Event
+    sink (None without an apiserver) and each container's policy."""
 
-    pods: Any  # PodSource | None
-    events: Any  # EventSink | None
+    @property
+    def pods(self) -> PodSource | None: ...
+    @property
+    def events(self) -> EventSink | None: ...
 
     def policy(self, key: str) -> ContainerPolicy | None: ...
 
@@ -239,6 +115,28 @@ Swapper = Callable[[ContainerAlloc, str], Awaitable[tuple[bool, str]]]
 
 class SwapUnavailable(Exception):
     """Swapping to host RAM cannot be had on this node; the message says why."""
+
+
+class SwapSupport(Protocol):
+    @property
+    def available(self) -> bool: ...
+    @property
+    def reason(self) -> str: ...
+
+
+class SwapOut(Protocol):
+    """What the reaper needs of the swap resolver (gpufrac.agent.swap.SwapResolver)."""
+
+    async def detect(self) -> SwapSupport: ...
+    async def swap_out(self, alloc: ContainerAlloc, reason: str) -> tuple[bool, str]: ...
+
+
+class SwapHost(Protocol):
+    """The burst arbiter, as far as the reaper swaps through it: its swap resolver, if its
+    resolvers list names one."""
+
+    @property
+    def swap(self) -> SwapOut | None: ...
 
 
 class ReapCounter(Protocol):
@@ -290,7 +188,7 @@ class IdleReaper:
         cfg: Config,
         ledger: Ledger,
         tracker: ActivityTracker,
-        identity: Callable[[], Identity | None],
+        identity: Identity | None,
         *,
         evictor: Evictor | None = None,
         swapper: Swapper | None = None,
@@ -300,7 +198,7 @@ class IdleReaper:
         self.cfg = cfg
         self.ledger = ledger
         self.tracker = tracker
-        self._identity = identity
+        self.identity = identity
         self.evictor = evictor
         self.swapper = swapper
         # The running agent's Metrics through the module-level API unless one is given (tests).
@@ -336,7 +234,7 @@ class IdleReaper:
             self.pending.clear()
             self.runtime_done.clear()
             return []
-        ident = self._identity()
+        ident = self.identity
         views = self.pods(allocs, ident)
         seen = set()
         for view in views:
@@ -363,7 +261,7 @@ class IdleReaper:
             if not (a.namespace and a.pod) or policy is None or not policy.pod_known:
                 continue
             grouped.setdefault(PodKey(a.namespace, a.pod, a.pod_uid or ""), []).append((a, policy))
-        pods: PodSource | None = getattr(ident, "pods", None)
+        pods = ident.pods
         out = []
         for key, members in grouped.items():
             idles = []
@@ -397,7 +295,7 @@ class IdleReaper:
         if view.key.namespace in self.cfg.idle.exempt_namespaces:
             return f"namespace {view.key.namespace} is exempt (idle.exemptNamespaces)"
         if p.idle_exempt:
-            return f'annotation {annotations.IDLE_EXEMPT}="true"'
+            return f'annotation {annotations_mod.IDLE_EXEMPT}="true"'
         if p.workload_class != "interactive" and p.workload_class not in self.cfg.idle.reap_classes:
             return f"class {p.workload_class} is not reaped (idle.reapClasses)"
         if view.info is not None and view.info.deleting:
@@ -595,7 +493,7 @@ class IdleReaper:
         self._event(view, ident, type_, reason, text)
 
     def _event(self, view: PodView, ident: Identity | None, type_: str, reason: str, message: str) -> None:
-        sink: EventSink | None = getattr(ident, "events", None)
+        sink = ident.events if ident is not None else None
         if sink is None:
             return
         if view.info is not None:
@@ -618,9 +516,9 @@ class IdleReaper:
     def _policy_words(self, view: PodView, trigger: str) -> str:
         p = view.policy
         if trigger == IDLE:
-            value, key, node_key = p.idle_timeout, annotations.IDLE_TIMEOUT, "idle.idleTimeout"
+            value, key, node_key = p.idle_timeout, annotations_mod.IDLE_TIMEOUT, "idle.idleTimeout"
         else:
-            value, key, node_key = p.max_runtime, annotations.MAX_RUNTIME, "idle.maxRuntime"
+            value, key, node_key = p.max_runtime, annotations_mod.MAX_RUNTIME, "idle.maxRuntime"
         source = f"node config {node_key}"
         raw = (view.info.annotations if view.info is not None else {}).get(key)
         if raw is not None:
@@ -640,17 +538,15 @@ class IdleReaper:
         )
 
 
-# -- wiring into the agent ---------------------------------------------------------------------------------
+# -- swapping through the arbiter ------------------------------------------------------------------------
 
 
-async def swap_via_agent(agent: Any, alloc: ContainerAlloc, reason: str) -> tuple[bool, str]:
-    """Swap one container out through the arbiter's swap resolver (gpufrac.agent.swap)."""
-    arbiter = getattr(agent, "arbiter", None)
+async def swap_via(arbiter: SwapHost | None, alloc: ContainerAlloc, reason: str) -> tuple[bool, str]:
+    """Swap one container out through the arbiter's swap resolver (gpufrac.agent.swap); the
+    reaper's Swapper as the composition root wires it."""
     if arbiter is None:
         raise SwapUnavailable("the burst arbiter is not running")
-    from gpufrac.agent import swap
-
-    resolver = swap.of(arbiter.chain)
+    resolver = arbiter.swap
     if resolver is None:
         raise SwapUnavailable("the swap resolver is not in the resolvers list")
     support = await resolver.detect()
@@ -659,40 +555,12 @@ async def swap_via_agent(agent: Any, alloc: ContainerAlloc, reason: str) -> tupl
     return await resolver.swap_out(alloc, reason)
 
 
-async def run_for(agent: Any) -> None:
-    """The agent's idle task: the activity tracker (agent.activity, shared with the arbiter)
-    and the reaper (agent.reaper), until cancelled."""
-    cfg: Config = agent.config
-    tracker = await asyncio.to_thread(ActivityTracker.with_nvml)
-    agent.activity = tracker
-    evictor: PodEvictor | None = None
-    try:
-        # Loading a kubeconfig reads files and may run an exec credential plugin: off the loop.
-        api = await asyncio.to_thread(make_api_client, host=cfg.api_server or None)
-        evictor = PodEvictor(api, allow_delete=cfg.idle.allow_delete)
-    except Exception as e:  # KubeConfigError, or a kubeconfig the client cannot parse
-        if cfg.idle.enabled and cfg.idle.action == "evict":
-            log.error("idle reaper cannot evict (it will only notify): %s", e)
-    reaper = IdleReaper(
-        cfg,
-        agent.ledger,
-        tracker,
-        lambda: getattr(agent, "identity", None),
-        evictor=evictor,
-        swapper=lambda alloc, reason: swap_via_agent(agent, alloc, reason),
-        metrics=getattr(agent, "metrics", None),
+def describe(cfg: Config) -> str:
+    """The reaper's settings in words, for the agent's start log."""
+    timeout = format_duration(cfg.idle.idle_timeout) if cfg.idle.idle_timeout else "off"
+    dry = ", dry run" if cfg.idle.dry_run else ""
+    classes = "".join(f", {c}" for c in cfg.idle.reap_classes)
+    return (
+        f"idle reaper: {cfg.idle.action} after idle-timeout {timeout} + grace "
+        f"{format_duration(cfg.idle.grace_period)}{dry} (classes interactive{classes})"
     )
-    agent.reaper = reaper
-    if cfg.idle.enabled:
-        log.info(
-            "idle reaper: %s after idle-timeout %s + grace %s%s (classes interactive%s)",
-            cfg.idle.action,
-            format_duration(cfg.idle.idle_timeout) if cfg.idle.idle_timeout else "off",
-            format_duration(cfg.idle.grace_period),
-            ", dry run" if cfg.idle.dry_run else "",
-            "".join(f", {c}" for c in cfg.idle.reap_classes),
-        )
-    try:
-        await reaper.run()
-    finally:
-        await asyncio.to_thread(tracker.close)

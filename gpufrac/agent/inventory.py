@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import pynvml
+import pynvml  # type: ignore[import-untyped]  # nvidia-ml-py ships no type hints
 
 from gpufrac.agent.gpus import MIG_REASON, Gpu, Inventory, Link, PcieLink
 
@@ -59,7 +59,7 @@ class NvmlError(RuntimeError):
 
     @property
     def gpu_lost(self) -> bool:
-        return self.code == pynvml.NVML_ERROR_GPU_IS_LOST
+        return bool(self.code == pynvml.NVML_ERROR_GPU_IS_LOST)
 
 
 class NvmlUnavailable(NvmlError):
@@ -287,7 +287,7 @@ def _remote_is_switch(handle: Any, link: int) -> bool:
         kind = pynvml.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link)
     except pynvml.NVMLError:
         return False  # an older driver cannot tell: not a GPU we know, so not counted
-    return kind == pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH
+    return bool(kind == pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH)
 
 
 def pcie_link(a: int, ha: Any, b: int, hb: Any) -> PcieLink:

@@ -4,6 +4,17 @@ One asyncio loop owns all agent state (docs/architecture.md): the ledger, the tw
 device-plugin servers, the reconciler with the kubelet's pod-resources and the
 health monitor (whose blocking NVML wait runs in a worker thread).
 
+This module is the composition root: Agent.start() builds every part once, in dependency
+order, and hands each its collaborators (typed Protocols declared next to the code that
+needs them). Parts that may be missing on a node are `X | None`, decided here: no
+apiserver (kube.connect fails) leaves the pod cache, the Event recorder, the evictor and
+the node labeler out; no arbiter socket leaves the arbiter out. No part reaches into the
+Agent or sets attributes on it.
+
+One file over the usual size: Agent is the root and also the device plugins' Backend, and
+its reconcile, persistence and health loops all turn on the one ledger and the kubelet's
+last listing that this class owns; split apart they would have to reach into each other.
+
 Run it with `gpufrac agent --config node.yaml` or `python -m gpufrac.agent.main`;
 tests, the bench and the demo may also run `Agent` in-process (AgentThread).
 """
@@ -13,37 +24,47 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import inspect
 import logging
 import signal
 import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
+from kubernetes.client import ApiClient
 
 from gpufrac.agent import config as config_mod
-from gpufrac.agent import eventloop, events, logs
+from gpufrac.agent import eventloop, events, idle, kube, logs, nodelabels
 from gpufrac.agent import metrics as metrics_mod
-from gpufrac.agent import status as status_mod
+from gpufrac.agent.activity import ActivityTracker
 from gpufrac.agent.admission import Admission
 from gpufrac.agent.allocations import (
-    AllocationError,
     ContainerAlloc,
-    ContainerDirs,
     Ledger,
     keyed,
 )
-from gpufrac.agent.config import Config
+from gpufrac.agent.arbiter import Arbiter, adopt_grants, published_grants
+from gpufrac.agent.callers import PeerLookup, namer_from_pods
+from gpufrac.agent.config import Config, arbiter_socket
+from gpufrac.agent.container_dirs import ContainerDirs
 from gpufrac.agent.gpus import GpuHealth, Inventory
+from gpufrac.agent.health import HealthMonitor
+from gpufrac.agent.idle import IdleReaper
+from gpufrac.agent.inventory import NvmlError, read_inventory
+from gpufrac.agent.kube import EventRecorder, NodeLabeler, PodCache, PodEvictor
 from gpufrac.agent.nodelabels import NodeLabels
+from gpufrac.agent.pods import PodIdentity
 from gpufrac.agent.state import StateStore, restore
+from gpufrac.agent.status import server as status_mod
+from gpufrac.agent.watchdog import Watchdog
+from gpufrac.core.errors import AllocationError, ErrorKind
 from gpufrac.deviceplugin import preferred as preferred_mod
 from gpufrac.deviceplugin import slices
-from gpufrac.deviceplugin.podresources import ContainerDevices, PodResourcesClient
+from gpufrac.deviceplugin.podresources import PodResourcesClient
 from gpufrac.deviceplugin.server import DevicePlugin, PluginServer
+from gpufrac.deviceplugin.slices import ContainerDevices
 
 log = logging.getLogger("gpufrac.agent")
 T = TypeVar("T")
@@ -64,6 +85,17 @@ def _recorded_before(alloc: ContainerAlloc, when: float) -> bool:
     return alloc.recorded_at is not None and alloc.recorded_at < when
 
 
+class HealthSource(Protocol):
+    """GPU health as the agent follows it (gpufrac.agent.health.HealthMonitor); `poll` blocks
+    (run in a worker thread) and returns the changes, empty when none, None when unknown."""
+
+    def current(self) -> dict[str, GpuHealth]: ...
+    def poll(self, timeout_ms: int) -> Sequence[object] | None: ...
+    def next_change_in(self) -> float | None: ...
+    def xid_counts(self) -> dict[tuple[str, int], int]: ...
+    def close(self) -> None: ...
+
+
 class Agent:
     """The agent. `inventory` and `health` may be injected (tests); by default they
     come from NVML (gpufrac.agent.inventory / gpufrac.agent.health)."""
@@ -73,7 +105,7 @@ class Agent:
         config: Config,
         *,
         inventory: Inventory | None = None,
-        health: Any | None = None,
+        health: HealthSource | None = None,
         reconcile_interval: float = RECONCILE_INTERVAL,
         release_grace: float = RELEASE_GRACE,
     ) -> None:
@@ -103,41 +135,41 @@ class Agent:
         self._tasks: list[asyncio.Task[Any]] = []
         self._dirty = asyncio.Event()
         self._identity_task: asyncio.Task[None] | None = None
-        self.identity: Any | None = None  # set by gpufrac.agent.identity on first use
-        self.arbiter: Any | None = None  # gpufrac.agent.arbiter.Arbiter: burst grants
-        self.watchdog: Any | None = None  # gpufrac.agent.watchdog.Watchdog (started with the arbiter)
-        # gpufrac.agent.idle: per-container GPU activity (ActivityTracker) and the IdleReaper.
-        self.activity: Any | None = None
-        self.reaper: Any | None = None
         self._identity_again = False
         # /metrics, /healthz, /readyz (gpufrac.agent.metrics) and the status socket (gpufrac.agent.status).
         self.metrics = metrics_mod.Metrics()
         self.status_server: status_mod.StatusServer | None = None
-        # Reclaim at admission: a new container's request is taken back from others' bursts.
-        self.admission = Admission(self)
-        # gpufrac.dev/ labels on this Node (product, memory, count, health, sharing, driver).
-        self.node_labels = NodeLabels(
-            config, lambda: self.inventory, lambda uuid: self.ledger is not None and self.ledger.healthy(uuid)
-        )
+        # The parts start() builds, in this order (None until then, or where the node lacks
+        # what the part needs: the apiserver, the arbiter socket, NVML).
+        self.events: EventRecorder | None = None  # Events on pods and the Node (apiserver)
+        self.pods: PodIdentity | None = None  # pod identity and each container's policy
+        self.arbiter: Arbiter | None = None  # burst grants, on the node-wide socket
+        self.watchdog: Watchdog | None = None  # NVML's per-process memory against the limits
+        self.activity: ActivityTracker | None = None  # per-container GPU activity
+        self.reaper: IdleReaper | None = None  # gives the GPU back from idle pods
+        self.admission: Admission | None = None  # reclaim at admission
+        self.node_labels: NodeLabels | None = None  # gpufrac.dev/ labels on this Node
 
     # -- lifetime --------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Build and start every part, in dependency order."""
         cfg = self.config
         # First: the probes answer (not ready) while NVML and recovery take their time.
         await self.metrics.start(self)
         self.status_server = await status_mod.start(self)
         await self.dirs.start()
+        # The one API client, made while NVML and recovery run (a kubeconfig may run an exec plugin).
+        connecting = asyncio.create_task(self._connect(), name="kube-connect")
         if self.inventory is None:
-            from gpufrac.agent.inventory import read_inventory
-
             self.inventory = await asyncio.to_thread(read_inventory)
-        ledger = self.ledger = Ledger(cfg, self.inventory)
+        inventory = self.inventory
+        ledger = self.ledger = Ledger(cfg, inventory)
         ledger.retire = self.dirs.discard
         log.info(
             "agent on %s: %d GPUs, policy %s, memory unit %d bytes, reserved %d bytes per GPU",
             cfg.node_name,
-            len(self.inventory.gpus),
+            len(inventory.gpus),
             cfg.allocation_policy,
             cfg.memory_unit,
             cfg.reserved_per_gpu,
@@ -149,46 +181,52 @@ class Agent:
         if self.health is not None:
             self._apply_health(self.health.current())
             self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
-        await self._start_arbiter()  # before any container can start and ask
-        self._start_watchdog()
+        api, no_api = await connecting
+        # Pod identity and Events: on the apiserver, or without it (limits stay at the request).
+        pod_cache: PodCache | None = None
+        if api is not None:
+            pod_cache = PodCache(api, cfg.node_name)
+            pod_cache.start()
+            self.events = EventRecorder(api, cfg.node_name)
+        else:
+            log.error("pod annotations unavailable, every container keeps limit = request: %s", no_api)
+        self.pods = PodIdentity(cfg, ledger, pod_cache, self.events, self.pod_resources)
+        await self._start_arbiter(ledger, pod_cache)  # before any container can start and ask
+        self._start_watchdog(ledger, pod_cache)
+        reaper = await self._open_reaper(ledger, self.pods, api, no_api)
+        self.admission = Admission(self.arbiter, ledger, self.events)
+        if api is None:
+            log.error("node labels unavailable: %s", no_api)
+        labeler = NodeLabeler(api, cfg.node_name, nodelabels.OWNED) if api is not None else None
+        self.node_labels = NodeLabels(cfg, inventory, ledger.healthy, labeler)
         for resource in slices.RESOURCES:
             plugin = self.plugins[resource] = DevicePlugin(resource, self)
             server = self.servers[resource] = PluginServer(plugin, cfg.paths.device_plugin_dir)
             await server.start()
         self._tasks.append(asyncio.create_task(self._persist_loop(), name="persist"))
         self._tasks.append(asyncio.create_task(self._reconcile_loop(), name="reconcile"))
-        self._tasks.append(asyncio.create_task(self._idle_loop(), name="idle"))
+        if reaper is not None:
+            self._tasks.append(asyncio.create_task(self._idle_loop(reaper), name="idle"))
         self.node_labels.refresh()
         self.started.set()
 
-    async def _idle_loop(self) -> None:
-        """Activity tracking and idle reaping, every idle.interval (gpufrac.agent.idle)."""
-        from gpufrac.agent import idle
-
+    async def _connect(self) -> tuple[ApiClient | None, str]:
+        """The agent's one apiserver client, or None and why not (the node runs without one)."""
         try:
-            await idle.run_for(self)
-        except Exception:  # the rest of the agent goes on without it
-            log.exception("idle reaper stopped")
+            return await kube.connect(self.config.api_server), ""
+        except kube.KubeConfigError as e:
+            return None, str(e)
 
-    async def _start_arbiter(self) -> None:
+    async def _start_arbiter(self, ledger: Ledger, pod_cache: PodCache | None) -> None:
         """The burst arbiter on one node-wide socket (bind-mounted into each container).
-        Pod identity and Events come from gpufrac.agent.identity once it exists."""
-        from gpufrac.agent.arbiter import Arbiter
-        from gpufrac.agent.peers import PeerLookup, namer_from_pods
-        from gpufrac.deviceplugin.server import arbiter_socket
-
-        assert self.ledger is not None
+        Its callers are named through the pod cache."""
         path = arbiter_socket(self.config)
-
-        def namer(pod_uid: str, container_id: str) -> str | None:
-            return namer_from_pods(getattr(self.identity, "pods", None))(pod_uid, container_id)
-
         arbiter = Arbiter(
             self.config,
-            self.ledger,
-            PeerLookup(self.ledger, namer),
+            ledger,
+            PeerLookup(ledger, namer_from_pods(pod_cache)),
             path,
-            events=lambda: getattr(self.identity, "events", None),
+            events=self.events,
         )
         try:
             await arbiter.start()
@@ -196,33 +234,64 @@ class Agent:
             log.error("burst arbiter unavailable: cannot listen on %s: %s", path, e)
             return
         self.arbiter = arbiter
-        self._kick_identity()  # callers are identified through the pod cache: start it now
+        self._kick_identity()  # callers are identified through the pod cache: fill it now
         if arbiter.swap is not None:
             # Checkpoint API detection (blocking, in a thread) and takeover of containers a
             # previous agent swapped out; bursts do not wait for it.
             self._tasks.append(asyncio.create_task(arbiter.swap.start(), name="swap-start"))
 
-    def _start_watchdog(self) -> None:
+    def _start_watchdog(self, ledger: Ledger, pod_cache: PodCache | None) -> None:
         """NVML's per-process memory against each container's limit (gpufrac.agent.watchdog).
         Containers are told apart as the arbiter tells its callers apart."""
-        from gpufrac.agent.peers import PeerLookup, namer_from_pods
-        from gpufrac.agent.watchdog import Watchdog
-
-        assert self.ledger is not None
-        peers = getattr(self.arbiter, "peers", None) or PeerLookup(
-            self.ledger, lambda uid, cid: namer_from_pods(getattr(self.identity, "pods", None))(uid, cid)
+        peers = (
+            self.arbiter.peers if self.arbiter is not None else PeerLookup(ledger, namer_from_pods(pod_cache))
         )
-        self.watchdog = Watchdog(
-            self.config.watchdog, self.ledger, peers, lambda: getattr(self.identity, "events", None)
-        )
+        self.watchdog = Watchdog(self.config.watchdog, ledger, peers, self.events)
         task = self.watchdog.start()
         if task is not None:
             self._tasks.append(task)
 
-    def _open_health(self) -> Any | None:
+    async def _open_reaper(
+        self, ledger: Ledger, pods: PodIdentity, api: ApiClient | None, no_api: str
+    ) -> IdleReaper | None:
+        """The activity tracker (NVML when it can be had) and the idle reaper over it; None,
+        logged, when the tracker cannot be had (the rest of the agent goes on without it)."""
+        cfg = self.config
         try:
-            from gpufrac.agent.health import HealthMonitor
+            tracker = await asyncio.to_thread(ActivityTracker.with_nvml)
+        except Exception:
+            log.exception("idle reaper stopped")
+            return None
+        self.activity = tracker
+        evictor: PodEvictor | None = None
+        if api is not None:
+            evictor = PodEvictor(api, allow_delete=cfg.idle.allow_delete)
+        elif cfg.idle.enabled and cfg.idle.action == "evict":
+            log.error("idle reaper cannot evict (it will only notify): %s", no_api)
+        self.reaper = IdleReaper(
+            cfg,
+            ledger,
+            tracker,
+            pods,
+            evictor=evictor,
+            swapper=lambda alloc, reason: idle.swap_via(self.arbiter, alloc, reason),
+            metrics=self.metrics,
+        )
+        return self.reaper
 
+    async def _idle_loop(self, reaper: IdleReaper) -> None:
+        """Activity tracking and idle reaping, every idle.interval (gpufrac.agent.idle)."""
+        if self.config.idle.enabled:
+            log.info("%s", idle.describe(self.config))
+        try:
+            await reaper.run()
+        except Exception:  # the rest of the agent goes on without it
+            log.exception("idle reaper stopped")
+        finally:
+            await asyncio.to_thread(reaper.tracker.close)
+
+    def _open_health(self) -> HealthSource | None:
+        try:
             assert self.inventory is not None
             return HealthMonitor(self.config.health, gpus=self.inventory.gpus)
         except Exception as e:  # no health monitoring is better than no agent
@@ -233,7 +302,8 @@ class Agent:
         self._stopping.set()
         for server in self.servers.values():
             await server.stop()
-        await self.admission.stop()
+        if self.admission is not None:
+            await self.admission.stop()
         if self.arbiter is not None:
             await self.arbiter.stop()  # waiters are answered (denied), the socket removed
         for t in self._tasks:
@@ -243,18 +313,16 @@ class Agent:
                 await t
         if self._identity_task is not None:
             self._identity_task.cancel()
-        close = getattr(self.identity, "close", None)
-        if close is not None:
+        if self.pods is not None:
             with contextlib.suppress(Exception):
-                result = close()
-                if inspect.isawaitable(result):
-                    await result
+                await self.pods.close()  # the pod cache's watch and the Event recorder
         await self.pod_resources.close()
         if self.ledger is not None:
             await self.state.save(self.ledger)
-        if self.health is not None and hasattr(self.health, "close"):
+        if self.health is not None:
             await asyncio.to_thread(self.health.close)
-        await self.node_labels.close()
+        if self.node_labels is not None:
+            await self.node_labels.close()
         if self.status_server is not None:
             await self.status_server.stop()
         await self.metrics.stop()
@@ -289,8 +357,6 @@ class Agent:
                 len(self.ledger.containers()),
             )
         # Grants published after the last state save must survive rewriting the config files.
-        from gpufrac.agent.arbiter import adopt_grants, published_grants
-
         booked = [(a.key, a.directory, a.config.gpu_uuid, a.request_bytes) for a in self.ledger.containers()]
         adopt_grants(self.ledger, await asyncio.to_thread(published_grants, booked))
         await self._materialize_all()
@@ -427,6 +493,7 @@ class Agent:
             await self._dirty.wait()
             await asyncio.sleep(PERSIST_BATCH)
             self._dirty.clear()
+            assert self.ledger is not None  # the loop starts after the ledger is built
             try:
                 await self.state.save(self.ledger)
             except OSError as e:
@@ -446,31 +513,34 @@ class Agent:
                 text = f"GPU {uuid} is now {state}{f' ({h.reason})' if h.reason else ''}: its slices follow"
                 logs.decision(log, "gpu-health", text, level=logging.WARNING, gpu=uuid, healthy=h.healthy)
                 events.post_node(
-                    self,
+                    self.events,
+                    self.config.node_name,
                     events.NORMAL if h.healthy else events.WARNING,
                     events.REASON_GPU_HEALTHY if h.healthy else events.REASON_GPU_UNHEALTHY,
                     text,
                 )
-        if changed and self.started.is_set():
+        if changed and self.started.is_set() and self.node_labels is not None:
             self.node_labels.refresh()  # gpufrac.dev/gpu.healthy follows
 
     async def _health_loop(self) -> None:
+        health = self.health
+        assert health is not None
         interval = self.config.health.poll_interval
         while True:
             # The wait ends at once on an XID; otherwise after the poll interval (loss checks),
             # or sooner when an XID's recovery window closes and the GPU may be Healthy again.
             wait = interval
-            recovery = getattr(self.health, "next_change_in", lambda: None)()
+            recovery = health.next_change_in()
             if recovery is not None:
                 wait = min(wait, recovery)
             try:
-                changes = await asyncio.to_thread(self.health.poll, max(10, int(wait * 1000)))
+                changes = await asyncio.to_thread(health.poll, max(10, int(wait * 1000)))
             except Exception as e:
                 log.error("health poll failed: %s", e)
                 await asyncio.sleep(interval)
                 continue
             if changes or changes is None:  # the ledger already holds an unchanged health
-                self._apply_health(self.health.current())
+                self._apply_health(health.current())
 
     # -- Backend for the device-plugin servers --------------------------------------------
 
@@ -517,7 +587,7 @@ class Agent:
         except OSError as e:
             ledger.release(alloc.key)
             raise AllocationError(
-                grpc.StatusCode.INTERNAL, f"cannot create container directory {alloc.directory}: {e}"
+                ErrorKind.NODE_FAILURE, f"cannot create container directory {alloc.directory}: {e}"
             ) from e
         ledger.attach(alloc.key, handle)
         # The state file follows through the persist loop, off the kubelet's critical path:
@@ -538,6 +608,7 @@ class Agent:
             request_bytes=alloc.request_bytes,
         )
         self._kick_identity()
+        assert self.admission is not None  # built in start(), before the device-plugin servers
         self.admission.start(alloc)  # PreStartContainer awaits it
         return alloc
 
@@ -549,13 +620,14 @@ class Agent:
         if alloc is None:
             ids = sorted(device_ids)
             raise AllocationError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                ErrorKind.STATE_CONFLICT,
                 f"PreStartContainer: {resource} devices {ids[:6]}{'…' if len(ids) > 6 else ''} were never "
                 "allocated by this agent",
             )
         if alloc.recorded_at is None:
             alloc.recorded_at = time.monotonic()  # the kubelet records an allocation before any start
         self._kick_identity()
+        assert self.admission is not None
         await self.admission.prestart(alloc)  # never fails the start: at worst it warns
 
     # -- pod identity hook -----------------------------------------------------------------
@@ -583,11 +655,12 @@ class Agent:
                 return
 
     async def _resolve_identity(self) -> None:
-        """Pod identity for new and changed containers (gpufrac.agent.identity.resolve)."""
-        from gpufrac.agent.identity import resolve
-
+        """Pod identity for new and changed containers (gpufrac.agent.pods), from the last
+        pod-resources listing."""
+        if self.pods is None:
+            return  # not built yet: start() builds it after recovery
         try:
-            await resolve(self)
+            await self.pods.resolve(self.listing)
         except Exception:
             log.exception("pod identity resolution failed")
 
@@ -650,21 +723,19 @@ def cmd_agent(args: argparse.Namespace) -> int:
         print(f"gpufrac agent: {e}", file=sys.stderr)
         return 2
     logs.setup(cfg)
-    timing = {
-        "reconcile_interval": getattr(args, "reconcile_interval", None) or RECONCILE_INTERVAL,
-        "release_grace": RELEASE_GRACE
-        if getattr(args, "release_grace", None) is None
-        else args.release_grace,
-    }
+    # `gpufrac agent` (gpufrac.agent.cli) does not define the timing knobs: defaults then.
+    interval: float | None = getattr(args, "reconcile_interval", None)
+    grace: float | None = getattr(args, "release_grace", None)
+    agent = Agent(
+        cfg,
+        reconcile_interval=interval or RECONCILE_INTERVAL,
+        release_grace=RELEASE_GRACE if grace is None else grace,
+    )
     try:
-        eventloop.run(Agent(cfg, **timing).run())
-    except Exception as e:
-        from gpufrac.agent.inventory import NvmlError
-
-        if isinstance(e, NvmlError):
-            log.error("%s", e)
-            return 1
-        raise
+        eventloop.run(agent.run())
+    except NvmlError as e:
+        log.error("%s", e)
+        return 1
     return 0
 
 

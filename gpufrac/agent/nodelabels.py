@@ -21,17 +21,13 @@ gpufrac.agent.kube.NodeLabeler; everything here runs on the agent's loop.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from gpufrac.agent.config import Config
 from gpufrac.agent.gpus import Inventory
-
-if TYPE_CHECKING:
-    from gpufrac.agent.kube import NodeLabeler
 
 log = logging.getLogger(__name__)
 
@@ -78,51 +74,35 @@ def node_labels(inv: Inventory, healthy: Callable[[str], bool], cfg: Config) -> 
     return labels
 
 
+class Labeler(Protocol):
+    """Keeps labels on the Node (gpufrac.agent.kube.NodeLabeler): update() returns at once."""
+
+    def update(self, labels: Mapping[str, str]) -> None: ...
+    async def close(self) -> None: ...
+
+
 class NodeLabels:
     """The agent's node labels: refresh() after anything they follow changed (on the loop).
-    The apiserver client is made on first use, off the loop; without one the labels are
-    skipped with one error in the log, and the agent runs on."""
+    Without an apiserver (`labeler` None, decided by the composition root) the labels are
+    only computed, and the agent runs on."""
 
     def __init__(
-        self, cfg: Config, inventory: Callable[[], Inventory | None], healthy: Callable[[str], bool]
+        self, cfg: Config, inventory: Inventory, healthy: Callable[[str], bool], labeler: Labeler | None
     ):
         self.cfg = cfg
         self._inventory = inventory
         self._healthy = healthy
-        self.labeler: NodeLabeler | None = None
-        self._opening: asyncio.Task[None] | None = None
+        self.labeler = labeler
         self._wanted: dict[str, str] | None = None
 
     def refresh(self) -> None:
-        inv = self._inventory()
-        if inv is None:
-            return
-        self._wanted = node_labels(inv, self._healthy, self.cfg)
+        self._wanted = node_labels(self._inventory, self._healthy, self.cfg)
         if self.labeler is not None:
             self.labeler.update(self._wanted)
-        elif self._opening is None:
-            self._opening = asyncio.get_running_loop().create_task(self._open(), name="node-labels-open")
-
-    async def _open(self) -> None:
-        from gpufrac.agent.kube import KubeConfigError, NodeLabeler, make_api_client
-
-        try:
-            # Loading a kubeconfig reads files and may run an exec plugin: off the loop.
-            api = await asyncio.to_thread(make_api_client, host=self.cfg.api_server or None)
-        except KubeConfigError as e:
-            log.error("node labels unavailable: %s", e)
-            return
-        labeler = NodeLabeler(api, self.cfg.node_name, OWNED)
-        self.labeler = labeler
-        if self._wanted is not None:
-            labeler.update(self._wanted)
 
     def wanted(self) -> Mapping[str, str] | None:
         return None if self._wanted is None else dict(self._wanted)
 
     async def close(self) -> None:
-        if self._opening is not None:
-            self._opening.cancel()
-            await asyncio.gather(self._opening, return_exceptions=True)
         if self.labeler is not None:
             await self.labeler.close()

@@ -44,7 +44,7 @@ NAMESPACE = "gpufrac-system"
 K8S_VERSIONS = ("1.28.0", kubernetes_validate.latest_version())
 # Kinds without a schema in kubernetes-validate; each has its own test below.
 CHECKED_ELSEWHERE = {"ServiceMonitor", "KubeSchedulerConfiguration", "DeschedulerPolicy", "Kustomization"}
-# What the agent calls on the API server (gpufrac/agent/kube.py and the reaper/evictor):
+# What the agent calls on the API server (gpufrac/agent/kube/, its only door to it):
 # (apiGroup, resource, verb). Anything beyond this is a privilege it does not use.
 AGENT_API_CALLS = {
     ("", "pods", "get"),

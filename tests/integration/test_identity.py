@@ -17,11 +17,10 @@ from polling import until_async
 
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.config import Config, load
-from gpufrac.agent.identity import REASON_APPLIED, REASON_INVALID, PodIdentity
 from gpufrac.agent.inventory import read_inventory
 from gpufrac.agent.kube import EventRecorder, PodCache, make_api_client
-from gpufrac.deviceplugin.podresources import ContainerDevices
-from gpufrac.deviceplugin.slices import MEMORY, device_id
+from gpufrac.agent.pods import REASON_APPLIED, REASON_INVALID, PodIdentity
+from gpufrac.deviceplugin.slices import MEMORY, ContainerDevices, device_id
 from gpufrac.memguard.formats import (
     CLASS_INTERACTIVE,
     FLAG_POD_KNOWN,

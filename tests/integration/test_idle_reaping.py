@@ -37,12 +37,11 @@ from gpufrac.agent import annotations
 from gpufrac.agent.activity import ActivityTracker, NvmlUtilisation
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.config import Config, load
-from gpufrac.agent.identity import PodIdentity
-from gpufrac.agent.idle import IdleReaper, PodEvictor
+from gpufrac.agent.idle import IdleReaper
 from gpufrac.agent.inventory import read_inventory
-from gpufrac.agent.kube import EventRecorder, PodCache, make_api_client
-from gpufrac.deviceplugin.podresources import ContainerDevices
-from gpufrac.deviceplugin.slices import MEMORY, device_id
+from gpufrac.agent.kube import EventRecorder, PodCache, PodEvictor, make_api_client
+from gpufrac.agent.pods import PodIdentity
+from gpufrac.deviceplugin.slices import MEMORY, ContainerDevices, device_id
 from gpufrac.memguard import formats
 from gpufrac.simgpu.kubelet import Container as KContainer
 from gpufrac.simgpu.kubelet import Pod as KPod
@@ -226,7 +225,7 @@ class Scenario:
                 self.cfg,
                 self.ledger,
                 tracker,
-                lambda: ident,
+                ident,
                 evictor=PodEvictor(api, allow_delete=self.cfg.idle.allow_delete),
             )
             task = None

@@ -39,7 +39,7 @@ from gpufrac.agent import annotations
 from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.activity import ActivityTracker
 from gpufrac.agent.allocations import ContainerAlloc
-from gpufrac.agent.idle import IdleReaper, swap_via_agent
+from gpufrac.agent.idle import IdleReaper, swap_via
 from gpufrac.deviceplugin.slices import FRACTION, FRACTION_SLICES, device_id
 from gpufrac.memguard import formats
 from gpufrac.simgpu.nodestate import NodeState
@@ -65,7 +65,7 @@ def annotate(node: ArbiterNode, box: Box, ann: dict[str, str]) -> None:
 @contextlib.contextmanager
 def reaping(node: ArbiterNode) -> Iterator[IdleReaper]:
     """The agent's idle task on the node's loop: activity from the usage files and NVML, the
-    reaper swapping through the arbiter's swap resolver as the agent wires it (run_for)."""
+    reaper swapping through the arbiter's swap resolver as the agent wires it (gpufrac.agent.main)."""
 
     async def start() -> tuple[IdleReaper, asyncio.Task[None]]:
         tracker = await asyncio.to_thread(ActivityTracker.with_nvml)
@@ -73,8 +73,8 @@ def reaping(node: ArbiterNode) -> Iterator[IdleReaper]:
             node.cfg,
             node.ledger,
             tracker,
-            lambda: node.identity,
-            swapper=lambda alloc, reason: swap_via_agent(node, alloc, reason),
+            node.identity,
+            swapper=lambda alloc, reason: swap_via(node.arbiter, alloc, reason),
         )
         return reaper, asyncio.create_task(reaper.run())
 

@@ -56,8 +56,8 @@ def config_of(node: InprocNode, pod: Pod) -> formats.ContainerConfig:
 
 
 def capped_events(node: InprocNode, pod: str) -> list[dict[str, Any]]:
-    assert node.agent.identity is not None
-    node.thread.call(lambda: node.agent.identity.events.flush(30))  # type: ignore[union-attr]
+    assert node.agent.events is not None
+    node.thread.call(lambda: node.agent.events.flush(30))  # type: ignore[union-attr]
     return [
         e
         for e in node.kube.events()

@@ -76,7 +76,7 @@ class Pods:
 
 
 class Identity:
-    """The two lookups the reaper makes of gpufrac.agent.identity.PodIdentity."""
+    """The two lookups the reaper makes of gpufrac.agent.pods.PodIdentity."""
 
     def __init__(self) -> None:
         self.pods = Pods()
@@ -125,7 +125,7 @@ class Node:
             self.cfg,
             self.ledger,
             self.tracker,
-            lambda: self.ident,
+            self.ident,
             evictor=evictor,
             swapper=swapper,
             metrics=self.metrics,

@@ -11,8 +11,7 @@ from test_allocations import ids, make_inventory
 from gpufrac.agent.allocations import Ledger
 from gpufrac.agent.config import Config, PathsConfig
 from gpufrac.agent.main import Agent
-from gpufrac.deviceplugin.podresources import ContainerDevices
-from gpufrac.deviceplugin.slices import MEMORY
+from gpufrac.deviceplugin.slices import MEMORY, ContainerDevices
 
 
 class HeldLister:

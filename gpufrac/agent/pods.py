@@ -1,4 +1,4 @@
-"""Pod identity: which pod and container own an allocation, and the policy that follows.
+"""Pods: which pod and container own an allocation, and the policy that follows.
 
 Allocate carries only device IDs. The kubelet's pod-resources List maps those
 device IDs to namespace/pod/container; the apiserver (PodCache, a watch on this
@@ -12,7 +12,10 @@ naming key, value, reason and the default applied; a burst limit that takes
 effect gets a Normal Event "GpuLimitApplied". A change of the pod's annotations
 (watch MODIFIED) re-applies the policy.
 
-Everything here runs on the agent's event loop.
+Everything here runs on the agent's event loop. The composition root (gpufrac.agent.main)
+builds one PodIdentity, with the PodCache and EventRecorder on its one API client (or none
+of them without an apiserver: every limit then stays at the request), and calls resolve()
+after Allocate/PreStart and each reconcile.
 """
 
 from __future__ import annotations
@@ -22,19 +25,20 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import grpc
 
-from gpufrac.agent import annotations, events, metrics
+from gpufrac.agent import annotations as annotations_mod
+from gpufrac.agent import events, metrics
 from gpufrac.agent import policy as policy_mod
 from gpufrac.agent.allocations import ContainerAlloc, Ledger, keyed
 from gpufrac.agent.annotations import ContainerPolicy
 from gpufrac.agent.config import Config
-from gpufrac.agent.kube import EventRecorder, KubeConfigError, ObjectRef, PodCache, PodInfo, make_api_client
+from gpufrac.agent.kube import EventRecorder, ObjectRef, PodCache, PodInfo
 from gpufrac.agent.units import format_bytes
 from gpufrac.deviceplugin import slices
-from gpufrac.deviceplugin.podresources import ContainerDevices
+from gpufrac.deviceplugin.slices import ContainerDevices
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +103,7 @@ class PodIdentity:
         alloc = self.ledger.get(key)
         if alloc is None:
             return None
-        return annotations.safe_policy(alloc.request_bytes, self.cfg, whole_gpu=alloc.whole_gpu)
+        return annotations_mod.safe_policy(alloc.request_bytes, self.cfg, whole_gpu=alloc.whole_gpu)
 
     # -- resolving --------------------------------------------------------------------------------
 
@@ -193,7 +197,7 @@ class PodIdentity:
 
     def _apply(self, alloc: ContainerAlloc, pod: PodInfo, container: str, inputs: _Applied) -> None:
         allocatable = min(self.ledger.geometry[u].allocatable for u in alloc.gpus)
-        result = annotations.parse_policy(
+        result = annotations_mod.parse_policy(
             pod.annotations,
             container=container,
             request_bytes=alloc.request_bytes,
@@ -292,36 +296,3 @@ class PodIdentity:
             await self.pods.stop()
         if self.events is not None:
             await self.events.close()
-
-
-async def open_identity(
-    cfg: Config, ledger: Ledger, podresources: PodResourcesLister | None = None
-) -> PodIdentity:
-    """A PodIdentity wired to the apiserver from the node config; without an apiserver it
-    still binds names from pod-resources and leaves every limit at the request."""
-    try:
-        # Loading a kubeconfig reads files and may run an exec credential plugin: off the loop.
-        api = await asyncio.to_thread(make_api_client, host=cfg.api_server or None)
-    except KubeConfigError as e:
-        log.error("pod annotations unavailable, every container keeps limit = request: %s", e)
-        return PodIdentity(cfg, ledger, None, None, podresources)
-    pods = PodCache(api, cfg.node_name)
-    pods.start()
-    return PodIdentity(cfg, ledger, pods, EventRecorder(api, cfg.node_name), podresources)
-
-
-async def resolve(agent: Any) -> int:
-    """The agent's hook (gpufrac.agent.main calls it after Allocate/PreStart and each
-    reconcile): resolve with the agent's ledger and its last pod-resources listing."""
-    ledger = agent.ledger
-    if ledger is None:
-        return 0
-    ident: PodIdentity | None = getattr(agent, "identity", None)
-    if ident is None:
-        opened = await open_identity(agent.config, ledger, getattr(agent, "pod_resources", None))
-        ident = getattr(agent, "identity", None)
-        if ident is None:
-            ident = agent.identity = opened
-        else:  # another resolve() opened one while this one waited for the kubeconfig
-            await opened.close()
-    return await ident.resolve(getattr(agent, "listing", None))

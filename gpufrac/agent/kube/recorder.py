@@ -1,0 +1,289 @@
+"""EventRecorder: core/v1 Events on pods, aggregated like client-go does (the same object +
+reason + message bumps count and lastTimestamp of the existing Event); and, in the same
+ordered queue, the DisruptionTarget condition on a pod whose processes were killed to
+reclaim GPU memory (pods/status, as Kubernetes marks its own disruptions)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from gpufrac.agent.kube.podcache import PodInfo
+
+COMPONENT = "gpufrac-agent"
+MAX_MESSAGE = 1024  # the apiserver rejects longer Event messages
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    """The object an Event is about (core/v1 ObjectReference)."""
+
+    kind: str
+    name: str
+    namespace: str = ""
+    uid: str = ""
+    api_version: str = "v1"
+    field_path: str = ""
+
+    @classmethod
+    def pod(cls, pod: PodInfo, container: str | None = None) -> ObjectRef:
+        return cls.pod_named(pod.namespace, pod.name, pod.uid, container)
+
+    @classmethod
+    def pod_named(cls, namespace: str, name: str, uid: str = "", container: str | None = None) -> ObjectRef:
+        """A pod (or one of its containers, as kubectl describe shows it) by name."""
+        path = f"spec.containers{{{container}}}" if container else ""
+        return cls("Pod", name, namespace, uid, field_path=path)
+
+
+def _timestamp(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, tz=datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class _Seen:
+    name: str
+    namespace: str
+    count: int
+
+
+@dataclass(frozen=True)
+class _Pending:
+    ref: ObjectRef
+    type: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class _Condition:
+    """A pod condition to set (True) through the pods/status subresource."""
+
+    ref: ObjectRef
+    type: str
+    reason: str
+    message: str
+
+
+# The pod condition Kubernetes sets on a pod a disruption is about to end (preemption,
+# the Eviction API, taint eviction); a Job's podFailurePolicy can match it (onPodConditions),
+# so a pod failed by a GPU-memory reclaim need not count as the application's failure.
+DISRUPTION_TARGET = "DisruptionTarget"
+
+
+class EventRecorder:
+    """Posts Events without ever blocking or failing the caller.
+
+    record() is called on the agent's loop and only queues; one worker task sends
+    (the HTTP call in a thread), so repeats of one Event are aggregated in order.
+    """
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        node_name: str,
+        *,
+        component: str = COMPONENT,
+        max_pending: int = 1024,
+        cache_size: int = 4096,
+        request_timeout: float = 10.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._v1 = client.CoreV1Api(api)
+        self.node_name = node_name
+        self.component = component
+        self._max_pending = max_pending
+        self._cache: OrderedDict[tuple[Any, ...], _Seen] = OrderedDict()
+        self._cache_size = cache_size
+        self._request_timeout = request_timeout
+        self._clock = clock
+        self._queue: asyncio.Queue[_Pending | _Condition] | None = None
+        self._worker: asyncio.Task[None] | None = None
+        self._last_ns = 0
+        # Counters (read by metrics and tests).
+        self.created = 0
+        self.aggregated = 0
+        self.errors = 0
+        self.dropped = 0
+        self.conditions = 0  # pod conditions set
+
+    def record(self, ref: ObjectRef, type_: str, reason: str, message: str) -> None:
+        """Queue an Event (type_ Normal or Warning, reason CamelCase); never raises, never blocks."""
+        if len(message) > MAX_MESSAGE:
+            message = message[: MAX_MESSAGE - 3] + "..."
+        self._put(_Pending(ref, type_, reason, message))
+
+    def disruption(self, ref: ObjectRef, reason: str, message: str) -> None:
+        """Queue the DisruptionTarget condition (status True) on the pod of `ref`, after the
+        Events queued before it; never raises, never blocks. A pod of the same name but
+        another uid is left alone (the uid is a precondition of the patch)."""
+        if len(message) > MAX_MESSAGE:
+            message = message[: MAX_MESSAGE - 3] + "..."
+        self._put(_Condition(ref, DISRUPTION_TARGET, reason, message))
+
+    def _put(self, item: _Pending | _Condition) -> None:
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+            self._worker = asyncio.get_running_loop().create_task(self._work(), name="event-recorder")
+        if self._queue.qsize() >= self._max_pending:
+            self.dropped += 1
+            ref = item.ref
+            log.warning("event queue full; dropped %s on %s/%s", item.reason, ref.namespace, ref.name)
+            return
+        self._queue.put_nowait(item)
+
+    def warning(self, ref: ObjectRef, reason: str, message: str) -> None:
+        self.record(ref, "Warning", reason, message)
+
+    def normal(self, ref: ObjectRef, reason: str, message: str) -> None:
+        self.record(ref, "Normal", reason, message)
+
+    async def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued Event was sent (or failed); False on timeout."""
+        if self._queue is None:
+            return True
+        try:
+            await asyncio.wait_for(self._queue.join(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def close(self, timeout: float = 5.0) -> None:
+        await self.flush(timeout)
+        if self._worker is not None:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+            self._worker, self._queue = None, None
+
+    async def _work(self) -> None:
+        assert self._queue is not None
+        while True:
+            item = await self._queue.get()
+            try:
+                if isinstance(item, _Condition):
+                    await self._set_condition(item)
+                else:
+                    await self._send(item)
+            except Exception as e:
+                self.errors += 1
+                log.warning(
+                    "posting %s %s on %s/%s failed: %s",
+                    "condition" if isinstance(item, _Condition) else "Event",
+                    item.reason,
+                    item.ref.namespace,
+                    item.ref.name,
+                    getattr(e, "reason", None) or e,
+                )
+            finally:
+                self._queue.task_done()
+
+    async def _set_condition(self, item: _Condition) -> None:
+        ref = item.ref
+        condition = {
+            "type": item.type,
+            "status": "True",
+            "reason": item.reason,
+            "message": item.message,
+            "lastTransitionTime": _timestamp(self._clock()),
+        }
+        # A strategic merge patch: conditions merge by type, so the kubelet's own stay.
+        body: dict[str, Any] = {"status": {"conditions": [condition]}}
+        if ref.uid:
+            body["metadata"] = {"uid": ref.uid}
+        await asyncio.to_thread(
+            self._v1.patch_namespaced_pod_status,
+            ref.name,
+            ref.namespace,
+            body,
+            _request_timeout=self._request_timeout,
+        )
+        self.conditions += 1
+
+    async def _send(self, item: _Pending) -> None:
+        ref = item.ref
+        key = (
+            ref.kind,
+            ref.namespace,
+            ref.name,
+            ref.uid,
+            ref.field_path,
+            item.type,
+            item.reason,
+            item.message,
+        )
+        now = _timestamp(self._clock())
+        seen = self._cache.get(key)
+        if seen is not None:
+            body = {"count": seen.count + 1, "lastTimestamp": now}
+            try:
+                await asyncio.to_thread(
+                    self._v1.patch_namespaced_event,
+                    seen.name,
+                    seen.namespace,
+                    body,
+                    _request_timeout=self._request_timeout,
+                )
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+                # The Event expired (the apiserver keeps them ~1 h): start a new one.
+            else:
+                seen.count += 1
+                self._cache.move_to_end(key)
+                self.aggregated += 1
+                return
+        namespace = ref.namespace or "default"  # Events on cluster objects live in default
+        name = self._event_name(ref.name)
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": name, "namespace": namespace},
+            "involvedObject": {
+                k: v
+                for k, v in {
+                    "apiVersion": ref.api_version,
+                    "kind": ref.kind,
+                    "name": ref.name,
+                    "namespace": ref.namespace,
+                    "uid": ref.uid,
+                    "fieldPath": ref.field_path,
+                }.items()
+                if v
+            },
+            "reason": item.reason,
+            "message": item.message,
+            "type": item.type,
+            "count": 1,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "source": {"component": self.component, "host": self.node_name},
+            "reportingComponent": self.component,
+            "reportingInstance": self.node_name,
+        }
+        # The client sends a plain dict body as it is; its hints name only the model class.
+        await asyncio.to_thread(
+            self._v1.create_namespaced_event,
+            namespace,
+            event,  # type: ignore[arg-type]
+            _request_timeout=self._request_timeout,
+        )
+        self.created += 1
+        self._cache[key] = _Seen(name, namespace, 1)
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+
+    def _event_name(self, obj_name: str) -> str:
+        # Like client-go: <object>.<hex nanoseconds>; strictly increasing so never a duplicate.
+        self._last_ns = max(time.time_ns(), self._last_ns + 1)
+        return f"{obj_name}.{self._last_ns:x}"
