@@ -16,16 +16,8 @@ static inline void mg_activity(void) {
     if (MG_UNLIKELY(atomic_load_explicit(&s->swapped, memory_order_acquire))) mg_swap_in(s);
 }
 
-#define LAUNCH_PARAMS                                                                                     \
-    (CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ, unsigned int blockDimX, \
-     unsigned int blockDimY, unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,          \
-     void **kernelParams, void **extra)
 #define LAUNCH_ARGS \
     f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, extra
-#define COOP_PARAMS                                                                                       \
-    (CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ, unsigned int blockDimX, \
-     unsigned int blockDimY, unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,          \
-     void **kernelParams)
 #define COOP_ARGS f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams
 
 #define LAUNCH_HOOK(sym, params, ...)             \
@@ -34,10 +26,10 @@ static inline void mg_activity(void) {
         return CALL_REAL(sym, __VA_ARGS__);        \
     }
 
-LAUNCH_HOOK(cuLaunchKernel, LAUNCH_PARAMS, LAUNCH_ARGS)
-LAUNCH_HOOK(cuLaunchKernel_ptsz, LAUNCH_PARAMS, LAUNCH_ARGS)
-LAUNCH_HOOK(cuLaunchCooperativeKernel, COOP_PARAMS, COOP_ARGS)
-LAUNCH_HOOK(cuLaunchCooperativeKernel_ptsz, COOP_PARAMS, COOP_ARGS)
+LAUNCH_HOOK(cuLaunchKernel, MG_LAUNCH_PARAMS, LAUNCH_ARGS)
+LAUNCH_HOOK(cuLaunchKernel_ptsz, MG_LAUNCH_PARAMS, LAUNCH_ARGS)
+LAUNCH_HOOK(cuLaunchCooperativeKernel, MG_COOP_PARAMS, COOP_ARGS)
+LAUNCH_HOOK(cuLaunchCooperativeKernel_ptsz, MG_COOP_PARAMS, COOP_ARGS)
 LAUNCH_HOOK(cuLaunchKernelEx, (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra),
             config, f, kernelParams, extra)
 LAUNCH_HOOK(cuLaunchKernelEx_ptsz, (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra),
