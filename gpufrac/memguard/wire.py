@@ -118,7 +118,7 @@ def request(
 
 
 def connect_by(s: socket.socket, path: str, deadline: float) -> None:
-    """Connect as the shim does (memguard.c mg_connect_by): a blocking connect waits for room in
+    """Connect as the shim does (mg_arbiter.c mg_connect_by): a blocking connect waits for room in
     a full backlog (bounded by SO_SNDTIMEO) instead of failing with EAGAIN at once."""
     nap = 0.001
     while True:
