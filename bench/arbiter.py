@@ -91,6 +91,7 @@ def run(bursts: int = BURSTS, handoffs: int = HANDOFFS) -> dict[str, Any]:
     from gpufrac.agent.callers import PeerLookup
     from gpufrac.agent.config import arbiter_socket, load
     from gpufrac.agent.inventory import read_inventory
+    from gpufrac.agent.metrics import Metrics
     from gpufrac.deviceplugin.server import container_response
     from gpufrac.deviceplugin.slices import MEMORY, device_id
     from gpufrac.simgpu.runtime import ContainerRuntime, WorkloadDriver, mounts_of
@@ -121,7 +122,7 @@ def run(bursts: int = BURSTS, handoffs: int = HANDOFFS) -> dict[str, Any]:
     peers = PeerLookup(ledger, lambda uid, cid: names.get((uid, cid)))
     lt = _Loop()
     loop_kind = type(lt.loop).__module__.split(".")[0]
-    arb = Arbiter(cfg, ledger, peers, arbiter_socket(cfg))
+    arb = Arbiter(cfg, ledger, peers, arbiter_socket(cfg), metrics=Metrics())
     lt.run(arb.start())
     runtime = ContainerRuntime(view_root=root / "v")
     shim_driver = build_driver()

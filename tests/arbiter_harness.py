@@ -36,6 +36,7 @@ from gpufrac.agent.config import Config, arbiter_socket, load
 from gpufrac.agent.eventloop import new_loop
 from gpufrac.agent.inventory import read_inventory
 from gpufrac.agent.kube import EventRecorder, PodCache, make_api_client
+from gpufrac.agent.metrics import Metrics
 from gpufrac.agent.pods import PodIdentity
 from gpufrac.deviceplugin.server import container_response
 from gpufrac.deviceplugin.slices import MEMORY, ContainerDevices, device_id
@@ -124,19 +125,21 @@ class ArbiterNode:
         self.boxes: list[Box] = []
         self.state_path: Path | None = None  # the sim node-state file (make_node sets it)
         self._next_slice = 0
+        self.metrics = Metrics()  # what the node's parts count, as the agent's Metrics
 
         async def setup() -> tuple[PodIdentity, Arbiter]:
             api = make_api_client(host=kube.url)
             pods = PodCache(api, NODE)
             pods.start()
             assert await pods.wait_synced(30)
-            ident = PodIdentity(self.cfg, self.ledger, pods, EventRecorder(api, NODE))
+            ident = PodIdentity(self.cfg, self.ledger, pods, EventRecorder(api, NODE), metrics=self.metrics)
             arb = Arbiter(
                 self.cfg,
                 self.ledger,
                 PeerLookup(self.ledger, namer_from_pods(pods)),
                 arbiter_socket(self.cfg),
                 events=ident.events,
+                metrics=self.metrics,
             )
             await arb.start()
             return ident, arb

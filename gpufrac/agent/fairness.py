@@ -42,7 +42,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gpufrac.agent import metrics as metrics_mod
 from gpufrac.agent.callers import PeerError, peer_cgroup
 
 log = logging.getLogger(__name__)
@@ -95,7 +94,7 @@ class Limits(Protocol):
 
 
 class LimitMetrics(Protocol):
-    """Where refusals are counted (gpufrac.agent.metrics)."""
+    """Where refusals are counted (gpufrac.agent.metrics.Metrics)."""
 
     def count_arbiter_limited(self, limit: str) -> None: ...
 
@@ -130,7 +129,7 @@ class Fairness:
         burst: int,
         node_connections: int,
         proc: str = "/proc",
-        metrics: LimitMetrics = metrics_mod,
+        metrics: LimitMetrics,
     ) -> None:
         self.max_connections = connections
         self.max_inflight = inflight
@@ -144,9 +143,7 @@ class Fairness:
         self._pruned_at = time.monotonic()
 
     @classmethod
-    def from_config(
-        cls, config: LimitsConfig, proc: str = "/proc", metrics: LimitMetrics = metrics_mod
-    ) -> Fairness:
+    def from_config(cls, config: LimitsConfig, proc: str = "/proc", *, metrics: LimitMetrics) -> Fairness:
         lim = config.arbiter_limits
         return cls(
             connections=lim.connections_per_container,

@@ -48,7 +48,6 @@ from typing import Protocol
 
 from gpufrac.agent import annotations as annotations_mod
 from gpufrac.agent import events
-from gpufrac.agent import metrics as metrics_mod
 from gpufrac.agent.activity import ActivityTracker, Clock
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.annotations import ContainerPolicy
@@ -140,7 +139,7 @@ class SwapHost(Protocol):
 
 
 class ReapCounter(Protocol):
-    """gpufrac.agent.metrics' counting API (a Metrics, or the module itself)."""
+    """Where the reaper's actions are counted (gpufrac.agent.metrics.Metrics)."""
 
     def count_reap(self, action: str, reason: str = "idle") -> None: ...
 
@@ -192,7 +191,7 @@ class IdleReaper:
         *,
         evictor: Evictor | None = None,
         swapper: Swapper | None = None,
-        metrics: ReapCounter | None = None,
+        metrics: ReapCounter,
         clock: Clock | None = None,
     ) -> None:
         self.cfg = cfg
@@ -201,8 +200,7 @@ class IdleReaper:
         self.identity = identity
         self.evictor = evictor
         self.swapper = swapper
-        # The running agent's Metrics through the module-level API unless one is given (tests).
-        self.metrics: ReapCounter = metrics if metrics is not None else metrics_mod
+        self.metrics = metrics
         self.clock = clock or tracker.clock
         self.pending: dict[PodKey, Pending] = {}
         # Pods a max-runtime action left running (notify, swap, dry run) -> the limit it was for:

@@ -190,7 +190,7 @@ class Agent:
             self.events = EventRecorder(api, cfg.node_name)
         else:
             log.error("pod annotations unavailable, every container keeps limit = request: %s", no_api)
-        self.pods = PodIdentity(cfg, ledger, pod_cache, self.events, self.pod_resources)
+        self.pods = PodIdentity(cfg, ledger, pod_cache, self.events, self.pod_resources, metrics=self.metrics)
         await self._start_arbiter(ledger, pod_cache)  # before any container can start and ask
         self._start_watchdog(ledger, pod_cache)
         reaper = await self._open_reaper(ledger, self.pods, api, no_api)
@@ -227,6 +227,7 @@ class Agent:
             PeerLookup(ledger, namer_from_pods(pod_cache)),
             path,
             events=self.events,
+            metrics=self.metrics,
         )
         try:
             await arbiter.start()
@@ -246,7 +247,7 @@ class Agent:
         peers = (
             self.arbiter.peers if self.arbiter is not None else PeerLookup(ledger, namer_from_pods(pod_cache))
         )
-        self.watchdog = Watchdog(self.config.watchdog, ledger, peers, self.events)
+        self.watchdog = Watchdog(self.config.watchdog, ledger, peers, self.events, metrics=self.metrics)
         task = self.watchdog.start()
         if task is not None:
             self._tasks.append(task)

@@ -30,7 +30,7 @@ from typing import Protocol
 import grpc
 
 from gpufrac.agent import annotations as annotations_mod
-from gpufrac.agent import events, metrics
+from gpufrac.agent import events
 from gpufrac.agent import policy as policy_mod
 from gpufrac.agent.allocations import ContainerAlloc, Ledger, keyed
 from gpufrac.agent.annotations import ContainerPolicy
@@ -53,6 +53,12 @@ class PodResourcesLister(Protocol):
     async def list(self, resources: tuple[str, ...] | None = None) -> list[ContainerDevices]: ...
 
 
+class AnnotationMetrics(Protocol):
+    """Where refused annotations are counted (gpufrac.agent.metrics.Metrics)."""
+
+    def count_annotation_error(self, key: str) -> None: ...
+
+
 @dataclass(frozen=True)
 class _Applied:
     """What a policy was computed from: the same inputs give the same policy."""
@@ -65,7 +71,8 @@ class _Applied:
 
 
 class PodIdentity:
-    """Finds the pods behind allocations and keeps each container's policy applied."""
+    """Finds the pods behind allocations and keeps each container's policy applied; a refused
+    annotation is counted in `metrics`."""
 
     def __init__(
         self,
@@ -74,12 +81,15 @@ class PodIdentity:
         pods: PodCache | None,
         events: EventRecorder | None,
         podresources: PodResourcesLister | None = None,
+        *,
+        metrics: AnnotationMetrics,
     ) -> None:
         self.cfg = cfg
         self.ledger = ledger
         self.pods = pods
         self.events = events
         self.podresources = podresources
+        self.metrics = metrics
         self._policies: dict[str, ContainerPolicy] = {}
         self._applied: dict[str, _Applied] = {}
         self._caps: dict[str, frozenset[str]] = {}  # policy caps already told, per container key
@@ -224,7 +234,7 @@ class PodIdentity:
             if message in told_problems:
                 continue
             self.annotation_problems += 1
-            metrics.count_annotation_error(problem.key)
+            self.metrics.count_annotation_error(problem.key)
             log.warning("pod %s/%s: %s", pod.namespace, pod.name, message)
             self._event(ref, "Warning", REASON_INVALID, message)
         self._problems[alloc.key] = frozenset(messages)

@@ -36,7 +36,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gpufrac.agent import metrics as metrics_mod
 from gpufrac.agent import truth
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.callers import CgroupIdentity, PeerError
@@ -73,7 +72,7 @@ class Verdict:
 
 
 class WatchdogMetrics(Protocol):
-    """Where the watchdog counts what it found and did (gpufrac.agent.metrics)."""
+    """Where the watchdog counts what it found and did (gpufrac.agent.metrics.Metrics)."""
 
     def count_watchdog(self, action: str) -> None: ...
     def set_watchdog_unowned(self, processes: int, used_bytes: int) -> None: ...
@@ -139,7 +138,7 @@ class Watchdog:
         lookup: Lookup,
         events: EventSink | None = None,
         *,
-        metrics: WatchdogMetrics = metrics_mod,
+        metrics: WatchdogMetrics,
         observer: Callable[[], list[Observed]] = observe,
         killer: Callable[[int, CgroupIdentity], bool] = kill_if_same,
     ) -> None:

@@ -19,6 +19,7 @@ from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.config import Config, load
 from gpufrac.agent.inventory import read_inventory
 from gpufrac.agent.kube import EventRecorder, PodCache, make_api_client
+from gpufrac.agent.metrics import Metrics
 from gpufrac.agent.pods import REASON_APPLIED, REASON_INVALID, PodIdentity
 from gpufrac.deviceplugin.slices import MEMORY, ContainerDevices, device_id
 from gpufrac.memguard.formats import (
@@ -66,7 +67,7 @@ class Scenario:
         api = make_api_client(host=self.kube.url)
         cache = PodCache(api, NODE)
         cache.start()
-        ident = PodIdentity(self.cfg, self.ledger, cache, EventRecorder(api, NODE))
+        ident = PodIdentity(self.cfg, self.ledger, cache, EventRecorder(api, NODE), metrics=Metrics())
         try:
             assert await cache.wait_synced(30)
             await body(ident)

@@ -40,6 +40,7 @@ from gpufrac.agent.config import Config, load
 from gpufrac.agent.idle import IdleReaper
 from gpufrac.agent.inventory import read_inventory
 from gpufrac.agent.kube import EventRecorder, PodCache, PodEvictor, make_api_client
+from gpufrac.agent.metrics import Metrics
 from gpufrac.agent.pods import PodIdentity
 from gpufrac.deviceplugin.slices import MEMORY, ContainerDevices, device_id
 from gpufrac.memguard import formats
@@ -219,7 +220,8 @@ class Scenario:
             api = make_api_client(host=self.kube.url)
             cache = PodCache(api, NODE)
             cache.start()
-            ident = PodIdentity(self.cfg, self.ledger, cache, EventRecorder(api, NODE))
+            metrics = Metrics()
+            ident = PodIdentity(self.cfg, self.ledger, cache, EventRecorder(api, NODE), metrics=metrics)
             tracker = ActivityTracker(nvml=await asyncio.to_thread(NvmlUtilisation))
             reaper = self.reaper = IdleReaper(
                 self.cfg,
@@ -227,6 +229,7 @@ class Scenario:
                 tracker,
                 ident,
                 evictor=PodEvictor(api, allow_delete=self.cfg.idle.allow_delete),
+                metrics=metrics,
             )
             task = None
             stop = asyncio.Event()

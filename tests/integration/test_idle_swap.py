@@ -75,6 +75,7 @@ def reaping(node: ArbiterNode) -> Iterator[IdleReaper]:
             tracker,
             node.identity,
             swapper=lambda alloc, reason: swap_via(node.arbiter, alloc, reason),
+            metrics=node.metrics,
         )
         return reaper, asyncio.create_task(reaper.run())
 

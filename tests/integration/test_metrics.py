@@ -29,7 +29,6 @@ from metrics_support import (
     start_node,
 )
 
-from gpufrac.agent import metrics
 from gpufrac.deviceplugin import slices
 from gpufrac.deviceplugin.slices import FRACTION, MEMORY
 from gpufrac.simgpu import faults
@@ -179,8 +178,9 @@ def test_scrape_matches_the_scenario(node: InprocNode) -> None:
     faults.set_utilisation(node.state, index, 37)
     node.wait_scrape(lambda s: s.get("gpufrac_gpu_utilization_ratio", uuid=uuid) == 0.37, "37 % utilisation")
 
-    # What the arbiter, swap and reaper count through the module API lands on the container's series.
+    # What the arbiter, swap and reaper count through the agent's Metrics lands on the container's series.
     alloc = node.alloc_of(server)
+    metrics = node.agent.metrics
 
     async def count() -> None:
         metrics.count_wait(alloc, 0.3)
@@ -215,7 +215,7 @@ def test_departed_containers_series_disappear(node: InprocNode) -> None:
         "both containers",
     )
     alloc = node.alloc_of(leave)
-    node.thread.call(lambda: _count_eviction(alloc))
+    node.thread.call(lambda: _count_eviction(node, alloc))
     assert node.scrape().get("gpufrac_container_evictions_total", pod="leaves") == 1
     uuid = gpu_uuid(node, leave)
 
@@ -262,8 +262,8 @@ def test_gpu_health_in_metrics_and_on_the_node(node: InprocNode) -> None:
     assert event["type"] == "Warning" and bad in event["message"] and "XID 48" in event["message"]
 
 
-async def _count_eviction(alloc: Any) -> None:
-    metrics.count_eviction(alloc)
+async def _count_eviction(node: InprocNode, alloc: Any) -> None:
+    node.agent.metrics.count_eviction(alloc)
 
 
 def _series_of(s: Scrape, pod: str) -> list[tuple[str, frozenset[tuple[str, str]]]]:

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from gpufrac import native
 from gpufrac.agent.fairness import Fairness
+from gpufrac.agent.metrics import Metrics
 from gpufrac.deviceplugin.server import container_response
 from gpufrac.memguard import wire
 from gpufrac.simgpu.runtime import Container, mounts_of
@@ -191,7 +192,7 @@ def ctypes_sizeof_reply() -> int:
 
 
 def test_at_the_node_cap_the_container_holding_the_most_connections_makes_room() -> None:
-    fair = Fairness(connections=5, inflight=1, rate=1.0, burst=1, node_connections=6)
+    fair = Fairness(connections=5, inflight=1, rate=1.0, burst=1, node_connections=6, metrics=Metrics())
     flood = [SimpleNamespace(op=None) for _ in range(5)]
     for c in flood:
         acc, victim, over = fair.admit(c, "flood")

@@ -361,8 +361,15 @@ def test_a_rebooked_key_is_read_from_its_own_files_only(ledger: Ledger, tmp_path
     newcomer's usage, nor keep it mapped after."""
     from gpufrac.agent.arbiter import Arbiter
     from gpufrac.agent.callers import PeerLookup
+    from gpufrac.agent.metrics import Metrics
 
-    arb = Arbiter(ledger.config, ledger, PeerLookup(ledger, lambda uid, cid: None), str(tmp_path / "a.sock"))
+    arb = Arbiter(
+        ledger.config,
+        ledger,
+        PeerLookup(ledger, lambda uid, cid: None),
+        str(tmp_path / "a.sock"),
+        metrics=Metrics(),
+    )
     devs = ids(ledger, 0, MEMORY, range(2))
     old = ledger.allocate(MEMORY, devs)
     formats.UsageFile(old.directory).usage.total_used = 3 * GiB  # what the old container held

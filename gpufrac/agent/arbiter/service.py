@@ -28,7 +28,6 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from gpufrac.agent import kill, truth
-from gpufrac.agent import metrics as metrics_mod
 from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.admission import reclaim_guarantee
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
@@ -65,8 +64,7 @@ class EventSink(Protocol):
 
 
 class ArbiterMetrics(RequestMetrics, LimitMetrics, ResolverMetrics, SwapMetrics, Protocol):
-    """What the arbiter and its resolvers count (gpufrac.agent.metrics: the module's functions,
-    or the agent's Metrics)."""
+    """What the arbiter and its resolvers count (gpufrac.agent.metrics.Metrics)."""
 
 
 class Arbiter:
@@ -82,7 +80,7 @@ class Arbiter:
         socket_path: str,
         *,
         events: EventSink | None = None,
-        metrics: ArbiterMetrics = metrics_mod,
+        metrics: ArbiterMetrics,
         memory: ReadMemory = read_memory,
         processes: ReadProcesses = observe,
         resolvers: Chain | None = None,
@@ -109,7 +107,7 @@ class Arbiter:
         self.guarantee_chain = guarantee_chain(self.chain, self)
         # The swap resolver, if configured: its victims' memory is in host RAM, not on the GPU.
         self.swap = swap_mod.of(self.chain)
-        self.fairness = Fairness.from_config(config, peers.proc, metrics)
+        self.fairness = Fairness.from_config(config, peers.proc, metrics=metrics)
         self.server = SocketServer(self, socket_path, config.arbiter_limits.listen_backlog)
         self._refusals = RefusalLog()
         self._seq = itertools.count(1)

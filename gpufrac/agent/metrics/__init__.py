@@ -12,12 +12,12 @@ dashboard is written against.
     snapshot.py    the series read at scrape time from the agent's state (per GPU, per
                    container, registrations, readiness)
     endpoint.py    the probes and the WSGI app
-    running.py     the module-level counting API below
 
-Other modules count what happens through a small API, on the agent's loop or any
-thread:
+The composition root (gpufrac.agent.main) builds one Metrics and hands it to every part
+that counts; each part declares the narrow Protocol it needs next to itself (the
+arbiter's ArbiterMetrics, the watchdog's WatchdogMetrics, ...). The counting API, on the
+agent's loop or any thread:
 
-    from gpufrac.agent import metrics
     metrics.count_wait(alloc, seconds)           # a wait-resolver wait ended (granted or not)
     metrics.count_eviction(alloc)                # a victim container's processes were killed
     metrics.count_swap(alloc, "out" | "in")      # a swap-out to host RAM / swap-in back
@@ -28,11 +28,10 @@ thread:
     metrics.set_watchdog_unowned(n, bytes)       # GPU processes of no gpufrac container, last scan
     metrics.count_annotation_error(key)          # a pod annotation was refused
     metrics.count_reconcile_error()              # a reconcile pass failed
+    metrics.count_usage_mismatch()               # a usage file disagreed with NVML beyond the allowance
 
-`alloc` is a ContainerAlloc or its container key. The module-level functions go to
-the running agent's Metrics (agent.metrics); with no agent running they do nothing.
-The same calls are methods of Metrics, for a part handed the agent's Metrics.
-Per-container counts are dropped once the container is gone from the ledger.
+`alloc` is a ContainerAlloc or its container key. Per-container counts are dropped once
+the container is gone from the ledger.
 """
 
 from __future__ import annotations
@@ -40,20 +39,6 @@ from __future__ import annotations
 from gpufrac.agent.metrics.endpoint import HEARTBEAT_INTERVAL, HEARTBEAT_STALE_AFTER, Probes
 from gpufrac.agent.metrics.names import NAMESPACE, annotation_label
 from gpufrac.agent.metrics.registry import Metrics
-from gpufrac.agent.metrics.running import (
-    active,
-    count_annotation_error,
-    count_arbiter_limited,
-    count_arbiter_request,
-    count_eviction,
-    count_reap,
-    count_reconcile_error,
-    count_swap,
-    count_usage_mismatch,
-    count_wait,
-    count_watchdog,
-    set_watchdog_unowned,
-)
 
 __all__ = [
     "HEARTBEAT_INTERVAL",
@@ -61,17 +46,5 @@ __all__ = [
     "NAMESPACE",
     "Metrics",
     "Probes",
-    "active",
     "annotation_label",
-    "count_annotation_error",
-    "count_arbiter_limited",
-    "count_arbiter_request",
-    "count_eviction",
-    "count_reap",
-    "count_reconcile_error",
-    "count_swap",
-    "count_usage_mismatch",
-    "count_wait",
-    "count_watchdog",
-    "set_watchdog_unowned",
 ]

@@ -27,7 +27,6 @@ from prometheus_client.registry import Collector
 
 import gpufrac
 from gpufrac.agent.httpd import Served, serve_tcp
-from gpufrac.agent.metrics import running
 from gpufrac.agent.metrics.containers import Container, ContainerCounts, Counts
 from gpufrac.agent.metrics.endpoint import HEARTBEAT_INTERVAL, Probes, wsgi_app
 from gpufrac.agent.metrics.names import (
@@ -229,13 +228,12 @@ class Metrics:
 
     async def start(self, agent: Observed) -> None:
         """Serve for `agent` (call first thing in Agent.start, on its loop): the probes answer
-        during start-up, and the module-level counting functions reach this instance."""
+        during start-up."""
         loop = asyncio.get_running_loop()
         self._node.source = lambda: capture_threadsafe(agent, loop)
         self.probes.ready_check = lambda: readiness(agent)
         self.probes.beat()
         self._heartbeat = asyncio.create_task(self._beat(), name="heartbeat")
-        running.activate(self)
         cfg = agent.config.metrics
         await asyncio.to_thread(self.serve, cfg.bind_address, cfg.port)
 
@@ -245,7 +243,6 @@ class Metrics:
             await asyncio.sleep(HEARTBEAT_INTERVAL)
 
     async def stop(self) -> None:
-        running.deactivate(self)
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
