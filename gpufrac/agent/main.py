@@ -10,8 +10,8 @@ order, and hands each its collaborators (typed Protocols declared next to the co
 needs them); Agent.stop() stops them in order. Parts that may be missing on a node are
 `X | None`, decided here: no apiserver (kube.connect fails) leaves the pod cache, the Event
 recorder, the evictor and the node labeler out; no arbiter socket leaves the arbiter out.
-No part reaches into the Agent or sets attributes on it. The Agent is also the device
-plugins' Backend: Allocate and PreStartContainer, on the ledger, the reconciler and admission.
+No part reaches into the Agent or sets attributes on it. The device-plugin servers are
+the front end of the allocation service (gpufrac.agent.allocation_service).
 
 Run it with `gpufrac agent --config node.yaml` or `python -m gpufrac.agent.main`;
 tests, the bench and the demo may also run `Agent` in-process (gpufrac.agent.runner).
@@ -25,11 +25,9 @@ import contextlib
 import logging
 import signal
 import sys
-import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import grpc
 from kubernetes.client import ApiClient
 
 from gpufrac.agent import config as config_mod
@@ -38,7 +36,8 @@ from gpufrac.agent import metrics as metrics_mod
 from gpufrac.agent import status as status_mod
 from gpufrac.agent.activity import ActivityTracker
 from gpufrac.agent.admission import Admission
-from gpufrac.agent.allocations import AllocationError, ContainerAlloc, ContainerDirs, Ledger
+from gpufrac.agent.allocation_service import AllocationService
+from gpufrac.agent.allocations import ContainerDirs, Ledger
 from gpufrac.agent.arbiter import Arbiter, adopt_grants, published_grants
 from gpufrac.agent.config import Config
 from gpufrac.agent.gpus import GpuHealth, Inventory
@@ -54,7 +53,6 @@ from gpufrac.agent.pods import PodIdentity
 from gpufrac.agent.reconcile import RECONCILE_INTERVAL, RELEASE_GRACE, ReconcileLoop, Reconciler
 from gpufrac.agent.state import StateStore, restore
 from gpufrac.agent.watchdog import Watchdog
-from gpufrac.deviceplugin import preferred as preferred_mod
 from gpufrac.deviceplugin import slices
 from gpufrac.deviceplugin.podresources import PodResourcesClient
 from gpufrac.deviceplugin.server import DevicePlugin, PluginServer, arbiter_socket
@@ -118,6 +116,7 @@ class Agent:
         self.reaper: IdleReaper | None = None  # gives the GPU back from idle pods
         self.admission: Admission | None = None  # reclaim at admission
         self.node_labels: NodeLabels | None = None  # gpufrac.dev/ labels on this Node
+        self.service: AllocationService | None = None  # the device-plugin servers' Backend
 
     # -- lifetime --------------------------------------------------------------------
 
@@ -179,8 +178,11 @@ class Agent:
             log.error("node labels unavailable: %s", no_api)
         labeler = NodeLabeler(api, cfg.node_name, nodelabels.OWNED) if api is not None else None
         self.node_labels = NodeLabels(cfg, inventory, ledger.healthy, labeler)
+        self.service = AllocationService(
+            cfg, ledger, inventory, reconciler, self.dirs, self.admission, self.reconcile_loop
+        )
         for resource in slices.RESOURCES:
-            plugin = self.plugins[resource] = DevicePlugin(resource, self)
+            plugin = self.plugins[resource] = DevicePlugin(resource, self.service)
             server = self.servers[resource] = PluginServer(plugin, cfg.paths.device_plugin_dir)
             await server.start()
         self._tasks.append(asyncio.create_task(persister.run(), name="persist"))
@@ -372,94 +374,6 @@ class Agent:
             self._notified_generation = self.ledger.capacity_generation
             for plugin in self.plugins.values():
                 plugin.notify()
-
-    # -- Backend for the device-plugin servers --------------------------------------------
-
-    def device_sections(
-        self, resource: str
-    ) -> list[tuple[Hashable, Callable[[], list[tuple[str, bool, int | None]]]]]:
-        assert self.ledger is not None
-        return list(self.ledger.device_sections(resource))
-
-    def preferred(self, resource: str, available: Sequence[str], must: Sequence[str], size: int) -> list[str]:
-        assert self.ledger is not None and self.inventory is not None
-        return preferred_mod.preferred(
-            resource,
-            available,
-            must,
-            size,
-            self.ledger.geometry,
-            self.inventory,
-            self.config.allocation_policy,
-            self.ledger.booked(),
-            self.ledger.released(),
-        )
-
-    async def allocate(self, resource: str, device_ids: Sequence[str]) -> ContainerAlloc:
-        ledger, reconciler = self.ledger, self.reconciler
-        assert ledger is not None and reconciler is not None
-        existing = ledger.find(resource, device_ids)
-        if existing is not None or any(ledger.owner(d) for d in device_ids):
-            # The kubelet reuses devices of deleted pods without telling us: ask it
-            # which holders are still alive before calling this double booking.
-            if await reconciler.reconcile(grace=0.0):
-                existing = ledger.find(resource, device_ids)
-                if existing is not None and existing.key in reconciler.listing:
-                    log.info(
-                        "Allocate: %s again for %s (kubelet re-allocation)", existing.key, existing.who()
-                    )
-                    return existing
-            elif existing is not None:
-                # Cannot tell who holds them: start over with the safe config (limit = request).
-                ledger.release(existing.key)
-        alloc = ledger.reserve(resource, device_ids)
-        try:
-            handle = await self.dirs.create(alloc.directory, alloc.config)
-        except OSError as e:
-            ledger.release(alloc.key)
-            raise AllocationError(
-                grpc.StatusCode.INTERNAL, f"cannot create container directory {alloc.directory}: {e}"
-            ) from e
-        ledger.attach(alloc.key, handle)
-        # The state file follows through the persist loop, off the kubelet's critical path:
-        # if the agent dies before it lands, pod-resources (the kubelet's record) rebuilds it.
-        logs.decision(
-            log,
-            "allocate",
-            "allocated %s: %s x%d on %s (%d bytes per GPU)",
-            alloc.key,
-            resource,
-            alloc.slice_count,
-            ",".join(alloc.gpus),
-            alloc.request_bytes,
-            container=alloc.key,
-            resource=resource,
-            slices=alloc.slice_count,
-            gpus=",".join(alloc.gpus),
-            request_bytes=alloc.request_bytes,
-        )
-        self._kick_identity()
-        assert self.admission is not None  # built in start(), before the device-plugin servers
-        self.admission.start(alloc)  # PreStartContainer awaits it
-        return alloc
-
-    async def prestart(self, resource: str, device_ids: Sequence[str]) -> None:
-        assert self.ledger is not None and self.reconciler is not None
-        if self.ledger.find(resource, device_ids) is None:
-            await self.reconciler.reconcile()  # rebuilds from pod-resources if our state was lost
-        alloc = self.ledger.find(resource, device_ids)
-        if alloc is None:
-            ids = sorted(device_ids)
-            raise AllocationError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"PreStartContainer: {resource} devices {ids[:6]}{'…' if len(ids) > 6 else ''} were never "
-                "allocated by this agent",
-            )
-        if alloc.recorded_at is None:
-            alloc.recorded_at = time.monotonic()  # the kubelet records an allocation before any start
-        self._kick_identity()
-        assert self.admission is not None
-        await self.admission.prestart(alloc)  # never fails the start: at worst it warns
 
     # -- pod identity hook -----------------------------------------------------------------
 
