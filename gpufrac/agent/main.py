@@ -44,6 +44,7 @@ from gpufrac.agent.gpus import GpuHealth, Inventory
 from gpufrac.agent.health import HealthMonitor
 from gpufrac.agent.healthsync import HealthSource, HealthSync
 from gpufrac.agent.idle import IdleReaper
+from gpufrac.agent.idle_actions import swap_via
 from gpufrac.agent.inventory import NvmlError, read_inventory
 from gpufrac.agent.kube import EventRecorder, NodeLabeler, PodCache, PodEvictor
 from gpufrac.agent.nodelabels import NodeLabels
@@ -260,7 +261,7 @@ class Agent:
             tracker,
             pods,
             evictor=evictor,
-            swapper=lambda alloc, reason: idle.swap_via(self.arbiter, alloc, reason),
+            swapper=lambda alloc, reason: swap_via(self.arbiter, alloc, reason),
             metrics=self.metrics,
         )
         return self.reaper
