@@ -88,10 +88,10 @@ def run(bursts: int = BURSTS, handoffs: int = HANDOFFS) -> dict[str, Any]:
     from gpufrac import native
     from gpufrac.agent.allocations import Ledger
     from gpufrac.agent.arbiter import GRANT_SETTLE, Arbiter
-    from gpufrac.agent.config import load
+    from gpufrac.agent.callers import PeerLookup
+    from gpufrac.agent.config import arbiter_socket, load
     from gpufrac.agent.inventory import read_inventory
-    from gpufrac.agent.peers import PeerLookup
-    from gpufrac.deviceplugin.server import arbiter_socket, container_response
+    from gpufrac.deviceplugin.server import container_response
     from gpufrac.deviceplugin.slices import MEMORY, device_id
     from gpufrac.simgpu.runtime import ContainerRuntime, WorkloadDriver, mounts_of
     from gpufrac.simgpu.spec import create_node, load_preset
@@ -341,7 +341,7 @@ def run(bursts: int = BURSTS, handoffs: int = HANDOFFS) -> dict[str, Any]:
 
 
 async def _waiters(arb: Any) -> int:
-    return sum(len(v) for v in arb._waiters.values())
+    return sum(len(v) for v in arb.queue.waiters.values())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -226,9 +226,9 @@ class SimNode:
         p.workload = WorkloadProcess(c.proc, p.name)
 
     def status(self) -> dict[str, Any]:
-        from gpufrac.agent import status
+        from gpufrac.agent.status.client import fetch
 
-        return status.fetch(str(self.status_socket))
+        return fetch(str(self.status_socket))
 
     def container(self, p: DemoPod) -> dict[str, Any] | None:
         for c in self.status().get("containers", []):
@@ -290,7 +290,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
-    from gpufrac.agent import status as status_mod
+    from gpufrac.agent.status.cli import format_status
 
     banner(f"A simulated GPU node: preset {args.preset}")
     say(f"node state {node.state}; fake NVML and CUDA driver libraries in {node.libdir}")
@@ -404,7 +404,7 @@ def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
     show_events(node, seen)
 
     banner("gpufrac status")
-    say(status_mod.format_status(node.status()).rstrip())
+    say(format_status(node.status()).rstrip())
 
     url = f"http://127.0.0.1:{node.metrics_port}/metrics"
     banner(f"Prometheus metrics at {url}")

@@ -12,7 +12,8 @@ import os
 import subprocess
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+# The checkout holding the gpufrac package (whichever of its modules this file is).
+REPO_ROOT = next(p for p in Path(__file__).resolve().parents if p.name == "gpufrac").parent
 FLAVOURS = {"release": "build/native", "asan": "build/asan"}
 
 SHIM = "libmemguard.so"

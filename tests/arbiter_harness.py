@@ -31,15 +31,14 @@ from simnode_fixtures import nvml_node
 from gpufrac import native
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.arbiter import Arbiter
-from gpufrac.agent.config import Config, load
+from gpufrac.agent.callers import PeerLookup, namer_from_pods
+from gpufrac.agent.config import Config, arbiter_socket, load
 from gpufrac.agent.eventloop import new_loop
 from gpufrac.agent.inventory import read_inventory
 from gpufrac.agent.kube import EventRecorder, PodCache, make_api_client
-from gpufrac.agent.peers import PeerLookup, namer_from_pods
 from gpufrac.agent.pods import PodIdentity
-from gpufrac.deviceplugin.podresources import ContainerDevices
-from gpufrac.deviceplugin.server import arbiter_socket, container_response
-from gpufrac.deviceplugin.slices import MEMORY, device_id
+from gpufrac.deviceplugin.server import container_response
+from gpufrac.deviceplugin.slices import MEMORY, ContainerDevices, device_id
 from gpufrac.memguard import formats
 from gpufrac.simgpu.runtime import Container, ContainerRuntime, WorkloadDriver, mounts_of
 from gpufrac.simgpu.workload import WorkloadProcess

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from gpufrac.memguard import build, formats
+from gpufrac.memguard import build, formats, wire
 from gpufrac.simgpu.nodestate import NodeState
 
 MiB = 1 << 20
@@ -54,20 +54,20 @@ class Container:
         return [s for s in self.usage().slots if s.pid != 0]
 
 
-def grant_burst(c: Container, conn: socket.socket) -> formats.BurstRequest | None:
+def grant_burst(c: Container, conn: socket.socket) -> wire.BurstRequest | None:
     """Play the agent for one connection to the arbiter socket: a BURST gets its grant
     raised in the container's config, then GRANTED with the new generation. Any other
     request (a RELEASE) is returned unanswered; a short read (EOF) gives None."""
     data = conn.recv(64)
-    if len(data) != ctypes.sizeof(formats.BurstRequest):
+    if len(data) != ctypes.sizeof(wire.BurstRequest):
         return None
-    req = formats.BurstRequest.from_buffer_copy(data)
-    if req.op == formats.BURST_OP_BURST:
+    req = wire.BurstRequest.from_buffer_copy(data)
+    if req.op == wire.BURST_OP_BURST:
         gen = c.set(grant_bytes=req.total_after - c.cfg.request_bytes)
-        reply = formats.BurstReply(
-            magic=formats.BURST_MAGIC,
+        reply = wire.BurstReply(
+            magic=wire.BURST_MAGIC,
             version=formats.ABI_VERSION,
-            status=formats.BURST_GRANTED,
+            status=wire.BURST_GRANTED,
             generation=gen,
         )
         conn.sendall(bytes(reply))
@@ -75,7 +75,7 @@ def grant_burst(c: Container, conn: socket.socket) -> formats.BurstRequest | Non
 
 
 def answer_bursts(
-    server: socket.socket, c: Container, served: list[formats.BurstRequest], until: Callable[[], bool]
+    server: socket.socket, c: Container, served: list[wire.BurstRequest], until: Callable[[], bool]
 ) -> None:
     """Play the agent on `server` (a listening socket with a short timeout) until `until()`:
     each connection goes through grant_burst, and each request read is added to `served`."""
@@ -126,7 +126,7 @@ def parse_ctest(stdout: str) -> list[Line]:
 PY_PRELUDE = """
 import ctypes, json, os, sys
 from cuda.bindings import driver as cu
-from gpufrac.memguard import formats
+from gpufrac.memguard import formats, wire
 DIR = os.environ["GPUFRAC_CONTAINER_DIR"]
 def rc(r):
     return int(r[0] if isinstance(r, tuple) else r)

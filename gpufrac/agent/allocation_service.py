@@ -14,12 +14,11 @@ import time
 from collections.abc import Callable, Container, Hashable, Iterable, Mapping, Sequence
 from typing import Protocol
 
-import grpc
-
 from gpufrac.agent import logs
-from gpufrac.agent.allocations import AllocationError, ContainerAlloc
+from gpufrac.agent.allocations import ContainerAlloc
 from gpufrac.agent.config import Config
 from gpufrac.agent.gpus import Inventory
+from gpufrac.core.errors import AllocationError, ErrorKind
 from gpufrac.deviceplugin import preferred as preferred_mod
 from gpufrac.deviceplugin.slices import GpuGeometry
 from gpufrac.memguard.formats import ConfigFile, ContainerConfig
@@ -53,7 +52,7 @@ class Reconciling(Protocol):
 
 
 class DirectoryMaker(Protocol):
-    """A new container's directory (gpufrac.agent.allocations.ContainerDirs), made off the loop."""
+    """A new container's directory (gpufrac.agent.container_dirs.ContainerDirs), made off the loop."""
 
     async def create(self, directory: str, cfg: ContainerConfig) -> ConfigFile: ...
 
@@ -130,7 +129,7 @@ class AllocationService:
         except OSError as e:
             ledger.release(alloc.key)
             raise AllocationError(
-                grpc.StatusCode.INTERNAL, f"cannot create container directory {alloc.directory}: {e}"
+                ErrorKind.NODE_FAILURE, f"cannot create container directory {alloc.directory}: {e}"
             ) from e
         ledger.attach(alloc.key, handle)
         # The state file follows through the persist loop, off the kubelet's critical path:
@@ -161,7 +160,7 @@ class AllocationService:
         if alloc is None:
             ids = sorted(device_ids)
             raise AllocationError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                ErrorKind.STATE_CONFLICT,
                 f"PreStartContainer: {resource} devices {ids[:6]}{'…' if len(ids) > 6 else ''} were never "
                 "allocated by this agent",
             )

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from gpufrac.agent.config import Config
 from gpufrac.agent.units import MAX_MS_FIELD_S, format_bytes, parse_bytes, parse_duration
-from gpufrac.memguard.formats import (
+from gpufrac.core.flags import (
     CLASS_NAMES,
     FLAG_POD_KNOWN,
     FLAG_PREEMPTIBLE,

@@ -71,11 +71,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     p = add("topo", "gpufrac.agent.report", "cmd_topo", "GPU interconnect matrix, NUMA and CPU affinity")
     add_output_args(p)
 
-    p = add("status", "gpufrac.agent.status", "cmd_status", "the node at a glance, from the running agent")
+    p = add(
+        "status", "gpufrac.agent.status.cli", "cmd_status", "the node at a glance, from the running agent"
+    )
     add_output_args(p)
     p.add_argument("--socket", help="the agent's status socket (default: statusSocket of --config)")
 
-    p = add("memguard", "gpufrac.memguard.inspect", "cmd_memguard", "inspect a container's memguard files")
+    p = add("memguard", "gpufrac.agent.memguard_cli", "cmd_memguard", "inspect a container's memguard files")
     p.add_argument("action", choices=["inspect"])
     p.add_argument(
         "container_dir",

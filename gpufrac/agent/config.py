@@ -19,6 +19,7 @@ import yaml
 
 from gpufrac.agent.policy import PolicyConfig, parse_config
 from gpufrac.agent.units import MAX_MS_FIELD_S, parse_bytes, parse_duration
+from gpufrac.core.flags import CLASS_NAMES
 
 GiB = 1 << 30
 RESOLVERS = ("swap", "evict", "wait")
@@ -214,13 +215,16 @@ class Config:
                 f"arbiterLimits.connectionsPerContainer: {lim.connections_per_container} is more than "
                 f"maxConnections ({lim.max_connections})"
             )
-        from gpufrac.memguard.formats import CLASS_NAMES
-
         bad = [c for c in self.idle.reap_classes if c not in CLASS_NAMES]
         if bad:
             raise ConfigError(
                 f"idle.reapClasses: unknown workload class(es) {bad}; choose from {sorted(CLASS_NAMES)}"
             )
+
+
+def arbiter_socket(config: Config) -> str:
+    """Host path of the arbiter's unix socket (one per node; peers are told apart by SO_PEERCRED)."""
+    return os.path.join(config.paths.state_dir, "arbiter.sock")
 
 
 def _convert(path: str, f: dataclasses.Field[Any], hint: Any, value: Any) -> Any:
@@ -244,7 +248,7 @@ def _convert(path: str, f: dataclasses.Field[Any], hint: Any, value: Any) -> Any
         if value not in f.metadata["choices"]:
             raise ConfigError(f"{path}: {value!r} is not one of {list(f.metadata['choices'])}")
         return value
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {value!r}")
         return _build(hint, value, path + ".")
@@ -300,7 +304,7 @@ def load(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] |
         data = loaded or {}
     if overrides:
         data = _merge(data, overrides)
-    cfg = _build(Config, data)
+    cfg: Config = _build(Config, data)
     cfg.validate()
     return cfg
 

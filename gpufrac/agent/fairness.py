@@ -4,7 +4,7 @@ The socket is shared by every container on the node, so without limits one
 container could hold every connection (slowloris), keep every request waiting, or
 keep the agent's loop busy answering it. Each caller is counted against its own
 container, named by the kernel (SO_PEERCRED -> /proc/<pid>/cgroup, as in
-gpufrac.agent.peers), never by its message:
+gpufrac.agent.callers), never by its message:
 
 * connections open at once (`connectionsPerContainer`), including ones that have
   not sent their request yet;
@@ -37,12 +37,13 @@ from __future__ import annotations
 
 import logging
 import resource
+import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
-from gpufrac.agent import metrics
-from gpufrac.agent.peers import PeerError, peer_cgroup
+from gpufrac.agent import metrics as metrics_mod
+from gpufrac.agent.callers import PeerError, peer_cgroup
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +70,47 @@ def fit_fd_limit(want: int, soft: int, hard: int) -> tuple[int, int]:
     return new_soft, max(1, min(want, new_soft - FD_RESERVE))
 
 
+class Conn(Protocol):
+    """One open connection on the arbiter socket (gpufrac.agent.arbiter.server.Connection)."""
+
+    @property
+    def op(self) -> int | None: ...  # its request's op, None while none was read
+
+    def abort(self) -> None: ...
+
+
+class Limits(Protocol):
+    """The node config's arbiterLimits (gpufrac.agent.config)."""
+
+    @property
+    def connections_per_container(self) -> int: ...
+    @property
+    def inflight_per_container(self) -> int: ...
+    @property
+    def requests_per_second(self) -> float: ...
+    @property
+    def request_burst(self) -> int: ...
+    @property
+    def max_connections(self) -> int: ...
+
+
+class LimitMetrics(Protocol):
+    """Where refusals are counted (gpufrac.agent.metrics)."""
+
+    def count_arbiter_limited(self, limit: str) -> None: ...
+
+
+class LimitsConfig(Protocol):
+    @property
+    def arbiter_limits(self) -> Limits: ...
+
+
 @dataclass
 class Account:
     """One container's use of the arbiter socket."""
 
     key: str
-    connections: list[Any] = field(default_factory=list)  # its open connections, oldest first
+    connections: list[Conn] = field(default_factory=list)  # its open connections, oldest first
     inflight: int = 0
     tokens: float = 0.0
     refill_at: float = 0.0
@@ -94,6 +130,7 @@ class Fairness:
         burst: int,
         node_connections: int,
         proc: str = "/proc",
+        metrics: LimitMetrics = metrics_mod,
     ) -> None:
         self.max_connections = connections
         self.max_inflight = inflight
@@ -101,12 +138,15 @@ class Fairness:
         self.burst = burst
         self.node_connections = node_connections
         self.proc = proc
+        self.metrics = metrics
         self.accounts: dict[str, Account] = {}
         self.open = 0  # connections node-wide
         self._pruned_at = time.monotonic()
 
     @classmethod
-    def from_config(cls, config: Any, proc: str = "/proc") -> Fairness:
+    def from_config(
+        cls, config: LimitsConfig, proc: str = "/proc", metrics: LimitMetrics = metrics_mod
+    ) -> Fairness:
         lim = config.arbiter_limits
         return cls(
             connections=lim.connections_per_container,
@@ -115,6 +155,7 @@ class Fairness:
             burst=lim.request_burst,
             node_connections=lim.max_connections,
             proc=proc,
+            metrics=metrics,
         )
 
     def fit_fd_limit(self) -> None:
@@ -140,7 +181,7 @@ class Fairness:
             )
             self.node_connections = cap
 
-    def container_of(self, sock: Any) -> str:
+    def container_of(self, sock: socket.socket) -> str:
         """The caller's account key: its kubelet container as the kernel names it."""
         try:
             _, ident = peer_cgroup(sock, self.proc)
@@ -156,7 +197,7 @@ class Fairness:
             acc = self.accounts[key] = Account(key, tokens=float(self.burst), refill_at=time.monotonic())
         return acc
 
-    def admit(self, conn: Any, key: str) -> tuple[Account | None, Any | None, bool]:
+    def admit(self, conn: Conn, key: str) -> tuple[Account | None, Conn | None, bool]:
         """Count a new connection of container `key`: (its account, or None when it is to be
         refused at once; a connection of the heaviest container to close to make room, or
         None; whether it is over its container's connection limit, to be answered BUSY after
@@ -183,7 +224,7 @@ class Fairness:
         self.open += 1
         return acc, victim, over
 
-    def gone(self, acc: Account, conn: Any) -> None:
+    def gone(self, acc: Account, conn: Conn) -> None:
         try:
             acc.connections.remove(conn)
         except ValueError:
@@ -224,7 +265,7 @@ class Fairness:
         return True
 
     def refuse(self, acc: Account, limit: str) -> None:
-        metrics.count_arbiter_limited(limit)
+        self.metrics.count_arbiter_limited(limit)
         acc.refused += 1
         now = time.monotonic()
         if now - acc.logged_at >= LOG_EVERY:

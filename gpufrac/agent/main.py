@@ -33,13 +33,14 @@ from kubernetes.client import ApiClient
 from gpufrac.agent import config as config_mod
 from gpufrac.agent import eventloop, idle, kube, logs, nodelabels
 from gpufrac.agent import metrics as metrics_mod
-from gpufrac.agent import status as status_mod
 from gpufrac.agent.activity import ActivityTracker
 from gpufrac.agent.admission import Admission
 from gpufrac.agent.allocation_service import AllocationService
-from gpufrac.agent.allocations import ContainerDirs, Ledger
+from gpufrac.agent.allocations import Ledger
 from gpufrac.agent.arbiter import Arbiter, adopt_grants, published_grants
-from gpufrac.agent.config import Config
+from gpufrac.agent.callers import PeerLookup, namer_from_pods
+from gpufrac.agent.config import Config, arbiter_socket
+from gpufrac.agent.container_dirs import ContainerDirs
 from gpufrac.agent.gpus import GpuHealth, Inventory
 from gpufrac.agent.health import HealthMonitor
 from gpufrac.agent.healthsync import HealthSource, HealthSync
@@ -48,15 +49,15 @@ from gpufrac.agent.idle_actions import swap_via
 from gpufrac.agent.inventory import NvmlError, read_inventory
 from gpufrac.agent.kube import EventRecorder, NodeLabeler, PodCache, PodEvictor
 from gpufrac.agent.nodelabels import NodeLabels
-from gpufrac.agent.peers import PeerLookup, namer_from_pods
 from gpufrac.agent.persist import Persister
 from gpufrac.agent.pods import PodIdentity
 from gpufrac.agent.reconcile import RECONCILE_INTERVAL, RELEASE_GRACE, ReconcileLoop, Reconciler
 from gpufrac.agent.state import StateStore, restore
+from gpufrac.agent.status import server as status_mod
 from gpufrac.agent.watchdog import Watchdog
 from gpufrac.deviceplugin import slices
 from gpufrac.deviceplugin.podresources import PodResourcesClient
-from gpufrac.deviceplugin.server import DevicePlugin, PluginServer, arbiter_socket
+from gpufrac.deviceplugin.server import DevicePlugin, PluginServer
 
 log = logging.getLogger("gpufrac.agent")
 
@@ -206,13 +207,12 @@ class Agent:
         """The burst arbiter on one node-wide socket (bind-mounted into each container).
         Its callers are named through the pod cache."""
         path = arbiter_socket(self.config)
-        recorder = self.events
         arbiter = Arbiter(
             self.config,
             ledger,
             PeerLookup(ledger, namer_from_pods(pod_cache)),
             path,
-            events=lambda: recorder,
+            events=self.events,
         )
         try:
             await arbiter.start()
@@ -232,8 +232,7 @@ class Agent:
         peers = (
             self.arbiter.peers if self.arbiter is not None else PeerLookup(ledger, namer_from_pods(pod_cache))
         )
-        recorder = self.events
-        self.watchdog = Watchdog(self.config.watchdog, ledger, peers, lambda: recorder)
+        self.watchdog = Watchdog(self.config.watchdog, ledger, peers, self.events)
         task = self.watchdog.start()
         if task is not None:
             self._tasks.append(task)

@@ -1,4 +1,4 @@
-"""`-o json|yaml|wide` for the listing commands, the way kubectl spells it.
+"""`-o json|yaml|wide` for the listing commands, the way kubectl spells it, and their tables.
 
 Every listing command builds one document (the `-o json` form) and a table; `-o yaml`
 is the same document as YAML, `-o wide` the table with more columns. `--json` stays an
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import yaml
@@ -48,3 +48,17 @@ def render(
         plain = json.loads(json.dumps(doc))
         return yaml.safe_dump(plain, sort_keys=sort_keys, default_flow_style=False).rstrip()
     return table(fmt == "wide")
+
+
+def table(rows: list[list[str]], align_right: Iterable[int] = ()) -> list[str]:
+    """Fixed-width columns separated by two spaces; the last column is not padded."""
+    right = set(align_right)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for r in rows:
+        cells = [
+            c.rjust(w) if i in right else (c if i == len(r) - 1 else c.ljust(w))
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return lines

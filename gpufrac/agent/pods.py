@@ -38,7 +38,7 @@ from gpufrac.agent.config import Config
 from gpufrac.agent.kube import EventRecorder, ObjectRef, PodCache, PodInfo
 from gpufrac.agent.units import format_bytes
 from gpufrac.deviceplugin import slices
-from gpufrac.deviceplugin.podresources import ContainerDevices
+from gpufrac.deviceplugin.slices import ContainerDevices
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ A namespace entry names only what differs from `default`. A pod asking beyond it
 namespace's policy gets the capped value (a limit of ratio x request, preemptible,
 swappable), and one Warning Event naming the cap (gpufrac.agent.pods posts it).
 
-This module imports nothing of the agent (gpufrac.agent.config imports it), so the
-policy applies to an annotations.ContainerPolicy by dataclasses.replace.
+gpufrac.agent.config imports this module, and the annotations' ContainerPolicy needs the
+config: so `enforce` asks only for the fields it caps (CappedPolicy), and imports neither.
 """
 
 from __future__ import annotations
@@ -24,12 +24,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from gpufrac.agent.annotations import ContainerPolicy
+from typing import Any, Protocol, TypeVar
 
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _KEYS = {"maxLimitRatio": "max_limit_ratio", "allowNonPreemptible": "allow_non_preemptible"}
@@ -99,6 +96,26 @@ def parse_config(path: str, raw: Any) -> PolicyConfig:
     return PolicyConfig(default, namespaces)
 
 
+class CappedPolicy(Protocol):
+    """What `enforce` reads of a container's policy (a frozen dataclass it replaces fields of)."""
+
+    @property
+    def request_bytes(self) -> int: ...
+    @property
+    def limit_bytes(self) -> int: ...
+    @property
+    def limit_key(self) -> str | None: ...
+    @property
+    def whole_gpu(self) -> bool: ...
+    @property
+    def preemptible(self) -> bool: ...
+    @property
+    def swappable(self) -> bool: ...
+
+
+P = TypeVar("P", bound=CappedPolicy)
+
+
 @dataclass(frozen=True)
 class Cap:
     """One thing the policy changed: `what` (limit, preemptible, swappable) and why, in words."""
@@ -112,8 +129,8 @@ def _ratio(r: float) -> str:
 
 
 def enforce(
-    policy: ContainerPolicy, namespace: str, cfg: PolicyConfig, *, container: str, format_bytes: Any
-) -> tuple[ContainerPolicy, list[Cap]]:
+    policy: P, namespace: str, cfg: PolicyConfig, *, container: str, format_bytes: Callable[[int], str]
+) -> tuple[P, list[Cap]]:
     """`policy` (decided from the pod's annotations) held to the namespace's caps: the
     policy to apply and what was capped. Whole-GPU containers have no burst to cap."""
     ns = cfg.for_namespace(namespace)
@@ -150,4 +167,4 @@ def enforce(
                     f"({key}: false): applied {name}=true",
                 )
             )
-    return (dataclasses.replace(policy, **changes) if changes else policy), caps
+    return (dataclasses.replace(policy, **changes) if changes else policy), caps  # type: ignore[type-var]

@@ -20,9 +20,10 @@ from typing import Protocol
 import grpc
 
 from gpufrac.agent import logs
-from gpufrac.agent.allocations import AllocationError, ContainerAlloc, keyed
+from gpufrac.agent.allocations import ContainerAlloc, keyed
+from gpufrac.core.errors import AllocationError
 from gpufrac.deviceplugin import slices
-from gpufrac.deviceplugin.podresources import ContainerDevices
+from gpufrac.deviceplugin.slices import ContainerDevices
 from gpufrac.memguard.formats import ConfigFile, ContainerConfig
 
 log = logging.getLogger("gpufrac.agent")
@@ -61,7 +62,7 @@ class ReconciledLedger(Protocol):
 
 
 class Directories(Protocol):
-    """The containers' directories (gpufrac.agent.allocations.ContainerDirs), written off the loop."""
+    """The containers' directories (gpufrac.agent.container_dirs.ContainerDirs), written off the loop."""
 
     async def write(self, directory: str, cfg: ContainerConfig) -> ConfigFile: ...
     async def sweep(self, booked: Callable[[], Iterable[str]]) -> None: ...

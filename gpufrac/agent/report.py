@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from gpufrac.agent.gpus import MIG_REASON, Gpu, GpuHealth, Inventory, Link, PcieLink
-from gpufrac.agent.output import render
+from gpufrac.agent.output import render, table
 
 GiB = 1 << 30
 
@@ -57,20 +57,6 @@ def cuda_version(v: int) -> str:
 
 def _numa(n: int | None) -> str:
     return "N/A" if n is None else str(n)
-
-
-def table(rows: list[list[str]], align_right: Iterable[int] = ()) -> list[str]:
-    """Fixed-width columns separated by two spaces; the last column is not padded."""
-    right = set(align_right)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for r in rows:
-        cells = [
-            c.rjust(w) if i in right else (c if i == len(r) - 1 else c.ljust(w))
-            for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        ]
-        lines.append("  ".join(cells).rstrip())
-    return lines
 
 
 def _health_text(h: GpuHealth | None) -> str:

@@ -24,7 +24,8 @@ Outcome(available=False, ...) and the chain moves on; it should log that once,
 not per request. A resolver that waits must honour `need.deadline` (loop time)
 and give up by then.
 
-What resolvers may ask of the arbiter is `ResolverContext` below.
+What resolvers may ask of the arbiter is `ResolverContext` below; the chain the node config
+names is built by gpufrac.agent.arbiter.chain.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gpufrac.agent import metrics
 from gpufrac.agent.allocations import ContainerAlloc
 from gpufrac.agent.events import (
     CONDITION_GPU_MEMORY_RECLAIMED,
@@ -114,10 +114,20 @@ class Holding:
         return bool(self.flags & FLAG_PREEMPTIBLE)
 
 
+class ResolverMetrics(Protocol):
+    """Where resolvers count what they did (gpufrac.agent.metrics)."""
+
+    def count_wait(self, container: ContainerAlloc, seconds: float) -> None: ...
+    def count_eviction(self, container: ContainerAlloc) -> None: ...
+
+
 class ResolverContext(Protocol):
     """What the arbiter offers resolvers (gpufrac.agent.arbiter.Arbiter implements it)."""
 
     evict_idle_threshold: float
+
+    @property
+    def metrics(self) -> ResolverMetrics: ...
 
     def holdings(self, gpu: str) -> list[Holding]: ...
     def claim(self, need: Need) -> AbstractContextManager[None]: ...
@@ -173,7 +183,7 @@ class WaitResolver:
     async def resolve(self, need: Need) -> Outcome:
         started = time.monotonic()
         ok = await self.ctx.wait_turn(need)
-        metrics.count_wait(need.requester, time.monotonic() - started)
+        self.ctx.metrics.count_wait(need.requester, time.monotonic() - started)
         return Outcome(satisfied=ok, detail="" if ok else "timed out waiting for memory to be freed")
 
 
@@ -255,7 +265,7 @@ class EvictResolver:
         except Exception:
             log.exception("evicting %s for %s failed", h.alloc.who(), need.who())
             return None
-        metrics.count_eviction(h.alloc)
+        self.ctx.metrics.count_eviction(h.alloc)
         if need.kind == "reclaim":
             why = "within its guarantee" + ("" if h.preemptible else ", which outranks any burst")
         elif h.priority < need.priority:
@@ -290,21 +300,3 @@ def guarantee_chain(chain: Chain, ctx: ResolverContext) -> Chain:
     ahead = [r for r in chain.resolvers if r.name != WaitResolver.name]
     waits = [r for r in chain.resolvers if r.name == WaitResolver.name]
     return Chain([*ahead, EvictResolver(ctx), *waits])
-
-
-def build_chain(names: Sequence[str], ctx: ResolverContext) -> Chain:
-    """The resolvers named in the config, in its order. `swap` needs more of the arbiter
-    than ResolverContext (gpufrac.agent.swap.SwapHost)."""
-    out: list[Resolver] = []
-    for name in names:
-        if name == "wait":
-            out.append(WaitResolver(ctx))
-        elif name == "evict":
-            out.append(EvictResolver(ctx))
-        elif name == "swap":
-            from gpufrac.agent import swap  # here: swap imports this module
-
-            out.append(swap.SwapResolver(ctx))  # type: ignore[arg-type]  # ctx is the Arbiter
-        else:
-            raise ValueError(f"resolvers: unknown resolver {name!r}")
-    return Chain(out)

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpufrac.agent.allocations import AllocationError, ContainerAlloc, Ledger
+from gpufrac.agent.allocations import ContainerAlloc, Ledger
+from gpufrac.core.errors import AllocationError
 from gpufrac.memguard.formats import ContainerConfig
 
 log = logging.getLogger(__name__)

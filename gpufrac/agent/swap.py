@@ -6,7 +6,7 @@ needs more than is free on a GPU, pick idle containers (no kernel launch for
 (FLAG_SWAPPABLE) and that hold memory there; take the fewest, least important
 ones that free enough, within the host-RAM budget; for each, checkpoint every
 CUDA process of the container with the driver's checkpoint API (lock with a
-timeout, then checkpoint; gpufrac.agent.checkpoint) and set the `swapped` flag of
+timeout, then checkpoint; gpufrac.agent.cuda_checkpoint) and set the `swapped` flag of
 their usage slots. The pod stays Running: its processes are merely blocked in
 the driver until they are restored. `SwapResolver.swap_out` swaps one chosen
 container the same way on request (the idle reaper's `swap` action).
@@ -25,7 +25,12 @@ flags and answers. A victim whose swap-in cannot be arbitrated in time is told
 "denied"; its shim asks again (its process cannot run until restored anyway).
 
 Everything here runs on the agent's loop; checkpoint calls, /proc scans and
-usage-file writes go to worker threads.
+usage-file writes go to worker threads. Its parts: the choice of victims (swap_choice,
+pure), the flags and records on disk (swap_files), the takeover of containers a previous
+agent swapped (swap_takeover). This module is the resolver itself, one class over 500
+lines: swap-out, swap-in and the takeover share the per-container busy marks that keep
+them from interleaving (_busy_with), and split apart each would have to reach into the
+others' state.
 """
 
 from __future__ import annotations
@@ -33,26 +38,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import psutil
 
-from gpufrac.agent import annotations, metrics
 from gpufrac.agent.activity import proc_identity
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
-from gpufrac.agent.checkpoint import (
+from gpufrac.agent.annotations import SWAPPABLE
+from gpufrac.agent.callers import PeerLookup
+from gpufrac.agent.config import Config
+from gpufrac.agent.cuda_checkpoint import (
     Checkpointer,
     CheckpointError,
     ProcessState,
     Support,
     process_state,
 )
-from gpufrac.agent.config import Config
 from gpufrac.agent.events import (
     NORMAL,
     REASON_FREED_BY_SWAP,
@@ -60,17 +65,29 @@ from gpufrac.agent.events import (
     REASON_SWAPPED_OUT,
     container_name,
 )
-from gpufrac.agent.peers import PeerLookup, scan_pids
 from gpufrac.agent.resolvers import Chain, Holding, Need, Outcome
+from gpufrac.agent.swap_choice import pick, win
+from gpufrac.agent.swap_files import (
+    SlotId,
+    Swapped,
+    clear_all_flags,
+    drop_size,
+    launches_of,
+    set_swapped,
+    write_size,
+)
+from gpufrac.agent.swap_takeover import Takeover, Unknown
 from gpufrac.agent.units import format_bytes
-from gpufrac.memguard import formats
-from gpufrac.memguard.formats import FLAG_SWAPPABLE, FLAG_WHOLE_GPU, FormatError
+from gpufrac.memguard import formats, wire
+from gpufrac.memguard.formats import FLAG_SWAPPABLE, FLAG_WHOLE_GPU
 
 log = logging.getLogger(__name__)
 
-REASON_SWAPPED_FOR = REASON_FREED_BY_SWAP  # the name this module exported before gpufrac.agent.events
 
-SlotId = tuple[int, int]  # (pid in the container's pid namespace, start time): how the shim names a process
+class SwapMetrics(Protocol):
+    """Where swaps are counted (gpufrac.agent.metrics)."""
+
+    def count_swap(self, container: ContainerAlloc, direction: str) -> None: ...
 
 
 class SwapHost(Protocol):
@@ -81,6 +98,8 @@ class SwapHost(Protocol):
     peers: PeerLookup
     chain: Chain
 
+    @property
+    def metrics(self) -> SwapMetrics: ...
     def holdings(self, gpu: str) -> list[Holding]: ...
     def claim(self, need: Need) -> AbstractContextManager[None]: ...
     def revoke_burst(self, alloc: ContainerAlloc) -> None: ...
@@ -89,19 +108,6 @@ class SwapHost(Protocol):
     def try_grant(self, need: Need, target: int) -> bool: ...
     async def refresh_memory(self) -> None: ...
     def next_seq(self) -> int: ...
-
-
-@dataclass
-class Swapped:
-    """A container whose GPU memory is in host RAM."""
-
-    alloc: ContainerAlloc
-    gpu: str
-    bytes: int  # GPU memory moved to host RAM (the container's usage when it went)
-    pids: tuple[int, ...]  # host pids checkpointed
-    slots: tuple[SlotId, ...]  # their usage slots
-    since: float = field(default_factory=time.monotonic)
-    needed_by: str = ""
 
 
 @dataclass
@@ -120,143 +126,6 @@ class _Skip(Exception):
     """This container cannot be swapped now (the message says why)."""
 
 
-# -- victim choice (pure) ------------------------------------------------------------------------
-
-
-def win(h: Holding, lend: bool) -> int:
-    """Bytes the arbiter may hand out once `h` is swapped: all it uses if unused guarantees
-    may be lent, else only what it uses above its guarantee (which stays reserved for it)."""
-    return h.used if lend else max(0, h.used - h.request)
-
-
-def pick(candidates: Sequence[Holding], missing: int, ram_left: int, lend: bool) -> list[Holding]:
-    """The victims to swap for `missing` bytes, least disruption first: one victim if any
-    single one suffices (lowest priority, longest idle, least to move), else the fewest
-    (largest wins first, lower priorities before higher), each within the host RAM left.
-    Empty when even all of them together would not free enough: swapping some would
-    disturb them for nothing."""
-    fits = [h for h in candidates if h.used <= ram_left and win(h, lend) > 0]
-    single = [h for h in fits if win(h, lend) >= missing]
-    if single:
-        return [min(single, key=lambda h: (h.priority, -h.idle_s, h.used))]
-    chosen: list[Holding] = []
-    won = ram = 0
-    for h in sorted(fits, key=lambda h: (h.priority, -win(h, lend), -h.idle_s)):
-        if ram + h.used > ram_left:
-            continue
-        chosen.append(h)
-        won += win(h, lend)
-        ram += h.used
-        if won >= missing:
-            return chosen
-    return []
-
-
-# -- blocking helpers (worker threads) ------------------------------------------------------------
-
-
-def set_swapped(directory: str, slots: Iterable[SlotId], value: int) -> int:
-    """Set the `swapped` flag of the given usage slots; returns the sum of their launch
-    counters (to notice a launch that raced the swap-out). Blocking file I/O: a copy is read
-    and the flags written by pwrite (the file is the container's: never mapped)."""
-    want = set(slots)
-    usage = formats.read_usage(directory)
-    launches, writes = 0, []
-    for i, s in enumerate(usage.slots):
-        if s.pid > 0 and (int(s.pid), int(s.start_time)) in want:
-            writes.append(("swapped", i, value))
-            launches += int(s.launches)
-    formats.write_usage_fields(directory, writes)
-    return launches
-
-
-def clear_all_flags(directory: str) -> int:
-    """Clear every slot's swapped flag (nothing of the container is swapped); returns how many."""
-    try:
-        usage = formats.read_usage(directory)
-        writes = [("swapped", i, 0) for i, s in enumerate(usage.slots) if s.swapped]
-        formats.write_usage_fields(directory, writes)
-    except FormatError:
-        return 0
-    return len(writes)
-
-
-# The agent's record of how much of a container's GPU memory it moved to host RAM, in the
-# container's host directory (never mounted into the container, unlike its usage file): an
-# agent started while the container is swapped out counts it from here, not from a usage
-# file the container writes.
-SIZE_RECORD = "swapped-bytes"
-
-
-def write_size(directory: str, nbytes: int) -> None:
-    """Record a swap-out's size (blocking; written whole, then renamed into place)."""
-    path = os.path.join(directory, SIZE_RECORD)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{nbytes}\n")
-    os.replace(tmp, path)
-
-
-def read_size(directory: str) -> int | None:
-    """A recorded swap-out's size; None when there is none (or it cannot be read)."""
-    try:
-        with open(os.path.join(directory, SIZE_RECORD)) as f:
-            n = int(f.read(64).strip())
-    except (OSError, ValueError):
-        return None
-    return n if n >= 0 else None
-
-
-def drop_size(directory: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(directory, SIZE_RECORD))
-
-
-def maps_file(pid: int, dev: int, ino: int, proc: str = "/proc") -> bool:
-    """Whether process `pid` has the file (device, inode) mapped: the shim keeps its
-    container's usage file mapped, whatever path its container sees it under."""
-    want = f"{os.major(dev):02x}:{os.minor(dev):02x} {ino} "
-    try:
-        with open(f"{proc}/{pid}/maps") as f:
-            return any(want in line for line in f)
-    except OSError:
-        return False
-
-
-def processes_of(alloc: ContainerAlloc, peers: PeerLookup) -> list[int] | None:
-    """Host pids of a container's shim processes, found by cgroup alone (blocking: a /proc
-    scan). Needs no pod cache, which a freshly started agent does not have yet: every
-    process in the pod's cgroup that maps this container's usage file. None when the
-    container's pod is not known, so that nothing can be concluded from finding nobody."""
-    seen = peers.seen.get(alloc.key)
-    uid = seen.pod_uid if seen is not None else alloc.pod_uid
-    if not uid:
-        with contextlib.suppress(FormatError):
-            uid = formats.read_config(alloc.directory).pod_uid  # the identity the agent published
-    if not uid:
-        return None
-    try:
-        st = os.stat(os.path.join(alloc.directory, formats.USAGE_FILE))
-    except OSError:
-        return None
-    return [
-        pid
-        for pid in scan_pids(lambda c: c.pod_uid == uid, peers.proc)
-        if maps_file(pid, st.st_dev, st.st_ino, peers.proc)
-    ]
-
-
-class _Unknown(Exception):
-    """A container's processes cannot be found now: nothing about its swap state may be
-    concluded (its flags stay as they are)."""
-
-
-def launches_of(directory: str, slots: Iterable[SlotId]) -> int:
-    want = set(slots)
-    usage = formats.read_usage(directory)
-    return sum(int(s.launches) for s in usage.slots if s.pid > 0 and (int(s.pid), int(s.start_time)) in want)
-
-
 # -- the resolver ------------------------------------------------------------------------------------
 
 
@@ -273,7 +142,7 @@ class SwapResolver:
         self._inflight = 0  # bytes of swap-outs under way (host RAM they will take)
         self._detect: asyncio.Future[Support] | None = None
         self._said = False
-        self._unknown_said: set[str] = set()  # containers whose processes could not be told apart yet
+        self._takeover = Takeover(self.ckpt, ctx.peers)
 
     # -- support --------------------------------------------------------------------------------
 
@@ -301,7 +170,7 @@ class SwapResolver:
                     async with self._busy_with(alloc.key):
                         if alloc.key not in self.swapped and self.ctx.ledger.get(alloc.key) is alloc:
                             await self._rediscover(alloc)
-                except _Unknown:
+                except Unknown:
                     pass  # its SWAP_IN takes it over once its pod is known
                 except Exception:
                     log.exception("swap: cannot recover the swap state of %s", alloc.who())
@@ -442,7 +311,7 @@ class SwapResolver:
             raise _Skip("it has a whole GPU, which is never swapped")
         if not alloc.config.flags & FLAG_SWAPPABLE:
             raise _Skip(
-                f'its pod does not allow swapping (annotation {annotations.SWAPPABLE}: "true", '
+                f'its pod does not allow swapping (annotation {SWAPPABLE}: "true", '
                 "or node config swap.defaultSwappable)"
             )
         self._check_free(alloc.key)
@@ -563,7 +432,7 @@ class SwapResolver:
         self.ctx.revoke_burst(alloc)  # the burst goes with it; it is arbitrated again on the way back
         self.stats.swapped_out += 1
         self.stats.bytes_out += h.used
-        metrics.count_swap(alloc, "out")
+        self.ctx.metrics.count_swap(alloc, "out")
         log.warning(
             "swap: %s (%s, idle %.0fs) moved to host RAM from GPU %s in %.2fs (%s)",
             alloc.who(),
@@ -594,92 +463,18 @@ class SwapResolver:
             if entry is None:
                 try:
                     entry = await self._rediscover(alloc)
-                except _Unknown:
+                except Unknown:
                     return False  # not yet: its shim asks again
                 if entry is None:
                     return True
             return await self._swap_in(entry)
 
     async def _rediscover(self, alloc: ContainerAlloc) -> Swapped | None:
-        """A container flagged swapped that this agent did not swap (a previous agent did):
-        its locked or checkpointed processes become a Swapped entry again. Its flags are
-        cleared only once its processes are known (by cgroup) and the driver reports none of
-        them locked or checkpointed: a flag cleared over a locked process leaves that process
-        blocked in the driver with nobody to ask for it. _Unknown when its processes cannot
-        be found yet."""
-        try:
-            usage = await asyncio.to_thread(formats.read_usage, alloc.directory)
-        except FormatError:
-            return None
-        flagged = [s for s in usage.slots if s.pid > 0 and s.swapped]
-        if not flagged:
-            return None
-        if not self.ckpt.available:
-            # No checkpoint API: nothing here can have been checkpointed by us (flags a
-            # container set on itself, its usage file being writable to it).
-            n = await asyncio.to_thread(clear_all_flags, alloc.directory)
-            await asyncio.to_thread(drop_size, alloc.directory)
-            log.info("swap: cleared %d swapped flag(s) of %s (no checkpoint API here)", n, alloc.who())
-            return None
-
-        def find() -> list[tuple[int, SlotId, ProcessState]] | None:
-            pids = processes_of(alloc, self.ctx.peers)
-            if pids is None:
-                return None
-            out = []
-            for pid in pids:
-                state = process_state(pid, self.ckpt)
-                ident = proc_identity(pid)
-                if state in (ProcessState.CHECKPOINTING, ProcessState.RESTORING):
-                    return None  # the driver is still moving it: look again later
-                if ident is not None and state in (ProcessState.LOCKED, ProcessState.CHECKPOINTED):
-                    out.append((pid, ident, state))
-            return out
-
-        procs = await asyncio.to_thread(find)
-        if procs is None:
-            if alloc.key in self._unknown_said:
-                raise _Unknown(f"the processes of {alloc.who()} cannot be found yet")
-            self._unknown_said.add(alloc.key)  # said once: its shim asks again and again
-            log.warning(
-                "swap: %s is flagged swapped out but its processes cannot be told yet (pod unknown, "
-                "or the driver is still checkpointing or restoring one); its flags stay set",
-                alloc.who(),
-            )
-            raise _Unknown(f"the processes of {alloc.who()} cannot be found yet")
-        self._unknown_said.discard(alloc.key)
-        if not procs:
-            n = await asyncio.to_thread(clear_all_flags, alloc.directory)
-            await asyncio.to_thread(drop_size, alloc.directory)
-            log.info(
-                "swap: cleared %d stale swapped flag(s) of %s (no process of it is locked)", n, alloc.who()
-            )
-            return None
-        want = {(int(s.pid), int(s.start_time)) for s in flagged}
-        stray = [pid for pid, ident, _ in procs if ident not in want]
-        if stray:
-            # Locked or checkpointed without a flag (its slot was reused, or the flag was
-            # cleared): it comes back with the others, or it would stay blocked forever.
-            log.warning("swap: %s has locked process(es) %s without a swapped flag", alloc.who(), stray)
-        # Its size is what the previous agent recorded when it moved it, not the usage
-        # file's total, which the container writes (a huge one would fill the host-RAM
-        # budget, a small one bring its memory back without room for it). Without a record
-        # (an agent that kept none), the file's total, never more than its limit.
-        recorded = await asyncio.to_thread(read_size, alloc.directory)
-        if recorded is None:
-            recorded = min(int(usage.total_used), int(alloc.config.limit_bytes))
-        entry = Swapped(
-            alloc,
-            alloc.gpus[0],
-            recorded,
-            tuple(p for p, _, _ in procs),
-            tuple(ident for _, ident, _ in procs),
-            needed_by="a previous agent",
-        )
-        # Every one of them flagged: its shim asks to come back on its next call.
-        await asyncio.to_thread(set_swapped, alloc.directory, entry.slots, 1)
-        self.swapped[alloc.key] = entry
-        log.info("swap: %s is swapped out (%s); taken over", alloc.who(), format_bytes(entry.bytes))
+        """A container a previous agent swapped out becomes a Swapped entry again
+        (gpufrac.agent.swap_takeover); Unknown when its processes cannot be found yet."""
+        entry = await self._takeover.rediscover(alloc)
+        if entry is not None:
+            self.swapped[alloc.key] = entry
         return entry
 
     def _swap_in_need(self, entry: Swapped) -> Need:
@@ -765,7 +560,7 @@ class SwapResolver:
             log.info("swap: swap-out of %s undone in %.2fs (it became active)", alloc.who(), secs)
             return True
         self.stats.swapped_in += 1
-        metrics.count_swap(alloc, "in")
+        self.ctx.metrics.count_swap(alloc, "in")
         away = time.monotonic() - entry.since
         log.info(
             "swap: %s back on GPU %s in %.2fs (%s)", alloc.who(), entry.gpu, secs, format_bytes(entry.bytes)
@@ -792,7 +587,7 @@ async def handle_swap_in(ctx: SwapHost, alloc: ContainerAlloc) -> int:
         # No swap resolver here: nothing of ours can be swapped. Flags a container set on
         # itself (its usage file is writable to it) are cleared so its shim goes on.
         await asyncio.to_thread(clear_all_flags, alloc.directory)
-        return formats.BURST_GRANTED
+        return wire.BURST_GRANTED
     # Shielded: a shim that stops listening (its timeout) must not cut a restore in half;
     # it asks again and finds the work done.
-    return formats.BURST_GRANTED if await asyncio.shield(resolver.swap_in(alloc)) else formats.BURST_DENIED
+    return wire.BURST_GRANTED if await asyncio.shield(resolver.swap_in(alloc)) else wire.BURST_DENIED

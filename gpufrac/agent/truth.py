@@ -11,8 +11,8 @@ looks full. For those the arbiter counts
              (request + grant): a huge counter cannot make the GPU look fuller than the grants
              the agent itself published
     driver = NVML's per-process used memory (nvmlDeviceGetComputeRunningProcesses), summed
-             over the processes whose cgroup names the container (gpufrac.agent.watchdog.observe,
-             gpufrac.agent.peers), less ONE context allowance per container (NVML also counts
+             over the processes whose cgroup names the container (gpufrac.agent.gpu_processes.observe,
+             gpufrac.agent.callers), less ONE context allowance per container (NVML also counts
              each CUDA context, which the shim does not; docs/watchdog.md sizes it)
 
 so zeroing the counter, or allocating from a process that does not load the shim, hides
@@ -30,15 +30,12 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from gpufrac.agent.allocations import ContainerAlloc
-from gpufrac.agent.peers import PeerError
+from gpufrac.agent.callers import PeerError
+from gpufrac.agent.gpu_processes import Lookup, Observed
 from gpufrac.agent.units import format_bytes
 from gpufrac.memguard import formats
-
-if TYPE_CHECKING:  # the watchdog imports this module
-    from gpufrac.agent.watchdog import Lookup, Observed
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,6 @@ import math
 import re
 from decimal import Decimal, InvalidOperation, Underflow, localcontext
 
-from kubernetes.utils.quantity import parse_quantity
-
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 _DURATION_SCALE = {"ms": Decimal("0.001"), "s": Decimal(1), "m": Decimal(60), "h": Decimal(3600)}
 # The largest size any field of the shim holds (u64 bytes, memguard_abi.h).
@@ -17,6 +15,24 @@ MAX_DURATION_S = 100 * 365 * 86400
 # Durations the shim holds in a u32 of milliseconds (memguard_abi.h: arbiter_timeout_ms,
 # wait_timeout_ms): about 49.7 days.
 MAX_MS_FIELD_S = (2**32 - 1) / 1000
+# A Kubernetes quantity's suffix: a power of 1000 (n u m k K M G T P E), or of 1024 when an
+# "i" follows K M G T P or E (Ki Mi Gi ...). Read here, not with the kubernetes client, so
+# the bottom layer needs no client library; the number before it is read as a Decimal.
+_SUFFIX_POWER = {"n": -3, "u": -2, "m": -1, "k": 1, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5, "E": 6}
+
+
+def _quantity(value: object) -> Decimal:
+    """A quantity as an exact Decimal; ValueError or InvalidOperation when it is none."""
+    if isinstance(value, int | float | Decimal):
+        return Decimal(value)
+    text = str(value)
+    if text.endswith("i") and len(text) >= 2 and text[-2] in _SUFFIX_POWER:
+        if _SUFFIX_POWER[text[-2]] < 1 or text[-2] == "k":
+            raise ValueError(f"{text!r}: {text[-2:]} is not a suffix")
+        return Decimal(text[:-2]) * Decimal(1024) ** _SUFFIX_POWER[text[-2]]
+    if text and text[-1] in _SUFFIX_POWER:
+        return Decimal(text[:-1]) * Decimal(1000) ** _SUFFIX_POWER[text[-1]]
+    return Decimal(text)
 
 
 def parse_bytes(value: str | int) -> int:
@@ -30,7 +46,7 @@ def parse_bytes(value: str | int) -> int:
         # where "1e-9" is refused as not a whole number of bytes.
         with localcontext() as ctx:
             ctx.traps[Underflow] = True
-            q = parse_quantity(value)
+            q = _quantity(value)
     except (ValueError, InvalidOperation, TypeError, ArithmeticError) as e:
         raise ValueError(f"{value!r} is not a quantity like 24Gi or 2500Mi") from e
     if not q.is_finite():  # Decimal accepts "NaN" and "Infinity"

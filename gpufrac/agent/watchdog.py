@@ -4,7 +4,7 @@ The memguard shim holds every process that loads it to its container's limit. A
 program that bypasses it (a static binary, LD_PRELOAD unset, its own dlopen of
 the driver by path) is invisible to the shim but not to NVML: every interval the
 watchdog reads NVML's per-process used memory, maps each process to its
-container through /proc/<pid>/cgroup (gpufrac.agent.peers), sums per container
+container through /proc/<pid>/cgroup (gpufrac.agent.gpu_processes), sums per container
 and GPU, and compares with the container's limit plus ONE allowance per container (`tolerance`:
 the shim charges contexts and modules as measured around the call, which can be a little off,
 and lazily loaded modules take memory no hooked call sees; docs/watchdog.md sizes it). Per
@@ -36,10 +36,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import pynvml
-
-from gpufrac.agent import metrics, truth
+from gpufrac.agent import metrics as metrics_mod
+from gpufrac.agent import truth
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
+from gpufrac.agent.callers import CgroupIdentity, PeerError
 from gpufrac.agent.config import WatchdogConfig
 from gpufrac.agent.events import (
     REASON_LIMIT_ENFORCED,
@@ -49,31 +49,14 @@ from gpufrac.agent.events import (
     container_name,
     container_ref,
 )
-from gpufrac.agent.inventory import NvmlError, query_gpus
+from gpufrac.agent.gpu_processes import GpuProcess, Lookup, Observed, observe
+from gpufrac.agent.inventory import NvmlError
+from gpufrac.agent.kill import kill_if_same
 from gpufrac.agent.kube import ObjectRef
-from gpufrac.agent.peers import KILL_WAIT, CgroupIdentity, PeerError, in_container, kill_and_wait, read_cgroup
 from gpufrac.agent.units import format_bytes
 from gpufrac.memguard.formats import FLAG_WHOLE_GPU
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GpuProcess:
-    """One process's memory on one GPU, as NVML reports it."""
-
-    pid: int
-    gpu: str  # GPU UUID
-    used: int  # bytes
-    start: int = 0  # start time in clock ticks after boot (/proc/<pid>/stat): newest first
-
-
-@dataclass(frozen=True)
-class Observed:
-    """A GPU process and the kubelet container its cgroup names (None: not in one)."""
-
-    proc: GpuProcess
-    cgroup: CgroupIdentity | None
 
 
 @dataclass
@@ -89,60 +72,18 @@ class Verdict:
     kill: list[GpuProcess] = field(default_factory=list)
 
 
-class Lookup(Protocol):
-    """Which gpufrac allocation a kubelet container holds (gpufrac.agent.peers.PeerLookup)."""
+class WatchdogMetrics(Protocol):
+    """Where the watchdog counts what it found and did (gpufrac.agent.metrics)."""
 
-    def allocation(self, pod_uid: str, container_id: str) -> ContainerAlloc: ...
+    def count_watchdog(self, action: str) -> None: ...
+    def set_watchdog_unowned(self, processes: int, used_bytes: int) -> None: ...
+    def count_usage_mismatch(self) -> None: ...
 
 
 class EventSink(Protocol):
+    """Where Kubernetes Events go (gpufrac.agent.kube.EventRecorder)."""
+
     def record(self, ref: ObjectRef, type_: str, reason: str, message: str) -> None: ...
-
-
-# -- NVML and /proc (blocking) -------------------------------------------------------------------
-
-
-def read_gpu_processes() -> list[GpuProcess]:
-    """Compute processes and their used memory on every GPU (blocking NVML calls).
-    Processes whose memory NVML cannot attribute (usedGpuMemory unavailable) count as 0."""
-    out: list[GpuProcess] = []
-    for _, uuid, procs in query_gpus("watchdog: processes", pynvml.nvmlDeviceGetComputeRunningProcesses):
-        for p in procs:
-            used = p.usedGpuMemory
-            out.append(GpuProcess(int(p.pid), uuid, int(used) if isinstance(used, int) else 0))
-    return out
-
-
-def start_time(pid: int, proc_root: str = "/proc") -> int:
-    """A process's start time (clock ticks after boot), 0 when it is gone."""
-    try:
-        with open(f"{proc_root}/{pid}/stat", "rb") as f:
-            stat = f.read()
-        # Field 22; the command name (field 2) may hold spaces and parentheses: split after it.
-        return int(stat[stat.rindex(b")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def observe(proc_root: str = "/proc") -> list[Observed]:
-    """NVML's GPU processes, each with its container's cgroup identity (blocking)."""
-    out = []
-    for p in read_gpu_processes():
-        try:
-            ident = read_cgroup(p.pid, proc_root)
-        except PeerError:
-            continue  # exited since NVML listed it
-        out.append(Observed(GpuProcess(p.pid, p.gpu, p.used, start_time(p.pid, proc_root)), ident))
-    return out
-
-
-def kill_if_same(
-    pid: int, ident: CgroupIdentity, proc_root: str = "/proc", timeout: float = KILL_WAIT
-) -> bool:
-    """SIGKILL `pid` only if it is still the process of that container (a pidfd pins it
-    against pid reuse between the check and the signal); wait for it to exit. Blocking."""
-
-    return kill_and_wait([pid], timeout, still_ours=lambda p: in_container(p, ident, proc_root)) == 1
 
 
 # -- the decision (pure) -------------------------------------------------------------------------
@@ -189,16 +130,16 @@ def plan(owned: Iterable[tuple[ContainerAlloc, GpuProcess]], tolerance: int, enf
 
 class Watchdog:
     """Runs on the agent's loop. `lookup` maps a cgroup identity to its allocation
-    (PeerLookup); `events()` gives the EventRecorder to post Kubernetes Events with (it
-    appears once pod identity is up; None = log only)."""
+    (gpufrac.agent.callers.PeerLookup); `events` posts Kubernetes Events (None: log only)."""
 
     def __init__(
         self,
         config: WatchdogConfig,
         ledger: Ledger,
         lookup: Lookup,
-        events: Callable[[], EventSink | None] = lambda: None,
+        events: EventSink | None = None,
         *,
+        metrics: WatchdogMetrics = metrics_mod,
         observer: Callable[[], list[Observed]] = observe,
         killer: Callable[[int, CgroupIdentity], bool] = kill_if_same,
     ) -> None:
@@ -206,6 +147,7 @@ class Watchdog:
         self.ledger = ledger
         self.lookup = lookup
         self._events = events
+        self._metrics = metrics
         self._observe = observer
         self._kill = killer
         self._over: set[tuple[str, str]] = set()  # (container key, GPU) over limit now: reported once
@@ -287,7 +229,7 @@ class Watchdog:
             log.info("watchdog: container %s is back within its limit on GPU %s", key[0], key[1])
         self._over = now_over
         self.scans += 1
-        metrics.set_watchdog_unowned(len(unowned), sum(p.used for p in unowned.values()))
+        self._metrics.set_watchdog_unowned(len(unowned), sum(p.used for p in unowned.values()))
         return verdicts
 
     async def _check_files(self, owned: list[tuple[ContainerAlloc, GpuProcess]]) -> None:
@@ -313,7 +255,7 @@ class Watchdog:
             if msg is not None:
                 log.warning("watchdog: %s", msg)
                 self._event(alloc, REASON_USAGE_MISMATCH, msg)
-                metrics.count_usage_mismatch()
+                self._metrics.count_usage_mismatch()
         self.mismatch.forget([k for k in self.mismatch.since if self.ledger.get(k) is None])
 
     def _owner(self, ident: CgroupIdentity | None) -> ContainerAlloc | None:
@@ -354,7 +296,7 @@ class Watchdog:
         )
         log.warning("watchdog: %s: %s", v.alloc.who(), msg)
         self._event(v.alloc, REASON_OVER_LIMIT, msg)
-        metrics.count_watchdog("report")
+        self._metrics.count_watchdog("report")
 
     async def _enforce(self, v: Verdict, idents: dict[int, CgroupIdentity]) -> None:
         for p in v.kill:
@@ -365,10 +307,9 @@ class Watchdog:
             msg = f"{self._describe(v)}: killed process {p.pid} using {format_bytes(p.used)}"
             log.warning("watchdog: %s: %s", v.alloc.who(), msg)
             self._event(v.alloc, REASON_LIMIT_ENFORCED, msg)
-            metrics.count_watchdog("kill")
+            self._metrics.count_watchdog("kill")
 
     def _event(self, alloc: ContainerAlloc, reason: str, message: str) -> None:
-        sink = self._events()
         ref = container_ref(alloc)
-        if sink is not None and ref is not None:
-            sink.record(ref, WARNING, reason, message)
+        if self._events is not None and ref is not None:
+            self._events.record(ref, WARNING, reason, message)

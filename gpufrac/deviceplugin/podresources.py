@@ -11,19 +11,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from gpufrac.deviceplugin.slices import ContainerDevices
 from gpufrac.proto import podresources_pb2 as pr
 from gpufrac.proto import podresources_pb2_grpc as pr_grpc
-
-
-@dataclass(frozen=True)
-class ContainerDevices:
-    """One container's devices of one resource, as the kubelet lists them."""
-
-    namespace: str
-    pod: str
-    container: str
-    resource: str
-    device_ids: tuple[str, ...]
 
 
 def grouped(resp: pr.ListPodResourcesResponse, resources: tuple[str, ...] | None) -> list[ContainerDevices]:

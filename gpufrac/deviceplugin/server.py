@@ -25,9 +25,10 @@ from typing import Protocol
 import grpc
 
 from gpufrac.agent import logs
-from gpufrac.agent.allocations import AllocationError, ContainerAlloc, container_key
-from gpufrac.agent.config import Config
+from gpufrac.agent.config import Config, arbiter_socket
+from gpufrac.core.errors import AllocationError, ErrorKind
 from gpufrac.deviceplugin import slices
+from gpufrac.deviceplugin.slices import container_key
 from gpufrac.memguard import formats
 from gpufrac.proto import deviceplugin_pb2 as pb
 from gpufrac.proto import deviceplugin_pb2_grpc as pb_grpc
@@ -48,29 +49,61 @@ REGISTER_TIMEOUT = 15.0
 # kubelet.sock / own socket / stream checks: well inside 'a couple of seconds', cheap when idle.
 WATCH_INTERVAL = 0.2
 SHIM_NAME = "libmemguard.so"
+# What the kubelet is told, per kind of refusal (gpufrac.core.errors).
+STATUS_CODES = {
+    ErrorKind.INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.STATE_CONFLICT: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.NODE_FAILURE: grpc.StatusCode.INTERNAL,
+}
+
+
+def status_code(error: AllocationError) -> grpc.StatusCode:
+    """The gRPC status a refused Allocate or PreStartContainer answers with."""
+    return STATUS_CODES[error.kind]
+
+
+# One device as ListAndWatch reports it: (ID, healthy, NUMA node or None).
+Device = tuple[str, bool, int | None]
+
+
+class Booking(Protocol):
+    """What a container's response is made of: the allocation the backend booked."""
+
+    @property
+    def key(self) -> str: ...  # the container key (gpufrac.deviceplugin.slices.container_key)
+    @property
+    def gpus(self) -> tuple[str, ...]: ...  # GPU UUIDs
+    @property
+    def directory(self) -> str: ...  # host directory with its config and usage files
 
 
 class Backend(Protocol):
-    """What the servers need from the agent."""
+    """What the servers need from the agent: the allocation service and the node config.
 
-    config: Config
+    Refusals are gpufrac.core.errors.AllocationError; the servers map their kinds to gRPC
+    status codes (status_code)."""
 
-    def device_sections(
-        self, resource: str
-    ) -> list[tuple[Hashable, Callable[[], list[tuple[str, bool, int | None]]]]]: ...
-    def preferred(
-        self, resource: str, available: Sequence[str], must: Sequence[str], size: int
-    ) -> list[str]: ...
-    async def allocate(self, resource: str, device_ids: Sequence[str]) -> ContainerAlloc: ...
-    async def prestart(self, resource: str, device_ids: Sequence[str]) -> None: ...
+    @property
+    def config(self) -> Config: ...
+
+    def device_sections(self, resource: str) -> list[tuple[Hashable, Callable[[], list[Device]]]]:
+        """The device list of `resource` in sections, each keyed by what it was built from."""
+        ...
+
+    def preferred(self, resource: str, available: Sequence[str], must: Sequence[str], size: int) -> list[str]:
+        """GetPreferredAllocation: which `size` of `available` (with all of `must`) to take."""
+        ...
+
+    async def allocate(self, resource: str, device_ids: Sequence[str]) -> Booking:
+        """Allocate: book the devices and make the container's directory."""
+        ...
+
+    async def prestart(self, resource: str, device_ids: Sequence[str]) -> None:
+        """PreStartContainer: the booking is known and ready for its container to start."""
+        ...
 
 
-def arbiter_socket(config: Config) -> str:
-    """Host path of the arbiter's unix socket (one per node; peers are told apart by SO_PEERCRED)."""
-    return os.path.join(config.paths.state_dir, "arbiter.sock")
-
-
-def container_response(alloc: ContainerAlloc, config: Config) -> pb.ContainerAllocateResponse:
+def container_response(alloc: Booking, config: Config) -> pb.ContainerAllocateResponse:
     """What the kubelet hands the container runtime: the GPU(s) and the shim injection."""
     resp = pb.ContainerAllocateResponse()
     if config.device_list_strategy == "cdi":
@@ -219,12 +252,12 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         return data
 
     async def GetDevicePluginOptions(
-        self, request: pb.Empty, context: grpc.aio.ServicerContext
+        self, request: pb.Empty, context: grpc.aio.ServicerContext[pb.Empty, pb.DevicePluginOptions]
     ) -> pb.DevicePluginOptions:
         return OPTIONS
 
     async def ListAndWatch(
-        self, request: pb.Empty, context: grpc.aio.ServicerContext
+        self, request: pb.Empty, context: grpc.aio.ServicerContext[pb.Empty, pb.ListAndWatchResponse]
     ) -> AsyncIterator[pb.ListAndWatchResponse]:
         self.active_streams += 1
         sent: pb.ListAndWatchResponse | None = None
@@ -242,7 +275,9 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
             self.stream_ended.set()
 
     async def GetPreferredAllocation(
-        self, request: pb.PreferredAllocationRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.PreferredAllocationRequest,
+        context: grpc.aio.ServicerContext[pb.PreferredAllocationRequest, pb.PreferredAllocationResponse],
     ) -> pb.PreferredAllocationResponse:
         t0 = time.perf_counter()
         resp = pb.PreferredAllocationResponse()
@@ -258,7 +293,9 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         return resp
 
     async def Allocate(
-        self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.AllocateRequest,
+        context: grpc.aio.ServicerContext[pb.AllocateRequest, pb.AllocateResponse],
     ) -> pb.AllocateResponse:
         t0 = time.perf_counter()
         resp = pb.AllocateResponse()
@@ -268,21 +305,23 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
                 alloc = await self.backend.allocate(self.resource, list(creq.devices_ids))
             except AllocationError as e:
                 log.warning("Allocate %s refused: %s", self.resource, e.message)
-                await context.abort(e.code, e.message)
+                await context.abort(status_code(e), e.message)
             resp.container_responses.append(container_response(alloc, self.backend.config))
             key = alloc.key
         self._handled("Allocate", t0, key)
         return resp
 
     async def PreStartContainer(
-        self, request: pb.PreStartContainerRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.PreStartContainerRequest,
+        context: grpc.aio.ServicerContext[pb.PreStartContainerRequest, pb.PreStartContainerResponse],
     ) -> pb.PreStartContainerResponse:
         t0 = time.perf_counter()
         try:
             await self.backend.prestart(self.resource, list(request.devices_ids))
         except AllocationError as e:
             log.warning("PreStartContainer %s refused: %s", self.resource, e.message)
-            await context.abort(e.code, e.message)
+            await context.abort(status_code(e), e.message)
         self._handled("PreStartContainer", t0, container_key(self.resource, request.devices_ids))
         return pb.PreStartContainerResponse()
 
@@ -326,7 +365,7 @@ class PluginServer:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)  # stale socket of an earlier run
         server = grpc.aio.server()
-        pb_grpc.add_DevicePluginServicer_to_server(self.plugin, server)
+        pb_grpc.add_DevicePluginServicer_to_server(self.plugin, server)  # type: ignore[no-untyped-call]  # generated, unannotated
         server.add_insecure_port(f"unix://{self.socket_path}")
         await server.start()
         self._server = server
@@ -341,7 +380,8 @@ class PluginServer:
             options=OPTIONS,
         )
         async with grpc.aio.insecure_channel(f"unix://{self.kubelet_socket}") as ch:
-            await pb_grpc.RegistrationStub(ch).Register(req, timeout=REGISTER_TIMEOUT)
+            stub = pb_grpc.RegistrationStub(ch)  # type: ignore[no-untyped-call]  # generated, unannotated
+            await stub.Register(req, timeout=REGISTER_TIMEOUT)
 
     async def _supervise(self) -> None:
         backoff = WATCH_INTERVAL

@@ -10,6 +10,8 @@ what the ledger books; the kubelet only ever sees slice counts.
 from __future__ import annotations
 
 import functools
+import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gpufrac.agent.config import Config
@@ -90,6 +92,31 @@ class GpuGeometry:
         else:
             n = free_bytes // self.memory_unit
         return min(n, self.slices(resource))
+
+
+@dataclass(frozen=True)
+class ContainerDevices:
+    """One container's devices of one resource, as the kubelet lists them (pod-resources)."""
+
+    namespace: str
+    pod: str
+    container: str
+    resource: str
+    device_ids: tuple[str, ...]
+
+
+def container_key(resource: str, device_ids: Iterable[str]) -> str:
+    """Stable, unique-per-device-set key: the kubelet tells Allocate nothing else."""
+    return _container_key(resource, tuple(device_ids))
+
+
+@functools.lru_cache(maxsize=4096)
+def _container_key(resource: str, device_ids: tuple[str, ...]) -> str:
+    # Cached: every reconcile keys every container pod-resources lists, in the same order
+    # each time, and Allocate/PreStartContainer key theirs on the kubelet's critical path.
+    ids = sorted(device_ids, key=sort_key)
+    digest = hashlib.sha256((resource + "\n" + "\n".join(ids)).encode()).hexdigest()[:20]
+    return ("f-" if resource == FRACTION else "m-") + digest
 
 
 def geometry(config: Config, inventory: Inventory) -> dict[str, GpuGeometry]:

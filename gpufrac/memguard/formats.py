@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpufrac.core import flags as _flags
+
 CONFIG_MAGIC = 0x3147464347464D47
 USAGE_MAGIC = 0x3147534547464D47
 ABI_VERSION = 1
@@ -31,15 +33,19 @@ USAGE_FILE = "usage"
 SOCKET_FILE = "arbiter.sock"
 DEFAULT_DIR = "/var/run/gpufrac"
 
-FLAG_POD_KNOWN = 1 << 0
-FLAG_PREEMPTIBLE = 1 << 1
-FLAG_SWAPPABLE = 1 << 2
-FLAG_WHOLE_GPU = 1 << 3
-FLAG_DISABLED = 1 << 4
+# The flag bits and class numbers are part of this ABI; the policy in gpufrac.core speaks them
+# too, so they are defined there (gpufrac.core.flags) and named here with the files' other fields.
+FLAG_POD_KNOWN = _flags.FLAG_POD_KNOWN
+FLAG_PREEMPTIBLE = _flags.FLAG_PREEMPTIBLE
+FLAG_SWAPPABLE = _flags.FLAG_SWAPPABLE
+FLAG_WHOLE_GPU = _flags.FLAG_WHOLE_GPU
+FLAG_DISABLED = _flags.FLAG_DISABLED
+CLASS_BATCH = _flags.CLASS_BATCH
+CLASS_INTERACTIVE = _flags.CLASS_INTERACTIVE
+CLASS_INFERENCE = _flags.CLASS_INFERENCE
+CLASS_NAMES = _flags.CLASS_NAMES
+CLASS_BY_NUMBER = _flags.CLASS_BY_NUMBER
 
-CLASS_BATCH, CLASS_INTERACTIVE, CLASS_INFERENCE = 0, 1, 2
-CLASS_NAMES = {"batch": CLASS_BATCH, "interactive": CLASS_INTERACTIVE, "inference": CLASS_INFERENCE}
-CLASS_BY_NUMBER = {v: k for k, v in CLASS_NAMES.items()}
 
 u32, u64, i32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int32
 
@@ -91,47 +97,6 @@ class UsageStruct(ctypes.Structure):
         ("total_used", u64),
         ("grant_returned", u64),
         ("slots", ProcSlot * MAX_PROCS),
-    ]
-
-
-# Slow-path wire format on arbiter.sock (memguard_abi.h mg_burst_req_t / mg_burst_rep_t):
-# one fixed-size request and reply per connection. On BURST_GRANTED the agent has
-# already published the larger grant_bytes in config before replying.
-BURST_MAGIC = 0x3142474D
-BURST_OP_BURST = 1
-BURST_GRANTED, BURST_DENIED = 0, 1
-# Added with the arbiter (docs/arbiter-protocol.md): the shim gives back grant it no
-# longer uses; swap-in is reserved for the swap resolver. Statuses other than GRANTED
-# all mean "refused" to the shim; the extra ones say why.
-BURST_OP_RELEASE, BURST_OP_SWAP_IN = 2, 3
-BURST_REFUSED, BURST_INVALID, BURST_UNAVAILABLE = 2, 3, 4
-# The driver refused an allocation within the request (others' bursts hold the guarantee):
-# the agent takes burst memory back; GRANTED means retry once.
-BURST_OP_RECLAIM = 4
-# The caller's container is over its arbiter limits (connections, requests in flight,
-# request rate: gpufrac.agent.fairness); sent without any work done for the request.
-BURST_BUSY = 5
-
-
-class BurstRequest(ctypes.Structure):
-    _fields_ = [
-        ("magic", u32),
-        ("version", ctypes.c_uint16),
-        ("op", ctypes.c_uint16),
-        ("pid", i32),
-        ("pad0", u32),
-        ("bytes", u64),
-        ("total_after", u64),
-        ("generation", u64),
-    ]
-
-
-class BurstReply(ctypes.Structure):
-    _fields_ = [
-        ("magic", u32),
-        ("version", ctypes.c_uint16),
-        ("status", ctypes.c_uint16),
-        ("generation", u64),
     ]
 
 
@@ -459,7 +424,7 @@ def parse_usage_total(head: bytes, where: str = "usage file") -> int:
     magic, version, size, total, _ = USAGE_HEADER.unpack(head[: USAGE_HEADER.size])
     if magic != USAGE_MAGIC or version != ABI_VERSION or size != USAGE_SIZE:
         raise FormatError(f"{where}: bad magic, version {version} or size {size}")
-    return min(total, USAGE_MAX_BYTES)
+    return min(int(total), USAGE_MAX_BYTES)
 
 
 def read_usage_total(directory: str | os.PathLike[str]) -> int:
@@ -477,7 +442,8 @@ def read_usage_total(directory: str | os.PathLike[str]) -> int:
 
 def slot_field_offset(index: int, name: str) -> int:
     """Where slot `index`'s field `name` lies in the usage file."""
-    return _SLOTS_AT + index * _SLOT_SIZE + getattr(ProcSlot, name).offset
+    offset: int = getattr(ProcSlot, name).offset  # a ctypes field, looked up by name
+    return _SLOTS_AT + index * _SLOT_SIZE + offset
 
 
 def write_usage_fields(directory: str | os.PathLike[str], writes: list[tuple[str, int, int]]) -> None:

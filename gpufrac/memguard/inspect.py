@@ -2,9 +2,10 @@
 what the shim of one container is held to (the agent's config) and what its processes
 use (the shim's usage file).
 
-A pod name is resolved through the running agent: its status socket lists every
-container it holds with the directory it wrote for it. A host path (starting with / or .)
-is read directly, with no agent needed (a node whose agent is down).
+A pod name is resolved through the running agent (the command, gpufrac.agent.memguard_cli):
+its status socket lists every container it holds with the directory it wrote for it. A host
+path (starting with / or .) is read directly, with no agent needed (a node whose agent is down).
+This module reads and formats; it asks the agent nothing.
 
 Pids are as the shim recorded them, in the container's pid namespace; activity
 ages use CLOCK_MONOTONIC, which the host and its containers share.
@@ -12,14 +13,11 @@ ages use CLOCK_MONOTONIC, which the host and its containers share.
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from gpufrac.agent.output import render
-from gpufrac.agent.report import table
+from gpufrac.agent.output import table
 from gpufrac.agent.units import format_bytes
 from gpufrac.memguard import formats
 
@@ -185,35 +183,3 @@ def format_report(d: dict[str, Any], *, wide: bool = False) -> str:
     lines.append("")
     lines += table(rows, align_right=range(len(rows[0])))
     return "\n".join(lines)
-
-
-def _fail(message: str, code: int) -> int:
-    print(f"gpufrac memguard inspect: {message}", file=sys.stderr)
-    return code
-
-
-def cmd_memguard(args: argparse.Namespace) -> int:
-    target = str(args.container_dir)
-    directory = target
-    if not is_host_path(target):
-        from gpufrac.agent import status as status_mod
-        from gpufrac.agent.config import ConfigError
-
-        try:
-            namespace, pod, container = parse_target(target)
-        except ValueError as e:
-            return _fail(str(e), 2)
-        try:
-            path = status_mod.default_socket(args)
-        except ConfigError as e:
-            return _fail(str(e), 2)
-        try:
-            directory = resolve_target(status_mod.fetch(path), namespace, pod, container)
-        except (status_mod.StatusUnavailable, TargetError) as e:
-            return _fail(str(e), 1)
-    try:
-        d = inspect_dir(directory)
-    except formats.FormatError as e:
-        return _fail(str(e), 1)
-    print(render(args, d, lambda wide: format_report(d, wide=wide)))
-    return 0

@@ -28,7 +28,7 @@ import socket
 import sys
 import time
 
-from gpufrac.memguard import formats
+from gpufrac.memguard import formats, wire
 
 CONTAINER_DIR_ENV = "GPUFRAC_CONTAINER_DIR"
 
@@ -39,10 +39,10 @@ def _path() -> str:
 
 def _request(nbytes: int) -> bytes:
     return bytes(
-        formats.BurstRequest(
-            formats.BURST_MAGIC,
+        wire.BurstRequest(
+            wire.BURST_MAGIC,
             formats.ABI_VERSION,
-            formats.BURST_OP_BURST,
+            wire.BURST_OP_BURST,
             os.getpid(),
             0,
             nbytes,
@@ -58,7 +58,7 @@ def hold(path: str, n: int, half: bool) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, n + 64)), hard))
     sel = selectors.DefaultSelector()
     stats = [0, 0, 0]
-    partial = _request(1 << 30)[: formats.ctypes.sizeof(formats.BurstRequest) // 2]
+    partial = _request(1 << 30)[: formats.ctypes.sizeof(wire.BurstRequest) // 2]
 
     def open_one() -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -88,7 +88,7 @@ def hold(path: str, n: int, half: bool) -> None:
                 data = b""
             if len(data) >= 8:
                 stats[1] += 1
-                stats[2] += int.from_bytes(data[6:8], sys.byteorder) == formats.BURST_BUSY
+                stats[2] += int.from_bytes(data[6:8], sys.byteorder) == wire.BURST_BUSY
             sel.unregister(s)
             s.close()
             open_one()  # the agent closed it: open another
@@ -113,7 +113,7 @@ def hammer(path: str, junk: bool, report: bool, nbytes: int) -> None:
                 data = s.recv(64)
                 if len(data) >= 8:
                     stats[1] += 1
-                    stats[2] += int.from_bytes(data[6:8], sys.byteorder) == formats.BURST_BUSY
+                    stats[2] += int.from_bytes(data[6:8], sys.byteorder) == wire.BURST_BUSY
             except OSError:
                 pass
         if report and time.monotonic() - last >= 1:

@@ -288,8 +288,7 @@ def workload(stdin: Any = None, stdout: Any = None) -> int:
     none = no answer). Used where the fake libcuda under the real shim is not needed."""
     import sys
 
-    from gpufrac.agent import arbiter
-    from gpufrac.memguard import formats
+    from gpufrac.memguard import formats, wire
 
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
@@ -304,9 +303,9 @@ def workload(stdin: Any = None, stdout: Any = None) -> int:
         cfg = formats.read_config(cdir)
         timeout = (cfg.arbiter_timeout_ms + cfg.wait_timeout_ms) / 1000.0 + 1.0
         span[0] = time.monotonic_ns()
-        rep = arbiter.request(sock, op, nbytes, total_after, timeout=timeout)
+        rep = wire.request(sock, op, nbytes, total_after, timeout=timeout)
         span[1] = time.monotonic_ns()
-        return "none" if rep is None else arbiter.STATUS_NAMES.get(rep.status, f"status{rep.status}")
+        return "none" if rep is None else wire.STATUS_NAMES.get(rep.status, f"status{rep.status}")
 
     def count(n: int) -> None:
         usage.usage.total_used = max(0, int(usage.usage.total_used) + n)
@@ -328,7 +327,7 @@ def workload(stdin: Any = None, stdout: Any = None) -> int:
             elif want > cfg.limit_bytes:
                 status = "denied"
             else:
-                status = ask(formats.BURST_OP_BURST, n, want)
+                status = ask(wire.BURST_OP_BURST, n, want)
                 cfg = formats.read_config(cdir)
                 if status == "granted" and want > cfg.request_bytes + cfg.grant_bytes:
                     status = "short"  # granted but the config does not carry it: a bug
@@ -336,9 +335,9 @@ def workload(stdin: Any = None, stdout: Any = None) -> int:
                 count(n)
         elif cmd == "free":
             count(-int(args[0]))
-            status = ask(formats.BURST_OP_RELEASE, int(args[0]), 0)
+            status = ask(wire.BURST_OP_RELEASE, int(args[0]), 0)
         elif cmd == "burst":
-            status = ask(formats.BURST_OP_BURST, int(args[0]), int(args[1]))
+            status = ask(wire.BURST_OP_BURST, int(args[0]), int(args[1]))
         elif cmd == "touch":
             slot.last_activity_ns = time.monotonic_ns()
             status = "ok"

@@ -56,12 +56,12 @@ LEAVE = 64 * MiB  # left free by a burst "into everything"
 Node = Any  # arbiter_harness.ArbiterNode (imported lazily, through gpu_support.arbiter_harness)
 Box = Any
 
-# Whether the driver has the checkpoint API (gpufrac.agent.checkpoint's own detection
+# Whether the driver has the checkpoint API (gpufrac.agent.cuda_checkpoint's own detection
 # criteria), asked in a fresh process of the real driver.
 _CKPT_PROBE = """
 import json, os
 from cuda.bindings import driver
-from gpufrac.agent import checkpoint as ck
+from gpufrac.agent import cuda_checkpoint as ck
 driver.cuInit(0)
 err, version = driver.cuDriverGetVersion()
 version = int(version)
@@ -132,7 +132,7 @@ def burst_into_everything(node: Node, box: Box, w: Worker) -> int:
 
 
 def waiters(node: Node) -> int:
-    return sum(len(v) for v in node.arbiter._waiters.values())
+    return sum(len(v) for v in node.arbiter.queue.waiters.values())
 
 
 def gpu_pids(gpu: Gpu) -> dict[int, int]:

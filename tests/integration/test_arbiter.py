@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from kube_fixtures import pod_manifest
 
 from gpufrac.agent import arbiter as arbiter_mod
-from gpufrac.agent.peers import Caller, CgroupIdentity, Credentials
-from gpufrac.memguard import formats
+from gpufrac.agent.callers import Caller, CgroupIdentity, Credentials
+from gpufrac.memguard import formats, wire
 from gpufrac.simgpu.nodestate import NodeState
 
 
@@ -96,8 +96,8 @@ def test_a_process_of_another_container_cannot_act_for_it(node: ArbiterNode) -> 
     assert cc.proc.communicate(timeout=60)[0].decode().split() == ["refused"]
 
     # A process outside any kubelet container cgroup (this test process): refused.
-    rep = arbiter_mod.request(node.socket, formats.BURST_OP_BURST, GiB, 3 * GiB)
-    assert rep is not None and rep.status == formats.BURST_REFUSED
+    rep = wire.request(node.socket, wire.BURST_OP_BURST, GiB, 3 * GiB)
+    assert rep is not None and rep.status == wire.BURST_REFUSED
 
     assert a.config().grant_bytes == 0 and b.config().grant_bytes == 0
     assert node.arbiter.stats.refused == 2
@@ -106,12 +106,11 @@ def test_a_process_of_another_container_cannot_act_for_it(node: ArbiterNode) -> 
 # A process that claims to be container "a" in every field the message has.
 PROBE = """
 import os
-from gpufrac.agent import arbiter
-from gpufrac.memguard import formats
+from gpufrac.memguard import formats, wire
 d = os.environ["GPUFRAC_CONTAINER_DIR"]
-rep = arbiter.request(os.path.join(d, formats.SOCKET_FILE), formats.BURST_OP_BURST, 1 << 30, 3 << 30,
+rep = wire.request(os.path.join(d, formats.SOCKET_FILE), wire.BURST_OP_BURST, 1 << 30, 3 << 30,
                       generation=formats.generation(d), timeout=30)
-names = {formats.BURST_REFUSED: "refused", formats.BURST_GRANTED: "granted", formats.BURST_DENIED: "denied"}
+names = {wire.BURST_REFUSED: "refused", wire.BURST_GRANTED: "granted", wire.BURST_DENIED: "denied"}
 print(names.get(rep.status, rep.status) if rep else "none")
 """
 
@@ -123,9 +122,9 @@ def test_socket_survives_garbage_and_answers_afterwards(node: ArbiterNode) -> No
         b"\x00",
         b"x" * 39,
         b"\xff" * 40,
-        bytes(formats.BurstRequest(0xDEADBEEF, 1, 1, 0, 0, 1, 1, 0)),
-        bytes(formats.BurstRequest(formats.BURST_MAGIC, 99, 1, 0, 0, 1, 1, 0)),
-        bytes(formats.BurstRequest(formats.BURST_MAGIC, 1, 77, 0, 0, 1, 1, 0)),
+        bytes(wire.BurstRequest(0xDEADBEEF, 1, 1, 0, 0, 1, 1, 0)),
+        bytes(wire.BurstRequest(wire.BURST_MAGIC, 99, 1, 0, 0, 1, 1, 0)),
+        bytes(wire.BurstRequest(wire.BURST_MAGIC, 1, 77, 0, 0, 1, 1, 0)),
         os.urandom(4096),
     ]
     for payload in bad:
@@ -137,8 +136,8 @@ def test_socket_survives_garbage_and_answers_afterwards(node: ArbiterNode) -> No
             reply = s.recv(64)
             # Either nothing, or a well-formed refusal; never a grant.
             if reply:
-                rep = formats.BurstReply.from_buffer_copy(reply.ljust(16, b"\0"))
-                assert rep.magic == formats.BURST_MAGIC and rep.status != formats.BURST_GRANTED
+                rep = wire.BurstReply.from_buffer_copy(reply.ljust(16, b"\0"))
+                assert rep.magic == wire.BURST_MAGIC and rep.status != wire.BURST_GRANTED
     w = a.workload
     assert w is not None
     assert w.do(f"alloc {2 * GiB}") == "fast"
@@ -201,7 +200,7 @@ def test_a_release_right_after_a_grant_leaves_it_to_the_shim_that_got_it(node: A
         st.binary(max_size=200),
         # Well-framed headers with random fields: the parser's edge cases, not just bad magic.
         st.builds(
-            lambda v, op, n, t: bytes(formats.BurstRequest(formats.BURST_MAGIC, v, op, 0, 0, n, t, 0)),
+            lambda v, op, n, t: bytes(wire.BurstRequest(wire.BURST_MAGIC, v, op, 0, 0, n, t, 0)),
             st.integers(0, 0xFFFF),
             st.integers(0, 0xFFFF),
             st.integers(0, 2**64 - 1),
@@ -220,12 +219,12 @@ def test_random_bytes_never_crash_or_stall_the_agent(
         if not hang_up:  # else: an early disconnect, the reply (if any) goes nowhere
             s.shutdown(socket.SHUT_WR)
             reply = s.recv(64)
-            assert len(reply) in (0, arbiter_mod.REPLY_SIZE)
+            assert len(reply) in (0, wire.REPLY_SIZE)
             if reply:
-                assert formats.BurstReply.from_buffer_copy(reply).status != formats.BURST_GRANTED
+                assert wire.BurstReply.from_buffer_copy(reply).status != wire.BURST_GRANTED
     # The agent still answers a real request at once (this test process is in no container).
-    rep = arbiter_mod.request(fuzz_node.socket, formats.BURST_OP_BURST, GiB, 2 * GiB, timeout=30)
-    assert rep is not None and rep.status == formats.BURST_REFUSED
+    rep = wire.request(fuzz_node.socket, wire.BURST_OP_BURST, GiB, 2 * GiB, timeout=30)
+    assert rep is not None and rep.status == wire.BURST_REFUSED
 
 
 @pytest.fixture
@@ -249,9 +248,9 @@ def test_a_reclaim_without_the_drivers_per_process_count_is_refused(node: Arbite
     def no_processes() -> list[object]:
         raise RuntimeError("NVML process query failed")
 
-    node.arbiter._read_processes = no_processes  # type: ignore[method-assign]
+    node.arbiter.readings.read_processes = no_processes  # type: ignore[method-assign]
     out = node.on_loop(lambda: node.arbiter._reclaim(caller, GiB, GiB))
-    assert out == (formats.BURST_DENIED, 0)
+    assert out == (wire.BURST_DENIED, 0)
 
 
 def test_a_reclaim_without_an_nvml_reading_says_there_was_none(
@@ -265,10 +264,10 @@ def test_a_reclaim_without_an_nvml_reading_says_there_was_none(
     def no_reading() -> dict[str, object]:
         raise RuntimeError("NVML is down")
 
-    node.arbiter._read_memory = no_reading
+    node.arbiter.readings.read_memory = no_reading
     with caplog.at_level(logging.INFO, logger=arbiter_mod.__name__):
         # The driver refused 1 GiB within a's 4 GiB guarantee (the shim's RECLAIM op).
         out = node.on_loop(lambda: node.arbiter._reclaim(caller, GiB, 3 * GiB))
-    assert out == (formats.BURST_DENIED, 0)
+    assert out == (wire.BURST_DENIED, 0)
     said = [m for m in caplog.messages if "could not reclaim the guarantee" in m]
     assert len(said) == 1 and "no NVML memory reading" in said[0] and "missing" not in said[0], said

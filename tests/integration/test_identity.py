@@ -20,8 +20,7 @@ from gpufrac.agent.config import Config, load
 from gpufrac.agent.inventory import read_inventory
 from gpufrac.agent.kube import EventRecorder, PodCache, make_api_client
 from gpufrac.agent.pods import REASON_APPLIED, REASON_INVALID, PodIdentity
-from gpufrac.deviceplugin.podresources import ContainerDevices
-from gpufrac.deviceplugin.slices import MEMORY, device_id
+from gpufrac.deviceplugin.slices import MEMORY, ContainerDevices, device_id
 from gpufrac.memguard.formats import (
     CLASS_INTERACTIVE,
     FLAG_POD_KNOWN,

@@ -26,8 +26,7 @@ from polling import until
 from test_identity_kubelet import config_of
 
 from gpufrac.agent import annotations as ann
-from gpufrac.agent.allocations import container_key
-from gpufrac.deviceplugin.slices import MEMORY
+from gpufrac.deviceplugin.slices import MEMORY, container_key
 from gpufrac.memguard.formats import FLAG_POD_KNOWN, ContainerConfig
 from gpufrac.simgpu.kubelet import Container, Pod
 from gpufrac.simgpu.spec import spec_from_dict

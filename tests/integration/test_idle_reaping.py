@@ -41,8 +41,7 @@ from gpufrac.agent.idle import IdleReaper
 from gpufrac.agent.inventory import read_inventory
 from gpufrac.agent.kube import EventRecorder, PodCache, PodEvictor, make_api_client
 from gpufrac.agent.pods import PodIdentity
-from gpufrac.deviceplugin.podresources import ContainerDevices
-from gpufrac.deviceplugin.slices import MEMORY, device_id
+from gpufrac.deviceplugin.slices import MEMORY, ContainerDevices, device_id
 from gpufrac.memguard import formats
 from gpufrac.simgpu.kubelet import Container as KContainer
 from gpufrac.simgpu.kubelet import Pod as KPod

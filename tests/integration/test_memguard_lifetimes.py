@@ -29,7 +29,7 @@ from memguard_fixtures import (
     read_line,
 )
 
-from gpufrac.memguard import formats
+from gpufrac.memguard import formats, wire
 
 # ------------------------------------------------------------------ exec
 
@@ -76,7 +76,7 @@ def test_burst_waits_out_a_full_arbiter_backlog(shim: Shim, container: Callable[
     c = container(arbiter_timeout_ms=10_000)
     server, fillers = _full_backlog(str(c.dir / formats.SOCKET_FILE))
     asked, done = threading.Event(), threading.Event()
-    served: list[formats.BurstRequest] = []
+    served: list[wire.BurstRequest] = []
     server.settimeout(0.1)  # the agent thread never outlives the test, even a failing one
 
     def agent() -> None:
@@ -107,7 +107,7 @@ def test_burst_waits_out_a_full_arbiter_backlog(shim: Shim, container: Callable[
         t.join(timeout=60)
         server.close()
     assert burst[:2] == ["alloc", "0"], burst  # granted, not refused at once
-    assert served and served[0].op == formats.BURST_OP_BURST and served[0].bytes == 8 * MiB
+    assert served and served[0].op == wire.BURST_OP_BURST and served[0].bytes == 8 * MiB
     assert f"total={REQUEST + 8 * MiB}" in used
 
 

@@ -30,7 +30,7 @@ from memguard_fixtures import (
 )
 from polling import until
 
-from gpufrac.memguard import formats
+from gpufrac.memguard import formats, wire
 from gpufrac.simgpu.nodestate import NodeState
 from gpufrac.simgpu.workload import RESULT_BYTES, WorkloadProcess
 
@@ -293,14 +293,14 @@ def test_free_hands_unused_grant_back_to_the_agent(shim: Shim, container: Callab
         lines = shim.ctest(c, "alloc", REQUEST + grant // 2, "free", "alloc", MiB, "free")
         server.setblocking(False)  # the workload has exited: what it sent is queued
         conn, _ = server.accept()
-        req = formats.BurstRequest.from_buffer_copy(conn.recv(64))
+        req = wire.BurstRequest.from_buffer_copy(conn.recv(64))
         conn.close()
         with pytest.raises(BlockingIOError):  # the second free, same generation: no resend
             server.accept()
     finally:
         server.close()
     assert all(ln.rc == 0 for ln in lines), lines
-    assert (req.magic, req.op) == (formats.BURST_MAGIC, formats.BURST_OP_RELEASE)
+    assert (req.magic, req.op) == (wire.BURST_MAGIC, wire.BURST_OP_RELEASE)
     assert (req.bytes, req.total_after, req.generation) == (grant, 0, formats.generation(c.dir))
     before = int(c.usage().grant_returned)  # the exit added what it left unused
     (c.dir / formats.SOCKET_FILE).unlink()  # the agent is away
@@ -395,10 +395,10 @@ def test_burst_with_a_silent_arbiter_is_refused_after_the_timeout(
     try:
         lines = shim.ctest(c, "alloc", REQUEST - MiB, "alloc", 4 * MiB, "alloc", MiB)
         conn, _ = server.accept()
-        req = formats.BurstRequest.from_buffer_copy(conn.recv(64))
+        req = wire.BurstRequest.from_buffer_copy(conn.recv(64))
         conn.close()
     finally:
         server.close()
     assert [ln.rc for ln in lines] == [0, 0, CUDA_ERROR_OUT_OF_MEMORY, 0]
-    assert (req.magic, req.op, req.bytes) == (formats.BURST_MAGIC, formats.BURST_OP_BURST, 4 * MiB)
+    assert (req.magic, req.op, req.bytes) == (wire.BURST_MAGIC, wire.BURST_OP_BURST, 4 * MiB)
     assert req.total_after == REQUEST + 3 * MiB

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from memguard_fixtures import CUDA_ERROR_OUT_OF_MEMORY, Container, Line, MiB, Shim, answer_bursts, read_line
 
-from gpufrac.memguard import formats
+from gpufrac.memguard import formats, wire
 from gpufrac.simgpu.nodestate import NodeState
 
 KEEP_ALL = (1 << 64) - 1  # release threshold UINT64_MAX: the pool never gives memory back on its own
@@ -121,7 +121,7 @@ def test_growing_a_pool_past_the_limit_asks_for_a_burst(
     server.bind(str(c.dir / formats.SOCKET_FILE))
     server.listen(8)
     server.settimeout(0.1)
-    served: list[formats.BurstRequest] = []
+    served: list[wire.BurstRequest] = []
     done = threading.Event()
 
     def agent() -> None:
@@ -141,7 +141,7 @@ def test_growing_a_pool_past_the_limit_asks_for_a_burst(
         server.close()
     assert rcs(lines, "palloc") == [0, 0], lines
     assert totals(lines) == [60 * MiB, 120 * MiB]
-    bursts = [r for r in served if r.op == formats.BURST_OP_BURST]
+    bursts = [r for r in served if r.op == wire.BURST_OP_BURST]
     assert [(r.bytes, r.total_after) for r in bursts] == [(60 * MiB, 120 * MiB)]
 
 

@@ -8,8 +8,7 @@ from collections.abc import Callable
 
 from agentsim_fixtures import Sim
 
-from gpufrac.agent.allocations import container_key
-from gpufrac.deviceplugin.slices import FRACTION, MEMORY
+from gpufrac.deviceplugin.slices import FRACTION, MEMORY, container_key
 from gpufrac.memguard import formats
 from gpufrac.simgpu.kubelet import AdmissionError, Pod
 

@@ -13,7 +13,7 @@ import pytest
 from arbiter_harness import ArbiterNode, Box, GiB
 from kube_fixtures import KubeServer
 
-from gpufrac.agent import arbiter as arbiter_mod
+from gpufrac.agent import kill as kill_mod
 from gpufrac.agent.resolvers import REASON_EVICTED, REASON_PREEMPTED
 from gpufrac.agent.units import format_bytes
 
@@ -33,7 +33,7 @@ def fill(node: ArbiterNode, owner: Box, leave_gib: int = 0) -> int:
 
 
 def waiting(node: ArbiterNode, n: int) -> None:
-    node.until(lambda: sum(len(v) for v in node.arbiter._waiters.values()) == n, what=f"{n} waiter(s)")
+    node.until(lambda: sum(len(v) for v in node.arbiter.queue.waiters.values()) == n, what=f"{n} waiter(s)")
 
 
 def test_wait_is_granted_when_the_other_side_frees(make_node: Make) -> None:
@@ -92,7 +92,7 @@ def test_wait_times_out_into_a_denial(make_node: Make) -> None:
     assert wb.do(f"alloc {GiB}") == "denied"  # the shim then returns CUDA_ERROR_OUT_OF_MEMORY
     assert node.arbiter.stats.wait_timeouts == 1
     assert b.config().grant_bytes == 0
-    assert not node.arbiter._waiters
+    assert not node.arbiter.queue.waiters
 
 
 def test_waiters_are_served_by_priority_then_arrival(make_node: Make) -> None:
@@ -228,7 +228,7 @@ def test_an_eviction_cut_short_by_the_deadline_still_completes(
     high = node.add("high", 30, "60Gi", priority=1000, wait_timeout="2s")
     fill(node, low)
     gate = threading.Event()
-    real = arbiter_mod.kill_and_wait
+    real = kill_mod.kill_and_wait
 
     def slow_kill(*args: Any, **kw: Any) -> int:
         try:
@@ -236,7 +236,7 @@ def test_an_eviction_cut_short_by_the_deadline_still_completes(
         finally:
             gate.wait(60)  # killed, but the kill "returns" only once the requester gave up
 
-    monkeypatch.setattr(arbiter_mod, "kill_and_wait", slow_kill)
+    monkeypatch.setattr(kill_mod, "kill_and_wait", slow_kill)
     wh = high.workload
     assert wh is not None and low.container is not None
     assert wh.do(f"alloc {30 * GiB}") == "fast"

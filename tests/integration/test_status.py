@@ -19,7 +19,7 @@ import pynvml
 import yaml
 from metrics_support import CTX, GiB, InprocNode, finish, read_line
 
-from gpufrac.agent.status import MAX_REQUEST, StatusServer
+from gpufrac.agent.status.server import MAX_REQUEST, StatusServer
 from gpufrac.agent.units import format_bytes
 from gpufrac.deviceplugin import slices
 from gpufrac.deviceplugin.slices import FRACTION, MEMORY

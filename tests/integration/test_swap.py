@@ -23,8 +23,10 @@ from simnode_fixtures import nvml_node
 
 from gpufrac import native
 from gpufrac.agent import swap as swap_mod
-from gpufrac.agent.checkpoint import Support
+from gpufrac.agent.cuda_checkpoint import Support
+from gpufrac.agent.events import REASON_FREED_BY_SWAP
 from gpufrac.agent.swap import SwapResolver
+from gpufrac.agent.swap_files import Swapped
 from gpufrac.memguard import formats
 from gpufrac.simgpu.nodestate import NodeState
 from gpufrac.simgpu.workload import RESULT_BYTES
@@ -206,7 +208,7 @@ def test_swap_frees_the_victim_and_it_resumes_with_its_bytes(
     assert swap.host_ram_used == 6 * GiB + RESULT
     assert victim.config().grant_bytes == 0  # its burst is arbitrated again on the way back
     node.until(lambda: bool(events(kube_server, swap_mod.REASON_SWAPPED_OUT, "victim")), what="Event")
-    node.until(lambda: bool(events(kube_server, swap_mod.REASON_SWAPPED_FOR, "requester")), what="Event")
+    node.until(lambda: bool(events(kube_server, REASON_FREED_BY_SWAP, "requester")), what="Event")
     (out,) = events(kube_server, swap_mod.REASON_SWAPPED_OUT, "victim")
     assert "6.0Gi" in out["message"] and "default/requester" in out["message"]
 
@@ -329,11 +331,11 @@ def test_a_swap_in_queues_behind_a_waiter_for_burst_bytes_only(
     assert filler.workload is not None and filler.workload.do(f"alloc {free - 4 * GiB}") == "granted"
     assert a.workload is not None and v.container is not None
     a.workload.send(f"alloc {8 * GiB}")
-    node.until(lambda: sum(len(w) for w in node.arbiter._waiters.values()) == 1, what="a waiting")
+    node.until(lambda: sum(len(w) for w in node.arbiter.queue.waiters.values()) == 1, what="a waiting")
     swap = node.arbiter.swap
     assert swap is not None
     swap.ckpt = NoopCheckpointer()  # type: ignore[assignment]
-    entry = swap_mod.Swapped(v.alloc, node.gpu, swapped, (v.container.proc.pid,), ())
+    entry = Swapped(v.alloc, node.gpu, swapped, (v.container.proc.pid,), ())
     node.on_loop(lambda: swap.swapped.__setitem__(v.alloc.key, entry))
     try:
         # Not restored: it waited its 1 s behind a, with no burst granted.
@@ -354,7 +356,7 @@ def test_a_new_container_on_a_swapped_out_ones_slices_is_not_taken_for_it(node: 
     swap = node.arbiter.swap
     assert swap is not None
     gone = dataclasses.replace(box.alloc)  # the released container that held these slices
-    entry = swap_mod.Swapped(gone, node.gpu, 4 * GiB, (1,), ())
+    entry = Swapped(gone, node.gpu, 4 * GiB, (1,), ())
     node.on_loop(lambda: swap.swapped.__setitem__(box.alloc.key, entry))
     try:
         assert not swap.is_swapped(box.alloc.key)

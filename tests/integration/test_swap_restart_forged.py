@@ -17,7 +17,7 @@ import pytest
 from arbiter_harness import ArbiterNode, GiB
 from test_swap import RESULT, gpu_pids, node, node_file, sim_state, swap_victim_out  # noqa: F401
 
-from gpufrac.agent import swap as swap_mod
+from gpufrac.agent import swap_files
 from gpufrac.memguard import formats
 
 
@@ -41,7 +41,7 @@ def test_a_swapped_container_cannot_resize_itself_across_an_agent_restart(
     usage.usage.total_used = forged
     usage.close()
     if not record:
-        os.unlink(os.path.join(victim.alloc.directory, swap_mod.SIZE_RECORD))
+        os.unlink(os.path.join(victim.alloc.directory, swap_files.SIZE_RECORD))
         moved = 8 * GiB
 
     async def take_over() -> int:

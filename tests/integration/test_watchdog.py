@@ -102,7 +102,7 @@ def alive(pid: int) -> bool:
 
 def make_watchdog(node: ArbiterNode, mode: str) -> Watchdog:
     cfg = WatchdogConfig(mode=mode, tolerance=256 * MiB, interval=0.05)
-    return Watchdog(cfg, node.ledger, node.arbiter.peers, lambda: node.identity.events)
+    return Watchdog(cfg, node.ledger, node.arbiter.peers, node.identity.events)
 
 
 def events(kube: KubeServer, reason: str) -> list[dict[str, Any]]:

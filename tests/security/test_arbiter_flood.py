@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from gpufrac import native
 from gpufrac.agent.fairness import Fairness
 from gpufrac.deviceplugin.server import container_response
-from gpufrac.memguard import formats
+from gpufrac.memguard import wire
 from gpufrac.simgpu.runtime import Container, mounts_of
 
 
@@ -140,7 +140,10 @@ def test_a_container_gets_no_more_requests_decided_at_once_than_its_inflight_lim
 
     def flood_waiters() -> int:
         return sum(
-            1 for ws in node.arbiter._waiters.values() for w in ws if w.need.requester.key == flood.alloc.key
+            1
+            for ws in node.arbiter.queue.waiters.values()
+            for w in ws
+            if w.need.requester.key == flood.alloc.key
         )
 
     seen: list[int] = []
@@ -175,8 +178,8 @@ def test_random_bytes_on_the_socket_get_a_clean_answer_or_a_close(
                 data = b""
             assert len(data) in (0, ctypes_sizeof_reply()), data
             if data:
-                rep = formats.BurstReply.from_buffer_copy(data)
-                assert rep.magic == formats.BURST_MAGIC and rep.status != formats.BURST_GRANTED
+                rep = wire.BurstReply.from_buffer_copy(data)
+                assert rep.magic == wire.BURST_MAGIC and rep.status != wire.BURST_GRANTED
     assert box.workload is not None
     assert box.workload.do(f"burst {GiB} {3 * GiB}") == "granted"
 
@@ -184,7 +187,7 @@ def test_random_bytes_on_the_socket_get_a_clean_answer_or_a_close(
 def ctypes_sizeof_reply() -> int:
     import ctypes
 
-    return ctypes.sizeof(formats.BurstReply)
+    return ctypes.sizeof(wire.BurstReply)
 
 
 def test_at_the_node_cap_the_container_holding_the_most_connections_makes_room() -> None:

@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 from arbiter_harness import ArbiterNode, Box, GiB
 
-from gpufrac.agent import arbiter
-from gpufrac.memguard import formats
+from gpufrac.memguard import formats, wire
 
 NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
 
@@ -94,19 +93,19 @@ def test_a_request_from_a_dead_process_is_not_taken_for_the_next_owner_of_its_pi
     try:
         with s:
             s.settimeout(30)
-            req = formats.BurstRequest(
-                formats.BURST_MAGIC, formats.ABI_VERSION, formats.BURST_OP_BURST, dead, 0, GiB, 3 * GiB, 0
+            req = wire.BurstRequest(
+                wire.BURST_MAGIC, formats.ABI_VERSION, wire.BURST_OP_BURST, dead, 0, GiB, 3 * GiB, 0
             )
             s.sendall(bytes(req))
             data = b""
-            while len(data) < arbiter.REPLY_SIZE:
-                chunk = s.recv(arbiter.REPLY_SIZE - len(data))
+            while len(data) < wire.REPLY_SIZE:
+                chunk = s.recv(wire.REPLY_SIZE - len(data))
                 if not chunk:
                     break
                 data += chunk
-        rep = formats.BurstReply.from_buffer_copy(data)
+        rep = wire.BurstReply.from_buffer_copy(data)
         # Not acted on for the neighbour: refused, and its grant is as it was.
-        assert rep.status == formats.BURST_REFUSED
+        assert rep.status == wire.BURST_REFUSED
         assert b.config().grant_bytes == grant
     finally:
         os.kill(heir, signal.SIGKILL)

@@ -15,8 +15,7 @@ from collections.abc import Callable
 import pytest
 from arbiter_harness import ArbiterNode, GiB
 
-from gpufrac.agent import arbiter
-from gpufrac.memguard import formats
+from gpufrac.memguard import wire
 
 
 def test_refusals_of_unidentified_callers_are_logged_once_with_a_count(
@@ -25,8 +24,8 @@ def test_refusals_of_unidentified_callers_are_logged_once_with_a_count(
     caplog.set_level(logging.WARNING, logger="gpufrac.agent.arbiter")
     node = make_node()
     for _ in range(50):
-        rep = arbiter.request(node.socket, formats.BURST_OP_BURST, GiB, 3 * GiB, timeout=10)
-        assert rep is not None and rep.status == formats.BURST_REFUSED
+        rep = wire.request(node.socket, wire.BURST_OP_BURST, GiB, 3 * GiB, timeout=10)
+        assert rep is not None and rep.status == wire.BURST_REFUSED
     assert node.arbiter.stats.refused == 50
     lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert len(lines) == 1, lines

@@ -21,7 +21,7 @@ from hostile_tenant import agent_alive, agent_config, exec_in, write_total, zero
 from polling import until
 
 from gpufrac.agent.events import REASON_EVICTED, REASON_LIMIT_ENFORCED, REASON_USAGE_MISMATCH
-from gpufrac.agent.watchdog import start_time
+from gpufrac.agent.gpu_processes import start_time
 
 MakeNode = Callable[..., E2ENode]
 

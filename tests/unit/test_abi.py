@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from gpufrac import native
-from gpufrac.memguard import formats
+from gpufrac.memguard import formats, wire
 from gpufrac.simgpu import nodestate
 
 SIM_HDR = native.REPO_ROOT / "gpufrac/simgpu/native/nodestate.h"
@@ -31,8 +31,8 @@ STRUCTS: list[tuple[type[ctypes.Structure], str]] = [
     (formats.ConfigStruct, "mg_config_t"),
     (formats.ProcSlot, "mg_proc_slot_t"),
     (formats.UsageStruct, "mg_usage_t"),
-    (formats.BurstRequest, "mg_burst_req_t"),
-    (formats.BurstReply, "mg_burst_rep_t"),
+    (wire.BurstRequest, "mg_burst_req_t"),
+    (wire.BurstReply, "mg_burst_rep_t"),
 ]
 
 # Python constant -> C macro
@@ -72,12 +72,12 @@ CONSTANTS: list[tuple[int, str]] = [
     (formats.CLASS_BATCH, "MG_CLASS_BATCH"),
     (formats.CLASS_INTERACTIVE, "MG_CLASS_INTERACTIVE"),
     (formats.CLASS_INFERENCE, "MG_CLASS_INFERENCE"),
-    (formats.BURST_MAGIC, "MG_BURST_MAGIC"),
-    (formats.BURST_OP_BURST, "MG_BURST_OP_BURST"),
-    (formats.BURST_OP_RECLAIM, "MG_BURST_OP_RECLAIM"),
-    (formats.BURST_GRANTED, "MG_BURST_GRANTED"),
-    (formats.BURST_DENIED, "MG_BURST_DENIED"),
-    (formats.BURST_BUSY, "MG_BURST_BUSY"),
+    (wire.BURST_MAGIC, "MG_BURST_MAGIC"),
+    (wire.BURST_OP_BURST, "MG_BURST_OP_BURST"),
+    (wire.BURST_OP_RECLAIM, "MG_BURST_OP_RECLAIM"),
+    (wire.BURST_GRANTED, "MG_BURST_GRANTED"),
+    (wire.BURST_DENIED, "MG_BURST_DENIED"),
+    (wire.BURST_BUSY, "MG_BURST_BUSY"),
 ]
 
 

@@ -13,18 +13,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gpufrac.agent.allocations import (
-    AllocationError,
-    Ledger,
-    container_key,
-    retire_container_dir,
-    write_container_dir,
-)
+from gpufrac.agent.allocations import Ledger
 from gpufrac.agent.config import Config, GiB, PathsConfig
+from gpufrac.agent.container_dirs import retire_container_dir, write_container_dir
 from gpufrac.agent.gpus import Gpu, Inventory, Link, PcieLink
 from gpufrac.agent.state import StateStore, encode, restore
+from gpufrac.core.errors import AllocationError
 from gpufrac.deviceplugin import slices
-from gpufrac.deviceplugin.slices import FRACTION, MEMORY, device_id
+from gpufrac.deviceplugin.server import status_code
+from gpufrac.deviceplugin.slices import FRACTION, MEMORY, container_key, device_id
 from gpufrac.memguard import formats
 
 TOTAL = 17 * GiB  # allocatable 16 GiB with the default 1 GiB reserve
@@ -144,7 +141,7 @@ def test_whole_gpus_take_every_slice_and_flag(ledger: Ledger) -> None:
 def test_refusals_name_ids_and_rule(ledger: Ledger, resource: str, make, code: str, words: str) -> None:
     devices = make(ledger)
     err = refused(ledger, resource, devices)
-    assert err.code == getattr(grpc.StatusCode, code)
+    assert status_code(err) == getattr(grpc.StatusCode, code)
     assert words in err.message
     assert not ledger.containers()
     assert not os.path.exists(ledger.config.paths.containers_dir) or not os.listdir(
@@ -156,14 +153,14 @@ def test_whole_gpu_request_must_cover_each_gpu(ledger: Ledger) -> None:
     devs = ids(ledger, 0, FRACTION, range(100)) + ids(ledger, 1, FRACTION, range(100))
     ledger.allocate(FRACTION, ids(ledger, 1, FRACTION, [99]))
     err = refused(ledger, FRACTION, devs)
-    assert err.code == grpc.StatusCode.FAILED_PRECONDITION and "already allocated" in err.message
+    assert status_code(err) == grpc.StatusCode.FAILED_PRECONDITION and "already allocated" in err.message
 
 
 def test_double_booking_refused_names_owner(ledger: Ledger) -> None:
     a = ledger.allocate(FRACTION, ids(ledger, 0, FRACTION, range(10)))
     ledger.bind(a.key, "ns", "first", "main", "uid-1")
     err = refused(ledger, FRACTION, ids(ledger, 0, FRACTION, range(5, 15)))
-    assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert status_code(err) == grpc.StatusCode.FAILED_PRECONDITION
     assert "ns/first" in err.message and "::f05" in err.message
 
 
@@ -172,7 +169,7 @@ def test_unhealthy_gpu_refused_and_all_slices_unhealthy(ledger: Ledger) -> None:
     assert ledger.set_health(ledger.inventory.gpus[0].uuid, False, "XID 79")
     assert not healthy(ledger, MEMORY, 0) and not healthy(ledger, FRACTION, 0)
     err = refused(ledger, MEMORY, ids(ledger, 0, MEMORY, [1]))
-    assert err.code == grpc.StatusCode.FAILED_PRECONDITION and "Unhealthy (XID 79)" in err.message
+    assert status_code(err) == grpc.StatusCode.FAILED_PRECONDITION and "Unhealthy (XID 79)" in err.message
     ledger.set_health(ledger.inventory.gpus[0].uuid, True)
     assert a.device_ids[0] in healthy(ledger, MEMORY, 0) and len(healthy(ledger, MEMORY, 0)) == 16
 
@@ -181,7 +178,7 @@ def test_request_beyond_unrequested_memory_refused(ledger: Ledger) -> None:
     # The kubelet may act on a stale snapshot: Allocate itself never overbooks a GPU.
     ledger.allocate(MEMORY, ids(ledger, 0, MEMORY, range(12)))
     err = refused(ledger, FRACTION, ids(ledger, 0, FRACTION, range(30)))
-    assert err.code == grpc.StatusCode.FAILED_PRECONDITION and "unrequested" in err.message
+    assert status_code(err) == grpc.StatusCode.FAILED_PRECONDITION and "unrequested" in err.message
 
 
 def test_release_frees_slices_and_directory(ledger: Ledger) -> None:
@@ -282,7 +279,7 @@ def test_device_sections_are_the_device_list_and_follow_only_touched_gpus(ledger
 
 
 def test_container_dirs_spares_discard_and_sweep(tmp_path: Path) -> None:
-    from gpufrac.agent.allocations import ContainerDirs
+    from gpufrac.agent.container_dirs import ContainerDirs
 
     state = tmp_path / "state"
     containers = state / "containers"
@@ -363,7 +360,7 @@ def test_a_rebooked_key_is_read_from_its_own_files_only(ledger: Ledger, tmp_path
     old one may still be on disk (its deletion queued); the arbiter must not read it as the
     newcomer's usage, nor keep it mapped after."""
     from gpufrac.agent.arbiter import Arbiter
-    from gpufrac.agent.peers import PeerLookup
+    from gpufrac.agent.callers import PeerLookup
 
     arb = Arbiter(ledger.config, ledger, PeerLookup(ledger, lambda uid, cid: None), str(tmp_path / "a.sock"))
     devs = ids(ledger, 0, MEMORY, range(2))
@@ -383,7 +380,7 @@ def test_a_rebooked_key_is_read_from_its_own_files_only(ledger: Ledger, tmp_path
 def test_a_release_that_cannot_be_cleaned_up_does_not_stop_the_others(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from gpufrac.agent.allocations import ContainerDirs
+    from gpufrac.agent.container_dirs import ContainerDirs
 
     state = tmp_path / "state"
     containers = state / "containers"

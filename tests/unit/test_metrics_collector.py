@@ -17,9 +17,11 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpufrac.agent import events, logs, metrics
+import gpufrac
+from gpufrac.agent import events, logs
 from gpufrac.agent.metrics import Metrics, Probes, annotation_label
-from gpufrac.agent.status import ContainerStatus, GpuStatus, NodeStatus, format_status
+from gpufrac.agent.status.cli import format_status
+from gpufrac.agent.status.model import ContainerStatus, GpuStatus, NodeStatus
 from gpufrac.deviceplugin.slices import FRACTION, MEMORY
 from gpufrac.memguard import formats
 
@@ -237,7 +239,7 @@ def test_gpu_and_agent_series(tmp_path: Path) -> None:
     assert value(s, "gpufrac_annotation_errors_total", key="unknown") == 1
     assert value(s, "gpufrac_idle_reaps_total", action="notify") == 1
     assert value(s, "gpufrac_reconcile_errors_total") == 1
-    assert value(s, "gpufrac_build_info", version=metrics.gpufrac.__version__) == 1
+    assert value(s, "gpufrac_build_info", version=gpufrac.__version__) == 1
     assert value(s, "gpufrac_ready") == 1
 
 

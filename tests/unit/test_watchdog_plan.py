@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from gpufrac.agent.allocations import ContainerAlloc
-from gpufrac.agent.watchdog import GpuProcess, plan
+from gpufrac.agent.gpu_processes import GpuProcess
+from gpufrac.agent.watchdog import plan
 from gpufrac.memguard.formats import FLAG_WHOLE_GPU, ContainerConfig
 
 GiB = 1 << 30

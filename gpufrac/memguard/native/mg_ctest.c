@@ -51,6 +51,9 @@
  *
  * Types from simgpu's cuda_abi.h (cuda.h's ABI); functions declared below as an
  * application would, for the calls it makes. No CUDA toolkit needed.
+ *
+ * One file though over 500 lines: one test program, whose commands share the
+ * stacks of what it allocated.
  */
 #include <dlfcn.h>
 #include <fcntl.h>

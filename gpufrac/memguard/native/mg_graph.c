@@ -167,7 +167,7 @@ static void gx_drop(mg_gexec_t *x) {
 /* After a successful instantiate: remember the executable graph's need. An
  * instantiate that already took memory (upload flag) must fit like a launch. */
 static CUresult instantiated(CUresult rc, CUgraphExec *e, CUgraph g) {
-    if (rc != CUDA_SUCCESS || !e || !*e || !mg_x_on()) return rc;
+    if (rc != CUDA_SUCCESS || !e || !*e || !mg_on()) return rc;
     CUdevice dev = 0;
     uint64_t need = graph_need(g, &dev, 0);
     if (!need) return rc;
@@ -187,7 +187,7 @@ static CUresult instantiated(CUresult rc, CUgraphExec *e, CUgraph g) {
     pthread_mutex_unlock(&g_gr_mu);
     if (!ok) mg_log("too many executable graphs to follow: their memory is counted after launch only");
     if (grew && !mg_admit(grew)) {
-        XCALL(cuGraphExecDestroy, *e);
+        CALL_REAL(cuGraphExecDestroy, *e);
         pthread_mutex_lock(&g_gr_mu);
         mg_gexec_t *x = gx_find(*e);
         if (x) gx_drop(x);
@@ -200,19 +200,19 @@ static CUresult instantiated(CUresult rc, CUgraphExec *e, CUgraph g) {
 }
 
 CUresult mg_h_cuGraphInstantiate(CUgraphExec *e, CUgraph g, CUgraphNode *errNode, char *log, size_t n) {
-    return instantiated(XCALL(cuGraphInstantiate, e, g, errNode, log, n), e, g);
+    return instantiated(CALL_REAL(cuGraphInstantiate, e, g, errNode, log, n), e, g);
 }
 CUresult mg_h_cuGraphInstantiate_v2(CUgraphExec *e, CUgraph g, CUgraphNode *errNode, char *log, size_t n) {
-    return instantiated(XCALL(cuGraphInstantiate_v2, e, g, errNode, log, n), e, g);
+    return instantiated(CALL_REAL(cuGraphInstantiate_v2, e, g, errNode, log, n), e, g);
 }
 CUresult mg_h_cuGraphInstantiateWithFlags(CUgraphExec *e, CUgraph g, unsigned long long flags) {
-    return instantiated(XCALL(cuGraphInstantiateWithFlags, e, g, flags), e, g);
+    return instantiated(CALL_REAL(cuGraphInstantiateWithFlags, e, g, flags), e, g);
 }
 CUresult mg_h_cuGraphInstantiateWithParams(CUgraphExec *e, CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *p) {
-    return instantiated(XCALL(cuGraphInstantiateWithParams, e, g, p), e, g);
+    return instantiated(CALL_REAL(cuGraphInstantiateWithParams, e, g, p), e, g);
 }
 CUresult mg_h_cuGraphInstantiateWithParams_ptsz(CUgraphExec *e, CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *p) {
-    return instantiated(XCALL(cuGraphInstantiateWithParams_ptsz, e, g, p), e, g);
+    return instantiated(CALL_REAL(cuGraphInstantiateWithParams_ptsz, e, g, p), e, g);
 }
 
 /* Upload or launch of an executable graph that may not hold its memory yet:
@@ -250,17 +250,17 @@ CUresult mg_graph_launch(void *real_launch, CUgraphExec e, CUstream s) {
 }
 
 CUresult mg_h_cuGraphUpload(CUgraphExec e, CUstream s) {
-    if (!mg_x_on()) return XCALL(cuGraphUpload, e, s);
-    return mg_graph_launch(mg_real_fn(S_cuGraphUpload), e, s);
+    if (!mg_on()) return CALL_REAL(cuGraphUpload, e, s);
+    return mg_graph_launch(mg_real(S_cuGraphUpload), e, s);
 }
 CUresult mg_h_cuGraphUpload_ptsz(CUgraphExec e, CUstream s) {
-    if (!mg_x_on()) return XCALL(cuGraphUpload_ptsz, e, s);
-    return mg_graph_launch(mg_real_fn(S_cuGraphUpload_ptsz), e, s);
+    if (!mg_on()) return CALL_REAL(cuGraphUpload_ptsz, e, s);
+    return mg_graph_launch(mg_real(S_cuGraphUpload_ptsz), e, s);
 }
 
 CUresult mg_h_cuGraphExecDestroy(CUgraphExec e) {
-    CUresult rc = XCALL(cuGraphExecDestroy, e);
-    if (rc != CUDA_SUCCESS || !mg_x_on()) return rc;
+    CUresult rc = CALL_REAL(cuGraphExecDestroy, e);
+    if (rc != CUDA_SUCCESS || !mg_on()) return rc;
     pthread_mutex_lock(&g_gr_mu);
     mg_gexec_t *x = gx_find(e);
     if (x) {
@@ -279,8 +279,8 @@ CUresult mg_h_cuGraphExecDestroy(CUgraphExec e) {
  * pool lacks for it until the launch's reconcile corrects it: at worst a false
  * OUT_OF_MEMORY for a graph that was running while trimmed at the limit). */
 CUresult mg_h_cuDeviceGraphMemTrim(CUdevice dev) {
-    CUresult rc = XCALL(cuDeviceGraphMemTrim, dev);
-    if (rc != CUDA_SUCCESS || !mg_x_on()) return rc;
+    CUresult rc = CALL_REAL(cuDeviceGraphMemTrim, dev);
+    if (rc != CUDA_SUCCESS || !mg_on()) return rc;
     pthread_mutex_lock(&g_gr_mu);
     for (size_t i = 0; i < g_gx_n; i++)
         if (g_gx[i].dev == dev && g_gx[i].mapped) {
@@ -294,7 +294,7 @@ CUresult mg_h_cuDeviceGraphMemTrim(CUdevice dev) {
 }
 
 /* --- stream capture: while any stream captures, stream-ordered allocations
- * check whether theirs does (see mg_pool_alloc in memguard.c). --- */
+ * check whether theirs does (see mg_pool_alloc in mg_pool.c). --- */
 
 static void capture_began(CUresult rc) {
     if (rc == CUDA_SUCCESS) atomic_fetch_add(&mg_capturing, 1);
@@ -310,39 +310,39 @@ static CUresult capture_ended(CUresult rc, int was, CUstream s) {
 }
 
 CUresult mg_h_cuStreamBeginCapture(CUstream s) {
-    CUresult rc = XCALL(cuStreamBeginCapture, s);
+    CUresult rc = CALL_REAL(cuStreamBeginCapture, s);
     capture_began(rc);
     return rc;
 }
 CUresult mg_h_cuStreamBeginCapture_v2(CUstream s, int mode) {
-    CUresult rc = XCALL(cuStreamBeginCapture_v2, s, mode);
+    CUresult rc = CALL_REAL(cuStreamBeginCapture_v2, s, mode);
     capture_began(rc);
     return rc;
 }
 CUresult mg_h_cuStreamBeginCapture_v2_ptsz(CUstream s, int mode) {
-    CUresult rc = XCALL(cuStreamBeginCapture_v2_ptsz, s, mode);
+    CUresult rc = CALL_REAL(cuStreamBeginCapture_v2_ptsz, s, mode);
     capture_began(rc);
     return rc;
 }
 CUresult mg_h_cuStreamBeginCaptureToGraph(CUstream s, CUgraph g, const CUgraphNode *deps, const void *edgeData,
                                           size_t n, int mode) {
-    CUresult rc = XCALL(cuStreamBeginCaptureToGraph, s, g, deps, edgeData, n, mode);
+    CUresult rc = CALL_REAL(cuStreamBeginCaptureToGraph, s, g, deps, edgeData, n, mode);
     capture_began(rc);
     return rc;
 }
 CUresult mg_h_cuStreamBeginCaptureToGraph_ptsz(CUstream s, CUgraph g, const CUgraphNode *deps,
                                                const void *edgeData, size_t n, int mode) {
-    CUresult rc = XCALL(cuStreamBeginCaptureToGraph_ptsz, s, g, deps, edgeData, n, mode);
+    CUresult rc = CALL_REAL(cuStreamBeginCaptureToGraph_ptsz, s, g, deps, edgeData, n, mode);
     capture_began(rc);
     return rc;
 }
 CUresult mg_h_cuStreamEndCapture(CUstream s, CUgraph *g) {
     int was = mg_stream_capturing(s);
-    return capture_ended(XCALL(cuStreamEndCapture, s, g), was, s);
+    return capture_ended(CALL_REAL(cuStreamEndCapture, s, g), was, s);
 }
 CUresult mg_h_cuStreamEndCapture_ptsz(CUstream s, CUgraph *g) {
     int was = mg_stream_capturing(s);
-    return capture_ended(XCALL(cuStreamEndCapture_ptsz, s, g), was, s);
+    return capture_ended(CALL_REAL(cuStreamEndCapture_ptsz, s, g), was, s);
 }
 
 /* A forked child has no graphs of its parent's. */

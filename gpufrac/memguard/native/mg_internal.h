@@ -1,164 +1,275 @@
 /*
- * memguard: what memguard.c shares with the other sources of libmemguard.so
- * (mg_ctx.c: context, module and limit memory; mg_graph.c: graph memory).
+ * memguard: the CUDA allocation shim (LD_PRELOAD), libmemguard.so.
  *
- * Their hooks join the one table of memguard.c: each source lists its entry
- * points in an X-macro below (same columns as MG_SYMBOLS), and these come first
- * in the table's enum, so their indices are known here. Every function declared
- * here is hidden: only the hooks are exported.
+ * It holds every process of a container to the container's GPU-memory request
+ * and limit, which the agent publishes in $GPUFRAC_CONTAINER_DIR/config
+ * (memguard_abi.h). Usage is counted per container in the shared usage file.
+ *
+ * This header is what the sources of libmemguard.so share: the driver ABI they
+ * need (mg_driver.h), the one hook table (its rows, by source), the process
+ * state and the functions one source offers the others. Every function
+ * declared here is hidden: only the hooks are exported, each by its own source
+ * under the driver's name (MG_XALIAS). The sources, one job each:
+ *   mg_symbols.c  the hook table, real-symbol resolution, dlsym and cuGetProcAddress
+ *   mg_init.c     process state, the two files, init, fork and exit
+ *   mg_slots.c    process slots in the usage file: claim, release, reap the dead
+ *   mg_tab.c      lock-free handle -> counted size tables
+ *   mg_account.c  the limits (config seqlock) and counting against them
+ *   mg_arbiter.c  the arbiter client: bursts, reclaims, grant returns, swap-in
+ *   mg_alloc.c    cuMemAlloc* / cuMemAllocPitch* / cuMemFree* hooks
+ *   mg_pool.c     memory pools (stream-ordered allocation) and synchronize points
+ *   mg_vmm.c      virtual memory management (cuMemCreate, map, unmap, release)
+ *   mg_array.c    CUDA arrays and mipmapped arrays
+ *   mg_view.c     memory queries: the container's total and free memory
+ *   mg_nvml.c     NVML's process lists, utilisation and BAR1, the container's view
+ *   mg_launch.c   kernel and graph launches: activity and the swap-in gate
+ *   mg_ctx.c      contexts, modules, libraries and cuCtxSetLimit memory
+ *   mg_measure.c  how much memory such a call took, measured around it
+ *   mg_graph.c    CUDA graph memory and stream capture
+ *
+ * Design rules every source keeps: nothing on the fast path (an allocation
+ * within request + grant) but the real call and atomics: no syscall, no getenv,
+ * no lock, no scan; no lock shared between processes (a process killed at any
+ * instruction leaves both files usable). Memory pools (cuMemAllocAsync & co.)
+ * also count what a pool keeps reserved after frees (mg_pool.c): those calls
+ * take a process-local mutex (never one in a shared file) and read the pool's
+ * attributes through the driver. Context and graph calls take process-local
+ * mutexes of their own (mg_ctx.c, mg_graph.c); measuring a context also takes
+ * turns by a lock the kernel drops when its holder dies (mg_measure.c). The
+ * fast path's helpers (mg_mode, mg_slot, mg_real) are inline here so it stays
+ * one load each across sources.
+ *
+ * State one source defines and others use keeps a g_ name and is declared here
+ * with the source that defines it; everything else a source keeps is static.
  */
 #ifndef GPUFRAC_MEMGUARD_INTERNAL_H
 #define GPUFRAC_MEMGUARD_INTERNAL_H
 
+#include <pthread.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdint.h>
+#include <time.h>
+
+#include "memguard_abi.h"
+#include "mg_driver.h"
 
 #define MG_HIDDEN __attribute__((visibility("hidden")))
+#define MG_LIKELY(x) __builtin_expect(!!(x), 1)
+#define MG_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define MG_EXPORT __attribute__((visibility("default")))
+#define MG_COLD __attribute__((cold, noinline))
+/* A hook: hidden, exported only under the driver's name by MG_XALIAS. */
+#define HOOK MG_HIDDEN
 
-/* The driver ABI the extra hooks need (identical redefinitions of memguard.c's). */
-typedef int CUresult;
-#define CUDA_SUCCESS 0
-#define CUDA_ERROR_OUT_OF_MEMORY 2
-#define CUDA_ERROR_NOT_FOUND 500
-typedef int CUdevice;
-typedef unsigned long long CUdeviceptr;
-typedef unsigned long long cuuint64_t;
-typedef struct CUstream_st *CUstream;
-typedef struct CUctx_st *CUcontext;
-typedef struct CUgraphExec_st *CUgraphExec;
-typedef struct CUgraph_st *CUgraph;
-typedef struct CUgraphNode_st *CUgraphNode;
-typedef struct CUmod_st *CUmodule;
-typedef struct CUlib_st *CUlibrary;
-typedef struct CUgreenCtx_st *CUgreenCtx;
-typedef struct CUdevResourceDesc_st *CUdevResourceDesc;
-typedef struct CUDA_GRAPH_INSTANTIATE_PARAMS_st CUDA_GRAPH_INSTANTIATE_PARAMS; /* only passed through */
+/* ------------------------------------------------------------------------ */
+/* The hook table: one row per entry point, listed by the source that hooks it. */
 
 enum { LIB_CUDA, LIB_NVML };
 
-/* X(exported name, base name for cuGetProcAddress, cudaVersion, library, per-thread variant) */
-#define MG_SYMBOLS_CTX(X)                                                          \
-    X(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", 7000, LIB_CUDA, 0)     \
-    X(cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease", 7000, LIB_CUDA, 0)   \
-    X(cuDevicePrimaryCtxRelease_v2, "cuDevicePrimaryCtxRelease", 11000, LIB_CUDA, 0) \
-    X(cuDevicePrimaryCtxReset, "cuDevicePrimaryCtxReset", 7000, LIB_CUDA, 0)       \
-    X(cuDevicePrimaryCtxReset_v2, "cuDevicePrimaryCtxReset", 11000, LIB_CUDA, 0)   \
-    X(cuCtxCreate, "cuCtxCreate", 2000, LIB_CUDA, 0)                               \
-    X(cuCtxCreate_v2, "cuCtxCreate", 3020, LIB_CUDA, 0)                            \
-    X(cuCtxCreate_v3, "cuCtxCreate", 11040, LIB_CUDA, 0)                           \
-    X(cuCtxCreate_v4, "cuCtxCreate", 12050, LIB_CUDA, 0)                           \
-    X(cuCtxDestroy, "cuCtxDestroy", 2000, LIB_CUDA, 0)                             \
-    X(cuCtxDestroy_v2, "cuCtxDestroy", 4000, LIB_CUDA, 0)                          \
-    X(cuGreenCtxCreate, "cuGreenCtxCreate", 12040, LIB_CUDA, 0)                    \
-    X(cuGreenCtxDestroy, "cuGreenCtxDestroy", 12040, LIB_CUDA, 0)                  \
-    X(cuCtxSetLimit, "cuCtxSetLimit", 3010, LIB_CUDA, 0)                           \
-    X(cuModuleLoad, "cuModuleLoad", 2000, LIB_CUDA, 0)                             \
-    X(cuModuleLoadData, "cuModuleLoadData", 2000, LIB_CUDA, 0)                     \
-    X(cuModuleLoadDataEx, "cuModuleLoadDataEx", 2010, LIB_CUDA, 0)                 \
-    X(cuModuleLoadFatBinary, "cuModuleLoadFatBinary", 2000, LIB_CUDA, 0)           \
-    X(cuModuleUnload, "cuModuleUnload", 2000, LIB_CUDA, 0)                         \
-    X(cuLibraryLoadData, "cuLibraryLoadData", 12000, LIB_CUDA, 0)                  \
-    X(cuLibraryLoadFromFile, "cuLibraryLoadFromFile", 12000, LIB_CUDA, 0)          \
-    X(cuLibraryUnload, "cuLibraryUnload", 12000, LIB_CUDA, 0)
-
-#define MG_SYMBOLS_GRAPH(X)                                                                \
-    X(cuGraphInstantiate, "cuGraphInstantiate", 10000, LIB_CUDA, 0)                        \
-    X(cuGraphInstantiate_v2, "cuGraphInstantiate", 11000, LIB_CUDA, 0)                     \
-    X(cuGraphInstantiateWithFlags, "cuGraphInstantiate", 11040, LIB_CUDA, 0)               \
-    X(cuGraphInstantiateWithParams, "cuGraphInstantiateWithParams", 12000, LIB_CUDA, 0)    \
-    X(cuGraphInstantiateWithParams_ptsz, "cuGraphInstantiateWithParams", 12000, LIB_CUDA, 1) \
-    X(cuGraphExecDestroy, "cuGraphExecDestroy", 10000, LIB_CUDA, 0)                        \
-    X(cuGraphUpload, "cuGraphUpload", 11010, LIB_CUDA, 0)                                  \
-    X(cuGraphUpload_ptsz, "cuGraphUpload", 11010, LIB_CUDA, 1)                             \
-    X(cuDeviceGraphMemTrim, "cuDeviceGraphMemTrim", 11040, LIB_CUDA, 0)                    \
-    X(cuStreamBeginCapture, "cuStreamBeginCapture", 10000, LIB_CUDA, 0)                    \
-    X(cuStreamBeginCapture_v2, "cuStreamBeginCapture", 10010, LIB_CUDA, 0)                 \
-    X(cuStreamBeginCapture_v2_ptsz, "cuStreamBeginCapture", 10010, LIB_CUDA, 1)            \
-    X(cuStreamBeginCaptureToGraph, "cuStreamBeginCaptureToGraph", 12030, LIB_CUDA, 0)      \
-    X(cuStreamBeginCaptureToGraph_ptsz, "cuStreamBeginCaptureToGraph", 12030, LIB_CUDA, 1) \
-    X(cuStreamEndCapture, "cuStreamEndCapture", 10000, LIB_CUDA, 0)                        \
-    X(cuStreamEndCapture_ptsz, "cuStreamEndCapture", 10000, LIB_CUDA, 1)
-
-#define MG_SYMBOLS_EXTRA(X) MG_SYMBOLS_CTX(X) MG_SYMBOLS_GRAPH(X)
+#include "mg_symbols.h"
 
 enum {
 #define MG_XENUM(sym, base, ver, lib, ptds) S_##sym,
-    MG_SYMBOLS_EXTRA(MG_XENUM)
+    MG_SYMBOLS_ALL(MG_XENUM)
 #undef MG_XENUM
-    S_EXTRA_COUNT
+    S_COUNT
 };
 
-/* The hooks of mg_ctx.c and mg_graph.c. */
-MG_HIDDEN CUresult mg_h_cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev);
-MG_HIDDEN CUresult mg_h_cuDevicePrimaryCtxRelease(CUdevice dev);
-MG_HIDDEN CUresult mg_h_cuDevicePrimaryCtxRelease_v2(CUdevice dev);
-MG_HIDDEN CUresult mg_h_cuDevicePrimaryCtxReset(CUdevice dev);
-MG_HIDDEN CUresult mg_h_cuDevicePrimaryCtxReset_v2(CUdevice dev);
-MG_HIDDEN CUresult mg_h_cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev);
-MG_HIDDEN CUresult mg_h_cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev);
-MG_HIDDEN CUresult mg_h_cuCtxCreate_v3(CUcontext *pctx, void *paramsArray, int numParams, unsigned int flags,
-                                       CUdevice dev);
-MG_HIDDEN CUresult mg_h_cuCtxCreate_v4(CUcontext *pctx, void *ctxCreateParams, unsigned int flags, CUdevice dev);
-MG_HIDDEN CUresult mg_h_cuCtxDestroy(CUcontext ctx);
-MG_HIDDEN CUresult mg_h_cuCtxDestroy_v2(CUcontext ctx);
-MG_HIDDEN CUresult mg_h_cuGreenCtxCreate(CUgreenCtx *phCtx, CUdevResourceDesc desc, CUdevice dev, unsigned int flags);
-MG_HIDDEN CUresult mg_h_cuGreenCtxDestroy(CUgreenCtx hCtx);
-MG_HIDDEN CUresult mg_h_cuCtxSetLimit(int limit, size_t value);
-MG_HIDDEN CUresult mg_h_cuModuleLoad(CUmodule *module, const char *fname);
-MG_HIDDEN CUresult mg_h_cuModuleLoadData(CUmodule *module, const void *image);
-MG_HIDDEN CUresult mg_h_cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int numOptions,
-                                           void *options, void **optionValues);
-MG_HIDDEN CUresult mg_h_cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin);
-MG_HIDDEN CUresult mg_h_cuModuleUnload(CUmodule hmod);
-MG_HIDDEN CUresult mg_h_cuLibraryLoadData(CUlibrary *library, const void *code, void *jitOptions,
-                                          void **jitOptionsValues, unsigned int numJitOptions, void *libraryOptions,
-                                          void **libraryOptionValues, unsigned int numLibraryOptions);
-MG_HIDDEN CUresult mg_h_cuLibraryLoadFromFile(CUlibrary *library, const char *fileName, void *jitOptions,
-                                              void **jitOptionsValues, unsigned int numJitOptions,
-                                              void *libraryOptions, void **libraryOptionValues,
-                                              unsigned int numLibraryOptions);
-MG_HIDDEN CUresult mg_h_cuLibraryUnload(CUlibrary library);
+/* Each entry's library, known when compiling (what a missing function answers). */
+enum {
+#define MG_XLIB(sym, base, ver, lib, ptds) L_##sym = lib,
+    MG_SYMBOLS_ALL(MG_XLIB)
+#undef MG_XLIB
+};
 
-MG_HIDDEN CUresult mg_h_cuGraphInstantiate(CUgraphExec *e, CUgraph g, CUgraphNode *errNode, char *log, size_t n);
-MG_HIDDEN CUresult mg_h_cuGraphInstantiate_v2(CUgraphExec *e, CUgraph g, CUgraphNode *errNode, char *log, size_t n);
-MG_HIDDEN CUresult mg_h_cuGraphInstantiateWithFlags(CUgraphExec *e, CUgraph g, unsigned long long flags);
-MG_HIDDEN CUresult mg_h_cuGraphInstantiateWithParams(CUgraphExec *e, CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *p);
-MG_HIDDEN CUresult mg_h_cuGraphInstantiateWithParams_ptsz(CUgraphExec *e, CUgraph g,
-                                                          CUDA_GRAPH_INSTANTIATE_PARAMS *p);
-MG_HIDDEN CUresult mg_h_cuGraphExecDestroy(CUgraphExec e);
-MG_HIDDEN CUresult mg_h_cuGraphUpload(CUgraphExec e, CUstream s);
-MG_HIDDEN CUresult mg_h_cuGraphUpload_ptsz(CUgraphExec e, CUstream s);
-MG_HIDDEN CUresult mg_h_cuDeviceGraphMemTrim(CUdevice dev);
-MG_HIDDEN CUresult mg_h_cuStreamBeginCapture(CUstream s);
-MG_HIDDEN CUresult mg_h_cuStreamBeginCapture_v2(CUstream s, int mode);
-MG_HIDDEN CUresult mg_h_cuStreamBeginCapture_v2_ptsz(CUstream s, int mode);
-MG_HIDDEN CUresult mg_h_cuStreamBeginCaptureToGraph(CUstream s, CUgraph g, const CUgraphNode *deps,
-                                                    const void *edgeData, size_t n, int mode);
-MG_HIDDEN CUresult mg_h_cuStreamBeginCaptureToGraph_ptsz(CUstream s, CUgraph g, const CUgraphNode *deps,
-                                                         const void *edgeData, size_t n, int mode);
-MG_HIDDEN CUresult mg_h_cuStreamEndCapture(CUstream s, CUgraph *g);
-MG_HIDDEN CUresult mg_h_cuStreamEndCapture_ptsz(CUstream s, CUgraph *g);
+/* The driver's functions behind the table, resolved once (mg_symbols.c). */
+extern MG_HIDDEN void *_Atomic g_real[S_COUNT];
+MG_HIDDEN MG_COLD void *mg_resolve(int i);
 
-/* --- memguard.c's services --- */
+static inline void *mg_real(int i) {
+    void *p = atomic_load_explicit(&g_real[i], memory_order_acquire);
+    return MG_LIKELY(p != NULL) ? p : mg_resolve(i);
+}
 
-/* The driver's function behind table entry `i` (NULL if the driver lacks it). */
-MG_HIDDEN void *mg_real_fn(int i);
+/* The real function of hook `sym`, typed like the hook. */
+#define REAL(sym) ((__typeof__(&mg_h_##sym))mg_real(S_##sym))
+/* Call it, or report "not found" if the driver lacks it. */
+#define CALL_REAL(sym, ...)                                                                          \
+    __extension__({                                                                                  \
+        __typeof__(&mg_h_##sym) f_ = REAL(sym);                                                      \
+        f_ ? f_(__VA_ARGS__) : ((int)L_##sym == LIB_NVML ? NVML_ERROR_FUNCTION_NOT_FOUND : CUDA_ERROR_NOT_FOUND); \
+    })
+
+/* Export each hook under the driver's name (each source, for its own rows). The
+ * table holds the local address, so another library interposing the same name
+ * cannot redirect it. */
+#define MG_XALIAS(sym, base, ver, lib, ptds) \
+    extern __typeof__(mg_h_##sym) sym __attribute__((alias("mg_h_" #sym), visibility("default")));
+
 /* A driver function the shim calls for itself, by name (NULL if absent). */
 MG_HIDDEN void *mg_driver_fn(int lib, const char *name);
-MG_HIDDEN int mg_x_on(void);       /* the container is limited (MODE_ON) */
-MG_HIDDEN int mg_x_refusing(void); /* the files are broken: refuse */
+/* Driver functions the shim calls for itself and does not hook (memory pools). */
+enum { P_cuMemPoolGetAttribute, P_cuPointerGetAttribute, P_cuCtxGetDevice, P_cuDeviceGetMemPool, P_COUNT };
+MG_HIDDEN void *mg_plain(int i);
+typedef void *(*dlsym_fn)(void *, const char *);
+MG_HIDDEN dlsym_fn mg_init_real_dlsym(void); /* the real dlsym, found once */
+
+/* ------------------------------------------------------------------------ */
+/* Process state (mg_init.c, mg_slots.c).                                    */
+
+enum { MODE_UNINIT = 0, MODE_INITING, MODE_OFF, MODE_ON, MODE_BROKEN, MODE_DONE };
+extern MG_HIDDEN _Atomic int g_mode;
+extern MG_HIDDEN const mg_config_t *g_cfg;
+extern MG_HIDDEN mg_usage_t *g_usage;
+extern MG_HIDDEN mg_proc_slot_t *_Atomic g_slot;
+extern MG_HIDDEN char g_dir[];
+extern MG_HIDDEN char g_sock_path[];
+extern MG_HIDDEN int32_t g_pid;
+extern MG_HIDDEN uint64_t g_start; /* this process's /proc starttime, set when it claims a slot */
+extern MG_HIDDEN int g_nvml_pids_local; /* NVML's pids are this pid namespace's (see mg_nvml.c) */
+extern MG_HIDDEN _Atomic int g_warned_track;
+
+MG_HIDDEN MG_COLD int mg_init_slow(void);
+
+static inline int mg_mode(void) {
+    int m = atomic_load_explicit(&g_mode, memory_order_acquire);
+    return MG_LIKELY(m >= MODE_OFF) ? m : mg_init_slow();
+}
+static inline int mg_on(void) { return mg_mode() == MODE_ON; }
+static inline int mg_refusing(void) { return mg_mode() == MODE_BROKEN; }
+
+MG_HIDDEN void mg_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+#define MG_WARN_ONCE(flag, ...)                                      \
+    do {                                                             \
+        if (!atomic_exchange_explicit(&(flag), 1, memory_order_relaxed)) \
+            mg_log(__VA_ARGS__);                                     \
+    } while (0)
+
+/* Saturating atomic subtraction: a counter never wraps to "17 TB used". */
+static inline void mg_sat_sub(_Atomic uint64_t *a, uint64_t v) {
+    uint64_t cur = atomic_load_explicit(a, memory_order_relaxed);
+    uint64_t next;
+    do {
+        next = cur > v ? cur - v : 0;
+    } while (!atomic_compare_exchange_weak_explicit(a, &cur, next, memory_order_acq_rel, memory_order_relaxed));
+}
+
+static inline uint64_t mg_coarse_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts); /* vDSO: no system call */
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Process slots (mg_slots.c). */
+MG_HIDDEN MG_COLD mg_proc_slot_t *mg_claim_slot(void);
+
+static inline mg_proc_slot_t *mg_slot(void) {
+    mg_proc_slot_t *s = atomic_load_explicit(&g_slot, memory_order_acquire);
+    return MG_LIKELY(s != NULL) ? s : mg_claim_slot();
+}
+
+extern MG_HIDDEN pthread_mutex_t g_claim_mu;
+MG_HIDDEN uint64_t mg_proc_start(int32_t pid, char *state);
+MG_HIDDEN uint64_t mg_release_slot(mg_proc_slot_t *s, int32_t pid);
+MG_HIDDEN MG_COLD int mg_reap(int full);
+MG_HIDDEN MG_COLD void mg_reap_at_start(void);
+
+/* ------------------------------------------------------------------------ */
+/* Lock-free pointer -> counted size tables (mg_tab.c).                       */
+
+#define KEY_EMPTY 0ull
+#define KEY_TOMB UINT64_MAX
+
+typedef struct {
+    _Atomic uint64_t key;
+    _Atomic uint64_t size;
+    _Atomic uint64_t aux; /* g_handles: references; g_maps: the mapped handle */
+    _Atomic uint64_t slop; /* g_ptrs, pool allocations: footprint - size (see mg_pool_alloc) */
+} mg_ent_t;
+
+typedef struct {
+    mg_ent_t *_Atomic ents;
+    uint64_t mask;
+    unsigned shift;
+} mg_tab_t;
+
+extern MG_HIDDEN mg_tab_t g_ptrs, g_arrays, g_handles, g_maps;
+extern MG_HIDDEN mg_tab_t g_hostpools; /* pools created with a host location: never counted */
+
+MG_HIDDEN int mg_tab_init(mg_tab_t *t, unsigned bits);
+MG_HIDDEN int mg_tab_put_slop(mg_tab_t *t, uint64_t key, uint64_t size, uint64_t aux, uint64_t slop);
+MG_HIDDEN int mg_tab_put(mg_tab_t *t, uint64_t key, uint64_t size, uint64_t aux);
+MG_HIDDEN int mg_tab_take_slop(mg_tab_t *t, uint64_t key, uint64_t *size, uint64_t *aux, uint64_t *slop);
+MG_HIDDEN int mg_tab_take(mg_tab_t *t, uint64_t key, uint64_t *size, uint64_t *aux);
+MG_HIDDEN mg_ent_t *mg_tab_find(mg_tab_t *t, uint64_t key);
+MG_HIDDEN void mg_tab_reset(mg_tab_t *t);
+
+/* ------------------------------------------------------------------------ */
+/* Limits and accounting (mg_account.c).                                     */
+
+typedef struct {
+    uint64_t request, limit, grant, generation;
+    uint32_t flags, arbiter_timeout_ms, wait_timeout_ms;
+} mg_limits_t;
+
+#define LOAD_CFG(field) __atomic_load_n(&g_cfg->field, __ATOMIC_RELAXED)
+
+MG_HIDDEN int mg_read_limits(mg_limits_t *l);
 MG_HIDDEN CUresult mg_charge(uint64_t bytes);
 MG_HIDDEN void mg_force_charge(uint64_t bytes);
 MG_HIDDEN int mg_admit(uint64_t bytes);
 MG_HIDDEN void mg_uncharge(uint64_t bytes);
-MG_HIDDEN void mg_maybe_return_grant(void);
+MG_HIDDEN MG_COLD CUresult mg_refuse(mg_proc_slot_t *s);
+MG_HIDDEN CUresult mg_x_refuse(void); /* count a refusal; CUDA_ERROR_OUT_OF_MEMORY */
+MG_HIDDEN MG_COLD int mg_reclaim(CUresult rc, uint64_t bytes);
+MG_HIDDEN void mg_settle(mg_tab_t *t, CUresult rc, uint64_t key, uint64_t bytes);
+MG_HIDDEN void mg_freed(mg_tab_t *t, CUresult rc, uint64_t key, int found, uint64_t bytes);
 MG_HIDDEN uint64_t mg_container_total(void);
 MG_HIDDEN uint64_t mg_process_counted(void); /* this process's slot: bytes counted for it */
 MG_HIDDEN unsigned mg_nvml_self_pid(void);   /* this process's pid as NVML reports it, or 0 if unknown */
 MG_HIDDEN int mg_nvml_pids_foreign(void);    /* NVML's pids are the host's: this process's may be learnt */
 MG_HIDDEN const char *mg_container_dir(void); /* $GPUFRAC_CONTAINER_DIR as the shim uses it */
-MG_HIDDEN void mg_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-MG_HIDDEN CUresult mg_x_refuse(void); /* count a refusal; CUDA_ERROR_OUT_OF_MEMORY */
+
+/* The arbiter (mg_arbiter.c). */
+MG_HIDDEN MG_COLD int mg_ask_arbiter(uint16_t op, uint64_t bytes, uint64_t total_after, const mg_limits_t *l);
+MG_HIDDEN void mg_maybe_return_grant(void);
+MG_HIDDEN void mg_exit_return_grant(void);
+MG_HIDDEN MG_COLD void mg_swap_in(mg_proc_slot_t *s);
+
+/* ------------------------------------------------------------------------ */
+/* What the hook sources offer each other.                                   */
+
+/* mg_pool.c */
+MG_HIDDEN void mg_pools_reset(void);
+MG_HIDDEN int mg_pool_free_begin(int in_order);
+MG_HIDDEN void mg_pool_freed(CUresult rc, uint64_t key, uint64_t bytes, uint64_t pool, uint64_t slop, int locked);
+/* mg_vmm.c: does a cuMemCreate / cuMemPoolCreate allocation live in host RAM? */
+MG_HIDDEN int mg_loc_host(const void *props);
+/* mg_nvml.c */
+MG_HIDDEN int mg_nvml_pids_local(void);
+
+/* mg_measure.c: the memory a driver call took, measured around it (callers
+ * hold mg_ctx.c's g_ov_mu from mg_meas_begin to mg_meas_release). */
+typedef struct {
+    CUdevice dev;
+    uint64_t used0, free0, total0;
+    uint64_t own0, mine0; /* NVML's figure for this process, this process's counted bytes */
+    int ok, own_ok, turn;
+    int64_t lo, hi; /* the device-wide reading's bounds for this kind of object */
+    nvmlProcessInfo_t *l0; /* learning: NVML's processes before (none of them this one) */
+    int n0;
+} mg_meas_t;
+MG_HIDDEN void mg_meas_begin(mg_meas_t *m, CUdevice dev);
+MG_HIDDEN void mg_meas_learn_begin(mg_meas_t *m);
+MG_HIDDEN int64_t mg_meas_end(mg_meas_t *m, CUresult rc);
+MG_HIDDEN void mg_meas_release(mg_meas_t *m);
+MG_HIDDEN void mg_meas_bound_ctx(mg_meas_t *m);
+MG_HIDDEN void mg_meas_bound_limit(mg_meas_t *m, int limit, size_t old, size_t value, CUdevice dev);
+MG_HIDDEN void mg_meas_atfork_child(void);
+/* mg_ctx.c: does this process hold a context (so NVML may list it already)? */
+MG_HIDDEN int mg_holds_context(void);
 
 /* mg_graph.c: executable graphs whose memory is not yet counted (graph launches
  * look further only while this is non-zero), streams capturing now (stream-ordered
@@ -168,13 +279,40 @@ extern MG_HIDDEN _Atomic unsigned mg_capturing;
 MG_HIDDEN CUresult mg_graph_launch(void *real_launch, CUgraphExec e, CUstream s);
 MG_HIDDEN int mg_stream_capturing(CUstream s);
 
-#define XREAL(sym) ((__typeof__(&mg_h_##sym))mg_real_fn(S_##sym))
-#define XCALL(sym, ...)                                  \
-    __extension__({                                      \
-        __typeof__(&mg_h_##sym) f_ = XREAL(sym);         \
-        f_ ? f_(__VA_ARGS__) : CUDA_ERROR_NOT_FOUND;     \
-    })
-#define MG_XALIAS(sym, base, ver, lib, ptds) \
-    extern __typeof__(mg_h_##sym) sym __attribute__((alias("mg_h_" #sym), visibility("default")));
+/* Every counted allocation: refuse while the files are broken, pass through
+ * when the container is not limited; otherwise charge `bytes` first, call the
+ * driver, then remember the handle in `out` under `tab` (or give the bytes
+ * back if the driver failed). */
+#define ALLOC_HOOK(sym, tab, out, bytes, params, ...)                                                     \
+    HOOK CUresult mg_h_##sym params {                                                                      \
+        if (!mg_on()) return mg_refusing() ? CUDA_ERROR_OUT_OF_MEMORY : CALL_REAL(sym, __VA_ARGS__);      \
+        uint64_t bytes_ = (bytes);                                                                         \
+        CUresult rc = mg_charge(bytes_);                                                                   \
+        if (rc != CUDA_SUCCESS) return rc;                                                                 \
+        rc = CALL_REAL(sym, __VA_ARGS__);                                                                  \
+        if (MG_UNLIKELY(rc == CUDA_ERROR_OUT_OF_MEMORY) && mg_reclaim(rc, bytes_)) rc = CALL_REAL(sym, __VA_ARGS__); \
+        mg_settle(&(tab), rc, rc == CUDA_SUCCESS && (out) ? (uint64_t)(uintptr_t)(*(out)) : 0, bytes_); \
+        return rc;                                                                                         \
+    }
+
+/* Take the size out of the table before the real free (another thread's
+ * allocation may get the same address right after it); put it back if the
+ * driver refuses the free. Pool allocations (any free entry point may free
+ * them) leave their block idle in the pool: see mg_pool_freed. */
+#define FREE_HOOK(sym, tab, key, in_order, params, ...)                 \
+    HOOK CUresult mg_h_##sym params {                                   \
+        if (!mg_on()) return CALL_REAL(sym, __VA_ARGS__);               \
+        uint64_t bytes = 0, aux = 0, slop = 0, key_ = (uint64_t)(key);  \
+        int found = mg_tab_take_slop(&(tab), key_, &bytes, &aux, &slop); \
+        if (found && aux > 1) { /* a pool allocation (aux: its pool) */ \
+            int locked_ = mg_pool_free_begin(in_order);                 \
+            CUresult rc = CALL_REAL(sym, __VA_ARGS__);                  \
+            mg_pool_freed(rc, key_, bytes, aux, slop, locked_);         \
+            return rc;                                                  \
+        }                                                               \
+        CUresult rc = CALL_REAL(sym, __VA_ARGS__);                      \
+        mg_freed(&(tab), rc, key_, found, bytes);                       \
+        return rc;                                                      \
+    }
 
 #endif

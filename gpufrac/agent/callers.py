@@ -17,28 +17,25 @@ used are the kernel's:
 A process that is not in a kubelet container cgroup, or whose container the
 ledger does not know, is refused.
 
-The blocking process helpers built on the same identity live here too, for the
-arbiter's eviction, the swap resolver and the watchdog: a container's host pids
-(a /proc scan) and killing processes safely (pidfd: no pid-reuse race). Callers
-run them in worker threads.
+The blocking /proc helpers built on the same identity live here too, for the
+arbiter's eviction, the swap resolver and the watchdog: a container's host pids (a
+/proc scan) and whether a pid is still in a container. Killing is gpufrac.agent.kill.
+Callers run them in worker threads.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import logging
 import os
 import re
-import select
 import signal
 import socket
 import struct
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 
@@ -56,10 +53,6 @@ _POD_SYSTEMD = re.compile(
 # The container component: a bare 64-hex ID (cgroupfs), or "<runtime>-<id>.scope" (systemd).
 # "crio-conmon-<id>" is CRI-O's monitor process, not the container, and does not match.
 _CONTAINER = re.compile(r"^(?:(?:docker|cri-containerd|containerd|crio|cri-o)-)?([0-9a-f]{64})(?:\.scope)?$")
-
-
-# How long killed processes get to exit after SIGKILL before the killer gives up waiting.
-KILL_WAIT = 10.0
 
 
 class PeerError(Exception):
@@ -220,64 +213,30 @@ def in_container(pid: int, ident: CgroupIdentity, proc: str = "/proc") -> bool:
     return now is not None and (now.pod_uid, now.container_id) == (ident.pod_uid, ident.container_id)
 
 
-def kill_and_wait(
-    pids: Sequence[int], timeout: float = KILL_WAIT, still_ours: Callable[[int], bool] | None = None
-) -> int:
-    """SIGKILL every pid and wait (pidfd, no polling) until they are gone. Blocking: run in
-    a thread. `still_ours(pid)`, checked once the pidfd pins the process, skips a pid that
-    now names another process (reused). Returns how many were signalled."""
-    fds, killed = [], 0
-    for pid in pids:
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError:
-            continue  # already gone
-        sent = False
-        try:
-            if still_ours is None or still_ours(pid):
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
-                sent = True
-        except OSError:
-            pass  # exited between pidfd_open and the signal
-        finally:
-            if sent:
-                killed += 1
-                fds.append(fd)
-            else:
-                os.close(fd)
-    try:
-        poller = select.poll()
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        deadline = time.monotonic() + timeout
-        pending = set(fds)
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                log.error("%d killed process(es) did not exit within %.0fs", len(pending), timeout)
-                break
-            for fd, _ in poller.poll(left * 1000):
-                pending.discard(fd)
-                with contextlib.suppress(KeyError):
-                    poller.unregister(fd)
-    finally:
-        for fd in fds:
-            os.close(fd)
-    return killed
-
-
 # Looks up a container's name from (pod UID, container ID); None when unknown.
 ContainerNamer = Callable[[str, str], "str | None"]
 
 
-def namer_from_pods(pods: Any) -> ContainerNamer:
-    """A ContainerNamer over the agent's pod cache (gpufrac.agent.kube.PodCache), whose
-    PodInfo.container_ids comes from the pod's status.containerStatuses."""
+class PodRecord(Protocol):
+    """A pod as the pod cache keeps it (gpufrac.agent.kube.PodInfo)."""
+
+    @property
+    def container_ids(self) -> Mapping[str, str]: ...  # container ID -> container name
+
+
+class PodIndex(Protocol):
+    """The agent's pod cache (gpufrac.agent.kube.PodCache)."""
+
+    def by_uid(self, uid: str) -> PodRecord | None: ...
+
+
+def namer_from_pods(pods: PodIndex | None) -> ContainerNamer:
+    """A ContainerNamer over the agent's pod cache, whose container IDs come from the pod's
+    status.containerStatuses."""
 
     def name(pod_uid: str, container_id: str) -> str | None:
         pod = pods.by_uid(pod_uid) if pods is not None else None
-        ids: Mapping[str, str] = getattr(pod, "container_ids", None) or {}
-        return ids.get(container_id)
+        return pod.container_ids.get(container_id) if pod is not None else None
 
     return name
 

@@ -96,7 +96,7 @@ class Checkpointer:
 
     def _detect(self) -> Support:
         try:
-            from cuda.bindings import driver
+            from cuda.bindings import driver  # type: ignore[import-untyped]  # cuda-python ships no types
         except ImportError as e:
             return Support(False, f"cuda-python is not installed ({e})")
         try:
@@ -144,8 +144,8 @@ class Checkpointer:
 
     # -- calls ---------------------------------------------------------------------------------
 
-    def _call(self, what: str, pid: int, fn: Callable[..., Any], *args: Any) -> Any:
-        if self._driver is None:
+    def _call(self, what: str, pid: int, fn: Callable[..., Any] | None, *args: Any) -> Any:
+        if self._driver is None or fn is None:
             raise CheckpointError(f"{what}({pid}): checkpoint API unavailable: {self.support.reason}")
         try:
             r = fn(pid, *args)

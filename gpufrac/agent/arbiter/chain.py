@@ -1,0 +1,46 @@
+"""The resolver chain the node config names, built over the arbiter.
+
+Here rather than in gpufrac.agent.resolvers: the swap resolver (gpufrac.agent.swap) is built
+on the resolver interface, and the chain needs both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from gpufrac.agent.resolvers import (
+    Chain,
+    EvictResolver,
+    Resolver,
+    ResolverContext,
+    ResolverMetrics,
+    WaitResolver,
+)
+from gpufrac.agent.swap import SwapHost, SwapMetrics, SwapResolver
+
+
+class ChainMetrics(ResolverMetrics, SwapMetrics, Protocol):
+    """What the resolvers together count."""
+
+
+class ChainHost(ResolverContext, SwapHost, Protocol):
+    """What the resolvers together need of the arbiter (gpufrac.agent.arbiter.Arbiter)."""
+
+    @property
+    def metrics(self) -> ChainMetrics: ...
+
+
+def build_chain(names: Sequence[str], host: ChainHost) -> Chain:
+    """The resolvers named in the config, in its order."""
+    out: list[Resolver] = []
+    for name in names:
+        if name == WaitResolver.name:
+            out.append(WaitResolver(host))
+        elif name == EvictResolver.name:
+            out.append(EvictResolver(host))
+        elif name == SwapResolver.name:
+            out.append(SwapResolver(host))
+        else:
+            raise ValueError(f"resolvers: unknown resolver {name!r}")
+    return Chain(out)

@@ -1,0 +1,135 @@
+"""The arbiter's NVML cache: free memory per GPU and what each container's processes hold.
+
+Grants rest on what the driver reports, read in a worker thread and kept for a moment: a
+reading younger than NVML_FRESH is used as is (the common burst takes no task); an older one
+starts a new reading; one older than NVML_STALE makes a request wait for the new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from gpufrac.agent import truth
+from gpufrac.agent.allocations import ContainerAlloc
+from gpufrac.agent.gpu_processes import Lookup, Observed
+
+log = logging.getLogger(__name__)
+
+NVML_FRESH = 0.1  # an NVML reading younger than this is used as is
+NVML_STALE = 1.0  # older than this, a request waits for a new one
+
+
+class MemoryReading(Protocol):
+    """One GPU's memory as NVML reports it (gpufrac.agent.inventory.MemoryUsage)."""
+
+    @property
+    def free(self) -> int: ...
+
+
+ReadMemory = Callable[[], Mapping[str, MemoryReading]]
+ReadProcesses = Callable[[], list[Observed]]
+
+
+class DriverReadings:
+    """The latest NVML reading, renewed on demand. `on_reading` runs after each one (a fresh
+    reading may let waiters in that a stale one kept out). `allowance`: one CUDA context per
+    container, which NVML counts and the shim does not (docs/watchdog.md)."""
+
+    def __init__(
+        self,
+        read_memory: ReadMemory,
+        read_processes: ReadProcesses,
+        lookup: Lookup,
+        allowance: int,
+        on_reading: Callable[[], None],
+    ) -> None:
+        self.read_memory = read_memory
+        # NVML's processes with their cgroups (gpufrac.agent.truth): what each container holds.
+        self.read_processes = read_processes
+        self._lookup = lookup
+        self.allowance = allowance
+        self._on_reading = on_reading
+        self.memory: Mapping[str, MemoryReading] | None = None
+        self.driver: truth.DriverUsage | None = None
+        self.at = -1e9
+        self._task: asyncio.Task[None] | None = None
+        self._error_logged = False
+        self._driver_error_logged = False
+
+    def free(self, gpu: str) -> int | None:
+        """NVML's free memory on `gpu` in the last reading; None without one."""
+        mem = (self.memory or {}).get(gpu)
+        return None if mem is None else int(mem.free)
+
+    def ready(self) -> bool:
+        """Whether the reading may be used now; starts a new one if it is getting old."""
+        age = time.monotonic() - self.at
+        if age <= NVML_FRESH:
+            return True
+        self.refresh_soon()
+        return age <= NVML_STALE
+
+    async def fresh(self) -> None:
+        """A usable reading (waits for a new one only when the last is stale)."""
+        if not self.ready():
+            assert self._task is not None
+            await asyncio.shield(self._task)
+
+    def refresh_soon(self) -> None:
+        """Start a new reading now unless one is under way."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self.refresh())
+
+    def driver_used(self, alloc: ContainerAlloc) -> int | None:
+        """What NVML counts for the container's processes on its GPU, less one context
+        allowance (gpufrac.agent.truth); None without a recent process reading (decisions take
+        a fresh one first; a stale count must not hold a grant that was given back)."""
+        if self.driver is None or time.monotonic() - self.at > NVML_STALE:
+            return None
+        raw = self.driver.bytes_of(alloc.key, alloc.gpus[0])
+        return max(0, raw - self.allowance)
+
+    def _read(self) -> tuple[Mapping[str, MemoryReading], list[Observed] | Exception]:
+        """Blocking: NVML's memory per GPU, then its processes with their cgroups."""
+        mem = self.read_memory()
+        try:
+            procs: list[Observed] | Exception = self.read_processes()
+        except Exception as e:
+            procs = e
+        return mem, procs
+
+    async def refresh(self) -> None:
+        """A new reading now (in a worker thread)."""
+        try:
+            self.memory, procs = await asyncio.to_thread(self._read)
+            self.at = time.monotonic()
+            self._error_logged = False
+        except Exception as e:
+            self.memory = None  # no reading, no grants
+            self.driver = None
+            self.at = time.monotonic()
+            if not self._error_logged:
+                self._error_logged = True
+                log.error("arbiter: NVML memory reading failed, bursts are refused until it works: %s", e)
+        else:
+            self._take_processes(procs)
+        self._on_reading()
+
+    def _take_processes(self, procs: list[Observed] | Exception) -> None:
+        """A new per-process reading: each container's driver count."""
+        if isinstance(procs, Exception):
+            self.driver = None  # until it works: reclaims refused, other decisions use the files (clamped)
+            if not self._driver_error_logged:
+                self._driver_error_logged = True
+                log.error(
+                    "arbiter: NVML per-process reading failed; reclaims are refused and usage files "
+                    "(clamped) are trusted until it works: %s",
+                    procs,
+                )
+            return
+        self._driver_error_logged = False
+        self.driver = truth.attribute(procs, self._lookup)

@@ -1,0 +1,264 @@
+"""The arbiter's socket: one fixed-size request in, one reply out, per connection.
+
+One unix socket per node (gpufrac.deviceplugin.server.arbiter_socket), bind-mounted into
+every sharing container. Who a caller is comes from the kernel (SO_PEERCRED ->
+gpufrac.agent.callers), never from its message; how much each container may ask is
+gpufrac.agent.fairness. What a request is answered is the Handler's (the Arbiter); this
+module only reads, times out, counts and writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+from gpufrac.agent.fairness import REFUSE_DELAY, Account, Fairness
+from gpufrac.memguard import wire
+from gpufrac.memguard.wire import BurstRequest
+
+log = logging.getLogger(__name__)
+
+REFUSAL_LOG_EVERY = 60.0  # seconds between two log lines about refusals alike (RefusalLog)
+Result = tuple[int, int]  # (reply status, config generation)
+
+
+@dataclass
+class Stats:
+    """Counters (tests and the bench read them)."""
+
+    granted: int = 0
+    denied: int = 0
+    refused: int = 0  # caller not identified
+    dropped: int = 0  # short reads, timeouts, early disconnects
+    busy: int = 0  # refused: the caller's container was over its limits (gpufrac.agent.fairness)
+    wait_timeouts: int = 0
+
+
+class RequestMetrics(Protocol):
+    """Where answered requests are counted (gpufrac.agent.metrics)."""
+
+    def count_arbiter_request(self, kind: str, outcome: str) -> None: ...
+
+
+class Handler(Protocol):
+    """What answers requests (gpufrac.agent.arbiter.service.Arbiter)."""
+
+    stats: Stats
+    fairness: Fairness
+    read_timeout: float
+
+    @property
+    def metrics(self) -> RequestMetrics: ...
+
+    def handle(self, req: BurstRequest, sock: socket.socket) -> Result | Coroutine[Any, Any, Result]: ...
+
+
+class RefusalLog:
+    """Log a refusal of an unidentified caller, once per REFUSAL_LOG_EVERY for refusals alike
+    but for their numbers (pids), with how many were left unsaid: anyone who reaches the
+    socket can send hundreds a second."""
+
+    def __init__(self) -> None:
+        self._said: dict[str, tuple[float, int]] = {}  # refusal kind -> (logged at, unsaid since)
+
+    def say(self, why: str) -> None:
+        kind = re.sub(r"\d+", "#", why)
+        now = time.monotonic()
+        said_at, unsaid = self._said.get(kind, (float("-inf"), 0))
+        if now - said_at < REFUSAL_LOG_EVERY:
+            self._said[kind] = (said_at, unsaid + 1)
+            return
+        more = f" ({unsaid} more like it since the last report)" if unsaid else ""
+        log.warning("arbiter: refused a request: %s%s", why, more)
+        if len(self._said) >= 1024:
+            self._said = {k: v for k, v in self._said.items() if now - v[0] < REFUSAL_LOG_EVERY}
+        self._said[kind] = (now, 0)
+
+
+class SocketServer:
+    """The listening socket and its open connections."""
+
+    def __init__(self, handler: Handler, path: str, backlog: int) -> None:
+        self.handler = handler
+        self.path = path
+        self.backlog = backlog
+        self.connections: set[Connection] = set()
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # a previous agent's socket: nobody listens on it
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        loop = asyncio.get_running_loop()
+        self.handler.fairness.fit_fd_limit()  # before the first connection: the cap must fit the file limit
+        self._server = await loop.create_unix_server(
+            lambda: Connection(self), path=self.path, backlog=self.backlog
+        )
+        # Container processes may run as any uid; who they are comes from SO_PEERCRED.
+        os.chmod(self.path, 0o666)
+
+    def close(self) -> None:
+        """Stop accepting; drop every connection (a request in work is cancelled)."""
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.abort()
+
+    async def wait_closed(self) -> None:
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 5)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+class Connection(asyncio.Protocol):
+    """One shim request on one connection: a fixed-size request in, one reply out, closed.
+
+    A protocol rather than a stream handler so that the common answers (a burst the GPU
+    has room for, a release, a refusal) are written from data_received itself: no task,
+    timeout wrapper or disconnect watcher per request. Only a request that has to wait
+    (resolvers, a swap-in, a reclaim) becomes a task, cancelled if the caller hangs up.
+    """
+
+    def __init__(self, server: SocketServer) -> None:
+        self.server = server
+        self.arb = server.handler
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.op: int | None = None  # the request's op, once it is read
+        self.work: asyncio.Future[Result] | None = None
+        self.account: Account | None = None  # its container's (gpufrac.agent.fairness)
+        self.counted = False  # whether it counts among its container's requests in flight
+        self.held = False  # past its container's connection limit: answered BUSY shortly
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport; both have its methods.
+        self.transport = cast(asyncio.Transport, transport)
+        arb = self.arb
+        fair = arb.fairness
+        self.account, victim, over = fair.admit(self, fair.container_of(transport.get_extra_info("socket")))
+        if victim is not None:
+            arb.stats.dropped += 1
+            victim.abort()
+        if self.account is None:  # the node is full: no at once
+            self._busy()
+            return
+        self.server.connections.add(self)
+        loop = asyncio.get_running_loop()
+        if over:
+            # Past its container's connection limit: no, a little later (REFUSE_DELAY);
+            # nothing it sends is read.
+            self.held = True
+            self.timer = loop.call_later(REFUSE_DELAY, self._busy)
+            return
+        self.timer = loop.call_later(arb.read_timeout, self._too_slow)
+
+    def _busy(self) -> None:
+        """Answer BUSY (the caller's container is over its limits; nothing decided) and close."""
+        self.arb.stats.busy += 1
+        self.arb.metrics.count_arbiter_request("connection", "busy")
+        assert self.transport is not None
+        if not self.transport.is_closing():
+            self.transport.write(wire.reply(wire.BURST_BUSY))
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.op is not None or self.account is None or self.held:
+            return  # one request per connection; anything after it is ignored
+        self.buf += data
+        if len(self.buf) < wire.REQUEST_SIZE:
+            return
+        assert self.transport is not None
+        if self.timer is not None:
+            self.timer.cancel()
+        req = BurstRequest.from_buffer_copy(self.buf[: wire.REQUEST_SIZE])
+        self.op = req.op
+        if not self.arb.fairness.request(self.account):
+            # Past its container's rate or in-flight limit: no, nothing decided, REFUSE_DELAY
+            # later (its connection counts meanwhile: a flood is slowed, not served faster).
+            self.arb.stats.busy += 1
+            self.held = True
+            self.timer = asyncio.get_running_loop().call_later(
+                REFUSE_DELAY, self._answer, (wire.BURST_BUSY, 0)
+            )
+            return
+        try:
+            out = self.arb.handle(req, self.transport.get_extra_info("socket"))
+        except Exception:
+            log.exception("arbiter: request failed")
+            self.transport.abort()
+            return
+        if isinstance(out, tuple):
+            self._answer(out)
+        else:
+            self.account.inflight += 1
+            self.counted = True
+            self.work = asyncio.ensure_future(out)
+            self.work.add_done_callback(self._worked)
+
+    def eof_received(self) -> bool:
+        # A caller that hangs up while its request waits gets nothing (and frees its place).
+        self._give_up()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._give_up()
+        if self.timer is not None:
+            self.timer.cancel()
+        self.server.connections.discard(self)
+        if self.account is not None:
+            self._uncount()
+            self.arb.fairness.gone(self.account, self)
+
+    def _uncount(self) -> None:
+        if self.counted and self.account is not None:
+            self.counted = False
+            self.account.inflight -= 1
+
+    def abort(self) -> None:
+        self._give_up()
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _too_slow(self) -> None:
+        self.arb.stats.dropped += 1  # a short or missing request
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _give_up(self) -> None:
+        if self.work is not None and not self.work.done():
+            self.work.cancel()
+
+    def _worked(self, work: asyncio.Future[Result]) -> None:
+        self._uncount()
+        if work.cancelled():  # the caller hung up while it waited
+            self.arb.stats.dropped += 1
+            self.arb.metrics.count_arbiter_request(wire.OP_NAMES.get(self.op or -1, "invalid"), "dropped")
+            return
+        exc = work.exception()
+        if exc is not None:
+            log.error("arbiter: request failed", exc_info=exc)
+            if self.transport is not None:
+                self.transport.abort()
+            return
+        self._answer(work.result())
+
+    def _answer(self, result: Result) -> None:
+        status, generation = result
+        self.arb.metrics.count_arbiter_request(
+            wire.OP_NAMES.get(self.op or -1, "invalid"), wire.STATUS_NAMES[status]
+        )
+        assert self.transport is not None
+        if not self.transport.is_closing():
+            self.transport.write(wire.reply(status, generation))
+        self.transport.close()  # after the reply is flushed
