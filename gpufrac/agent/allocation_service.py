@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable, Container, Hashable, Iterable, Mapping, Sequence
 from typing import Protocol
 
-from gpufrac.agent import logs
 from gpufrac.agent.allocations import ContainerAlloc
 from gpufrac.agent.config import Config
 from gpufrac.agent.gpus import Inventory
+from gpufrac.agent.logs import decision
 from gpufrac.core.errors import AllocationError, ErrorKind
 from gpufrac.deviceplugin import preferred as preferred_mod
 from gpufrac.deviceplugin.slices import GpuGeometry
@@ -134,7 +134,7 @@ class AllocationService:
         ledger.attach(alloc.key, handle)
         # The state file follows through the persist loop, off the kubelet's critical path:
         # if the agent dies before it lands, pod-resources (the kubelet's record) rebuilds it.
-        logs.decision(
+        decision(
             log,
             "allocate",
             "allocated %s: %s x%d on %s (%d bytes per GPU)",

@@ -13,9 +13,10 @@ import logging
 from collections.abc import Sequence
 from typing import Protocol
 
-from gpufrac.agent import events, logs
+from gpufrac.agent import events
 from gpufrac.agent.events import EventSink
 from gpufrac.agent.gpus import GpuHealth
+from gpufrac.agent.logs import decision
 
 log = logging.getLogger("gpufrac.agent")
 
@@ -73,7 +74,7 @@ class HealthSync:
                 changed = True
                 state = "Healthy" if h.healthy else "Unhealthy"
                 text = f"GPU {uuid} is now {state}{f' ({h.reason})' if h.reason else ''}: its slices follow"
-                logs.decision(log, "gpu-health", text, level=logging.WARNING, gpu=uuid, healthy=h.healthy)
+                decision(log, "gpu-health", text, level=logging.WARNING, gpu=uuid, healthy=h.healthy)
                 events.post_node(
                     self._events,
                     self.node_name,

@@ -19,8 +19,8 @@ from typing import Protocol
 
 import grpc
 
-from gpufrac.agent import logs
 from gpufrac.agent.allocations import ContainerAlloc, keyed
+from gpufrac.agent.logs import decision
 from gpufrac.core.errors import AllocationError
 from gpufrac.deviceplugin import slices
 from gpufrac.deviceplugin.slices import ContainerDevices
@@ -168,7 +168,7 @@ class Reconciler:
             if now - alloc.created >= grace or _recorded_before(alloc, asked):
                 # Too old to be an Allocate the kubelet has yet to record, or recorded
                 # before this List was asked: the kubelet has let it go.
-                logs.decision(
+                decision(
                     log,
                     "release",
                     "releasing %s (%s): pod-resources no longer lists it",

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Generic, Protocol, TypeVar
 
-from gpufrac.agent import eventloop
+from gpufrac.agent.eventloop import new_loop
 
 T = TypeVar("T")
 
@@ -37,7 +37,7 @@ class AgentThread(Generic[S]):
         self._error: BaseException | None = None
 
     def _main(self) -> None:
-        self.loop = eventloop.new_loop()
+        self.loop = new_loop()
         try:
             self.loop.run_until_complete(self.agent.serve(self._ready.set))
         except BaseException as e:
