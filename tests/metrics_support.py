@@ -28,7 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpufrac import native
 from gpufrac.agent import config as config_mod
 from gpufrac.agent.allocations import ContainerAlloc
-from gpufrac.agent.main import Agent, AgentThread
+from gpufrac.agent.main import Agent
+from gpufrac.agent.runner import AgentThread
 from gpufrac.deviceplugin.slices import container_key
 from gpufrac.memguard import build
 from gpufrac.simgpu.kubelet import Container, KubeletEmulator, Pod

@@ -22,29 +22,25 @@ When, per pod (annotation first, node config second; docs/design.md section 1):
   An action that leaves the pod running (notify, swap, dry run) is taken once per
   limit; from then on the pod is judged for idleness like any other.
 
-Actions (`idle.action`): notify (an Event only), swap (the swap resolver moves the
-pod's GPU memory to host RAM; unavailable -> said in the Event, notify instead),
-evict (the Eviction API, so PodDisruptionBudgets hold; a plain delete only with
-`idle.allowDelete` and only when the Eviction API itself is unusable). A refusal
-by a PodDisruptionBudget (HTTP 429) is reported (IdleEvictionBlocked) and retried
-with back-off, never forced. `idle.dryRun` posts the Events and logs what it
+Actions (`idle.action`, carried out by gpufrac.agent.idle_actions): notify (an Event
+only), swap (the swap resolver moves the pod's GPU memory to host RAM; unavailable -> said
+in the Event, notify instead), evict (the Eviction API, so PodDisruptionBudgets hold; a
+plain delete only with `idle.allowDelete` and only when the Eviction API itself is
+unusable). A refusal by a PodDisruptionBudget (HTTP 429) is reported (IdleEvictionBlocked)
+and retried with back-off, never forced. `idle.dryRun` posts the Events and logs what it
 would do, and changes nothing.
 
 Every action leaves an Event naming idle time, runtime, the policy and its source,
 and the action (reason Idle<Action> / MaxRuntime<Action>), and counts in
 gpufrac_idle_reaps_total{reason, action}.
-
-One file a little over the usual size: the judging and the words of its Events belong
-together (each Event names the policy and its source as the decision used them).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, replace
-from typing import Protocol
+from collections.abc import Iterable
+from dataclasses import replace
 
 from gpufrac.agent import annotations as annotations_mod
 from gpufrac.agent import events
@@ -52,133 +48,30 @@ from gpufrac.agent.activity import ActivityTracker, Clock
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.annotations import ContainerPolicy
 from gpufrac.agent.config import Config
-from gpufrac.agent.events import EventSink
-from gpufrac.agent.kube import EvictOutcome, EvictResult, ObjectRef, PodInfo
-from gpufrac.agent.units import format_duration, parse_duration
+from gpufrac.agent.idle_actions import Evictor, IdleActions, ReapCounter, Swapper
+from gpufrac.agent.idle_view import (
+    IDLE,
+    MAX_RUNTIME,
+    Identity,
+    Pending,
+    PodKey,
+    PodView,
+    action_noun,
+    action_words,
+    policy_words,
+)
+from gpufrac.agent.units import format_duration
 
 log = logging.getLogger(__name__)
 
-IDLE, MAX_RUNTIME = "idle", "max-runtime"
 REASON_WARNING = {IDLE: events.REASON_IDLE_WARNING, MAX_RUNTIME: events.REASON_MAX_RUNTIME_WARNING}
 REASON_CANCELLED = events.REASON_IDLE_CANCELLED
-REASON_BLOCKED = events.REASON_IDLE_BLOCKED
-REASON_FAILED = events.REASON_IDLE_FAILED
-# Event reason of the action record: prefix by trigger, suffix by what was done.
-_PREFIX = dict(zip((IDLE, MAX_RUNTIME), events.IDLE_TRIGGERS, strict=True))
-_DONE = dict(zip(("notify", "swap", "evict", "delete", "dry-run"), events.IDLE_ACTIONS, strict=True))
-# Eviction retries: first after BACKOFF_MIN (or the interval, if longer), doubling up to BACKOFF_MAX.
-BACKOFF_MIN = 0.5
-BACKOFF_MAX = 300.0
-
-
-def action_reason(trigger: str, done: str) -> str:
-    """The Event reason recording an action: IdleEvicted, MaxRuntimeNotify, IdleDryRun…"""
-    return _PREFIX[trigger] + _DONE[done]
 
 
 def _most_lenient(seconds: Iterable[float]) -> float:
     """The most lenient of some idle-timeouts or max-runtimes: 0 (off) before any limit."""
     values = list(seconds)
     return 0.0 if any(v <= 0 for v in values) else max(values)
-
-
-class Evictor(Protocol):
-    """How the reaper ends a pod (gpufrac.agent.kube.PodEvictor)."""
-
-    async def evict(self, namespace: str, name: str, uid: str) -> EvictOutcome: ...
-
-
-# -- what the reaper reads from the rest of the agent ----------------------------------------------------
-
-
-class PodSource(Protocol):
-    def get(self, namespace: str, name: str) -> PodInfo | None: ...
-
-
-class Identity(Protocol):
-    """What the reaper needs of gpufrac.agent.pods.PodIdentity: the pod cache and the Event
-    sink (None without an apiserver) and each container's policy."""
-
-    @property
-    def pods(self) -> PodSource | None: ...
-    @property
-    def events(self) -> EventSink | None: ...
-
-    def policy(self, key: str) -> ContainerPolicy | None: ...
-
-
-# Swap one container, saying why (for its Event): returns (done, what happened in words);
-# raises SwapUnavailable when swapping cannot be had on this node at all.
-Swapper = Callable[[ContainerAlloc, str], Awaitable[tuple[bool, str]]]
-
-
-class SwapUnavailable(Exception):
-    """Swapping to host RAM cannot be had on this node; the message says why."""
-
-
-class SwapSupport(Protocol):
-    @property
-    def available(self) -> bool: ...
-    @property
-    def reason(self) -> str: ...
-
-
-class SwapOut(Protocol):
-    """What the reaper needs of the swap resolver (gpufrac.agent.swap.SwapResolver)."""
-
-    async def detect(self) -> SwapSupport: ...
-    async def swap_out(self, alloc: ContainerAlloc, reason: str) -> tuple[bool, str]: ...
-
-
-class SwapHost(Protocol):
-    """The burst arbiter, as far as the reaper swaps through it: its swap resolver, if its
-    resolvers list names one."""
-
-    @property
-    def swap(self) -> SwapOut | None: ...
-
-
-class ReapCounter(Protocol):
-    """Where the reaper's actions are counted (gpufrac.agent.metrics.Metrics)."""
-
-    def count_reap(self, action: str, reason: str = "idle") -> None: ...
-
-
-# -- the reaper -------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PodKey:
-    namespace: str
-    name: str
-    uid: str
-
-
-@dataclass
-class PodView:
-    """One pod as the reaper judges it this tick."""
-
-    key: PodKey
-    allocs: list[ContainerAlloc]
-    policy: ContainerPolicy
-    info: PodInfo | None
-    idle_s: float
-    runtime_s: float
-
-    def who(self) -> str:
-        return f"{self.key.namespace}/{self.key.name}"
-
-
-@dataclass
-class Pending:
-    """A warned pod, waiting for its grace period (or acted on, once per episode)."""
-
-    trigger: str  # IDLE or MAX_RUNTIME
-    due: float  # clock.monotonic() when the action is taken
-    done: bool = False  # acted (or reported) for this episode
-    ended: bool = False  # the action ended the pod (evicted, deleted, gone)
-    attempts: int = 0  # eviction attempts
-    next_try: float = 0.0
 
 
 class IdleReaper:
@@ -198,19 +91,20 @@ class IdleReaper:
         self.ledger = ledger
         self.tracker = tracker
         self.identity = identity
-        self.evictor = evictor
-        self.swapper = swapper
-        self.metrics = metrics
         self.clock = clock or tracker.clock
+        self.actions = IdleActions(cfg, evictor=evictor, swapper=swapper, metrics=metrics, clock=self.clock)
         self.pending: dict[PodKey, Pending] = {}
         # Pods a max-runtime action left running (notify, swap, dry run) -> the limit it was for:
         # that limit is not acted on again, and the pod's idleness is judged from then on.
         self.runtime_done: dict[PodKey, float] = {}
-        # Counters (tests, status): action records by Event reason.
-        self.records: dict[str, int] = {}
         # clock.monotonic() of the latest pass and of the one before it (None: none yet).
         self._last_pass: float | None = None
         self._prev_pass: float | None = None
+
+    @property
+    def records(self) -> dict[str, int]:
+        """Action records by Event reason (tests, status)."""
+        return self.actions.records
 
     # -- loop -------------------------------------------------------------------------------------
 
@@ -312,7 +206,9 @@ class IdleReaper:
             if pending is not None:
                 del self.pending[view.key]
                 if not pending.done:
-                    self._event(view, ident, "Normal", REASON_CANCELLED, f"idle reaping cancelled: {why_not}")
+                    self.actions.event(
+                        view, ident, "Normal", REASON_CANCELLED, f"idle reaping cancelled: {why_not}"
+                    )
             return
         trigger: str | None = None
         if (
@@ -327,15 +223,13 @@ class IdleReaper:
             # The episode is over: GPU work resumed, or the policy changed.
             del self.pending[view.key]
             if not pending.done and trigger is None:
+                noun = action_noun(self.cfg.idle.action)
                 if pending.trigger == IDLE:
-                    text = (
-                        f"GPU work resumed; the pending {self._action_noun()} is cancelled "
-                        f"({self._policy_words(view, IDLE)})"
-                    )
+                    text = f"GPU work resumed; the pending {noun} is cancelled ({policy_words(view, IDLE)})"
                 else:
-                    text = f"max-runtime changed; the pending {self._action_noun()} is cancelled"
+                    text = f"max-runtime changed; the pending {noun} is cancelled"
                 log.info("pod %s: %s", view.who(), text)
-                self._event(view, ident, "Normal", REASON_CANCELLED, text)
+                self.actions.event(view, ident, "Normal", REASON_CANCELLED, text)
             pending = None
         if trigger is None:
             return
@@ -345,7 +239,7 @@ class IdleReaper:
             self._warn(view, ident, pending, left)
         if pending.done or now < pending.due or now < pending.next_try:
             return
-        await self._act(view, ident, pending)
+        await self.actions.act(view, ident, pending)
         if pending.trigger == MAX_RUNTIME and pending.done and not pending.ended:
             # The pod runs on past its limit: that limit is done with, and only idleness may
             # call for the action from now on.
@@ -364,193 +258,20 @@ class IdleReaper:
 
     def _warn(self, view: PodView, ident: Identity | None, pending: Pending, left: float) -> None:
         dry = "dry run: " if self.cfg.idle.dry_run else ""
+        will = action_words(self.cfg.idle.action)
         if pending.trigger == IDLE:
             text = (
-                f"{dry}no GPU work for {format_duration(view.idle_s)} ({self._policy_words(view, IDLE)}): "
-                f"will {self._action_words()} in {format_duration(left)} unless GPU work resumes"
+                f"{dry}no GPU work for {format_duration(view.idle_s)} ({policy_words(view, IDLE)}): "
+                f"will {will} in {format_duration(left)} unless GPU work resumes"
             )
         else:
-            policy = self._policy_words(view, MAX_RUNTIME)
+            policy = policy_words(view, MAX_RUNTIME)
             text = (
                 f"{dry}running for {format_duration(view.runtime_s)} ({policy}): "
-                f"will {self._action_words()} in {format_duration(left)}"
+                f"will {will} in {format_duration(left)}"
             )
         log.warning("pod %s: %s", view.who(), text)
-        self._event(view, ident, "Warning", REASON_WARNING[pending.trigger], text)
-
-    async def _act(self, view: PodView, ident: Identity | None, pending: Pending) -> None:
-        cfg = self.cfg.idle
-        trigger = pending.trigger
-        what = self._state_words(view, trigger)
-        if cfg.dry_run:
-            text = f"dry run: would {self._action_words()} ({what}); nothing was changed"
-            log.warning("pod %s: %s", view.who(), text)
-            self._record(view, ident, trigger, "dry-run", "Normal", text)
-            pending.done = True
-            return
-        if cfg.action == "notify":
-            self._record(
-                view, ident, trigger, "notify", "Warning", f"{what}; notified only (idle.action notify)"
-            )
-            pending.done = True
-            return
-        if cfg.action == "swap":
-            await self._swap(view, ident, pending, what)
-            return
-        await self._evict(view, ident, pending, what)
-
-    async def _swap(self, view: PodView, ident: Identity | None, pending: Pending, what: str) -> None:
-        pending.done = True  # once per episode, whatever happens
-        if pending.trigger == MAX_RUNTIME:
-            why = "swapping does not end a pod's runtime"
-        elif self.swapper is None:
-            why = "swap to host RAM is unavailable on this node (no swap resolver)"
-        else:
-            results = []
-            try:
-                for alloc in view.allocs:
-                    try:
-                        results.append(await self.swapper(alloc, f"idle reaper, {what}"))
-                    except SwapUnavailable:
-                        raise
-                    except Exception as e:  # the swap resolver failing must not stop the reaper
-                        results.append((False, f"{type(e).__name__}: {e}"))
-            except SwapUnavailable as e:
-                why = f"swap to host RAM is unavailable on this node ({e})"
-            else:
-                if all(ok for ok, _ in results):
-                    done = "; ".join(msg for _, msg in results if msg) or "GPU memory swapped to host RAM"
-                    self._record(view, ident, pending.trigger, "swap", "Warning", f"{what}; {done}")
-                    return
-                why = "swap to host RAM failed: " + "; ".join(msg for ok, msg in results if not ok)
-        log.warning("pod %s: %s; notifying instead", view.who(), why)
-        self._record(view, ident, pending.trigger, "notify", "Warning", f"{what}; {why}, notified only")
-
-    async def _evict(self, view: PodView, ident: Identity | None, pending: Pending, what: str) -> None:
-        now = self.clock.monotonic()
-        if self.evictor is None:
-            pending.done = True
-            self._record(
-                view,
-                ident,
-                pending.trigger,
-                "notify",
-                "Warning",
-                f"{what}; no apiserver to evict through, notified only",
-            )
-            return
-        pending.attempts += 1
-        out = await self.evictor.evict(view.key.namespace, view.key.name, view.key.uid)
-        if out.result in (EvictResult.EVICTED, EvictResult.DELETED):
-            pending.done = pending.ended = True
-            done = "evict" if out.result is EvictResult.EVICTED else "delete"
-            how = (
-                "evicted through the Eviction API"
-                if done == "evict"
-                else f"deleted ({out.detail}; idle.allowDelete)"
-            )
-            log.warning("pod %s: %s: %s", view.who(), what, how)
-            self._record(view, ident, pending.trigger, done, "Warning", f"{what}; {how}")
-            return
-        if out.result is EvictResult.GONE:
-            pending.done = pending.ended = True
-            log.info("pod %s: already gone (%s)", view.who(), out.detail)
-            return
-        delay = min(BACKOFF_MAX, max(BACKOFF_MIN, self.cfg.idle.interval) * 2 ** (pending.attempts - 1))
-        if out.retry_after:
-            delay = max(delay, out.retry_after)
-        pending.next_try = now + delay
-        # Stable messages (no running durations), so the recorder aggregates the retries
-        # into one Event's count.
-        policy = self._policy_words(view, pending.trigger)
-        if out.result is EvictResult.BLOCKED:
-            text = (
-                f"eviction refused: {out.detail}; retrying with back-off, never forcing past a "
-                f"PodDisruptionBudget ({policy})"
-            )
-            reason = REASON_BLOCKED
-        else:
-            hint = (
-                "" if out.result is EvictResult.FAILED else "; set idle.allowDelete to delete pods directly"
-            )
-            text = f"eviction failed: {out.detail}{hint}; retrying with back-off ({policy})"
-            reason = REASON_FAILED
-        log.warning(
-            "pod %s: %s (attempt %d, next in %s)", view.who(), text, pending.attempts, format_duration(delay)
-        )
-        self._event(view, ident, "Warning", reason, text)
-
-    # -- records ----------------------------------------------------------------------------------
-
-    def _record(
-        self, view: PodView, ident: Identity | None, trigger: str, done: str, type_: str, text: str
-    ) -> None:
-        reason = action_reason(trigger, done)
-        self.records[reason] = self.records.get(reason, 0) + 1
-        self.metrics.count_reap(done.replace("-", "_"), trigger.replace("-", "_"))
-        self._event(view, ident, type_, reason, text)
-
-    def _event(self, view: PodView, ident: Identity | None, type_: str, reason: str, message: str) -> None:
-        sink = ident.events if ident is not None else None
-        if sink is None:
-            return
-        if view.info is not None:
-            ref = ObjectRef.pod(view.info)
-        else:
-            ref = ObjectRef.pod_named(view.key.namespace, view.key.name, view.key.uid)
-        sink.record(ref, type_, reason, message)
-
-    # -- words ------------------------------------------------------------------------------------
-
-    def _action_noun(self) -> str:
-        nouns = {"notify": "notification", "swap": "swap to host RAM", "evict": "eviction"}
-        return nouns[self.cfg.idle.action]
-
-    def _action_words(self) -> str:
-        return {"notify": "notify", "swap": "swap it to host RAM", "evict": "evict the pod"}[
-            self.cfg.idle.action
-        ]
-
-    def _policy_words(self, view: PodView, trigger: str) -> str:
-        p = view.policy
-        if trigger == IDLE:
-            value, key, node_key = p.idle_timeout, annotations_mod.IDLE_TIMEOUT, "idle.idleTimeout"
-        else:
-            value, key, node_key = p.max_runtime, annotations_mod.MAX_RUNTIME, "idle.maxRuntime"
-        source = f"node config {node_key}"
-        raw = (view.info.annotations if view.info is not None else {}).get(key)
-        if raw is not None:
-            try:
-                if parse_duration(raw) == value:
-                    source = f"annotation {key}"
-            except ValueError:
-                pass
-        name = "idle-timeout" if trigger == IDLE else "max-runtime"
-        return f"{name} {format_duration(value)} from {source}, class {p.workload_class}"
-
-    def _state_words(self, view: PodView, trigger: str) -> str:
-        head = "idle" if trigger == IDLE else "max runtime reached"
-        return (
-            f"{head}: no GPU work for {format_duration(view.idle_s)}, "
-            f"running {format_duration(view.runtime_s)}; {self._policy_words(view, trigger)}"
-        )
-
-
-# -- swapping through the arbiter ------------------------------------------------------------------------
-
-
-async def swap_via(arbiter: SwapHost | None, alloc: ContainerAlloc, reason: str) -> tuple[bool, str]:
-    """Swap one container out through the arbiter's swap resolver (gpufrac.agent.swap); the
-    reaper's Swapper as the composition root wires it."""
-    if arbiter is None:
-        raise SwapUnavailable("the burst arbiter is not running")
-    resolver = arbiter.swap
-    if resolver is None:
-        raise SwapUnavailable("the swap resolver is not in the resolvers list")
-    support = await resolver.detect()
-    if not support.available:
-        raise SwapUnavailable(support.reason)
-    return await resolver.swap_out(alloc, reason)
+        self.actions.event(view, ident, "Warning", REASON_WARNING[pending.trigger], text)
 
 
 def describe(cfg: Config) -> str:

@@ -39,7 +39,8 @@ from gpufrac.agent import annotations
 from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.activity import ActivityTracker
 from gpufrac.agent.allocations import ContainerAlloc
-from gpufrac.agent.idle import IdleReaper, swap_via
+from gpufrac.agent.idle import IdleReaper
+from gpufrac.agent.idle_actions import swap_via
 from gpufrac.deviceplugin.slices import FRACTION, FRACTION_SLICES, device_id
 from gpufrac.memguard import formats
 from gpufrac.simgpu.nodestate import NodeState

@@ -24,8 +24,9 @@ from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.annotations import ContainerPolicy
 from gpufrac.agent.config import Config, ConfigError, GiB, load
 from gpufrac.agent.gpus import Gpu, Inventory
-from gpufrac.agent.idle import EvictOutcome, EvictResult, IdleReaper, action_reason
-from gpufrac.agent.kube import ObjectRef, PodInfo
+from gpufrac.agent.idle import IdleReaper
+from gpufrac.agent.idle_view import action_reason
+from gpufrac.agent.kube import EvictOutcome, EvictResult, ObjectRef, PodInfo
 from gpufrac.agent.metrics import Metrics
 from gpufrac.agent.units import format_duration, parse_duration
 from gpufrac.deviceplugin.slices import MEMORY, device_id

@@ -10,7 +10,9 @@ from test_allocations import ids, make_inventory
 
 from gpufrac.agent.allocations import Ledger
 from gpufrac.agent.config import Config, PathsConfig
-from gpufrac.agent.main import Agent
+from gpufrac.agent.container_dirs import ContainerDirs
+from gpufrac.agent.metrics import Metrics
+from gpufrac.agent.reconcile import Reconciler
 from gpufrac.deviceplugin.slices import MEMORY, ContainerDevices
 
 
@@ -33,20 +35,20 @@ def test_an_older_list_answer_arriving_last_does_not_rebook_a_gone_pod(tmp_path:
     cfg = Config(paths=PathsConfig(state_dir=str(tmp_path / "state"), kubelet_dir=str(tmp_path / "kubelet")))
 
     async def scenario() -> list[str]:
-        agent = Agent(cfg)
-        agent.ledger = ledger = Ledger(cfg, make_inventory())
+        ledger = Ledger(cfg, make_inventory())
         lister = HeldLister()
-        agent.pod_resources = lister  # type: ignore[assignment]
-        first = asyncio.create_task(agent.reconcile())  # asked while the pod was there
+        dirs = ContainerDirs(cfg.paths.containers_dir, cfg.paths.state_dir)
+        reconciler = Reconciler(ledger, lister, dirs, Metrics())
+        first = asyncio.create_task(reconciler.reconcile())  # asked while the pod was there
         await asyncio.sleep(0)
-        second = asyncio.create_task(agent.reconcile())  # asked after it was deleted
+        second = asyncio.create_task(reconciler.reconcile())  # asked after it was deleted
         await asyncio.sleep(0)
         gone = ContainerDevices("ns", "gone", "main", MEMORY, tuple(ids(ledger, 0, MEMORY, range(2))))
         lister.calls[1].set_result([])
         await second
         lister.calls[0].set_result([gone])
         await first
-        await agent.dirs.close()
+        await dirs.close()
         return [a.pod or "" for a in ledger.containers()]
 
     assert asyncio.run(scenario()) == []
@@ -58,20 +60,20 @@ def test_allocate_grace_zero_release_uses_the_newer_answer(tmp_path: Path) -> No
     cfg = Config(paths=PathsConfig(state_dir=str(tmp_path / "state"), kubelet_dir=str(tmp_path / "kubelet")))
 
     async def scenario() -> list[str]:
-        agent = Agent(cfg)
-        agent.ledger = ledger = Ledger(cfg, make_inventory())
+        ledger = Ledger(cfg, make_inventory())
         ledger.allocate(MEMORY, ids(ledger, 0, MEMORY, range(2)))  # its pod was just deleted
         lister = HeldLister()
-        agent.pod_resources = lister  # type: ignore[assignment]
-        mine = asyncio.create_task(agent.reconcile(grace=0.0))
+        dirs = ContainerDirs(cfg.paths.containers_dir, cfg.paths.state_dir)
+        reconciler = Reconciler(ledger, lister, dirs, Metrics())
+        mine = asyncio.create_task(reconciler.reconcile(grace=0.0))
         await asyncio.sleep(0)
-        loop_pass = asyncio.create_task(agent.reconcile())  # the loop's, with its usual grace
+        loop_pass = asyncio.create_task(reconciler.reconcile())  # the loop's, with its usual grace
         await asyncio.sleep(0)
         lister.calls[1].set_result([])
         await loop_pass
         lister.calls[0].set_result([])
         assert await mine
-        await agent.dirs.close()
+        await dirs.close()
         return [a.key for a in ledger.containers()]
 
     assert asyncio.run(scenario()) == []
@@ -92,16 +94,17 @@ def test_a_rebuilt_allocation_whose_files_cannot_be_written_is_rebuilt_next_time
     blocker.write_text("")  # a file where the containers directory goes: every write fails
 
     async def scenario() -> tuple[int, bool, bool]:
-        agent = Agent(cfg)
-        agent.ledger = ledger = Ledger(cfg, make_inventory())
+        ledger = Ledger(cfg, make_inventory())
         devs = ids(ledger, 0, MEMORY, range(2))
-        agent.pod_resources = FixedLister([ContainerDevices("ns", "p", "main", MEMORY, tuple(devs))])  # type: ignore[assignment]
-        assert await agent.reconcile()
+        lister = FixedLister([ContainerDevices("ns", "p", "main", MEMORY, tuple(devs))])
+        dirs = ContainerDirs(cfg.paths.containers_dir, cfg.paths.state_dir)
+        reconciler = Reconciler(ledger, lister, dirs, Metrics())
+        assert await reconciler.reconcile()
         booked_while_broken = len(ledger.containers())
         blocker.unlink()
-        assert await agent.reconcile()
+        assert await reconciler.reconcile()
         (alloc,) = ledger.containers()
-        await agent.dirs.close()
+        await dirs.close()
         return booked_while_broken, ledger.attached(alloc.key), Path(alloc.directory).is_dir()
 
     assert asyncio.run(scenario()) == (0, True, True)
