@@ -43,7 +43,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from gpufrac.agent import metrics, truth
+from gpufrac.agent import activity, metrics, truth
 from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.admission import reclaim_guarantee
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
@@ -145,6 +145,8 @@ class Arbiter:
         self.socket_path = socket_path
         self.events = events
         self.evict_idle_threshold = config.evict_idle_threshold
+        # The agent's activity tracker (gpufrac.agent.idle sets it): how idle a victim is.
+        self.activity: activity.DecisionIdle | None = None
         self.read_timeout = read_timeout if read_timeout is not None else config.arbiter_timeout
         if memory is None:
             from gpufrac.agent.inventory import read_memory
@@ -590,6 +592,7 @@ class Arbiter:
             used = self._held(a)
             # An unreadable usage file gives no activity either: the container counts as idle.
             last = max((int(s.last_activity_ns) for s in u.slots if s.pid > 0), default=0) if u else 0
+            idle_s = activity.holding_idle_s(self.activity, a.key, last, now) if u else float("inf")
             out.append(
                 Holding(
                     alloc=a,
@@ -599,7 +602,7 @@ class Arbiter:
                     burst=self._burst_held(a, used),
                     priority=a.config.priority,
                     flags=a.config.flags,
-                    idle_s=(now - last) / 1e9 if last else float("inf"),
+                    idle_s=idle_s,
                 )
             )
         return out

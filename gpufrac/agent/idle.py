@@ -665,6 +665,8 @@ async def run_for(agent: Any) -> None:
     cfg: Config = agent.config
     tracker = await asyncio.to_thread(ActivityTracker.with_nvml)
     agent.activity = tracker
+    if agent.arbiter is not None:  # swap and evict victims are judged idle by the tracker too
+        agent.arbiter.activity = tracker
     evictor: PodEvictor | None = None
     try:
         # Loading a kubeconfig reads files and may run an exec credential plugin: off the loop.
