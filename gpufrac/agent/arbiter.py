@@ -235,6 +235,7 @@ class Arbiter:
         for fd in self._usage.values():
             os.close(fd)
         self._usage.clear()
+        self.fairness.close()
         for mm in self._config_maps.values():
             mm.close()
         self._config_maps.clear()
@@ -1074,7 +1075,7 @@ class _Connection(asyncio.Protocol):
             # Past its container's connection limit: no, a little later (REFUSE_DELAY);
             # nothing it sends is read.
             self.held = True
-            self.timer = loop.call_later(REFUSE_DELAY, self._busy)
+            self.timer = loop.call_later(fair.refuse_delay(self.account), self._busy)
             return
         self.timer = loop.call_later(arb.read_timeout, self._too_slow)
 
