@@ -19,7 +19,12 @@ the measured path. Times are CLOCK_MONOTONIC, shared by all processes on the nod
   connections reopened as they are closed; half-sent requests; 4500 silent connections,
   past the node's connection cap). Target: within 2x of the
   p99 at rest (flood_p99_ratio), the per-container limits (gpufrac.agent.fairness) at
-  their defaults.
+  their defaults. The flooder's processes run in a CPU cgroup of their own with the
+  weight a pod requesting FLOOD_CPU_REQUEST gets from the kubelet (cpu.shares 1024 per
+  core requested, cgroup v1 here), as a tenant's pod does on a real node; the agent's loop
+  and the neighbour keep the default weight. On a machine of few cores the flood's own
+  processes compete with the agent for them: without that weight the figure measures the
+  flooder's CPU as much as the agent's (`flood_cpu` in the result says which applied).
 * swap_roundtrip_ms_per_gib_sim is not measured here: bench/swap.py (the swap resolver's
   bench) reports it; `notes` says which applies.
 """
@@ -82,7 +87,41 @@ FLOODS = (
 )
 
 
-def run(bursts: int = BURSTS, handoffs: int = HANDOFFS) -> dict[str, Any]:
+# The flooding pod's CPU request, in millicores: its processes get cpu.shares of
+# request * 1024 / 1000, the kubelet's rule for a Burstable pod.
+FLOOD_CPU_REQUEST = 100
+CPU_HIERARCHY = Path("/sys/fs/cgroup/cpu")
+
+
+def _cpu_weighted(pids: Sequence[int], name: str, millicores: int) -> Path | None:
+    """Move `pids` into a new CPU cgroup weighted as a pod requesting `millicores`; None
+    where no cgroup v1 cpu hierarchy can be written (the flood then runs unweighted)."""
+    d = CPU_HIERARCHY / name
+    try:
+        d.mkdir()
+        (d / "cpu.shares").write_text(str(max(2, millicores * 1024 // 1000)))
+        for pid in pids:
+            (d / "cgroup.procs").write_text(str(pid))
+    except OSError:
+        _cpu_release(d)
+        return None
+    return d
+
+
+def _cpu_release(d: Path | None) -> None:
+    if d is None:
+        return
+    try:
+        for pid in (d / "cgroup.procs").read_text().split():
+            (CPU_HIERARCHY / "cgroup.procs").write_text(pid)
+        d.rmdir()
+    except OSError:
+        pass
+
+
+def run(
+    bursts: int = BURSTS, handoffs: int = HANDOFFS, flood_cpu_request: int = FLOOD_CPU_REQUEST
+) -> dict[str, Any]:
     import pynvml
 
     from gpufrac import native
@@ -245,15 +284,20 @@ def run(bursts: int = BURSTS, handoffs: int = HANDOFFS) -> dict[str, Any]:
             stdout=subprocess.PIPE,
         )
         names[(uid, c.container_id)] = "main"
+        cpu: Path | None = None
         try:
             assert c.proc.stdout is not None
             if c.proc.stdout.readline().strip() != b"ready":
                 raise RuntimeError(f"flood {mode} did not start")
             threading.Thread(target=c.proc.stdout.read, daemon=True).start()
+            if flood_cpu_request > 0:
+                cpu = _cpu_weighted(c.pids(), f"{root.name}-{label}", flood_cpu_request)
+            flood_cpu[label] = cpu is not None
             busy = arb.stats.busy
             return grants(alloc, w), arb.stats.busy - busy
         finally:
             c.stop()
+            _cpu_release(cpu)
 
     try:
         # -- burst grants: a asks for 1 GiB over its grant, then gives it back.
@@ -262,6 +306,7 @@ def run(bursts: int = BURSTS, handoffs: int = HANDOFFS) -> dict[str, Any]:
         grant_us = grants(a_alloc, a)
         flood_us: dict[str, list[float]] = {}
         flood_busy: dict[str, int] = {}
+        flood_cpu: dict[str, bool] = {}
         for label, mode, n in FLOODS:
             flood_us[label], flood_busy[label] = flooded(label, mode, n, a_alloc, a)
         shim_us, shim_granted = shim_bursts(bursts)
@@ -318,6 +363,11 @@ def run(bursts: int = BURSTS, handoffs: int = HANDOFFS) -> dict[str, Any]:
             }
             for label, _, n in FLOODS
         },
+        # Whether the flood ran under the CPU weight of its pod's request (see the docstring).
+        "flood_cpu": {
+            "request_millicores": flood_cpu_request,
+            "weighted": all(flood_cpu.values()),
+        },
         # The same grant seen by an application: cuMemAlloc past the request under the C shim.
         "burst_grant_shim_p50_us": round(statistics.median(shim_us), 1),
         "burst_grant_shim_p99_us": round(_pct(shim_us, 99), 1),
@@ -350,8 +400,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--bursts", type=int, default=QUICK_BURSTS if quick() else BURSTS)
     p.add_argument("--handoffs", type=int, default=QUICK_HANDOFFS if quick() else HANDOFFS)
     p.add_argument("--out", type=Path, default=results_dir() / "arbiter.json")
+    p.add_argument(
+        "--flood-cpu-request",
+        type=int,
+        default=FLOOD_CPU_REQUEST,
+        help="the flooding pod's CPU request in millicores (its cgroup's weight); 0: unweighted",
+    )
     args = p.parse_args(argv)
-    result = run(args.bursts, args.handoffs)
+    result = run(args.bursts, args.handoffs, args.flood_cpu_request)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

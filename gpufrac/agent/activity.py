@@ -12,6 +12,14 @@ Two signals, combined (either one showing work makes the container active):
    so a host pid is matched to a slot by (innermost NSpid, start time), which
    is the same process in both views.
 
+The usage file is the tenant's to write (docs/security.md): a stamp in the future is
+clamped to the poll, and where NVML's per-process samples can be had, the file's launches
+count only in a poll window in which the driver itself sampled one of the container's
+processes (any utilisation: the process ran something), the process named by host pid and
+checked against the container's pod by its cgroup when it has one. Stamping its own slots
+or claiming a neighbour's pid therefore buys a container nothing; without NVML's samples
+(no driver, MIG and boards that lack them) the file is all there is, and is used.
+
 Idle = neither signal shows work. A container holding memory while its
 processes only use the CPU is idle from the GPU's point of view; WHEN that
 matters is the idle reaper's business (gpufrac.agent.idle), not this module's.
@@ -31,6 +39,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from gpufrac.agent.callers import read_cgroup
 from gpufrac.memguard import formats
 
 log = logging.getLogger(__name__)
@@ -74,6 +83,8 @@ class Trackable(Protocol):
     def gpus(self) -> Sequence[str]: ...
     @property
     def created(self) -> float: ...
+    @property
+    def pod_uid(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,7 @@ class Tracked:
     directory: str
     gpus: tuple[str, ...]
     created: float  # wall time the container was allocated
+    pod_uid: str | None = None  # its pod, to check a process's cgroup against
 
 
 @dataclass(frozen=True)
@@ -122,6 +134,11 @@ class _Sample:
     unreadable: dict[str, str] = field(default_factory=dict)
     # Container key -> wall time of the newest NVML sample showing work.
     nvml_active: dict[str, float] = field(default_factory=dict)
+    # Containers with any NVML sample in this window (the driver saw them run something).
+    driver_ran: set[str] = field(default_factory=set)
+    # Containers whose file activity needs the driver's word (NVML samples are had for all
+    # their GPUs).
+    corroborate: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -176,8 +193,17 @@ class NvmlUtilisation:
         self._unsupported: set[str] = set()
         self._closed = False
 
+    def supported(self, gpu_uuid: str) -> bool:
+        """Whether this GPU gives per-process samples (as far as known)."""
+        return gpu_uuid not in self._unsupported
+
     def busy_pids(self, gpu_uuid: str) -> dict[int, float]:
         """Host pid -> wall time of its newest sample at or above the threshold."""
+        return {pid: t for pid, (t, busy) in self.sampled_pids(gpu_uuid).items() if busy}
+
+    def sampled_pids(self, gpu_uuid: str) -> dict[int, tuple[float, bool]]:
+        """Host pid -> (wall time of its newest sample, whether a sample reached the threshold),
+        for every process sampled since the previous call."""
         nv = self._nvml
         if gpu_uuid in self._unsupported:
             return {}
@@ -199,13 +225,17 @@ class NvmlUtilisation:
             log.warning("GPU %s: nvmlDeviceGetProcessUtilization: %s", gpu_uuid, e)
             self._handles.pop(gpu_uuid, None)
             return {}
-        out: dict[int, float] = {}
+        out: dict[int, tuple[float, bool]] = {}
         newest = self._last_seen.get(gpu_uuid, 0)
         for s in samples:
             newest = max(newest, int(s.timeStamp))
-            if max(s.smUtil, s.memUtil, s.encUtil, s.decUtil) >= self.threshold:
-                t = int(s.timeStamp) / 1e6
-                out[int(s.pid)] = max(out.get(int(s.pid), 0.0), t)
+            busy = max(s.smUtil, s.memUtil, s.encUtil, s.decUtil) >= self.threshold
+            t = int(s.timeStamp) / 1e6
+            was_t, was_busy = out.get(int(s.pid), (0.0, False))
+            if busy and not was_busy:
+                out[int(s.pid)] = (t, True)
+            elif busy == was_busy:
+                out[int(s.pid)] = (max(t, was_t), busy)
         self._last_seen[gpu_uuid] = newest
         return out
 
@@ -264,7 +294,7 @@ class ActivityTracker:
 
     async def poll(self, containers: Iterable[Trackable]) -> dict[str, ContainerActivity]:
         """Read every container's usage file and NVML (in a worker thread), then update."""
-        tracked = [Tracked(c.key, c.directory, tuple(c.gpus), c.created) for c in containers]
+        tracked = [Tracked(c.key, c.directory, tuple(c.gpus), c.created, c.pod_uid) for c in containers]
         async with self._poll_lock:
             sample = await asyncio.to_thread(self.sample, tracked)
             return self.apply(tracked, sample)
@@ -273,7 +303,9 @@ class ActivityTracker:
         """The blocking part: usage files and NVML. Touches no tracker state but NVML's cursor."""
         c = self.clock
         out = _Sample(mono=c.monotonic(), mono_ns=c.monotonic_ns(), wall=c.time())
-        owner: dict[tuple[int, int], str] = {}
+        # (pid, start) as the slots name it -> every container whose file claims it: a file is
+        # the tenant's, so a claim on a neighbour's process must not take it from the neighbour.
+        owner: dict[tuple[int, int], list[Tracked]] = {}
         for t in tracked:
             try:
                 usage = formats.read_usage(t.directory)
@@ -289,22 +321,31 @@ class ActivityTracker:
             ]
             out.slots[t.key] = slots
             for s in slots:
-                owner[(s.pid, s.start_time)] = t.key
-        if self.nvml is not None and owner:
+                owner.setdefault((s.pid, s.start_time), []).append(t)
+        nvml = self.nvml
+        if nvml is not None:
             gpus = sorted({g for t in tracked if t.key in out.slots for g in t.gpus})
             for gpu in gpus:
-                for host_pid, when in self.nvml.busy_pids(gpu).items():
-                    key = self._owner_of(host_pid, owner)
-                    if key is not None:
-                        out.nvml_active[key] = max(out.nvml_active.get(key, 0.0), when)
+                for host_pid, (when, busy) in nvml.sampled_pids(gpu).items() if owner else ():
+                    for key in self._owners_of(host_pid, owner):
+                        out.driver_ran.add(key)
+                        if busy:
+                            out.nvml_active[key] = max(out.nvml_active.get(key, 0.0), when)
+            out.corroborate = {t.key for t in tracked if t.gpus and all(nvml.supported(g) for g in t.gpus)}
         return out
 
-    def _owner_of(self, host_pid: int, owner: dict[tuple[int, int], str]) -> str | None:
+    def _owners_of(self, host_pid: int, owner: dict[tuple[int, int], list[Tracked]]) -> list[str]:
+        """The containers a host pid's process belongs to: those whose slots name it (pid in
+        its namespace and start time; a slot whose start time is not stamped yet by its pid
+        alone), less any whose pod the process's cgroup contradicts (the kernel's word)."""
         ident = proc_identity(host_pid, self.proc)
         if ident is None:
-            return None
-        # A slot whose start time is not stamped yet (0) is matched by its pid alone.
-        return owner.get(ident) or owner.get((ident[0], 0))
+            return []
+        claims = owner.get(ident) or owner.get((ident[0], 0)) or []
+        if not claims:
+            return []
+        cg = read_cgroup(host_pid, self.proc)
+        return [t.key for t in claims if cg is None or t.pod_uid is None or cg.pod_uid == t.pod_uid]
 
     def apply(self, tracked: list[Tracked], sample: _Sample) -> dict[str, ContainerActivity]:
         """Fold a sample into the per-container state (on the loop)."""
@@ -334,8 +375,12 @@ class ActivityTracker:
             else:
                 first = False
             counts = {(s.pid, s.start_time): s.launches for s in slots}
-            for s in slots:
-                # The shim's CLOCK_MONOTONIC stamp, moved onto our time axis.
+            # The file's launches are the tenant's word: where the driver can be asked, they
+            # count only when it sampled one of the container's processes in this window.
+            heard = t.key not in sample.corroborate or t.key in sample.driver_ran
+            for s in slots if heard else ():
+                # The shim's CLOCK_MONOTONIC stamp, moved onto our time axis; one in the
+                # future (a tenant's write) counts as now, never later.
                 at = now - max(0, sample.mono_ns - s.last_ns) / NS if s.last_ns > 0 else 0.0
                 if (
                     not first
@@ -369,7 +414,40 @@ class ActivityTracker:
         self._current = current
         return current
 
+    def idle_for_decision(self, key: str, file_last_ns: int) -> float | None:
+        """Seconds `key` has been idle, for a decision that costs it (evicted or swapped out as
+        idle): the tracker's figure, which the driver vouches for where it can, running on
+        since the last poll, except that a launch the usage file shows after that poll (not
+        checked yet) stops it at the poll's figure. A tenant's stamps can so hold the clock
+        for at most one poll interval, never wind it back; None before the first poll."""
+        a = self._current.get(key)
+        if a is None:
+            return None
+        now, now_ns = self.clock.monotonic(), self.clock.monotonic_ns()
+        if file_last_ns > 0 and now - max(0, now_ns - file_last_ns) / NS > a.polled:
+            return a.idle_seconds()
+        return a.idle_seconds(now)
+
     def close(self) -> None:
         if self.nvml is not None:
             self.nvml.close()
             self.nvml = None
+
+
+class DecisionIdle(Protocol):
+    """What the arbiter asks of the tracker (ActivityTracker.idle_for_decision)."""
+
+    def idle_for_decision(self, key: str, file_last_ns: int) -> float | None: ...
+
+
+def holding_idle_s(tracker: DecisionIdle | None, key: str, file_last_ns: int, now_ns: int) -> float:
+    """Seconds a container counts as idle when the arbiter picks swap and evict victims: the
+    activity tracker's figure (NVML's word where it can be had), else the usage file's newest
+    stamp clamped to now (a stamp in the future is the tenant's write, not time); no stamp
+    at all is idle since ever."""
+    file_last_ns = min(file_last_ns, now_ns)
+    if tracker is not None:
+        idle = tracker.idle_for_decision(key, file_last_ns)
+        if idle is not None:
+            return idle
+    return (now_ns - file_last_ns) / NS if file_last_ns > 0 else float("inf")

@@ -42,7 +42,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gpufrac.agent.callers import PeerError, peer_cgroup
+from gpufrac.agent.callers import PeerError
+from gpufrac.agent.knowncallers import KnownCallers
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,9 @@ LIMITS = ("connections", "inflight", "rate", "node")
 # Files the agent keeps open besides arbiter connections (gRPC, the apiserver, NVML, usage
 # and config files, logs): the node cap leaves them this many under the file limit.
 FD_RESERVE = 1024
+# How far a connection's BUSY may be put off (Fairness.refuse_delay), in REFUSE_DELAYs: a
+# container that opened too many at once for a moment still hears within this.
+MAX_STRETCH = 10
 
 
 def fit_fd_limit(want: int, soft: int, hard: int) -> tuple[int, int]:
@@ -141,6 +145,7 @@ class Fairness:
         self.accounts: dict[str, Account] = {}
         self.open = 0  # connections node-wide
         self._pruned_at = time.monotonic()
+        self.known = KnownCallers(proc)  # callers' containers, kept while their process lives
 
     @classmethod
     def from_config(cls, config: LimitsConfig, proc: str = "/proc", *, metrics: LimitMetrics) -> Fairness:
@@ -181,7 +186,7 @@ class Fairness:
     def container_of(self, sock: socket.socket) -> str:
         """The caller's account key: its kubelet container as the kernel names it."""
         try:
-            _, ident = peer_cgroup(sock, self.proc)
+            ident = self.known.identify(sock)
         except (PeerError, OSError):
             return OUTSIDE  # it will be refused when it asks; until then it counts as outside
         if ident is None:
@@ -220,6 +225,18 @@ class Fairness:
         acc.connections.append(conn)
         self.open += 1
         return acc, victim, over
+
+    def refuse_delay(self, acc: Account) -> float:
+        """How long a connection past its container's connection limit is held before its BUSY:
+        REFUSE_DELAY, stretched in proportion to how many the container holds past its limit
+        (up to MAX_STRETCH times), so that a flood reconnecting as soon as it is answered
+        makes the loop accept, identify and answer about its limit's worth of connections per
+        REFUSE_DELAY, not every connection it holds (each costs the loop, for nothing)."""
+        past = len(acc.connections) - self.max_connections
+        return REFUSE_DELAY * min(float(MAX_STRETCH), max(1.0, past / max(1, self.max_connections)))
+
+    def close(self) -> None:
+        self.known.close()
 
     def gone(self, acc: Account, conn: Conn) -> None:
         try:

@@ -172,9 +172,11 @@ class Agent:
         self.reconcile_loop = ReconcileLoop(
             reconciler, self.pods, self.metrics, interval=self.reconcile_interval
         )
-        await self._start_arbiter(ledger, pod_cache)  # before any container can start and ask
+        # The activity tracker first: the arbiter judges swap and evict victims idle by it too.
+        self.activity = await self._open_activity()
+        await self._start_arbiter(ledger, pod_cache, self.activity)  # before any container can ask
         self._start_watchdog(ledger, pod_cache)
-        reaper = await self._open_reaper(ledger, self.pods, api, no_api)
+        reaper = self._open_reaper(ledger, self.pods, self.activity, api, no_api)
         self.admission = Admission(self.arbiter, ledger, self.events)
         if api is None:
             log.error("node labels unavailable: %s", no_api)
@@ -203,7 +205,9 @@ class Agent:
         except kube.KubeConfigError as e:
             return None, str(e)
 
-    async def _start_arbiter(self, ledger: Ledger, pod_cache: PodCache | None) -> None:
+    async def _start_arbiter(
+        self, ledger: Ledger, pod_cache: PodCache | None, activity: ActivityTracker | None
+    ) -> None:
         """The burst arbiter on one node-wide socket (bind-mounted into each container).
         Its callers are named through the pod cache."""
         path = arbiter_socket(self.config)
@@ -214,6 +218,7 @@ class Agent:
             path,
             events=self.events,
             metrics=self.metrics,
+            activity=activity,
         )
         try:
             await arbiter.start()
@@ -238,18 +243,27 @@ class Agent:
         if task is not None:
             self._tasks.append(task)
 
-    async def _open_reaper(
-        self, ledger: Ledger, pods: PodIdentity, api: ApiClient | None, no_api: str
-    ) -> IdleReaper | None:
-        """The activity tracker (NVML when it can be had) and the idle reaper over it; None,
-        logged, when the tracker cannot be had (the rest of the agent goes on without it)."""
-        cfg = self.config
+    async def _open_activity(self) -> ActivityTracker | None:
+        """The activity tracker (NVML when it can be had); None, logged, when it cannot be had
+        (the rest of the agent goes on without it: no idle reaping, victims judged by file)."""
         try:
-            tracker = await asyncio.to_thread(ActivityTracker.with_nvml)
+            return await asyncio.to_thread(ActivityTracker.with_nvml)
         except Exception:
             log.exception("idle reaper stopped")
             return None
-        self.activity = tracker
+
+    def _open_reaper(
+        self,
+        ledger: Ledger,
+        pods: PodIdentity,
+        tracker: ActivityTracker | None,
+        api: ApiClient | None,
+        no_api: str,
+    ) -> IdleReaper | None:
+        """The idle reaper over the activity tracker; None without a tracker."""
+        cfg = self.config
+        if tracker is None:
+            return None
         evictor: PodEvictor | None = None
         if api is not None:
             evictor = PodEvictor(api, allow_delete=cfg.idle.allow_delete)

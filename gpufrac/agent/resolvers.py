@@ -47,6 +47,7 @@ from gpufrac.agent.events import (
     WARNING,
     container_name,
 )
+from gpufrac.agent.ungranted import ungranted
 from gpufrac.agent.units import format_bytes
 from gpufrac.memguard.formats import FLAG_PREEMPTIBLE
 
@@ -210,7 +211,11 @@ class EvictResolver:
         out = []
         guarantee = need.kind == "reclaim"
         for h in self.ctx.holdings(need.gpu):
-            if h.alloc.key == need.requester.key or h.burst <= 0 or h.grant <= 0:
+            if h.alloc.key == need.requester.key or h.burst <= 0:
+                continue
+            # No grant, yet above its request within its limit (the driver's count): memory
+            # taken without asking is a burst like any other (gpufrac.agent.ungranted).
+            if h.grant <= 0 and ungranted(h.used, h.request, h.grant, h.alloc.config.limit_bytes) <= 0:
                 continue
             if not h.preemptible and not guarantee:
                 continue

@@ -156,10 +156,10 @@ class Connection(asyncio.Protocol):
         self.server.connections.add(self)
         loop = asyncio.get_running_loop()
         if over:
-            # Past its container's connection limit: no, a little later (REFUSE_DELAY);
+            # Past its container's connection limit: no, a little later (Fairness.refuse_delay);
             # nothing it sends is read.
             self.held = True
-            self.timer = loop.call_later(REFUSE_DELAY, self._busy)
+            self.timer = loop.call_later(fair.refuse_delay(self.account), self._busy)
             return
         self.timer = loop.call_later(arb.read_timeout, self._too_slow)
 

@@ -27,6 +27,7 @@ from collections.abc import Coroutine
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
+from gpufrac.agent import activity as activity_mod
 from gpufrac.agent import kill, truth
 from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.admission import reclaim_guarantee
@@ -85,6 +86,7 @@ class Arbiter:
         processes: ReadProcesses = observe,
         resolvers: Chain | None = None,
         read_timeout: float | None = None,
+        activity: activity_mod.DecisionIdle | None = None,
     ) -> None:
         self.config = config
         self.ledger = ledger
@@ -93,6 +95,9 @@ class Arbiter:
         self.events = events
         self.metrics = metrics
         self.evict_idle_threshold = config.evict_idle_threshold
+        # The agent's activity tracker: how idle a swap or evict victim is (the driver's word
+        # where it can be had, not the tenant's stamps); None: the usage file, clamped to now.
+        self.activity = activity
         self.read_timeout = read_timeout if read_timeout is not None else config.arbiter_timeout
         self.stats = Stats()
         self.queue = WaitQueue(self._refresh_soon, NVML_FRESH, self._wait_timed_out)
@@ -135,6 +140,7 @@ class Arbiter:
                 await t
         await self.server.wait_closed()
         self.files.close()
+        self.fairness.close()
 
     def reconcile(self) -> None:
         """After an agent restart: grants above what a container now uses are taken back."""
@@ -400,6 +406,7 @@ class Arbiter:
             used = self._held(a)
             # An unreadable usage file gives no activity either: the container counts as idle.
             last = max((int(s.last_activity_ns) for s in u.slots if s.pid > 0), default=0) if u else 0
+            idle_s = activity_mod.holding_idle_s(self.activity, a.key, last, now) if u else float("inf")
             out.append(
                 Holding(
                     alloc=a,
@@ -409,7 +416,7 @@ class Arbiter:
                     burst=self._burst_held(a, used),
                     priority=a.config.priority,
                     flags=a.config.flags,
-                    idle_s=(now - last) / 1e9 if last else float("inf"),
+                    idle_s=idle_s,
                 )
             )
         return out
