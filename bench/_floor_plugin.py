@@ -21,9 +21,9 @@ from typing import Any
 
 import grpc
 
-from gpufrac.agent import eventloop
+from gpufrac.core import eventloop
+from gpufrac.core.slices import FRACTION, FRACTION_SLICES, device_id
 from gpufrac.deviceplugin.server import API_VERSION, HEALTHY
-from gpufrac.deviceplugin.slices import FRACTION, FRACTION_SLICES, device_id
 from gpufrac.proto import deviceplugin_pb2 as pb
 from gpufrac.proto import deviceplugin_pb2_grpc as pb_grpc
 

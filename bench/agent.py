@@ -46,7 +46,7 @@ import psutil
 
 from bench import quick
 from bench._floor_plugin import FLOOR_RESOURCE
-from gpufrac.deviceplugin.slices import FRACTION, MEMORY
+from gpufrac.core.slices import FRACTION, MEMORY
 from gpufrac.simgpu import faults
 from gpufrac.simgpu.kubelet import AgentProcess, Container, KubeletEmulator, Pod
 from gpufrac.simgpu.nodestate import NodeState

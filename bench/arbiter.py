@@ -62,7 +62,7 @@ def _pct(xs: Sequence[float], p: float) -> float:
 
 class _Loop:
     def __init__(self) -> None:
-        from gpufrac.agent.eventloop import new_loop
+        from gpufrac.core.eventloop import new_loop
 
         self.loop = new_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -124,15 +124,15 @@ def run(
 ) -> dict[str, Any]:
     import pynvml
 
-    from gpufrac import native
-    from gpufrac.agent.allocations import Ledger
     from gpufrac.agent.arbiter import GRANT_SETTLE, Arbiter
     from gpufrac.agent.callers import PeerLookup
-    from gpufrac.agent.config import arbiter_socket, load
     from gpufrac.agent.inventory import read_inventory
+    from gpufrac.agent.ledger import Ledger
     from gpufrac.agent.metrics import Metrics
+    from gpufrac.core import native
+    from gpufrac.core.config import arbiter_socket, load
+    from gpufrac.core.slices import MEMORY, device_id
     from gpufrac.deviceplugin.server import container_response
-    from gpufrac.deviceplugin.slices import MEMORY, device_id
     from gpufrac.simgpu.runtime import ContainerRuntime, WorkloadDriver, mounts_of
     from gpufrac.simgpu.spec import create_node, load_preset
 
@@ -381,7 +381,7 @@ def run(
             "handoffs": len(handoff_ms),
         },
         "machine": {"cpus": os.cpu_count(), "load_1m": os.getloadavg()[0]},
-        "event_loop": loop_kind,  # the agent's loop (gpufrac.agent.eventloop): uvloop or asyncio
+        "event_loop": loop_kind,  # the agent's loop (gpufrac.core.eventloop): uvloop or asyncio
         "notes": [
             "client-side times from a Python client process speaking the shim's protocol "
             "(includes its socket connect and the agent's SO_PEERCRED/cgroup identity lookup)",

@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import quick, results_dir
-from gpufrac import native
+from gpufrac.core import native
+from gpufrac.memguard import abi
 from gpufrac.memguard import build as mg_build
-from gpufrac.memguard import formats
 from gpufrac.simgpu.spec import create_node, load_preset
 
 ROOT = native.REPO_ROOT
@@ -86,10 +86,10 @@ class Bench:
     def container(self, name: str) -> Path:
         d = self.work / name
         d.mkdir()
-        formats.ConfigFile(d).write(
-            formats.ContainerConfig(gpu_uuid="", request_bytes=64 * GiB, limit_bytes=64 * GiB)
+        abi.ConfigFile(d).write(
+            abi.ContainerConfig(gpu_uuid="", request_bytes=64 * GiB, limit_bytes=64 * GiB)
         )
-        formats.create_usage(d)
+        abi.create_usage(d)
         return d
 
     def env(self, shim: bool, container: Path | None = None) -> dict[str, str]:

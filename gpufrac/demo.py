@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpufrac import native
-from gpufrac.agent.units import format_bytes
+from gpufrac.core import native
+from gpufrac.core.units import format_bytes
 
 KUBELET_SOCKET = "/var/lib/kubelet/device-plugins/kubelet.sock"
 NODE = "sim-node"

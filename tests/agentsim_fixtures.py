@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from gpufrac.deviceplugin import slices
-from gpufrac.deviceplugin.slices import FRACTION, MEMORY
+from gpufrac.core import slices
+from gpufrac.core.slices import FRACTION, MEMORY
 from gpufrac.simgpu.kubelet import AgentProcess, Container, KubeletEmulator, Pod
 from gpufrac.simgpu.nodestate import NodeState
 from gpufrac.simgpu.spec import NodeSpec, create_node, load_preset

@@ -28,19 +28,19 @@ from kube_fixtures import KubeServer, pod_manifest
 from polling import until_async
 from simnode_fixtures import nvml_node
 
-from gpufrac import native
-from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.arbiter import Arbiter
 from gpufrac.agent.callers import PeerLookup, namer_from_pods
-from gpufrac.agent.config import Config, arbiter_socket, load
-from gpufrac.agent.eventloop import new_loop
 from gpufrac.agent.inventory import read_inventory
 from gpufrac.agent.kube import EventRecorder, PodCache, make_api_client
+from gpufrac.agent.ledger import ContainerAlloc, Ledger
 from gpufrac.agent.metrics import Metrics
 from gpufrac.agent.pods import PodIdentity
+from gpufrac.core import native
+from gpufrac.core.config import Config, arbiter_socket, load
+from gpufrac.core.eventloop import new_loop
+from gpufrac.core.slices import MEMORY, ContainerDevices, device_id
 from gpufrac.deviceplugin.server import container_response
-from gpufrac.deviceplugin.slices import MEMORY, ContainerDevices, device_id
-from gpufrac.memguard import formats
+from gpufrac.memguard import abi
 from gpufrac.simgpu.runtime import Container, ContainerRuntime, WorkloadDriver, mounts_of
 from gpufrac.simgpu.workload import WorkloadProcess
 
@@ -98,11 +98,11 @@ class Box:
     container: Container | None = None
     workload: Workload | None = None
 
-    def config(self) -> formats.ContainerConfig:
-        return formats.read_config(self.alloc.directory)
+    def config(self) -> abi.ContainerConfig:
+        return abi.read_config(self.alloc.directory)
 
     def used(self) -> int:
-        return int(formats.read_usage(self.alloc.directory).total_used)
+        return int(abi.read_usage(self.alloc.directory).total_used)
 
 
 class ArbiterNode:

@@ -64,8 +64,8 @@ def smoke() -> None:
     import shutil
     import tempfile
 
-    from gpufrac.deviceplugin.slices import MEMORY
-    from gpufrac.native import native_dir
+    from gpufrac.core.native import native_dir
+    from gpufrac.core.slices import MEMORY
     from gpufrac.simgpu.kubelet import AgentProcess, Container, KubeletEmulator, Pod
     from gpufrac.simgpu.spec import create_node, load_preset
     from gpufrac.simgpu.workload import WorkloadProcess

@@ -28,11 +28,11 @@ from agentsim_fixtures import Sim, short_tmpdir, start_sim, stop_sim
 from kube_fixtures import KubeServer, pod_manifest
 from polling import until
 
-from gpufrac import native
-from gpufrac.agent import annotations as ann
-from gpufrac.agent.units import parse_bytes
-from gpufrac.deviceplugin.slices import MEMORY
-from gpufrac.memguard import formats
+from gpufrac.core import annotations as ann
+from gpufrac.core import native
+from gpufrac.core.slices import MEMORY
+from gpufrac.core.units import parse_bytes
+from gpufrac.memguard import abi
 from gpufrac.simgpu.kubelet import Container as KContainer
 from gpufrac.simgpu.kubelet import Pod
 from gpufrac.simgpu.runtime import Container, ContainerRuntime, mounts_of
@@ -90,11 +90,11 @@ class PodRun:
     container: Container
     app: WorkloadProcess
 
-    def config(self) -> formats.ContainerConfig:
-        return formats.read_config(self.host_dir)
+    def config(self) -> abi.ContainerConfig:
+        return abi.read_config(self.host_dir)
 
     def used(self) -> int:
-        return int(formats.read_usage(self.host_dir).total_used)
+        return int(abi.read_usage(self.host_dir).total_used)
 
     def grant(self) -> int:
         return self.config().grant_bytes
@@ -149,7 +149,7 @@ class E2ENode:
         )
         self.sim.kubelet.admit(pod)
         resp = self.sim.kubelet.allocate_response(pod.uid, "main", MEMORY)
-        config_mount = next(m for m in resp.mounts if m.container_path.endswith("/" + formats.CONFIG_FILE))
+        config_mount = next(m for m in resp.mounts if m.container_path.endswith("/" + abi.CONFIG_FILE))
         host_dir = Path(config_mount.host_path).parent
         c = self.runtime.start(
             pod.uid,
@@ -176,7 +176,7 @@ class E2ENode:
         want_limit = parse_bytes(limit) if limit else units * UNIT
 
         def applied() -> bool:
-            cfg = formats.read_config(host_dir)
+            cfg = abi.read_config(host_dir)
             return cfg.pod_uid == pod.uid and cfg.limit_bytes == want_limit and cfg.priority == priority
 
         try:

@@ -18,7 +18,7 @@ import threading
 
 from simnode_fixtures import SimNode
 
-from gpufrac import native
+from gpufrac.core import native
 from gpufrac.simgpu.nodestate import NodeState
 
 GIB = 1 << 30

@@ -1,7 +1,7 @@
 """Running real workload processes under the memguard shim on a simulated node.
 
 A `Container` is a per-container directory as the agent writes it (config via
-formats.ConfigFile, usage via formats.create_usage). A `Shim` starts processes
+abi.ConfigFile, usage via abi.create_usage). A `Shim` starts processes
 on the simulated node under LD_PRELOAD of the shim (release or ASan flavour):
 mg_ctest (a C program linked against libcuda: direct symbols), or Python
 snippets using cuda-python (cuGetProcAddress_v2), ctypes and pynvml (dlsym).
@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from gpufrac.memguard import build, formats, wire
+from gpufrac.memguard import abi, build, wire
 from gpufrac.simgpu.nodestate import NodeState
 
 MiB = 1 << 20
@@ -36,21 +36,21 @@ TIMEOUT = 180  # generous: a loaded 2-core box, ASan builds
 @dataclass
 class Container:
     dir: Path
-    cfg: formats.ContainerConfig
-    file: formats.ConfigFile = field(repr=False)
+    cfg: abi.ContainerConfig
+    file: abi.ConfigFile = field(repr=False)
 
     def set(self, **changes: Any) -> int:
         """The agent changes this container's config (in place, under the seqlock)."""
         self.cfg = replace(self.cfg, **changes)
         return self.file.write(self.cfg)
 
-    def usage(self) -> formats.UsageStruct:
-        return formats.read_usage(self.dir)
+    def usage(self) -> abi.UsageStruct:
+        return abi.read_usage(self.dir)
 
     def total(self) -> int:
         return int(self.usage().total_used)
 
-    def live_slots(self) -> list[formats.ProcSlot]:
+    def live_slots(self) -> list[abi.ProcSlot]:
         return [s for s in self.usage().slots if s.pid != 0]
 
 
@@ -66,7 +66,7 @@ def grant_burst(c: Container, conn: socket.socket) -> wire.BurstRequest | None:
         gen = c.set(grant_bytes=req.total_after - c.cfg.request_bytes)
         reply = wire.BurstReply(
             magic=wire.BURST_MAGIC,
-            version=formats.ABI_VERSION,
+            version=abi.ABI_VERSION,
             status=wire.BURST_GRANTED,
             generation=gen,
         )
@@ -93,10 +93,10 @@ def answer_bursts(
 
 def make_container(directory: Path, request: int, limit: int, **kw: Any) -> Container:
     directory.mkdir(parents=True, exist_ok=True)
-    cfg = formats.ContainerConfig(gpu_uuid="", request_bytes=request, limit_bytes=limit, **kw)
-    f = formats.ConfigFile(directory)
+    cfg = abi.ContainerConfig(gpu_uuid="", request_bytes=request, limit_bytes=limit, **kw)
+    f = abi.ConfigFile(directory)
     f.write(cfg)
-    formats.create_usage(directory)
+    abi.create_usage(directory)
     return Container(directory, cfg, f)
 
 
@@ -126,7 +126,7 @@ def parse_ctest(stdout: str) -> list[Line]:
 PY_PRELUDE = """
 import ctypes, json, os, sys
 from cuda.bindings import driver as cu
-from gpufrac.memguard import formats, wire
+from gpufrac.memguard import abi, wire
 DIR = os.environ["GPUFRAC_CONTAINER_DIR"]
 def rc(r):
     return int(r[0] if isinstance(r, tuple) else r)
@@ -135,7 +135,7 @@ def chk(r):
         raise SystemExit(f"CUDA error {r!r}")
     return r[1] if len(r) == 2 else r[1:]
 def used():
-    return int(formats.read_usage(DIR).total_used)
+    return int(abi.read_usage(DIR).total_used)
 chk(cu.cuInit(0))
 dev = chk(cu.cuDeviceGet(0))
 ctx = chk(cu.cuDevicePrimaryCtxRetain(dev))

@@ -25,12 +25,12 @@ from kube_fixtures import KubeServer, pod_manifest
 from polling import until
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpufrac import native
-from gpufrac.agent import config as config_mod
-from gpufrac.agent.allocations import ContainerAlloc
+from gpufrac.agent.ledger import ContainerAlloc
 from gpufrac.agent.main import Agent
 from gpufrac.agent.runner import AgentThread
-from gpufrac.deviceplugin.slices import container_key
+from gpufrac.core import config as config_mod
+from gpufrac.core import native
+from gpufrac.core.slices import container_key
 from gpufrac.memguard import build
 from gpufrac.simgpu.kubelet import Container, KubeletEmulator, Pod
 from gpufrac.simgpu.spec import load_preset

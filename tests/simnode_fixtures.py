@@ -18,7 +18,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from gpufrac import native
+from gpufrac.core import native
 from gpufrac.simgpu.spec import NodeSpec, create_node, load_preset, spec_from_dict
 
 

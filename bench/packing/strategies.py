@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bench.packing.trace import Node, PodSpec
-from gpufrac.agent.config import RESOLVERS, Config
+from gpufrac.core.config import RESOLVERS, Config
 
 _GiB = float(1 << 30)
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from gpufrac.agent.callers import read_cgroup
-from gpufrac.memguard import formats
+from gpufrac.memguard import abi
 
 log = logging.getLogger(__name__)
 
@@ -308,8 +308,8 @@ class ActivityTracker:
         owner: dict[tuple[int, int], list[Tracked]] = {}
         for t in tracked:
             try:
-                usage = formats.read_usage(t.directory)
-            except formats.FormatError as e:
+                usage = abi.read_usage(t.directory)
+            except abi.FormatError as e:
                 out.unreadable[t.key] = str(e)
                 continue
             slots = [

@@ -27,10 +27,10 @@ import logging
 from typing import Protocol
 
 from gpufrac.agent import events
-from gpufrac.agent.allocations import ContainerAlloc
 from gpufrac.agent.events import EventSink
+from gpufrac.agent.ledger import ContainerAlloc
 from gpufrac.agent.resolvers import Holding, Need
-from gpufrac.agent.units import format_bytes
+from gpufrac.core.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ IDENTITY_POLL = 0.5
 
 
 class Bookings(Protocol):
-    """The ledger's bookings (gpufrac.agent.allocations.Ledger)."""
+    """The ledger's bookings (gpufrac.agent.ledger.Ledger)."""
 
     def containers(self) -> list[ContainerAlloc]: ...
     def get(self, key: str) -> ContainerAlloc | None: ...

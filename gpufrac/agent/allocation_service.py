@@ -14,14 +14,14 @@ import time
 from collections.abc import Callable, Container, Hashable, Iterable, Mapping, Sequence
 from typing import Protocol
 
-from gpufrac.agent.allocations import ContainerAlloc
-from gpufrac.agent.config import Config
-from gpufrac.agent.gpus import Inventory
-from gpufrac.agent.logs import decision
+from gpufrac.agent import placement as preferred_mod
+from gpufrac.agent.ledger import ContainerAlloc
+from gpufrac.core.config import Config
 from gpufrac.core.errors import AllocationError, ErrorKind
-from gpufrac.deviceplugin import preferred as preferred_mod
-from gpufrac.deviceplugin.slices import GpuGeometry
-from gpufrac.memguard.formats import ConfigFile, ContainerConfig
+from gpufrac.core.gpus import Inventory
+from gpufrac.core.logs import decision
+from gpufrac.core.slices import GpuGeometry
+from gpufrac.memguard.abi import ConfigFile, ContainerConfig
 
 log = logging.getLogger("gpufrac.agent")
 
@@ -29,7 +29,7 @@ DeviceSection = tuple[Hashable, Callable[[], list[tuple[str, bool, int | None]]]
 
 
 class BookingLedger(Protocol):
-    """What the service reads and books (gpufrac.agent.allocations.Ledger)."""
+    """What the service reads and books (gpufrac.agent.ledger.Ledger)."""
 
     @property
     def geometry(self) -> Mapping[str, GpuGeometry]: ...

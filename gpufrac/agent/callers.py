@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from gpufrac.agent.allocations import ContainerAlloc, Ledger
+from gpufrac.agent.ledger import ContainerAlloc, Ledger
 
 log = logging.getLogger(__name__)
 

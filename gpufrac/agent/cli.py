@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 import gpufrac
-from gpufrac.agent.output import add_output_args
+from gpufrac.core.output import add_output_args
 
 # subcommand -> (module, function, help); the function takes the parsed args and
 # returns an exit code.
@@ -65,10 +65,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
 
     p = add("agent", "gpufrac.agent.main", "cmd_agent", "run the node agent (the DaemonSet's process)")
 
-    p = add("gpus", "gpufrac.agent.report", "cmd_gpus", "list the node's GPUs with memory and health")
+    p = add("gpus", "gpufrac.agent.gpu_commands", "cmd_gpus", "list the node's GPUs with memory and health")
     add_output_args(p)
 
-    p = add("topo", "gpufrac.agent.report", "cmd_topo", "GPU interconnect matrix, NUMA and CPU affinity")
+    p = add(
+        "topo", "gpufrac.agent.gpu_commands", "cmd_topo", "GPU interconnect matrix, NUMA and CPU affinity"
+    )
     add_output_args(p)
 
     p = add(

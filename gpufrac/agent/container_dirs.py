@@ -1,6 +1,6 @@
 """Container directories on the host: the files of one container's memguard config and usage.
 
-The ledger (gpufrac.agent.allocations) decides what is booked; this module writes and deletes
+The ledger (gpufrac.agent.ledger) decides what is booked; this module writes and deletes
 what that means on disk. ContainerDirs is the agent's one I/O thread for it (docs/architecture.md):
 off the event loop, in the order the loop asks.
 """
@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
-from gpufrac.memguard import formats
-from gpufrac.memguard.formats import ConfigFile, ContainerConfig
+from gpufrac.memguard import abi
+from gpufrac.memguard.abi import ConfigFile, ContainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +42,16 @@ def write_container_dir(directory: str, cfg: ContainerConfig) -> ConfigFile:
     # Headers only: a config an agent killed mid-write left with an odd seq is repaired in
     # place by ConfigFile.write. A new file would be a new inode, and a running container
     # keeps the old one mounted: the shim would never see a config again.
-    for name, check in ((formats.CONFIG_FILE, formats.generation), (formats.USAGE_FILE, formats.read_usage)):
+    for name, check in ((abi.CONFIG_FILE, abi.generation), (abi.USAGE_FILE, abi.read_usage)):
         if os.path.exists(os.path.join(directory, name)):
             try:
                 check(directory)
-            except formats.FormatError as e:  # truncated or foreign: start it afresh
+            except abi.FormatError as e:  # truncated or foreign: start it afresh
                 log.warning("recreating %s: %s", os.path.join(directory, name), e)
                 os.unlink(os.path.join(directory, name))
     handle = ConfigFile(directory, durable=False)
     handle.write(cfg)
-    formats.create_usage(directory, durable=False)
+    abi.create_usage(directory, durable=False)
     return handle
 
 
@@ -77,7 +77,7 @@ def prepare_spare(directory: str) -> ConfigFile:
     renames a spare into place (a mapping follows its file through a rename)."""
     os.mkdir(directory)  # a fresh name: never an existing directory
     os.chmod(directory, 0o755)
-    formats.create_unpublished(directory)
+    abi.create_unpublished(directory)
     return ConfigFile(directory, durable=False)
 
 

@@ -3,7 +3,7 @@
 Reasons are CamelCase, as Kubernetes' own are. Each decision a user would want
 to know about gets an Event on the object it concerns (type Warning where the
 user lost something or must act, Normal otherwise), a structured log line
-(gpufrac.agent.logs.decision) and, where it is counted, a metric
+(gpufrac.core.logs.decision) and, where it is counted, a metric
 (gpufrac.agent.metrics). Modules that post Events take their reason from here.
 
 | reason | type | on | posted by | when |
@@ -90,7 +90,7 @@ class EventSink(Protocol):
 
 
 class Booked(Protocol):
-    """What an Event needs of a container's booking (gpufrac.agent.allocations.ContainerAlloc)."""
+    """What an Event needs of a container's booking (gpufrac.agent.ledger.ContainerAlloc)."""
 
     @property
     def key(self) -> str: ...

@@ -83,7 +83,7 @@ class Conn(Protocol):
 
 
 class Limits(Protocol):
-    """The node config's arbiterLimits (gpufrac.agent.config)."""
+    """The node config's arbiterLimits (gpufrac.core.config)."""
 
     @property
     def connections_per_container(self) -> int: ...

@@ -13,9 +13,9 @@ from typing import Protocol
 
 import pynvml  # type: ignore[import-untyped]  # nvidia-ml-py ships no types
 
-from gpufrac.agent.allocations import ContainerAlloc
 from gpufrac.agent.callers import CgroupIdentity, PeerError, read_cgroup
 from gpufrac.agent.inventory import query_gpus
+from gpufrac.agent.ledger import ContainerAlloc
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ from typing import Any
 
 import pynvml  # type: ignore[import-untyped]  # nvidia-ml-py ships no type hints
 
-from gpufrac.agent.config import HealthConfig
-from gpufrac.agent.gpus import Gpu, GpuHealth
 from gpufrac.agent.inventory import LOST_REASON, NvmlError, nvml_call, nvml_init, nvml_shutdown
+from gpufrac.core.config import HealthConfig
+from gpufrac.core.gpus import Gpu, GpuHealth
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import Protocol
 
 from gpufrac.agent import events
 from gpufrac.agent.events import EventSink
-from gpufrac.agent.gpus import GpuHealth
-from gpufrac.agent.logs import decision
+from gpufrac.core.gpus import GpuHealth
+from gpufrac.core.logs import decision
 
 log = logging.getLogger("gpufrac.agent")
 
@@ -31,7 +31,7 @@ class HealthSource(Protocol):
 
 
 class HealthLedger(Protocol):
-    """gpufrac.agent.allocations.Ledger: True when the GPU's health changed."""
+    """gpufrac.agent.ledger.Ledger: True when the GPU's health changed."""
 
     def set_health(self, gpu_uuid: str, healthy: bool, reason: str = "") -> bool: ...
 

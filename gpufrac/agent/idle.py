@@ -42,12 +42,8 @@ import logging
 from collections.abc import Iterable
 from dataclasses import replace
 
-from gpufrac.agent import annotations as annotations_mod
 from gpufrac.agent import events
 from gpufrac.agent.activity import ActivityTracker, Clock
-from gpufrac.agent.allocations import ContainerAlloc, Ledger
-from gpufrac.agent.annotations import ContainerPolicy
-from gpufrac.agent.config import Config
 from gpufrac.agent.idle_actions import Evictor, IdleActions, ReapCounter, Swapper
 from gpufrac.agent.idle_view import (
     IDLE,
@@ -60,7 +56,11 @@ from gpufrac.agent.idle_view import (
     action_words,
     policy_words,
 )
-from gpufrac.agent.units import format_duration
+from gpufrac.agent.ledger import ContainerAlloc, Ledger
+from gpufrac.core import annotations as annotations_mod
+from gpufrac.core.annotations import ContainerPolicy
+from gpufrac.core.config import Config
+from gpufrac.core.units import format_duration
 
 log = logging.getLogger(__name__)
 

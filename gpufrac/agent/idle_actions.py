@@ -15,8 +15,6 @@ from typing import Protocol
 
 from gpufrac.agent import events
 from gpufrac.agent.activity import Clock
-from gpufrac.agent.allocations import ContainerAlloc
-from gpufrac.agent.config import Config
 from gpufrac.agent.idle_view import (
     MAX_RUNTIME,
     Identity,
@@ -28,7 +26,9 @@ from gpufrac.agent.idle_view import (
     state_words,
 )
 from gpufrac.agent.kube import EvictOutcome, EvictResult, ObjectRef
-from gpufrac.agent.units import format_duration
+from gpufrac.agent.ledger import ContainerAlloc
+from gpufrac.core.config import Config
+from gpufrac.core.units import format_duration
 
 log = logging.getLogger("gpufrac.agent.idle")
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from gpufrac.agent import annotations as annotations_mod
 from gpufrac.agent import events
-from gpufrac.agent.allocations import ContainerAlloc
-from gpufrac.agent.annotations import ContainerPolicy
 from gpufrac.agent.events import EventSink
 from gpufrac.agent.kube import PodInfo
-from gpufrac.agent.units import format_duration, parse_duration
+from gpufrac.agent.ledger import ContainerAlloc
+from gpufrac.core import annotations as annotations_mod
+from gpufrac.core.annotations import ContainerPolicy
+from gpufrac.core.units import format_duration, parse_duration
 
 IDLE, MAX_RUNTIME = "idle", "max-runtime"
 # Event reason of the action record: prefix by trigger, suffix by what was done.

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import pynvml  # type: ignore[import-untyped]  # nvidia-ml-py ships no type hints
 
-from gpufrac.agent.gpus import MIG_REASON, Gpu, Inventory, Link, PcieLink
+from gpufrac.core.gpus import MIG_REASON, Gpu, Inventory, Link, PcieLink
 
 log = logging.getLogger(__name__)
 

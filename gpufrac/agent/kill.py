@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from gpufrac.agent.allocations import ContainerAlloc
 from gpufrac.agent.callers import CgroupIdentity, PeerError, in_container, read_cgroup
+from gpufrac.agent.ledger import ContainerAlloc
 
 log = logging.getLogger(__name__)
 

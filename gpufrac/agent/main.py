@@ -30,32 +30,32 @@ from typing import Any, Protocol
 
 from kubernetes.client import ApiClient
 
-from gpufrac.agent import config as config_mod
-from gpufrac.agent import eventloop, idle, kube, logs, nodelabels
+from gpufrac.agent import idle, kube, nodelabels
 from gpufrac.agent import metrics as metrics_mod
 from gpufrac.agent.activity import ActivityTracker
 from gpufrac.agent.admission import Admission
 from gpufrac.agent.allocation_service import AllocationService
-from gpufrac.agent.allocations import Ledger
 from gpufrac.agent.arbiter import Arbiter, adopt_grants, published_grants
 from gpufrac.agent.callers import PeerLookup, namer_from_pods
-from gpufrac.agent.config import Config, arbiter_socket
 from gpufrac.agent.container_dirs import ContainerDirs
-from gpufrac.agent.gpus import GpuHealth, Inventory
 from gpufrac.agent.health import HealthMonitor
 from gpufrac.agent.healthsync import HealthSource, HealthSync
 from gpufrac.agent.idle import IdleReaper
 from gpufrac.agent.idle_actions import swap_via
 from gpufrac.agent.inventory import NvmlError, read_inventory
 from gpufrac.agent.kube import EventRecorder, NodeLabeler, PodCache, PodEvictor
+from gpufrac.agent.ledger import Ledger
+from gpufrac.agent.ledger_store import StateStore, restore
 from gpufrac.agent.nodelabels import NodeLabels
 from gpufrac.agent.persist import Persister
 from gpufrac.agent.pods import PodIdentity
 from gpufrac.agent.reconcile import RECONCILE_INTERVAL, RELEASE_GRACE, ReconcileLoop, Reconciler
-from gpufrac.agent.state import StateStore, restore
 from gpufrac.agent.status import server as status_mod
 from gpufrac.agent.watchdog import Watchdog
-from gpufrac.deviceplugin import slices
+from gpufrac.core import config as config_mod
+from gpufrac.core import eventloop, logs, slices
+from gpufrac.core.config import Config, arbiter_socket
+from gpufrac.core.gpus import GpuHealth, Inventory
 from gpufrac.deviceplugin.podresources import PodResourcesClient
 from gpufrac.deviceplugin.server import DevicePlugin, PluginServer
 

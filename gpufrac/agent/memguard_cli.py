@@ -1,6 +1,6 @@
 """`gpufrac memguard inspect NAMESPACE/POD[/CONTAINER]` (or a container's directory): the command.
 
-gpufrac.memguard.inspect reads a container's files and formats them; this finds the
+gpufrac.memguard.inspector reads a container's files and formats them; this finds the
 container's directory through the running agent's status socket when given a pod name.
 """
 
@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gpufrac.agent.config import ConfigError
-from gpufrac.agent.output import render
 from gpufrac.agent.status.cli import default_socket
 from gpufrac.agent.status.client import StatusUnavailable, fetch
-from gpufrac.memguard import formats
-from gpufrac.memguard.inspect import (
+from gpufrac.core.config import ConfigError
+from gpufrac.core.output import render
+from gpufrac.memguard import abi
+from gpufrac.memguard.inspector import (
     TargetError,
     format_report,
     inspect_dir,
@@ -47,7 +47,7 @@ def cmd_memguard(args: argparse.Namespace) -> int:
             return _fail(str(e), 1)
     try:
         d = inspect_dir(directory)
-    except formats.FormatError as e:
+    except abi.FormatError as e:
         return _fail(str(e), 1)
     print(render(args, d, lambda wide: format_report(d, wide=wide)))
     return 0

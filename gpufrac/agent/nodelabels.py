@@ -26,8 +26,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from gpufrac.agent.config import Config
-from gpufrac.agent.gpus import Inventory
+from gpufrac.core.config import Config
+from gpufrac.core.gpus import Inventory
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ PERSIST_BATCH = 0.1
 
 
 class Versioned(Protocol):
-    """The ledger as far as saving goes (gpufrac.agent.allocations.Ledger): a counter that
+    """The ledger as far as saving goes (gpufrac.agent.ledger.Ledger): a counter that
     moves whenever what the state file holds changes."""
 
     @property
@@ -34,7 +34,7 @@ L_contra = TypeVar("L_contra", bound=Versioned, contravariant=True)
 
 
 class StateFile(Protocol[L_contra]):
-    """Where the ledger is saved (gpufrac.agent.state.StateStore)."""
+    """Where the ledger is saved (gpufrac.agent.ledger_store.StateStore)."""
 
     @property
     def path(self) -> Path: ...

@@ -29,16 +29,16 @@ from typing import Protocol
 
 import grpc
 
-from gpufrac.agent import annotations as annotations_mod
 from gpufrac.agent import events
-from gpufrac.agent import policy as policy_mod
-from gpufrac.agent.allocations import ContainerAlloc, Ledger, keyed
-from gpufrac.agent.annotations import ContainerPolicy
-from gpufrac.agent.config import Config
 from gpufrac.agent.kube import EventRecorder, ObjectRef, PodCache, PodInfo
-from gpufrac.agent.units import format_bytes
-from gpufrac.deviceplugin import slices
-from gpufrac.deviceplugin.slices import ContainerDevices
+from gpufrac.agent.ledger import ContainerAlloc, Ledger, keyed
+from gpufrac.core import annotations as annotations_mod
+from gpufrac.core import policy as policy_mod
+from gpufrac.core import slices
+from gpufrac.core.annotations import ContainerPolicy
+from gpufrac.core.config import Config
+from gpufrac.core.slices import ContainerDevices
+from gpufrac.core.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ class PodIdentity:
             containers=pod.containers or None,
             whole_gpu=alloc.whole_gpu,
         )
-        # The node's per-namespace caps (gpufrac.agent.policy) over what the annotations asked.
+        # The node's per-namespace caps (gpufrac.core.policy) over what the annotations asked.
         policy, caps = policy_mod.enforce(
             result.policy, pod.namespace, self.cfg.policy, container=container, format_bytes=format_bytes
         )

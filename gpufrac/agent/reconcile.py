@@ -19,12 +19,12 @@ from typing import Protocol
 
 import grpc
 
-from gpufrac.agent.allocations import ContainerAlloc, keyed
-from gpufrac.agent.logs import decision
+from gpufrac.agent.ledger import ContainerAlloc, keyed
+from gpufrac.core import slices
 from gpufrac.core.errors import AllocationError
-from gpufrac.deviceplugin import slices
-from gpufrac.deviceplugin.slices import ContainerDevices
-from gpufrac.memguard.formats import ConfigFile, ContainerConfig
+from gpufrac.core.logs import decision
+from gpufrac.core.slices import ContainerDevices
+from gpufrac.memguard.abi import ConfigFile, ContainerConfig
 
 log = logging.getLogger("gpufrac.agent")
 
@@ -47,7 +47,7 @@ class PodResourcesLister(Protocol):
 
 
 class ReconciledLedger(Protocol):
-    """What a pass reads and changes of the ledger (gpufrac.agent.allocations.Ledger)."""
+    """What a pass reads and changes of the ledger (gpufrac.agent.ledger.Ledger)."""
 
     def containers(self) -> list[ContainerAlloc]: ...
     def get(self, key: str) -> ContainerAlloc | None: ...

@@ -38,7 +38,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gpufrac.agent.allocations import ContainerAlloc
 from gpufrac.agent.events import (
     CONDITION_GPU_MEMORY_RECLAIMED,
     NORMAL,
@@ -47,9 +46,10 @@ from gpufrac.agent.events import (
     WARNING,
     container_name,
 )
+from gpufrac.agent.ledger import ContainerAlloc
 from gpufrac.agent.ungranted import ungranted
-from gpufrac.agent.units import format_bytes
-from gpufrac.memguard.formats import FLAG_PREEMPTIBLE
+from gpufrac.core.units import format_bytes
+from gpufrac.memguard.abi import FLAG_PREEMPTIBLE
 
 log = logging.getLogger(__name__)
 

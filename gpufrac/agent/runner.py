@@ -11,7 +11,7 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Generic, Protocol, TypeVar
 
-from gpufrac.agent.eventloop import new_loop
+from gpufrac.core.eventloop import new_loop
 
 T = TypeVar("T")
 

@@ -47,10 +47,7 @@ from typing import Protocol
 import psutil
 
 from gpufrac.agent.activity import proc_identity
-from gpufrac.agent.allocations import ContainerAlloc, Ledger
-from gpufrac.agent.annotations import SWAPPABLE
 from gpufrac.agent.callers import PeerLookup
-from gpufrac.agent.config import Config
 from gpufrac.agent.cuda_checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -65,6 +62,7 @@ from gpufrac.agent.events import (
     REASON_SWAPPED_OUT,
     container_name,
 )
+from gpufrac.agent.ledger import ContainerAlloc, Ledger
 from gpufrac.agent.resolvers import Chain, Holding, Need, Outcome
 from gpufrac.agent.swap_choice import pick, win
 from gpufrac.agent.swap_files import (
@@ -77,9 +75,11 @@ from gpufrac.agent.swap_files import (
     write_size,
 )
 from gpufrac.agent.swap_takeover import Takeover, Unknown
-from gpufrac.agent.units import format_bytes
-from gpufrac.memguard import formats, wire
-from gpufrac.memguard.formats import FLAG_SWAPPABLE, FLAG_WHOLE_GPU
+from gpufrac.core.annotations import SWAPPABLE
+from gpufrac.core.config import Config
+from gpufrac.core.units import format_bytes
+from gpufrac.memguard import abi, wire
+from gpufrac.memguard.abi import FLAG_SWAPPABLE, FLAG_WHOLE_GPU
 
 log = logging.getLogger(__name__)
 
@@ -383,7 +383,7 @@ class SwapResolver:
         and under the shim: a process that cannot ask to be swapped back in is never
         swapped. Blocking: /proc scans and driver calls."""
         pids = self.ctx.peers.pids_of(alloc)
-        usage = formats.read_usage(alloc.directory)
+        usage = abi.read_usage(alloc.directory)
         slots = {(int(s.pid), int(s.start_time)) for s in usage.slots if s.pid > 0}
         out = []
         for pid in pids:

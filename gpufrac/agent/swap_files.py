@@ -14,10 +14,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from gpufrac.agent.allocations import ContainerAlloc
 from gpufrac.agent.callers import PeerLookup, scan_pids
-from gpufrac.memguard import formats
-from gpufrac.memguard.formats import FormatError
+from gpufrac.agent.ledger import ContainerAlloc
+from gpufrac.memguard import abi
+from gpufrac.memguard.abi import FormatError
 
 SlotId = tuple[int, int]  # (pid in the container's pid namespace, start time): how the shim names a process
 
@@ -40,22 +40,22 @@ def set_swapped(directory: str, slots: Iterable[SlotId], value: int) -> int:
     counters (to notice a launch that raced the swap-out). Blocking file I/O: a copy is read
     and the flags written by pwrite (the file is the container's: never mapped)."""
     want = set(slots)
-    usage = formats.read_usage(directory)
+    usage = abi.read_usage(directory)
     launches, writes = 0, []
     for i, s in enumerate(usage.slots):
         if s.pid > 0 and (int(s.pid), int(s.start_time)) in want:
             writes.append(("swapped", i, value))
             launches += int(s.launches)
-    formats.write_usage_fields(directory, writes)
+    abi.write_usage_fields(directory, writes)
     return launches
 
 
 def clear_all_flags(directory: str) -> int:
     """Clear every slot's swapped flag (nothing of the container is swapped); returns how many."""
     try:
-        usage = formats.read_usage(directory)
+        usage = abi.read_usage(directory)
         writes = [("swapped", i, 0) for i, s in enumerate(usage.slots) if s.swapped]
-        formats.write_usage_fields(directory, writes)
+        abi.write_usage_fields(directory, writes)
     except FormatError:
         return 0
     return len(writes)
@@ -112,11 +112,11 @@ def processes_of(alloc: ContainerAlloc, peers: PeerLookup) -> list[int] | None:
     uid = seen.pod_uid if seen is not None else alloc.pod_uid
     if not uid:
         with contextlib.suppress(FormatError):
-            uid = formats.read_config(alloc.directory).pod_uid  # the identity the agent published
+            uid = abi.read_config(alloc.directory).pod_uid  # the identity the agent published
     if not uid:
         return None
     try:
-        st = os.stat(os.path.join(alloc.directory, formats.USAGE_FILE))
+        st = os.stat(os.path.join(alloc.directory, abi.USAGE_FILE))
     except OSError:
         return None
     return [
@@ -128,5 +128,5 @@ def processes_of(alloc: ContainerAlloc, peers: PeerLookup) -> list[int] | None:
 
 def launches_of(directory: str, slots: Iterable[SlotId]) -> int:
     want = set(slots)
-    usage = formats.read_usage(directory)
+    usage = abi.read_usage(directory)
     return sum(int(s.launches) for s in usage.slots if s.pid > 0 and (int(s.pid), int(s.start_time)) in want)

@@ -12,9 +12,9 @@ import asyncio
 import logging
 
 from gpufrac.agent.activity import proc_identity
-from gpufrac.agent.allocations import ContainerAlloc
 from gpufrac.agent.callers import PeerLookup
 from gpufrac.agent.cuda_checkpoint import Checkpointer, ProcessState, process_state
+from gpufrac.agent.ledger import ContainerAlloc
 from gpufrac.agent.swap_files import (
     SlotId,
     Swapped,
@@ -24,9 +24,9 @@ from gpufrac.agent.swap_files import (
     read_size,
     set_swapped,
 )
-from gpufrac.agent.units import format_bytes
-from gpufrac.memguard import formats
-from gpufrac.memguard.formats import FormatError
+from gpufrac.core.units import format_bytes
+from gpufrac.memguard import abi
+from gpufrac.memguard.abi import FormatError
 
 log = logging.getLogger("gpufrac.agent.swap")  # one logger for everything the swap resolver does
 
@@ -50,7 +50,7 @@ class Takeover:
         blocked in the driver with nobody to ask for it. Unknown when its processes cannot
         be found yet."""
         try:
-            usage = await asyncio.to_thread(formats.read_usage, alloc.directory)
+            usage = await asyncio.to_thread(abi.read_usage, alloc.directory)
         except FormatError:
             return None
         flagged = [s for s in usage.slots if s.pid > 0 and s.swapped]

@@ -31,11 +31,11 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from gpufrac.agent.allocations import ContainerAlloc
 from gpufrac.agent.callers import PeerError
 from gpufrac.agent.gpu_processes import Lookup, Observed
-from gpufrac.agent.units import format_bytes
-from gpufrac.memguard import formats
+from gpufrac.agent.ledger import ContainerAlloc
+from gpufrac.core.units import format_bytes
+from gpufrac.memguard import abi
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,8 @@ def file_on_gpu(directory: str) -> int | None:
     memory is in host RAM, or on its way, and NVML's count follows only when it lands; the
     arbiter's decisions use its own swap state, never this flag). Blocking (a pread)."""
     try:
-        u = formats.read_usage(directory)
-    except formats.FormatError:
+        u = abi.read_usage(directory)
+    except abi.FormatError:
         return None
     if any(s.pid > 0 and s.swapped for s in u.slots):
         return None

@@ -37,9 +37,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from gpufrac.agent import truth
-from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.callers import CgroupIdentity, PeerError
-from gpufrac.agent.config import WatchdogConfig
 from gpufrac.agent.events import (
     REASON_LIMIT_ENFORCED,
     REASON_OVER_LIMIT,
@@ -52,8 +50,10 @@ from gpufrac.agent.gpu_processes import GpuProcess, Lookup, Observed, observe
 from gpufrac.agent.inventory import NvmlError
 from gpufrac.agent.kill import kill_if_same
 from gpufrac.agent.kube import ObjectRef
-from gpufrac.agent.units import format_bytes
-from gpufrac.memguard.formats import FLAG_WHOLE_GPU
+from gpufrac.agent.ledger import ContainerAlloc, Ledger
+from gpufrac.core.config import WatchdogConfig
+from gpufrac.core.units import format_bytes
+from gpufrac.memguard.abi import FLAG_WHOLE_GPU
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The values are memguard's ABI (gpufrac/memguard/native/memguard_abi.h); they live here so
 that the policy (gpufrac.core, which imports no other gpufrac package) and the ABI module
-(gpufrac.memguard.formats, which encodes the files) share one table.
+(gpufrac.memguard.abi, which encodes the files) share one table.
 """
 
 from __future__ import annotations

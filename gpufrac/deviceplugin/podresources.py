@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from gpufrac.deviceplugin.slices import ContainerDevices
+from gpufrac.core.slices import ContainerDevices
 from gpufrac.proto import podresources_pb2 as pr
 from gpufrac.proto import podresources_pb2_grpc as pr_grpc
 

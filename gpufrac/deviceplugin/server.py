@@ -24,12 +24,11 @@ from typing import Protocol
 
 import grpc
 
-from gpufrac.agent import logs
-from gpufrac.agent.config import Config, arbiter_socket
+from gpufrac.core import logs, slices
+from gpufrac.core.config import Config, arbiter_socket
 from gpufrac.core.errors import AllocationError, ErrorKind
-from gpufrac.deviceplugin import slices
-from gpufrac.deviceplugin.slices import container_key
-from gpufrac.memguard import formats
+from gpufrac.core.slices import container_key
+from gpufrac.memguard import abi
 from gpufrac.proto import deviceplugin_pb2 as pb
 from gpufrac.proto import deviceplugin_pb2_grpc as pb_grpc
 
@@ -70,7 +69,7 @@ class Booking(Protocol):
     """What a container's response is made of: the allocation the backend booked."""
 
     @property
-    def key(self) -> str: ...  # the container key (gpufrac.deviceplugin.slices.container_key)
+    def key(self) -> str: ...  # the container key (gpufrac.core.slices.container_key)
     @property
     def gpus(self) -> tuple[str, ...]: ...  # GPU UUIDs
     @property
@@ -121,17 +120,17 @@ def container_response(alloc: Booking, config: Config) -> pb.ContainerAllocateRe
         [
             pb.Mount(container_path=shim, host_path=config.paths.shim_host_path, read_only=True),
             pb.Mount(
-                container_path=os.path.join(cdir, formats.CONFIG_FILE),
-                host_path=os.path.join(host, formats.CONFIG_FILE),
+                container_path=os.path.join(cdir, abi.CONFIG_FILE),
+                host_path=os.path.join(host, abi.CONFIG_FILE),
                 read_only=True,
             ),
             pb.Mount(
-                container_path=os.path.join(cdir, formats.USAGE_FILE),
-                host_path=os.path.join(host, formats.USAGE_FILE),
+                container_path=os.path.join(cdir, abi.USAGE_FILE),
+                host_path=os.path.join(host, abi.USAGE_FILE),
                 read_only=False,
             ),
             pb.Mount(
-                container_path=os.path.join(cdir, formats.SOCKET_FILE),
+                container_path=os.path.join(cdir, abi.SOCKET_FILE),
                 host_path=arbiter_socket(config),
                 read_only=False,
             ),

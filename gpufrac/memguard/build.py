@@ -1,6 +1,6 @@
 """Locating the memguard shim and putting a process under it.
 
-The library itself is built by the Makefile (gpufrac/native.py finds it); this
+The library itself is built by the Makefile (gpufrac/core/native.py finds it); this
 module says how a workload process must be started so the shim holds it to its
 container's limits: LD_PRELOAD and GPUFRAC_CONTAINER_DIR.
 """
@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from gpufrac import native
+from gpufrac.core import native
 
 CONTAINER_DIR_ENV = "GPUFRAC_CONTAINER_DIR"
 

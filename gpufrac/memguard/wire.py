@@ -13,7 +13,7 @@ import socket
 import struct
 import time
 
-from gpufrac.memguard.formats import ABI_VERSION
+from gpufrac.memguard.abi import ABI_VERSION
 
 u32, u64, i32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int32
 

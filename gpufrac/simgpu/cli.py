@@ -17,8 +17,8 @@ from typing import Any
 
 import psutil
 
-from gpufrac.agent.output import add_output_args, output_format, render
-from gpufrac.agent.units import format_bytes
+from gpufrac.core.output import add_output_args, output_format, render
+from gpufrac.core.units import format_bytes
 from gpufrac.simgpu import faults
 from gpufrac.simgpu.nodestate import CKPT_CHECKPOINTED, CKPT_FAILED, CKPT_LOCKED, NodeState, NodeStateError
 from gpufrac.simgpu.spec import SpecError, create_node, load_preset, load_spec, preset_names

@@ -13,7 +13,7 @@ import ctypes
 import os
 from functools import lru_cache
 
-from gpufrac import native
+from gpufrac.core import native
 from gpufrac.simgpu.nodestate import NVML_EVENT_XID_CRITICAL, NodeState
 
 XID_FELL_OFF_BUS = 79  # "GPU has fallen off the bus"

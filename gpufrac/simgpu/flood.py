@@ -28,20 +28,20 @@ import socket
 import sys
 import time
 
-from gpufrac.memguard import formats, wire
+from gpufrac.memguard import abi, wire
 
 CONTAINER_DIR_ENV = "GPUFRAC_CONTAINER_DIR"
 
 
 def _path() -> str:
-    return os.path.join(os.environ.get(CONTAINER_DIR_ENV, formats.DEFAULT_DIR), formats.SOCKET_FILE)
+    return os.path.join(os.environ.get(CONTAINER_DIR_ENV, abi.DEFAULT_DIR), abi.SOCKET_FILE)
 
 
 def _request(nbytes: int) -> bytes:
     return bytes(
         wire.BurstRequest(
             wire.BURST_MAGIC,
-            formats.ABI_VERSION,
+            abi.ABI_VERSION,
             wire.BURST_OP_BURST,
             os.getpid(),
             0,
@@ -58,7 +58,7 @@ def hold(path: str, n: int, half: bool) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, n + 64)), hard))
     sel = selectors.DefaultSelector()
     stats = [0, 0, 0]
-    partial = _request(1 << 30)[: formats.ctypes.sizeof(wire.BurstRequest) // 2]
+    partial = _request(1 << 30)[: abi.ctypes.sizeof(wire.BurstRequest) // 2]
 
     def open_one() -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -667,7 +667,7 @@ class AgentProcess:
     ) -> None:
         import yaml
 
-        from gpufrac import native
+        from gpufrac.core import native
 
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)

@@ -288,19 +288,19 @@ def workload(stdin: Any = None, stdout: Any = None) -> int:
     none = no answer). Used where the fake libcuda under the real shim is not needed."""
     import sys
 
-    from gpufrac.memguard import formats, wire
+    from gpufrac.memguard import abi, wire
 
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
-    cdir = os.environ.get(CONTAINER_DIR_ENV, formats.DEFAULT_DIR)
-    sock = os.path.join(cdir, formats.SOCKET_FILE)
-    usage = formats.UsageFile(cdir)
+    cdir = os.environ.get(CONTAINER_DIR_ENV, abi.DEFAULT_DIR)
+    sock = os.path.join(cdir, abi.SOCKET_FILE)
+    usage = abi.UsageFile(cdir)
     slot = next(s for s in usage.usage.slots if s.pid == 0)
     slot.pid = os.getpid()
     span = [0, 0]  # CLOCK_MONOTONIC ns around the last request (the bench reads it)
 
     def ask(op: int, nbytes: int, total_after: int) -> str:
-        cfg = formats.read_config(cdir)
+        cfg = abi.read_config(cdir)
         timeout = (cfg.arbiter_timeout_ms + cfg.wait_timeout_ms) / 1000.0 + 1.0
         span[0] = time.monotonic_ns()
         rep = wire.request(sock, op, nbytes, total_after, timeout=timeout)
@@ -320,7 +320,7 @@ def workload(stdin: Any = None, stdout: Any = None) -> int:
             span[:] = [0, 0]
         if cmd == "alloc":
             n = int(args[0])
-            cfg = formats.read_config(cdir)
+            cfg = abi.read_config(cdir)
             want = int(usage.usage.total_used) + n
             if want <= cfg.request_bytes + cfg.grant_bytes:
                 status = "fast"
@@ -328,7 +328,7 @@ def workload(stdin: Any = None, stdout: Any = None) -> int:
                 status = "denied"
             else:
                 status = ask(wire.BURST_OP_BURST, n, want)
-                cfg = formats.read_config(cdir)
+                cfg = abi.read_config(cdir)
                 if status == "granted" and want > cfg.request_bytes + cfg.grant_bytes:
                     status = "short"  # granted but the config does not carry it: a bug
             if status in ("fast", "granted"):

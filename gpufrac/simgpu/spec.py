@@ -38,7 +38,7 @@ from typing import Any
 
 import yaml
 
-from gpufrac.agent.units import parse_bytes
+from gpufrac.core.units import parse_bytes
 from gpufrac.simgpu import nodestate as ns
 
 MiB = 1 << 20

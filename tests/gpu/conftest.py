@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from gpufrac import native
+from gpufrac.core import native
 
 _PROBE = """
 import json, pynvml

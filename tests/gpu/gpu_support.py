@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from memguard_fixtures import Container
 
-from gpufrac import native
+from gpufrac.core import native
 from gpufrac.memguard import build
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads"

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from gpufrac.agent.gpu_commands import cpu_list
 from gpufrac.agent.inventory import parse_bus_id
-from gpufrac.agent.report import cpu_list
 
 pytestmark = pytest.mark.gpu
 
@@ -25,7 +25,7 @@ GPUFRAC = Path(sys.executable).with_name("gpufrac")
 # Dumps the inventory, the memory reading and one health poll as JSON.
 _DUMP = """
 import dataclasses, json
-from gpufrac.agent.config import HealthConfig
+from gpufrac.core.config import HealthConfig
 from gpufrac.agent.health import HealthMonitor
 from gpufrac.agent.inventory import read_inventory, read_memory
 inv = read_inventory()

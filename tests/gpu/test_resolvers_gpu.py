@@ -40,9 +40,9 @@ from kube_fixtures import KubeServer
 
 from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.resolvers import REASON_EVICTED
+from gpufrac.core.slices import MEMORY
 from gpufrac.deviceplugin.server import container_response
-from gpufrac.deviceplugin.slices import MEMORY
-from gpufrac.memguard import build, formats
+from gpufrac.memguard import abi, build
 from gpufrac.simgpu.runtime import mounts_of
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -246,7 +246,7 @@ def test_swap_moves_an_idle_container_to_host_ram_and_back_intact(
     assert victim.container.alive()
     assert node.v1.read_namespaced_pod("victim", "default").status.phase == "Running"
     assert swap.host_ram_used == held
-    assert all(s.swapped for s in formats.read_usage(victim.alloc.directory).slots if s.pid > 0)
+    assert all(s.swapped for s in abi.read_usage(victim.alloc.directory).slots if s.pid > 0)
     # The requester is done; the victim's next GPU work (check: a kernel first) asks for its
     # memory back through the shim and waits for the restore.
     wr.ok("free", name="burst")
@@ -268,7 +268,7 @@ def test_swap_moves_an_idle_container_to_host_ram_and_back_intact(
     assert r["bad_words"] == 0 and r["same_address"], r
     assert not swap.is_swapped(victim.alloc.key)
     assert wv.pid in gpu_pids(gpu)
-    assert all(s.swapped == 0 for s in formats.read_usage(victim.alloc.directory).slots)
+    assert all(s.swapped == 0 for s in abi.read_usage(victim.alloc.directory).slots)
     assert (swap.stats.swapped_out, swap.stats.swapped_in) == (1, 1)
     node.until(
         lambda: any(e.get("reason") == swap_mod.REASON_SWAPPED_IN for e in kube_server.events("default")),

@@ -18,7 +18,7 @@ from e2e_support import E2ENode, MiB, PodRun
 from polling import until
 
 from gpufrac.agent.events import REASON_EVICTED, REASON_GUARANTEE_AT_RISK, REASON_SWAPPED_OUT
-from gpufrac.memguard import formats
+from gpufrac.memguard import abi
 from gpufrac.simgpu.workload import WorkloadProcess
 
 MakeNode = Callable[..., E2ENode]
@@ -75,7 +75,7 @@ def test_memory_held_outside_gpufrac_gets_the_newcomer_warned(e2e_node: MakeNode
 
 def idle_for(p: PodRun, seconds: float) -> bool:
     """The container's processes have launched no GPU work for `seconds` (its usage file)."""
-    slots = [s for s in formats.read_usage(p.host_dir).slots if s.pid > 0]
+    slots = [s for s in abi.read_usage(p.host_dir).slots if s.pid > 0]
     last = max((int(s.last_activity_ns) for s in slots), default=0)
     return (time.monotonic_ns() - last) / 1e9 >= seconds
 

@@ -13,8 +13,8 @@ from kube_fixtures import KubeServer
 from kubernetes.config import kube_config
 from metrics_support import start_node
 
-from gpufrac.deviceplugin.slices import FRACTION, MEMORY
-from gpufrac.memguard import formats
+from gpufrac.core.slices import FRACTION, MEMORY
+from gpufrac.memguard import abi
 from gpufrac.simgpu.kubelet import Container, Pod
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def test_an_agent_without_an_apiserver_serves_and_says_what_it_leaves_out(
         )
         node.kubelet.admit(pod)
         alloc = node.alloc_of(pod)
-        cfg = formats.read_config(alloc.directory)
+        cfg = abi.read_config(alloc.directory)
         assert cfg.limit_bytes == cfg.request_bytes == alloc.request_bytes  # no annotations without a pod
     finally:
         stop()

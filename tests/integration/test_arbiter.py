@@ -18,7 +18,7 @@ from kube_fixtures import pod_manifest
 
 from gpufrac.agent import arbiter as arbiter_mod
 from gpufrac.agent.callers import Caller, CgroupIdentity, Credentials
-from gpufrac.memguard import formats, wire
+from gpufrac.memguard import abi, wire
 from gpufrac.simgpu.nodestate import NodeState
 
 
@@ -106,10 +106,10 @@ def test_a_process_of_another_container_cannot_act_for_it(node: ArbiterNode) -> 
 # A process that claims to be container "a" in every field the message has.
 PROBE = """
 import os
-from gpufrac.memguard import formats, wire
+from gpufrac.memguard import abi, wire
 d = os.environ["GPUFRAC_CONTAINER_DIR"]
-rep = wire.request(os.path.join(d, formats.SOCKET_FILE), wire.BURST_OP_BURST, 1 << 30, 3 << 30,
-                      generation=formats.generation(d), timeout=30)
+rep = wire.request(os.path.join(d, abi.SOCKET_FILE), wire.BURST_OP_BURST, 1 << 30, 3 << 30,
+                      generation=abi.generation(d), timeout=30)
 names = {wire.BURST_REFUSED: "refused", wire.BURST_GRANTED: "granted", wire.BURST_DENIED: "denied"}
 print(names.get(rep.status, rep.status) if rep else "none")
 """
@@ -239,7 +239,7 @@ def test_a_reclaim_without_the_drivers_per_process_count_is_refused(node: Arbite
     assert a.workload is not None and a.workload.do(f"alloc {2 * GiB}") == "fast"
     assert a.container is not None
     caller = Caller(Credentials(a.container.proc.pid, 0, 0), CgroupIdentity(a.uid, "0" * 64, ""), a.alloc)
-    u = formats.UsageFile(a.alloc.directory)
+    u = abi.UsageFile(a.alloc.directory)
     try:
         u.usage.total_used = 0  # "I hold nothing"
     finally:

@@ -17,8 +17,8 @@ from arbiter_harness import GiB, Workload
 from kube_fixtures import KubeServer, pod_manifest
 from polling import until
 
-from gpufrac.deviceplugin.slices import MEMORY
-from gpufrac.memguard import formats
+from gpufrac.core.slices import MEMORY
+from gpufrac.memguard import abi
 from gpufrac.simgpu.kubelet import Container as KContainer
 from gpufrac.simgpu.kubelet import Pod
 from gpufrac.simgpu.runtime import ContainerRuntime, mounts_of
@@ -56,7 +56,7 @@ class Node:
             {"status": {"phase": "Running", "containerStatuses": [{**cs, "restartCount": 0}]}},
         )
         # The agent learns the pod (pod-resources, then the apiserver) and applies its limit.
-        until(lambda: formats.read_config(host_dir).limit_bytes > gib * GiB, what=f"{name}'s limit applied")
+        until(lambda: abi.read_config(host_dir).limit_bytes > gib * GiB, what=f"{name}'s limit applied")
         return pod, host_dir, Workload(_Named(name), c)
 
 
@@ -74,12 +74,12 @@ def node(make_sim: Callable[..., Sim], kube_server: KubeServer) -> Iterator[Node
 
 def arbiter_conns(node: Node) -> list[Any]:
     """The agent's unix sockets on the arbiter's path (the listener and accepted requests)."""
-    sock = str(node.sim.agent.state_dir / formats.SOCKET_FILE)
+    sock = str(node.sim.agent.state_dir / abi.SOCKET_FILE)
     return [c for c in psutil.Process(node.sim.agent.pid).net_connections("unix") if c.laddr == sock]
 
 
 def _grant(host_dir: Path) -> int:
-    return formats.read_config(host_dir).grant_bytes
+    return abi.read_config(host_dir).grant_bytes
 
 
 def test_agent_grants_bursts_to_its_containers(node: Node) -> None:

@@ -19,7 +19,7 @@ from kube_fixtures import pod_manifest
 from metrics_support import GiB, InprocNode, finish, read_line
 
 import gpufrac
-from gpufrac.agent.report import cpu_list
+from gpufrac.agent.gpu_commands import cpu_list
 from gpufrac.simgpu.kubelet import Container, Pod
 from gpufrac.simgpu.spec import load_preset
 

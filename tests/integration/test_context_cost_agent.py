@@ -15,7 +15,7 @@ import subprocess
 import pynvml
 from metrics_support import CTX, GiB, InprocNode, MiB, finish, read_line
 
-from gpufrac.deviceplugin import slices
+from gpufrac.core import slices
 
 MEMORY = "gpufrac.dev/gpu-memory"
 OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY

@@ -16,7 +16,7 @@ from pathlib import Path
 import dependency_floors
 import pytest
 
-from gpufrac.native import REPO_ROOT
+from gpufrac.core.native import REPO_ROOT
 
 VENV = REPO_ROOT / "build" / "floors-venv"
 PYTHON = VENV / "bin" / "python"

@@ -6,7 +6,7 @@
   package picks the newest bundled schema set not newer than the version asked for.
 * `kubectl kustomize` builds the base and the optional parts (kubectl must be
   installed; `make tools` installs Debian's when it is missing).
-* The node config the ConfigMap carries loads through gpufrac.agent.config, so
+* The node config the ConfigMap carries loads through gpufrac.core.config, so
   the manifests and the agent's config loader cannot drift apart.
 * The DaemonSet agrees with the agent: its command parses with the real CLI, the
   host paths and ports are the config's, the RBAC grants exactly what the agent
@@ -32,11 +32,10 @@ import pytest
 import yaml
 
 import gpufrac
-from gpufrac.agent import annotations, config
 from gpufrac.agent.cli import build_parser
-from gpufrac.agent.units import parse_bytes
-from gpufrac.deviceplugin import slices
-from gpufrac.native import REPO_ROOT
+from gpufrac.core import annotations, config, slices
+from gpufrac.core.native import REPO_ROOT
+from gpufrac.core.units import parse_bytes
 
 DEPLOY = REPO_ROOT / "deploy" / "daemonset"
 NAMESPACE = "gpufrac-system"
@@ -339,7 +338,7 @@ def test_shim_goes_where_the_agent_expects_it(tmp_path: Path) -> None:
     source, tmp = sources[0]
     assert re.search(rf"mv -f {re.escape(tmp)} {re.escape(cfg.paths.shim_host_path)}\b", script)
     # The image puts the shim where the init container copies it from, and tells
-    # gpufrac.native where its native parts are.
+    # gpufrac.core.native where its native parts are.
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     assert re.search(rf"^COPY --from=shim \S+/libmemguard\.so {re.escape(source)}$", dockerfile, re.M)
     assert re.search(rf"GPUFRAC_NATIVE_DIR={re.escape(str(Path(source).parent))}\b", dockerfile)

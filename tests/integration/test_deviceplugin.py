@@ -9,8 +9,8 @@ import grpc
 import pytest
 from agentsim_fixtures import Sim
 
-from gpufrac.deviceplugin.slices import FRACTION, MEMORY, SOCKETS, device_id
-from gpufrac.memguard import formats
+from gpufrac.core.slices import FRACTION, MEMORY, SOCKETS, device_id
+from gpufrac.memguard import abi
 from gpufrac.proto import deviceplugin_pb2 as pb
 from gpufrac.proto import deviceplugin_pb2_grpc as pb_grpc
 from gpufrac.simgpu import faults
@@ -102,11 +102,11 @@ def test_allocate_response_injects_gpu_and_shim(sim: Sim) -> None:
     assert mounts[f"{cdir}/config"].read_only and not mounts[f"{cdir}/usage"].read_only
     assert f"{cdir}/arbiter.sock" in mounts
     host_dir = mounts[f"{cdir}/config"].host_path.rsplit("/", 1)[0]
-    cfg = formats.read_config(host_dir)
+    cfg = abi.read_config(host_dir)
     assert cfg.gpu_uuid == sim.gpus[g] and cfg.request_bytes == cfg.limit_bytes == 4 * GiB
     # the emulator's view of the container maps those paths to the host files
     env = sim.kubelet.container_env(pod.uid, "main")
-    assert formats.read_config(env["GPUFRAC_CONTAINER_DIR"]).request_bytes == 4 * GiB
+    assert abi.read_config(env["GPUFRAC_CONTAINER_DIR"]).request_bytes == 4 * GiB
 
 
 def test_whole_gpus_land_nvlinked_in_one_numa_node(sim: Sim) -> None:
@@ -119,7 +119,7 @@ def test_whole_gpus_land_nvlinked_in_one_numa_node(sim: Sim) -> None:
     host_dir = next(m.host_path for m in resp.mounts if m.container_path.endswith("/config")).rsplit("/", 1)[
         0
     ]
-    assert formats.read_config(host_dir).flags & formats.FLAG_WHOLE_GPU
+    assert abi.read_config(host_dir).flags & abi.FLAG_WHOLE_GPU
 
 
 def test_cdi_strategy_returns_cdi_devices(make_sim: Callable[..., Sim]) -> None:

@@ -18,7 +18,7 @@ from e2e_support import TIMEOUT, E2ENode, MiB, PodRun
 from polling import until
 
 from gpufrac.agent.resolvers import REASON_EVICTED, REASON_PREEMPTED
-from gpufrac.memguard import formats
+from gpufrac.memguard import abi
 from gpufrac.simgpu import runtime as runtime_mod
 from gpufrac.simgpu.workload import RESULT_BYTES, WorkloadProcess
 
@@ -35,7 +35,7 @@ def info(p: PodRun) -> tuple[int, int]:
 
 def held_requests(node: E2ENode) -> int:
     """Requests the agent holds open on its arbiter socket (accepted connections)."""
-    sock = str(node.sim.agent.state_dir / formats.SOCKET_FILE)
+    sock = str(node.sim.agent.state_dir / abi.SOCKET_FILE)
     conns = psutil.Process(node.sim.agent.pid).net_connections("unix")
     return sum(1 for c in conns if c.laddr == sock) - 1  # less the listener
 
@@ -65,7 +65,7 @@ def test_allocation_past_the_limit_fails_with_oom_and_the_process_goes_on(e2e_no
     assert a.alloc(300 * MiB) == "oom"  # 600 MiB > 512 MiB: CUDA_ERROR_OUT_OF_MEMORY, no crash
     assert a.alive()
     assert a.used() == 300 * MiB + RESULT_BUF  # the refused bytes were never counted
-    slots = [s for s in formats.read_usage(a.host_dir).slots if s.pid > 0]
+    slots = [s for s in abi.read_usage(a.host_dir).slots if s.pid > 0]
     assert [int(s.oom_refusals) for s in slots] == [1]
     # Still usable: its buffer is intact, and what fits the limit is still granted.
     assert a.app.do("check 1") == "ok"
@@ -170,7 +170,7 @@ def test_forged_identity_gets_nothing_for_the_container(e2e_node: MakeNode) -> N
     a = node.run_pod("a", 4, "768Mi")
     b = node.run_pod("b", 4, "768Mi")
     before = a.config()
-    gen = formats.generation(a.host_dir)
+    gen = abi.generation(a.host_dir)
     # Outside any pod's cgroup, with a's environment (its config, usage file and the socket).
     outsider = WorkloadProcess(
         subprocess.Popen(
@@ -183,7 +183,7 @@ def test_forged_identity_gets_nothing_for_the_container(e2e_node: MakeNode) -> N
         assert outsider.do(f"alloc {400 * MiB}") == "oom"  # a burst for a: refused
     finally:
         outsider.close()
-    assert a.config() == before and formats.generation(a.host_dir) == gen  # nothing granted to a
+    assert a.config() == before and abi.generation(a.host_dir) == gen  # nothing granted to a
     # Inside b's container (it enters b's cgroup as the runtime's processes do), reaching a's files
     # and socket: it acts for b, never for a.
     procs = str(b.container.cgroup_dir / "cgroup.procs")
@@ -203,7 +203,7 @@ def test_forged_identity_gets_nothing_for_the_container(e2e_node: MakeNode) -> N
         assert inside_b.do(f"alloc {400 * MiB}") == "oom"  # a's config never carries a grant for it
     finally:
         inside_b.close()
-    assert a.config() == before and formats.generation(a.host_dir) == gen
+    assert a.config() == before and abi.generation(a.host_dir) == gen
     # a itself is still served.
     assert a.alloc(400 * MiB) == "ok 1"
     assert a.grant() > 0

@@ -25,7 +25,7 @@ from fakecuda_support import (
 )
 from simnode_fixtures import SimNode
 
-from gpufrac import native
+from gpufrac.core import native
 
 
 @pytest.fixture(params=["release", "asan"])

@@ -11,7 +11,7 @@ from pathlib import Path
 from fakecuda_support import ctx_bytes, ok, run_py
 from simnode_fixtures import SimNode
 
-from gpufrac import native
+from gpufrac.core import native
 from gpufrac.simgpu.spec import create_node, spec_from_dict
 
 MiB = 1 << 20

@@ -20,7 +20,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from gpufrac import native
+from gpufrac.core import native
 from gpufrac.simgpu import faults
 from gpufrac.simgpu import nodestate as ns
 from gpufrac.simgpu.spec import NVLINK_NVSWITCH, NodeSpec, create_node, load_preset

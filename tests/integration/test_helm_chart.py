@@ -26,8 +26,8 @@ import pytest
 import yaml
 
 import gpufrac
-from gpufrac.agent import config, policy
-from gpufrac.native import REPO_ROOT
+from gpufrac.core import config, policy
+from gpufrac.core.native import REPO_ROOT
 
 CHART = REPO_ROOT / "deploy" / "helm" / "gpufrac"
 BASE = REPO_ROOT / "deploy" / "daemonset"

@@ -15,14 +15,14 @@ import pytest
 from kube_fixtures import KubeServer, pod_manifest
 from polling import until_async
 
-from gpufrac.agent.allocations import ContainerAlloc, Ledger
-from gpufrac.agent.config import Config, load
 from gpufrac.agent.inventory import read_inventory
 from gpufrac.agent.kube import EventRecorder, PodCache, make_api_client
+from gpufrac.agent.ledger import ContainerAlloc, Ledger
 from gpufrac.agent.metrics import Metrics
 from gpufrac.agent.pods import REASON_APPLIED, REASON_INVALID, PodIdentity
-from gpufrac.deviceplugin.slices import MEMORY, ContainerDevices, device_id
-from gpufrac.memguard.formats import (
+from gpufrac.core.config import Config, load
+from gpufrac.core.slices import MEMORY, ContainerDevices, device_id
+from gpufrac.memguard.abi import (
     CLASS_INTERACTIVE,
     FLAG_POD_KNOWN,
     FLAG_PREEMPTIBLE,

@@ -11,8 +11,8 @@ from typing import Any
 from agentsim_fixtures import Sim
 from kube_fixtures import KubeServer, pod_manifest
 
-from gpufrac.deviceplugin.slices import MEMORY, container_key
-from gpufrac.memguard.formats import FLAG_POD_KNOWN, ContainerConfig, FormatError, read_config
+from gpufrac.core.slices import MEMORY, container_key
+from gpufrac.memguard.abi import FLAG_POD_KNOWN, ContainerConfig, FormatError, read_config
 from gpufrac.simgpu.kubelet import Container, Pod
 
 NODE = "sim-node-1"

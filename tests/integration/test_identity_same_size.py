@@ -25,9 +25,9 @@ from kube_fixtures import KubeServer, pod_manifest
 from polling import until
 from test_identity_kubelet import config_of
 
-from gpufrac.agent import annotations as ann
-from gpufrac.deviceplugin.slices import MEMORY, container_key
-from gpufrac.memguard.formats import FLAG_POD_KNOWN, ContainerConfig
+from gpufrac.core import annotations as ann
+from gpufrac.core.slices import MEMORY, container_key
+from gpufrac.memguard.abi import FLAG_POD_KNOWN, ContainerConfig
 from gpufrac.simgpu.kubelet import Container, Pod
 from gpufrac.simgpu.spec import spec_from_dict
 

@@ -33,17 +33,17 @@ from kube_fixtures import PODS, KubeServer, pod_manifest
 from memguard_fixtures import Shim, read_line
 from polling import until_async
 
-from gpufrac.agent import annotations
 from gpufrac.agent.activity import ActivityTracker, NvmlUtilisation
-from gpufrac.agent.allocations import ContainerAlloc, Ledger
-from gpufrac.agent.config import Config, load
 from gpufrac.agent.idle import IdleReaper
 from gpufrac.agent.inventory import read_inventory
 from gpufrac.agent.kube import EventRecorder, PodCache, PodEvictor, make_api_client
+from gpufrac.agent.ledger import ContainerAlloc, Ledger
 from gpufrac.agent.metrics import Metrics
 from gpufrac.agent.pods import PodIdentity
-from gpufrac.deviceplugin.slices import MEMORY, ContainerDevices, device_id
-from gpufrac.memguard import formats
+from gpufrac.core import annotations
+from gpufrac.core.config import Config, load
+from gpufrac.core.slices import MEMORY, ContainerDevices, device_id
+from gpufrac.memguard import abi
 from gpufrac.simgpu.kubelet import Container as KContainer
 from gpufrac.simgpu.kubelet import Pod as KPod
 from gpufrac.simgpu.spec import load_preset
@@ -425,7 +425,7 @@ def test_dry_run_reports_and_changes_nothing(make_scenario: Any, caplog: pytest.
         await until(lambda: s.events("nb", "IdleDryRun"), what="IdleDryRun")
         await s.passes_later(20)
         assert w.alive()
-        assert formats.read_usage(nb.directory).total_used == HELD  # its GPU memory untouched
+        assert abi.read_usage(nb.directory).total_used == HELD  # its GPU memory untouched
 
     with caplog.at_level("WARNING", logger="gpufrac.agent.idle"):
         s.run(body)
@@ -492,7 +492,7 @@ def test_cpu_only_phase_is_not_reaped_before_the_pods_own_timeout(make_scenario:
     w = s.workload(nb, launch_first=False)
 
     async def body(reaper: IdleReaper) -> None:
-        assert formats.read_usage(nb.directory).total_used == HELD
+        assert abi.read_usage(nb.directory).total_used == HELD
         await until(lambda: not s.exists("nb"), what="eviction after its own timeout")
 
     s.run(body)

@@ -35,14 +35,14 @@ from test_swap import (  # noqa: F401 (pytest fixtures node_file, sim_state)
     sim_state,
 )
 
-from gpufrac.agent import annotations
 from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.activity import ActivityTracker
-from gpufrac.agent.allocations import ContainerAlloc
 from gpufrac.agent.idle import IdleReaper
 from gpufrac.agent.idle_actions import swap_via
-from gpufrac.deviceplugin.slices import FRACTION, FRACTION_SLICES, device_id
-from gpufrac.memguard import formats
+from gpufrac.agent.ledger import ContainerAlloc
+from gpufrac.core import annotations
+from gpufrac.core.slices import FRACTION, FRACTION_SLICES, device_id
+from gpufrac.memguard import abi
 from gpufrac.simgpu.nodestate import NodeState
 
 # Short durations: warned after 2 s without GPU work, acted on 1 s later.
@@ -120,7 +120,7 @@ def test_idle_swappable_pod_is_warned_swapped_and_resumes_with_its_bytes(
     node = idle_node
     nb = node.add("nb", 2, "8Gi", start=False)
     annotate(node, nb, {**INTERACTIVE, **SWAPPABLE})
-    assert nb.config().flags & formats.FLAG_SWAPPABLE
+    assert nb.config().flags & abi.FLAG_SWAPPABLE
     w = Gpu(node, nb, sim_state)
     assert w.do(f"alloc {GiB} 1111") == "ok"  # within its guarantee
     assert w.do(f"alloc {2 * GiB} 2222") == "ok"  # a burst, granted: the GPU is empty
@@ -160,7 +160,7 @@ def test_idle_swappable_pod_is_warned_swapped_and_resumes_with_its_bytes(
     assert not swap.is_swapped(nb.alloc.key)
     assert gpu_pids()[w.pid] == held
     assert nb.config().grant_bytes == held - 2 * GiB  # its burst above the 2 GiB guarantee, granted again
-    assert all(s.swapped == 0 for s in formats.read_usage(nb.alloc.directory).slots)
+    assert all(s.swapped == 0 for s in abi.read_usage(nb.alloc.directory).slots)
     node.until(lambda: bool(events(kube_server, swap_mod.REASON_SWAPPED_IN, "nb")), what="Event")
     assert swap.stats.swapped_out == 1 and swap.stats.swapped_in == 1
 
@@ -173,7 +173,7 @@ def test_idle_pod_that_cannot_be_swapped_is_notified_with_the_reason(
     node = idle_node
     nb = node.add("nb", 2, "8Gi", start=False)
     annotate(node, nb, INTERACTIVE)  # interactive, but it does not allow swapping
-    assert not nb.config().flags & formats.FLAG_SWAPPABLE
+    assert not nb.config().flags & abi.FLAG_SWAPPABLE
     w = Gpu(node, nb, sim_state)
     assert w.do(f"alloc {GiB} 7") == "ok"
 
@@ -274,7 +274,7 @@ def test_swap_out_refuses_what_it_must_not_swap(
         assert not ok and f"process {bare.pid} uses CUDA outside the memguard shim" in why
         assert m.pid in gpu_pids() and bare.pid in gpu_pids()  # both left running on the GPU
         assert not swap.swapped and swap.stats.swapped_out == 0
-        assert all(s.swapped == 0 for s in formats.read_usage(mixed.alloc.directory).slots)
+        assert all(s.swapped == 0 for s in abi.read_usage(mixed.alloc.directory).slots)
         assert m.do("check") == "checked 0"
     finally:
         if bare is not None:

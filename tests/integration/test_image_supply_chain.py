@@ -20,7 +20,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from gpufrac.native import REPO_ROOT
+from gpufrac.core.native import REPO_ROOT
 
 DEPLOY = REPO_ROOT / "deploy" / "daemonset"
 DOCKERFILE = DEPLOY / "Dockerfile"

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from gpufrac.agent.config import HealthConfig
 from gpufrac.agent.health import HealthChange, HealthMonitor
 from gpufrac.agent.inventory import read_inventory
+from gpufrac.core.config import HealthConfig
 from gpufrac.simgpu import faults
 
 if TYPE_CHECKING:

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from gpufrac.agent.gpus import Inventory, PcieLink
 from gpufrac.agent.inventory import parse_bus_id, read_inventory, read_memory
+from gpufrac.core.gpus import Inventory, PcieLink
 from gpufrac.simgpu import faults
 from gpufrac.simgpu.spec import TOPO_LEVEL_NAMES, NodeSpec, load_preset, preset_names
 

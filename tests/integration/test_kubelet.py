@@ -10,8 +10,8 @@ import grpc
 import pytest
 from agentsim_fixtures import Sim
 
+from gpufrac.core.slices import FRACTION, MEMORY, SOCKETS
 from gpufrac.deviceplugin.podresources import PodResourcesClient
-from gpufrac.deviceplugin.slices import FRACTION, MEMORY, SOCKETS
 from gpufrac.proto import deviceplugin_pb2 as pb
 from gpufrac.proto import deviceplugin_pb2_grpc as pb_grpc
 from gpufrac.proto import podresources_pb2 as pr

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from memguard_fixtures import LIMIT, Container, Line, MiB, Shim
 
-from gpufrac import native
+from gpufrac.core import native
 
 
 def by_cmd(lines: list[Line], cmd: str) -> list[Line]:

@@ -36,7 +36,7 @@ OOM = 2
 PRE = """
 import ctypes, json, os, sys
 from cuda.bindings import driver as cu
-from gpufrac.memguard import formats
+from gpufrac.memguard import abi
 DIR = os.environ["GPUFRAC_CONTAINER_DIR"]
 def rc(r):
     return int(r[0] if isinstance(r, tuple) else r)
@@ -45,7 +45,7 @@ def chk(r):
         raise SystemExit(f"CUDA error {r!r}")
     return r[1] if len(r) == 2 else r[1:]
 def used():
-    return int(formats.read_usage(DIR).total_used)
+    return int(abi.read_usage(DIR).total_used)
 def say(**kw):
     print(json.dumps(kw), flush=True)
 chk(cu.cuInit(0))

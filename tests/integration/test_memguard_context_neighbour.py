@@ -27,7 +27,7 @@ import pytest
 from memguard_fixtures import TIMEOUT, Container, MiB, Shim, read_line
 from simnode_fixtures import SimNode
 
-from gpufrac import native
+from gpufrac.core import native
 from gpufrac.simgpu.spec import create_node, spec_from_dict
 
 CTX = 512 * MiB
@@ -69,10 +69,10 @@ while True:
 """
 
 VICTIM = f"""
-from gpufrac.memguard import formats
+from gpufrac.memguard import abi
 DIR = os.environ["GPUFRAC_CONTAINER_DIR"]
 def used():
-    return int(formats.read_usage(DIR).total_used)
+    return int(abi.read_usage(DIR).total_used)
 out = []
 for i in range({ROUNDS}):
     before = used()

@@ -29,7 +29,7 @@ from memguard_fixtures import (
     read_line,
 )
 
-from gpufrac.memguard import formats, wire
+from gpufrac.memguard import abi, wire
 
 # ------------------------------------------------------------------ exec
 
@@ -74,7 +74,7 @@ def test_burst_waits_out_a_full_arbiter_backlog(shim: Shim, container: Callable[
     """The agent's backlog is full when the burst asks; it starts accepting a
     moment later, well within arbiter_timeout_ms: the burst is granted."""
     c = container(arbiter_timeout_ms=10_000)
-    server, fillers = _full_backlog(str(c.dir / formats.SOCKET_FILE))
+    server, fillers = _full_backlog(str(c.dir / abi.SOCKET_FILE))
     asked, done = threading.Event(), threading.Event()
     served: list[wire.BurstRequest] = []
     server.settimeout(0.1)  # the agent thread never outlives the test, even a failing one
@@ -116,7 +116,7 @@ def test_burst_against_a_backlog_that_stays_full_is_refused_after_the_timeout(
 ) -> None:
     """Nobody ever accepts: refused (not hung), and only once the arbiter timeout passed."""
     c = container(arbiter_timeout_ms=400, wait_timeout_ms=0)
-    server, fillers = _full_backlog(str(c.dir / formats.SOCKET_FILE))
+    server, fillers = _full_backlog(str(c.dir / abi.SOCKET_FILE))
     try:
         p = shim.ctest_popen(c, "alloc", REQUEST, "hold", "alloc", 8 * MiB)
         assert [read_line(p).split()[:2] for _ in range(3)] == [["init", "0"], ["alloc", "0"], ["hold", "0"]]

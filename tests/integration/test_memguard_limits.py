@@ -30,7 +30,7 @@ from memguard_fixtures import (
 )
 from polling import until
 
-from gpufrac.memguard import formats, wire
+from gpufrac.memguard import abi, wire
 from gpufrac.simgpu.nodestate import NodeState
 from gpufrac.simgpu.workload import RESULT_BYTES, WorkloadProcess
 
@@ -212,8 +212,8 @@ def test_sigkill_during_allocation_deadlocks_nobody_and_is_reclaimed(
 
 def _bump_config_seq(c: Container) -> None:
     """One step of the config's seqlock, as the agent's writer takes it."""
-    with open(c.dir / formats.CONFIG_FILE, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
-        st = formats.ConfigStruct.from_buffer(mm)
+    with open(c.dir / abi.CONFIG_FILE, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+        st = abi.ConfigStruct.from_buffer(mm)
         st.seq += 1
         del st  # release the buffer before the mapping closes
 
@@ -263,7 +263,7 @@ def test_burst_granted_by_the_agent_is_used(shim: Shim, container: Callable[...,
     import threading
 
     c = container(arbiter_timeout_ms=5000)
-    server = _burst_server(c.dir / formats.SOCKET_FILE)
+    server = _burst_server(c.dir / abi.SOCKET_FILE)
 
     def agent() -> None:
         conn, _ = server.accept()
@@ -287,7 +287,7 @@ def test_free_hands_unused_grant_back_to_the_agent(shim: Shim, container: Callab
     agent to tell, the usage file's grant_returned counter says it instead."""
     grant = 128 * MiB
     c = container(limit=REQUEST + 2 * grant, grant_bytes=grant)
-    server = _burst_server(c.dir / formats.SOCKET_FILE)
+    server = _burst_server(c.dir / abi.SOCKET_FILE)
     try:
         # Within request + grant: the fast path; the two frees leave it all unused.
         lines = shim.ctest(c, "alloc", REQUEST + grant // 2, "free", "alloc", MiB, "free")
@@ -301,9 +301,9 @@ def test_free_hands_unused_grant_back_to_the_agent(shim: Shim, container: Callab
         server.close()
     assert all(ln.rc == 0 for ln in lines), lines
     assert (req.magic, req.op) == (wire.BURST_MAGIC, wire.BURST_OP_RELEASE)
-    assert (req.bytes, req.total_after, req.generation) == (grant, 0, formats.generation(c.dir))
+    assert (req.bytes, req.total_after, req.generation) == (grant, 0, abi.generation(c.dir))
     before = int(c.usage().grant_returned)  # the exit added what it left unused
-    (c.dir / formats.SOCKET_FILE).unlink()  # the agent is away
+    (c.dir / abi.SOCKET_FILE).unlink()  # the agent is away
     p = shim.ctest_popen(c, "alloc", REQUEST + grant // 2, "free", "hold")
     try:
         assert [read_line(p).split()[:2] for _ in range(4)] == [
@@ -326,14 +326,14 @@ def test_free_hands_unused_grant_back_to_the_agent(shim: Shim, container: Callab
 
 
 def test_whole_gpu_is_counted_but_not_limited(shim: Shim, container: Callable[..., Container]) -> None:
-    c = container(request=8 * MiB, limit=8 * MiB, flags=formats.FLAG_WHOLE_GPU)
+    c = container(request=8 * MiB, limit=8 * MiB, flags=abi.FLAG_WHOLE_GPU)
     lines = shim.ctest(c, "alloc", 64 * MiB, "used", "info")
     assert lines[1].rc == 0 and lines[2].int("total") == 64 * MiB
     assert lines[3].int("total") > 8 * MiB  # the real GPU, not the container's request
 
 
 def test_disabled_container_gets_nothing(shim: Shim, container: Callable[..., Container]) -> None:
-    c = container(flags=formats.FLAG_DISABLED)
+    c = container(flags=abi.FLAG_DISABLED)
     lines = shim.ctest(c, "alloc", MiB, "info")
     assert lines[1].rc == CUDA_ERROR_OUT_OF_MEMORY
     assert lines[2].int("free") == 0
@@ -358,7 +358,7 @@ def test_damaged_usage_file_refuses_with_a_clear_message(
     shim: Shim, container: Callable[..., Container], damage: str
 ) -> None:
     c = container()
-    usage = c.dir / formats.USAGE_FILE
+    usage = c.dir / abi.USAGE_FILE
     if damage == "missing":
         usage.unlink()
     elif damage == "truncated":
@@ -376,7 +376,7 @@ def test_damaged_usage_file_refuses_with_a_clear_message(
 
 def test_damaged_config_refuses_with_a_clear_message(shim: Shim, container: Callable[..., Container]) -> None:
     c = container()
-    cfg = c.dir / formats.CONFIG_FILE
+    cfg = c.dir / abi.CONFIG_FILE
     cfg.write_bytes(b"\0" * 64)
     p = subprocess.run(
         shim.ctest_cmd("alloc", MiB), env=shim.env(c), capture_output=True, text=True, timeout=120
@@ -391,7 +391,7 @@ def test_burst_with_a_silent_arbiter_is_refused_after_the_timeout(
     """An agent that accepts but never answers: the burst is refused once
     arbiter + wait timeouts pass, and the request says what was asked."""
     c = container(arbiter_timeout_ms=200, wait_timeout_ms=300)
-    server = _burst_server(c.dir / formats.SOCKET_FILE)
+    server = _burst_server(c.dir / abi.SOCKET_FILE)
     try:
         lines = shim.ctest(c, "alloc", REQUEST - MiB, "alloc", 4 * MiB, "alloc", MiB)
         conn, _ = server.accept()

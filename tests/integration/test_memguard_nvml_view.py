@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from memguard_fixtures import LIMIT, Container, MiB, Shim, read_line
 
-from gpufrac import native
-from gpufrac.memguard import formats
+from gpufrac.core import native
+from gpufrac.memguard import abi
 from gpufrac.simgpu.nodestate import NodeState
 
 QUERIES = """
@@ -200,9 +200,9 @@ def test_a_stale_slot_does_not_show_the_process_that_reused_its_pid(
     now has (pid reuse): its recorded start time is not that process's, so the
     neighbour stays hidden."""
     c = container()
-    usage = formats.UsageFile(c.dir)
+    usage = abi.UsageFile(c.dir)
     try:
-        slot = usage.usage.slots[formats.MAX_PROCS - 1]
+        slot = usage.usage.slots[abi.MAX_PROCS - 1]
         slot.start_time = 1  # a process that started at boot, long gone
         slot.pid = neighbour
         del slot  # no view into the mapping may outlive it

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from memguard_fixtures import CUDA_ERROR_OUT_OF_MEMORY, Container, Line, MiB, Shim, answer_bursts, read_line
 
-from gpufrac.memguard import formats, wire
+from gpufrac.memguard import abi, wire
 from gpufrac.simgpu.nodestate import NodeState
 
 KEEP_ALL = (1 << 64) - 1  # release threshold UINT64_MAX: the pool never gives memory back on its own
@@ -118,7 +118,7 @@ def test_growing_a_pool_past_the_limit_asks_for_a_burst(
     other allocation: the agent grants, the second pool gets its 60 MiB."""
     c = container(request=64 * MiB, limit=192 * MiB)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(str(c.dir / formats.SOCKET_FILE))
+    server.bind(str(c.dir / abi.SOCKET_FILE))
     server.listen(8)
     server.settimeout(0.1)
     served: list[wire.BurstRequest] = []

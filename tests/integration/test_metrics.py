@@ -29,8 +29,8 @@ from metrics_support import (
     start_node,
 )
 
-from gpufrac.deviceplugin import slices
-from gpufrac.deviceplugin.slices import FRACTION, MEMORY
+from gpufrac.core import slices
+from gpufrac.core.slices import FRACTION, MEMORY
 from gpufrac.simgpu import faults
 from gpufrac.simgpu.kubelet import Pod
 

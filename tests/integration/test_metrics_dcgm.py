@@ -21,8 +21,8 @@ import pynvml
 import yaml
 from metrics_support import CTX, NODE, GiB, InprocNode, MiB, Scrape, finish, result
 
-from gpufrac.deviceplugin.slices import FRACTION, MEMORY
-from gpufrac.native import REPO_ROOT
+from gpufrac.core.native import REPO_ROOT
+from gpufrac.core.slices import FRACTION, MEMORY
 
 METRICS_MD = REPO_ROOT / "deploy" / "daemonset" / "METRICS.md"
 # What a Prometheus Operator scrape adds (the agent's ServiceMonitor: honorLabels, node).

@@ -19,8 +19,8 @@ import pynvml
 import pytest
 from metrics_support import InprocNode
 
-from gpufrac.agent.gpus import MIG_REASON
-from gpufrac.deviceplugin.slices import FRACTION, MEMORY
+from gpufrac.core.gpus import MIG_REASON
+from gpufrac.core.slices import FRACTION, MEMORY
 from gpufrac.simgpu.spec import SpecError, load_preset, spec_from_dict
 
 if TYPE_CHECKING:

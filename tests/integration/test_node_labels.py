@@ -12,9 +12,9 @@ from kube_fixtures import KubeServer
 from metrics_support import NODE, InprocNode, start_node
 from polling import until
 
-from gpufrac.agent import config as config_mod
 from gpufrac.agent import nodelabels
-from gpufrac.agent.gpus import Gpu, Inventory
+from gpufrac.core import config as config_mod
+from gpufrac.core.gpus import Gpu, Inventory
 from gpufrac.simgpu import faults
 from gpufrac.simgpu.spec import load_preset
 

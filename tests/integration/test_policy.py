@@ -13,7 +13,7 @@ from kube_fixtures import KubeServer, pod_manifest
 from metrics_support import GiB, InprocNode, start_node
 
 from gpufrac.agent.events import REASON_POLICY_CAPPED
-from gpufrac.memguard import formats
+from gpufrac.memguard import abi
 from gpufrac.simgpu.kubelet import Container, Pod
 
 if TYPE_CHECKING:
@@ -51,8 +51,8 @@ def admit(node: InprocNode, namespace: str, name: str, gib: int, annotations: di
     return pod
 
 
-def config_of(node: InprocNode, pod: Pod) -> formats.ContainerConfig:
-    return formats.read_config(node.alloc_of(pod).directory)
+def config_of(node: InprocNode, pod: Pod) -> abi.ContainerConfig:
+    return abi.read_config(node.alloc_of(pod).directory)
 
 
 def capped_events(node: InprocNode, pod: str) -> list[dict[str, Any]]:
@@ -72,12 +72,10 @@ def test_a_pod_asking_beyond_its_namespace_policy_gets_the_capped_values(node: I
         "gpufrac.dev/swappable": "false",
     }
     nb = admit(node, "research", "nb", 8, asks)
-    cfg = node.wait(
-        lambda: (c := config_of(node, nb)).flags & formats.FLAG_POD_KNOWN and c, "the pod's policy"
-    )
+    cfg = node.wait(lambda: (c := config_of(node, nb)).flags & abi.FLAG_POD_KNOWN and c, "the pod's policy")
     # 40Gi is 5 x the 8Gi request; research allows 2 x: 16Gi. Preemptible and swappable forced.
     assert cfg.limit_bytes == 16 * GiB and cfg.request_bytes == 8 * GiB
-    assert cfg.flags & formats.FLAG_PREEMPTIBLE and cfg.flags & formats.FLAG_SWAPPABLE
+    assert cfg.flags & abi.FLAG_PREEMPTIBLE and cfg.flags & abi.FLAG_SWAPPABLE
 
     events = capped_events(node, "nb")
     assert len(events) == 3 and all(e["type"] == "Warning" for e in events)
@@ -90,9 +88,7 @@ def test_a_pod_asking_beyond_its_namespace_policy_gets_the_capped_values(node: I
     node.kube.core_v1().patch_namespaced_pod(
         "nb", "research", {"metadata": {"annotations": {"gpufrac.dev/workload-class": "interactive"}}}
     )
-    node.wait(
-        lambda: config_of(node, nb).workload_class == formats.CLASS_NAMES["interactive"], "the re-apply"
-    )
+    node.wait(lambda: config_of(node, nb).workload_class == abi.CLASS_NAMES["interactive"], "the re-apply")
     again = capped_events(node, "nb")
     assert len(again) == 3 and all(e.get("count", 1) == 1 for e in again)
 
@@ -110,9 +106,9 @@ def test_pods_within_the_policy_are_untouched(node: InprocNode) -> None:
     fits = admit(node, "batch", "job", 8, {"gpufrac.dev/gpu-memory-limit": "32Gi"})
     over = admit(node, "batch", "greedy", 8, {"gpufrac.dev/gpu-memory-limit": "60Gi"})
     for pod in (free, fits, over):
-        node.wait(lambda pod=pod: config_of(node, pod).flags & formats.FLAG_POD_KNOWN, f"{pod.name}'s policy")
+        node.wait(lambda pod=pod: config_of(node, pod).flags & abi.FLAG_POD_KNOWN, f"{pod.name}'s policy")
     assert config_of(node, free).limit_bytes == 40 * GiB
-    assert not config_of(node, free).flags & formats.FLAG_PREEMPTIBLE
+    assert not config_of(node, free).flags & abi.FLAG_PREEMPTIBLE
     assert config_of(node, fits).limit_bytes == 32 * GiB
     assert config_of(node, over).limit_bytes == 32 * GiB
     assert capped_events(node, "server") == [] and capped_events(node, "job") == []

@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 from agentsim_fixtures import Sim
 
-from gpufrac.deviceplugin.slices import FRACTION, MEMORY, container_key
-from gpufrac.memguard import formats
+from gpufrac.core.slices import FRACTION, MEMORY, container_key
+from gpufrac.memguard import abi
 from gpufrac.simgpu.kubelet import AdmissionError, Pod
 
 
@@ -86,7 +86,7 @@ def test_kill_9_mid_admission_then_restart(sim: Sim) -> None:
     k.wait_for(lambda: agent_agrees(sim), 60)
     assert_no_double_booking(sim)
     for a in sim.agent.state()["allocations"]:
-        cfg = formats.read_config(sim.agent.state_dir / "containers" / a["key"])
+        cfg = abi.read_config(sim.agent.state_dir / "containers" / a["key"])
         assert cfg.limit_bytes >= cfg.request_bytes > 0
 
 

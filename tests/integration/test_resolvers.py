@@ -15,7 +15,7 @@ from kube_fixtures import KubeServer
 
 from gpufrac.agent import kill as kill_mod
 from gpufrac.agent.resolvers import REASON_EVICTED, REASON_PREEMPTED
-from gpufrac.agent.units import format_bytes
+from gpufrac.core.units import format_bytes
 
 Make = Callable[..., ArbiterNode]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufrac import native
+from gpufrac.core import native
 from gpufrac.simgpu import nodestate as ns
 from gpufrac.simgpu.spec import create_node, spec_from_dict
 

@@ -20,9 +20,9 @@ import yaml
 from metrics_support import CTX, GiB, InprocNode, finish, read_line
 
 from gpufrac.agent.status.server import MAX_REQUEST, StatusServer
-from gpufrac.agent.units import format_bytes
-from gpufrac.deviceplugin import slices
-from gpufrac.deviceplugin.slices import FRACTION, MEMORY
+from gpufrac.core import slices
+from gpufrac.core.slices import FRACTION, MEMORY
+from gpufrac.core.units import format_bytes
 
 
 def gpufrac(*args: str) -> subprocess.CompletedProcess[str]:

@@ -21,13 +21,13 @@ from kube_fixtures import KubeServer
 from polling import until
 from simnode_fixtures import nvml_node
 
-from gpufrac import native
 from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.cuda_checkpoint import Support
 from gpufrac.agent.events import REASON_FREED_BY_SWAP
 from gpufrac.agent.swap import SwapResolver
 from gpufrac.agent.swap_files import Swapped
-from gpufrac.memguard import formats
+from gpufrac.core import native
+from gpufrac.memguard import abi
 from gpufrac.simgpu.nodestate import NodeState
 from gpufrac.simgpu.workload import RESULT_BYTES
 
@@ -121,7 +121,7 @@ def swappable(node: ArbiterNode, box: Box) -> None:
         what="the annotation in the pod cache",
     )
     node.on_loop(lambda: node.identity.resolve(node.listing))
-    assert box.config().flags & formats.FLAG_SWAPPABLE
+    assert box.config().flags & abi.FLAG_SWAPPABLE
 
 
 def fill_gpu(node: ArbiterNode, sim_state: Path, leave_free: int) -> None:
@@ -221,7 +221,7 @@ def test_swap_frees_the_victim_and_it_resumes_with_its_bytes(
     assert not swap.is_swapped(victim.alloc.key)
     assert gpu_pids()[v.pid] == 6 * GiB + RESULT
     assert victim.config().grant_bytes == 4 * GiB + RESULT  # its burst, granted again
-    assert all(s.swapped == 0 for s in formats.read_usage(victim.alloc.directory).slots)
+    assert all(s.swapped == 0 for s in abi.read_usage(victim.alloc.directory).slots)
     node.until(lambda: bool(events(kube_server, swap_mod.REASON_SWAPPED_IN, "victim")), what="Event")
     assert swap.stats.swapped_out == 1 and swap.stats.swapped_in == 1
 

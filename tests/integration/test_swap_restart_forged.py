@@ -18,7 +18,7 @@ from arbiter_harness import ArbiterNode, GiB
 from test_swap import RESULT, gpu_pids, node, node_file, sim_state, swap_victim_out  # noqa: F401
 
 from gpufrac.agent import swap_files
-from gpufrac.memguard import formats
+from gpufrac.memguard import abi
 
 
 @pytest.mark.parametrize(("forged", "record"), [(1 << 62, True), (0, True), (1 << 62, False)])
@@ -37,7 +37,7 @@ def test_a_swapped_container_cannot_resize_itself_across_an_agent_restart(
     # The agent restarts (it knows nothing of the swap-out), and the tenant, whose usage
     # file is its own, writes a size of its choice into it meanwhile.
     node.on_loop(swap.swapped.clear)
-    usage = formats.UsageFile(victim.alloc.directory)
+    usage = abi.UsageFile(victim.alloc.directory)
     usage.usage.total_used = forged
     usage.close()
     if not record:

@@ -20,9 +20,9 @@ import pytest
 from e2e_support import E2ENode, MiB, PodRun
 from polling import until
 
-from gpufrac import native
 from gpufrac.agent.events import REASON_LIMIT_ENFORCED, REASON_OVER_LIMIT
-from gpufrac.agent.units import format_bytes
+from gpufrac.core import native
+from gpufrac.core.units import format_bytes
 from gpufrac.simgpu.runtime import Container
 from gpufrac.simgpu.workload import RESULT_BYTES
 

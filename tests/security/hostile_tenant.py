@@ -16,8 +16,8 @@ from typing import Any
 
 from e2e_support import TIMEOUT, MiB, PodRun
 
-from gpufrac.agent.units import format_bytes
-from gpufrac.memguard import formats
+from gpufrac.core.units import format_bytes
+from gpufrac.memguard import abi
 from gpufrac.simgpu.runtime import _ENTER
 from gpufrac.simgpu.workload import WorkloadProcess
 
@@ -50,10 +50,10 @@ def exec_in(pod: PodRun, *, shim: bool = True, name: str = "extra") -> WorkloadP
 
 def zero_usage(host_dir: Path) -> None:
     """Zero the container's usage counters, as any of its processes can."""
-    u = formats.UsageFile(host_dir)
+    u = abi.UsageFile(host_dir)
     try:
         u.usage.total_used = 0
-        for i in range(formats.MAX_PROCS):
+        for i in range(abi.MAX_PROCS):
             u.usage.slots[i].used_bytes = 0
     finally:
         u.close()
@@ -61,7 +61,7 @@ def zero_usage(host_dir: Path) -> None:
 
 def write_total(host_dir: Path, value: int) -> None:
     """Write any value into the container's usage total."""
-    u = formats.UsageFile(host_dir)
+    u = abi.UsageFile(host_dir)
     try:
         u.usage.total_used = value
     finally:
@@ -71,7 +71,7 @@ def write_total(host_dir: Path, value: int) -> None:
 def break_magic(host_dir: Path) -> None:
     """Overwrite the usage file's magic, as any of the container's processes can: from then
     on the agent cannot read the file at all."""
-    fd = os.open(os.path.join(host_dir, formats.USAGE_FILE), os.O_WRONLY)
+    fd = os.open(os.path.join(host_dir, abi.USAGE_FILE), os.O_WRONLY)
     try:
         os.pwrite(fd, b"\0\0\0\0", 0)
     finally:

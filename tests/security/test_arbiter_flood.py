@@ -20,9 +20,9 @@ from arbiter_harness import ArbiterNode, Box, GiB
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpufrac import native
 from gpufrac.agent.fairness import Fairness
 from gpufrac.agent.metrics import Metrics
+from gpufrac.core import native
 from gpufrac.deviceplugin.server import container_response
 from gpufrac.memguard import wire
 from gpufrac.simgpu.runtime import Container, mounts_of

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from arbiter_harness import ArbiterNode, Box, GiB
 
-from gpufrac.memguard import formats, wire
+from gpufrac.memguard import abi, wire
 
 NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
 
@@ -94,7 +94,7 @@ def test_a_request_from_a_dead_process_is_not_taken_for_the_next_owner_of_its_pi
         with s:
             s.settimeout(30)
             req = wire.BurstRequest(
-                wire.BURST_MAGIC, formats.ABI_VERSION, wire.BURST_OP_BURST, dead, 0, GiB, 3 * GiB, 0
+                wire.BURST_MAGIC, abi.ABI_VERSION, wire.BURST_OP_BURST, dead, 0, GiB, 3 * GiB, 0
             )
             s.sendall(bytes(req))
             data = b""

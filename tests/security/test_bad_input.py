@@ -21,10 +21,10 @@ from arbiter_harness import ArbiterNode, GiB
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpufrac.agent import annotations as ann
-from gpufrac.agent.config import Config, ConfigError, load
-from gpufrac.agent.units import format_bytes, parse_bytes, parse_duration
-from gpufrac.memguard import formats
+from gpufrac.core import annotations as ann
+from gpufrac.core.config import Config, ConfigError, load
+from gpufrac.core.units import format_bytes, parse_bytes, parse_duration
+from gpufrac.memguard import abi
 
 U32 = 2**32 - 1
 MAX_MS_FIELD_S = U32 / 1000  # the shim's u32 millisecond fields, in seconds
@@ -188,15 +188,15 @@ def test_a_duration_past_the_shims_32_bit_millisecond_field_is_refused(key: str)
 
 
 def test_the_config_file_refuses_a_value_its_field_cannot_hold(tmp_path: Any) -> None:
-    good = formats.ContainerConfig(gpu_uuid="GPU-x", request_bytes=GiB, limit_bytes=GiB)
-    f = formats.ConfigFile(tmp_path)
+    good = abi.ContainerConfig(gpu_uuid="GPU-x", request_bytes=GiB, limit_bytes=GiB)
+    f = abi.ConfigFile(tmp_path)
     try:
         f.write(good)
         for field, value in (("wait_timeout_ms", U32 + 1), ("limit_bytes", 2**64), ("priority", 2**31)):
             bad = dataclasses.replace(good, **{field: value})
-            with pytest.raises(formats.FormatError, match=field):
+            with pytest.raises(abi.FormatError, match=field):
                 f.write(bad)
-        assert formats.read_config(tmp_path) == good  # untouched, still consistent
+        assert abi.read_config(tmp_path) == good  # untouched, still consistent
     finally:
         f.close()
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 from arbiter_harness import ArbiterNode, GiB
 
-from gpufrac.agent import annotations as ann
+from gpufrac.core import annotations as ann
 
 
 def test_a_refused_annotation_is_told_once_whatever_else_changes(

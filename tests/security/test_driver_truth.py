@@ -110,9 +110,9 @@ def test_start_time_orders_processes() -> None:
 
 
 def test_the_mismatch_flag_is_raised_once_per_lasting_episode() -> None:
-    from gpufrac.agent.allocations import ContainerAlloc
+    from gpufrac.agent.ledger import ContainerAlloc
     from gpufrac.agent.truth import DISAGREE_AFTER, MismatchTracker
-    from gpufrac.memguard.formats import ContainerConfig
+    from gpufrac.memguard.abi import ContainerConfig
 
     cfg = ContainerConfig(gpu_uuid="GPU-0", request_bytes=512 * MiB, limit_bytes=1024 * MiB, grant_bytes=0)
     alloc = ContainerAlloc("k", "r", (), ("GPU-0",), 512 * MiB, "/x/k", False, cfg)

@@ -25,7 +25,7 @@ from hostile_tenant import agent_alive, agent_config
 from polling import until
 
 from gpufrac.agent.events import REASON_EVICTED
-from gpufrac.memguard import formats
+from gpufrac.memguard import abi
 
 MakeNode = Callable[..., E2ENode]
 # Every pod here is of the default class; the reaper is told to reap it.
@@ -40,10 +40,10 @@ IDLE = {
 
 def stamp_busy(host_dir: Path, how: str) -> None:
     """Make the container's own slots say it is working, as any of its processes can."""
-    u = formats.UsageFile(host_dir)
+    u = abi.UsageFile(host_dir)
     try:
         slots = u.usage.slots
-        for i in range(formats.MAX_PROCS):
+        for i in range(abi.MAX_PROCS):
             if slots[i].pid > 0:
                 slots[i].launches += 1
                 slots[i].last_activity_ns = (1 << 63) if how == "future stamp" else time.monotonic_ns()

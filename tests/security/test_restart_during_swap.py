@@ -18,18 +18,18 @@ import pytest
 from e2e_support import TIMEOUT, E2ENode, MiB, PodRun
 from polling import until
 
-from gpufrac.memguard import formats
+from gpufrac.memguard import abi
 
 
 def idle_for(pod: PodRun, seconds: float) -> bool:
     """Whether the pod's processes launched nothing for `seconds` (their usage slots)."""
-    slots = [s for s in formats.read_usage(pod.host_dir).slots if s.pid > 0]
+    slots = [s for s in abi.read_usage(pod.host_dir).slots if s.pid > 0]
     last = max((int(s.last_activity_ns) for s in slots), default=0)
     return bool(slots) and (time.monotonic_ns() - last) / 1e9 >= seconds
 
 
 def swapped(pod: PodRun) -> bool:
-    slots = [s for s in formats.read_usage(pod.host_dir).slots if s.pid > 0]
+    slots = [s for s in abi.read_usage(pod.host_dir).slots if s.pid > 0]
     return bool(slots) and all(s.swapped for s in slots)
 
 
@@ -58,5 +58,5 @@ def test_a_container_swapped_out_when_the_agent_is_killed_comes_back_with_its_by
     # The victim's next launch asks the new agent for its memory back; it must come, bytes intact.
     assert victim.app.do(f"check {guarantee[1]}", TIMEOUT) == "ok", node.sim.agent.log()[-3000:]
     assert victim.app.do(f"check {burst[1]}", TIMEOUT) == "ok"
-    assert not any(s.swapped for s in formats.read_usage(victim.host_dir).slots)
+    assert not any(s.swapped for s in abi.read_usage(victim.host_dir).slots)
     assert victim.alive() and requester.alive()

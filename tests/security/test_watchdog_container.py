@@ -19,7 +19,7 @@ from hostile_tenant import agent_alive, agent_config, exec_in
 from polling import until
 
 from gpufrac.agent.events import REASON_LIMIT_ENFORCED
-from gpufrac.agent.units import format_bytes
+from gpufrac.core.units import format_bytes
 
 MakeNode = Callable[..., E2ENode]
 TOLERANCE = 64 * MiB

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gpufrac import native
-from gpufrac.memguard import formats, wire
+from gpufrac.core import native
+from gpufrac.memguard import abi, wire
 from gpufrac.simgpu import nodestate
 
 SIM_HDR = native.REPO_ROOT / "gpufrac/simgpu/native/nodestate.h"
@@ -28,9 +28,9 @@ STRUCTS: list[tuple[type[ctypes.Structure], str]] = [
     (nodestate.Gpu, "simgpu_gpu_t"),
     (nodestate.Proc, "simgpu_proc_t"),
     (nodestate.Node, "simgpu_node_t"),
-    (formats.ConfigStruct, "mg_config_t"),
-    (formats.ProcSlot, "mg_proc_slot_t"),
-    (formats.UsageStruct, "mg_usage_t"),
+    (abi.ConfigStruct, "mg_config_t"),
+    (abi.ProcSlot, "mg_proc_slot_t"),
+    (abi.UsageStruct, "mg_usage_t"),
     (wire.BurstRequest, "mg_burst_req_t"),
     (wire.BurstReply, "mg_burst_rep_t"),
 ]
@@ -60,18 +60,18 @@ CONSTANTS: list[tuple[int, str]] = [
     (nodestate.CKPT_LOCKED, "SIMGPU_CKPT_LOCKED"),
     (nodestate.CKPT_CHECKPOINTED, "SIMGPU_CKPT_CHECKPOINTED"),
     (nodestate.CKPT_FAILED, "SIMGPU_CKPT_FAILED"),
-    (formats.CONFIG_MAGIC, "MG_CONFIG_MAGIC"),
-    (formats.USAGE_MAGIC, "MG_USAGE_MAGIC"),
-    (formats.ABI_VERSION, "MG_ABI_VERSION"),
-    (formats.MAX_PROCS, "MG_MAX_PROCS"),
-    (formats.FLAG_POD_KNOWN, "MG_FLAG_POD_KNOWN"),
-    (formats.FLAG_PREEMPTIBLE, "MG_FLAG_PREEMPTIBLE"),
-    (formats.FLAG_SWAPPABLE, "MG_FLAG_SWAPPABLE"),
-    (formats.FLAG_WHOLE_GPU, "MG_FLAG_WHOLE_GPU"),
-    (formats.FLAG_DISABLED, "MG_FLAG_DISABLED"),
-    (formats.CLASS_BATCH, "MG_CLASS_BATCH"),
-    (formats.CLASS_INTERACTIVE, "MG_CLASS_INTERACTIVE"),
-    (formats.CLASS_INFERENCE, "MG_CLASS_INFERENCE"),
+    (abi.CONFIG_MAGIC, "MG_CONFIG_MAGIC"),
+    (abi.USAGE_MAGIC, "MG_USAGE_MAGIC"),
+    (abi.ABI_VERSION, "MG_ABI_VERSION"),
+    (abi.MAX_PROCS, "MG_MAX_PROCS"),
+    (abi.FLAG_POD_KNOWN, "MG_FLAG_POD_KNOWN"),
+    (abi.FLAG_PREEMPTIBLE, "MG_FLAG_PREEMPTIBLE"),
+    (abi.FLAG_SWAPPABLE, "MG_FLAG_SWAPPABLE"),
+    (abi.FLAG_WHOLE_GPU, "MG_FLAG_WHOLE_GPU"),
+    (abi.FLAG_DISABLED, "MG_FLAG_DISABLED"),
+    (abi.CLASS_BATCH, "MG_CLASS_BATCH"),
+    (abi.CLASS_INTERACTIVE, "MG_CLASS_INTERACTIVE"),
+    (abi.CLASS_INFERENCE, "MG_CLASS_INFERENCE"),
     (wire.BURST_MAGIC, "MG_BURST_MAGIC"),
     (wire.BURST_OP_BURST, "MG_BURST_OP_BURST"),
     (wire.BURST_OP_RECLAIM, "MG_BURST_OP_RECLAIM"),

@@ -13,16 +13,16 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gpufrac.agent.allocations import Ledger
-from gpufrac.agent.config import Config, GiB, PathsConfig
 from gpufrac.agent.container_dirs import retire_container_dir, write_container_dir
-from gpufrac.agent.gpus import Gpu, Inventory, Link, PcieLink
-from gpufrac.agent.state import StateStore, encode, restore
+from gpufrac.agent.ledger import Ledger
+from gpufrac.agent.ledger_store import StateStore, encode, restore
+from gpufrac.core import slices
+from gpufrac.core.config import Config, GiB, PathsConfig
 from gpufrac.core.errors import AllocationError
-from gpufrac.deviceplugin import slices
+from gpufrac.core.gpus import Gpu, Inventory, Link, PcieLink
+from gpufrac.core.slices import FRACTION, MEMORY, container_key, device_id
 from gpufrac.deviceplugin.server import status_code
-from gpufrac.deviceplugin.slices import FRACTION, MEMORY, container_key, device_id
-from gpufrac.memguard import formats
+from gpufrac.memguard import abi
 
 TOTAL = 17 * GiB  # allocatable 16 GiB with the default 1 GiB reserve
 
@@ -91,20 +91,20 @@ def test_fractions_taken_shrink_memory_and_allocated_stay_healthy(ledger: Ledger
 
 def test_allocate_writes_safe_config_and_usage(ledger: Ledger) -> None:
     a = ledger.allocate(MEMORY, ids(ledger, 1, MEMORY, range(3)))
-    cfg = formats.read_config(a.directory)
+    cfg = abi.read_config(a.directory)
     assert cfg.gpu_uuid == ledger.inventory.gpus[1].uuid
     assert cfg.request_bytes == cfg.limit_bytes == 3 * GiB  # limit = request until the pod is known
-    assert not cfg.flags & formats.FLAG_WHOLE_GPU
-    assert os.stat(Path(a.directory) / formats.CONFIG_FILE).st_mode & 0o777 == 0o644
-    assert (Path(a.directory) / formats.USAGE_FILE).exists()
+    assert not cfg.flags & abi.FLAG_WHOLE_GPU
+    assert os.stat(Path(a.directory) / abi.CONFIG_FILE).st_mode & 0o777 == 0o644
+    assert (Path(a.directory) / abi.USAGE_FILE).exists()
     assert a.key == container_key(MEMORY, reversed(a.device_ids))  # order-independent
 
 
 def test_whole_gpus_take_every_slice_and_flag(ledger: Ledger) -> None:
     a = ledger.allocate(FRACTION, ids(ledger, 0, FRACTION, range(100)) + ids(ledger, 1, FRACTION, range(100)))
     assert a.whole_gpu and a.gpus == tuple(g.uuid for g in ledger.inventory.gpus)
-    cfg = formats.read_config(a.directory)
-    assert cfg.flags & formats.FLAG_WHOLE_GPU and cfg.request_bytes == 16 * GiB
+    cfg = abi.read_config(a.directory)
+    assert cfg.flags & abi.FLAG_WHOLE_GPU and cfg.request_bytes == 16 * GiB
     assert not healthy(ledger, MEMORY, 0) and not healthy(ledger, MEMORY, 1)
 
 
@@ -195,13 +195,13 @@ def test_release_frees_slices_and_directory(ledger: Ledger) -> None:
 def test_update_config_never_below_request_nor_rebooks(ledger: Ledger) -> None:
     a = ledger.allocate(MEMORY, ids(ledger, 0, MEMORY, range(2)))
     ledger.update_config(a.key, limit_bytes=6 * GiB, priority=7)
-    assert formats.read_config(a.directory).limit_bytes == 6 * GiB
+    assert abi.read_config(a.directory).limit_bytes == 6 * GiB
     ledger.update_config(a.key, limit_bytes=1)
-    assert formats.read_config(a.directory).limit_bytes == 2 * GiB
+    assert abi.read_config(a.directory).limit_bytes == 2 * GiB
     with pytest.raises(ValueError, match="request_bytes"):
         ledger.update_config(a.key, request_bytes=10 * GiB)
     ledger.bind(a.key, "ns", "p", "c", "u")
-    cfg = formats.read_config(a.directory)
+    cfg = abi.read_config(a.directory)
     assert (cfg.namespace, cfg.pod, cfg.container, cfg.pod_uid, cfg.priority) == ("ns", "p", "c", "u", 7)
 
 
@@ -214,7 +214,7 @@ def test_grants_alone_do_not_ask_for_a_state_save(ledger: Ledger) -> None:
     ledger.add_listener(lambda: seen.append(ledger.state_generation))
     gen = ledger.state_generation
     ledger.update_config(a.key, grant_bytes=GiB)
-    assert formats.read_config(a.directory).grant_bytes == GiB  # published all the same
+    assert abi.read_config(a.directory).grant_bytes == GiB  # published all the same
     assert seen == [gen]  # listeners told, no state change
     ledger.update_config(a.key, grant_bytes=0, priority=3)
     ledger.bind(a.key, "ns", "p", "c", "u")
@@ -283,7 +283,7 @@ def test_container_dirs_spares_discard_and_sweep(tmp_path: Path) -> None:
 
     state = tmp_path / "state"
     containers = state / "containers"
-    cfg = formats.ContainerConfig(gpu_uuid="GPU-a", request_bytes=2 * GiB, limit_bytes=2 * GiB)
+    cfg = abi.ContainerConfig(gpu_uuid="GPU-a", request_bytes=2 * GiB, limit_bytes=2 * GiB)
     a = str(containers / "m-a")
 
     async def scenario() -> None:
@@ -296,19 +296,19 @@ def test_container_dirs_spares_discard_and_sweep(tmp_path: Path) -> None:
             spare = await dirs.create(b, cfg)
             # The modes containers rely on, whatever the agent's umask.
             modes = {p.name: p.stat().st_mode & 0o777 for p in (Path(b), *Path(b).iterdir())}
-            assert modes == {"m-b": 0o755, formats.CONFIG_FILE: 0o644, formats.USAGE_FILE: 0o666}
-            assert formats.read_config(b) == cfg
+            assert modes == {"m-b": 0o755, abi.CONFIG_FILE: 0o644, abi.USAGE_FILE: 0o666}
+            assert abi.read_config(b) == cfg
             # The spare's config was mapped before the rename: later writes land at the new path.
             later = dataclasses.replace(cfg, limit_bytes=5 * GiB)
             spare.write(later)
-            assert formats.read_config(b) == later and spare.read() == later
+            assert abi.read_config(b) == later and spare.read() == later
             spare.close()
             for n in range(3):  # the same key booked, released and booked again at once
                 mine = dataclasses.replace(cfg, limit_bytes=(3 + n) * GiB)
                 handle = await dirs.create(a, mine)
                 # A fresh directory each time: the last one's deletion ran first.
-                assert formats.read_config(a) == mine
-                assert formats.read_usage(a).magic == formats.USAGE_MAGIC
+                assert abi.read_config(a) == mine
+                assert abi.read_usage(a).magic == abi.USAGE_MAGIC
                 assert not os.path.exists(os.path.join(a, "left-by-the-last"))
                 Path(a, "left-by-the-last").touch()
                 dirs.discard(a, handle)  # unmapped and deleted in the thread
@@ -326,7 +326,7 @@ def test_container_dirs_spares_discard_and_sweep(tmp_path: Path) -> None:
 
 
 def test_the_slices_a_release_frees_are_preferred_last(ledger: Ledger) -> None:
-    from gpufrac.deviceplugin.preferred import preferred
+    from gpufrac.agent.placement import preferred
 
     def prefer(size: int) -> list[str]:
         free = [d for d, ok, _ in ledger.devices(MEMORY) if ok and ledger.owner(d) is None]
@@ -372,12 +372,12 @@ def test_a_rebooked_key_is_read_from_its_own_files_only(ledger: Ledger, tmp_path
     )
     devs = ids(ledger, 0, MEMORY, range(2))
     old = ledger.allocate(MEMORY, devs)
-    formats.UsageFile(old.directory).usage.total_used = 3 * GiB  # what the old container held
+    abi.UsageFile(old.directory).usage.total_used = 3 * GiB  # what the old container held
     queued: list[tuple[str, object]] = []
     ledger.retire = lambda directory, handle: queued.append((directory, handle))  # not run yet
     ledger.release(old.key)
     new = ledger.reserve(MEMORY, devs)
-    assert new.key == old.key and formats.read_usage(new.directory).total_used == 3 * GiB  # still there
+    assert new.key == old.key and abi.read_usage(new.directory).total_used == 3 * GiB  # still there
     assert arb._used(new) is None  # unknown (counted as all it may use), not the old 3 GiB
     retire_container_dir(*queued.pop())  # type: ignore[arg-type]
     ledger.attach(new.key, write_container_dir(new.directory, new.config))
@@ -391,7 +391,7 @@ def test_a_release_that_cannot_be_cleaned_up_does_not_stop_the_others(
 
     state = tmp_path / "state"
     containers = state / "containers"
-    cfg = formats.ContainerConfig(gpu_uuid="GPU-a", request_bytes=GiB, limit_bytes=GiB)
+    cfg = abi.ContainerConfig(gpu_uuid="GPU-a", request_bytes=GiB, limit_bytes=GiB)
 
     class Stuck:  # a mapping that cannot be closed (exported buffers)
         def close(self) -> None:
@@ -416,20 +416,20 @@ def test_a_config_an_agent_left_mid_write_is_repaired_in_the_same_file(tmp_path:
     """A kill -9 during a config write leaves seq odd. The running container has that inode
     bind-mounted: recovery must finish the write in it, not put a new file beside it."""
     directory = str(tmp_path / "m-1")
-    handle = write_container_dir(directory, formats.ContainerConfig("GPU-a", GiB, GiB))
-    path = os.path.join(directory, formats.CONFIG_FILE)
+    handle = write_container_dir(directory, abi.ContainerConfig("GPU-a", GiB, GiB))
+    path = os.path.join(directory, abi.CONFIG_FILE)
     mounted = os.open(path, os.O_RDONLY)  # what the container holds
     try:
         handle._s.seq |= 1  # the killed agent's write: begun, never ended
         handle._s.limit_bytes = 3 * GiB
         handle.close()
-        with pytest.raises(formats.FormatError, match="never completed"):
-            formats.read_config(directory)
-        write_container_dir(directory, formats.ContainerConfig("GPU-a", GiB, 2 * GiB)).close()
+        with pytest.raises(abi.FormatError, match="never completed"):
+            abi.read_config(directory)
+        write_container_dir(directory, abi.ContainerConfig("GPU-a", GiB, 2 * GiB)).close()
         assert os.fstat(mounted).st_nlink == 1 and os.fstat(mounted).st_ino == os.stat(path).st_ino
     finally:
         os.close(mounted)
-    assert formats.read_config(directory).limit_bytes == 2 * GiB
+    assert abi.read_config(directory).limit_bytes == 2 * GiB
 
 
 def test_a_reader_waits_out_a_write_its_writer_was_preempted_in(tmp_path: Path) -> None:
@@ -437,7 +437,7 @@ def test_a_reader_waits_out_a_write_its_writer_was_preempted_in(tmp_path: Path) 
     for longer than a reader's spins: the reader (the CLI, a test, recovery) must wait for
     the write to end, not report a broken file."""
     directory = str(tmp_path / "m-1")
-    handle = write_container_dir(directory, formats.ContainerConfig("GPU-a", GiB, GiB))
+    handle = write_container_dir(directory, abi.ContainerConfig("GPU-a", GiB, GiB))
     try:
         handle._s.seq |= 1  # a write begun ...
         handle._s.limit_bytes = 3 * GiB
@@ -448,7 +448,7 @@ def test_a_reader_waits_out_a_write_its_writer_was_preempted_in(tmp_path: Path) 
 
         writer = threading.Thread(target=finish)
         writer.start()
-        assert formats.read_config(directory).limit_bytes == 3 * GiB
+        assert abi.read_config(directory).limit_bytes == 3 * GiB
         writer.join()
     finally:
         handle.close()
@@ -461,4 +461,4 @@ def test_a_limit_set_while_the_directory_is_being_written_reaches_the_file(ledge
     handle = write_container_dir(alloc.directory, alloc.config)  # in the thread, meanwhile:
     ledger.update_config(alloc.key, limit_bytes=6 * GiB)
     ledger.attach(alloc.key, handle)
-    assert formats.read_config(alloc.directory).limit_bytes == 6 * GiB
+    assert abi.read_config(alloc.directory).limit_bytes == 6 * GiB

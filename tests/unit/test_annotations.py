@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpufrac.agent import annotations as A
-from gpufrac.agent.config import Config, load
-from gpufrac.memguard.formats import (
+from gpufrac.core import annotations as A
+from gpufrac.core.config import Config, load
+from gpufrac.memguard.abi import (
     CLASS_INFERENCE,
     CLASS_INTERACTIVE,
     FLAG_POD_KNOWN,

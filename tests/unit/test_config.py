@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufrac.agent.config import Config, ConfigError, load
+from gpufrac.core.config import Config, ConfigError, load
 
 GiB = 1 << 30
 

@@ -1,7 +1,7 @@
 """The idle reaper's decisions and the activity signal, on an injected clock.
 
 Real parts: the allocation ledger writing real container directories, usage slots
-written through gpufrac.memguard.formats.UsageFile as the shim writes them, pod
+written through gpufrac.memguard.abi.UsageFile as the shim writes them, pod
 policies from the real annotation parser. The apiserver side (Events, the
 Eviction API) is recorded here and exercised for real in
 tests/integration/test_idle_reaping.py against kmock's emulator."""
@@ -18,19 +18,20 @@ from typing import Any
 
 import pytest
 
-from gpufrac.agent import activity, annotations
+from gpufrac.agent import activity
 from gpufrac.agent.activity import ActivityTracker, proc_identity
-from gpufrac.agent.allocations import ContainerAlloc, Ledger
-from gpufrac.agent.annotations import ContainerPolicy
-from gpufrac.agent.config import Config, ConfigError, GiB, load
-from gpufrac.agent.gpus import Gpu, Inventory
 from gpufrac.agent.idle import IdleReaper
 from gpufrac.agent.idle_view import action_reason
 from gpufrac.agent.kube import EvictOutcome, EvictResult, ObjectRef, PodInfo
+from gpufrac.agent.ledger import ContainerAlloc, Ledger
 from gpufrac.agent.metrics import Metrics
-from gpufrac.agent.units import format_duration, parse_duration
-from gpufrac.deviceplugin.slices import MEMORY, device_id
-from gpufrac.memguard import formats
+from gpufrac.core import annotations
+from gpufrac.core.annotations import ContainerPolicy
+from gpufrac.core.config import Config, ConfigError, GiB, load
+from gpufrac.core.gpus import Gpu, Inventory
+from gpufrac.core.slices import MEMORY, device_id
+from gpufrac.core.units import format_duration, parse_duration
+from gpufrac.memguard import abi
 
 GPU = "GPU-00000000-0000-0000-0000-000000000000"
 
@@ -133,7 +134,7 @@ class Node:
             clock=self.clock,
         )
         self._slice = 0
-        self.usage: dict[str, formats.UsageFile] = {}
+        self.usage: dict[str, abi.UsageFile] = {}
 
     def pod(
         self, name: str, ann: dict[str, str] | None = None, namespace: str = "default", gib: int = 2
@@ -156,7 +157,7 @@ class Node:
             cfg=self.cfg,
         )
         self.ident.policies[alloc.key] = result.policy
-        u = self.usage[alloc.key] = formats.UsageFile(alloc.directory)
+        u = self.usage[alloc.key] = abi.UsageFile(alloc.directory)
         s = u.usage.slots[0]
         s.start_time = proc_identity(os.getpid())[1]  # type: ignore[index]
         s.used_bytes = 1 << 30
@@ -242,19 +243,19 @@ def test_an_unreadable_usage_file_does_not_reset_the_idle_time(
     n.launch(a)
     n.run(4)
     assert n.tracker.idle_seconds(a.key) == pytest.approx(4.0)
-    read_usage = formats.read_usage
+    read_usage = abi.read_usage
 
     def torn(directory: Any) -> Any:
         if str(directory) == a.directory:
-            raise formats.FormatError("usage: short read")
+            raise abi.FormatError("usage: short read")
         return read_usage(directory)
 
     # One poll cannot read the file: it says nothing, so what was known stands...
-    monkeypatch.setattr(activity.formats, "read_usage", torn)
+    monkeypatch.setattr(activity.abi, "read_usage", torn)
     n.run(0.5)
     assert n.tracker.idle_seconds(a.key) == pytest.approx(4.5)
     # ...and the next good read does not take the old launch counter for new work.
-    monkeypatch.setattr(activity.formats, "read_usage", read_usage)
+    monkeypatch.setattr(activity.abi, "read_usage", read_usage)
     n.run(1)
     assert n.tracker.idle_seconds(a.key) == pytest.approx(5.5)
     assert n.tracker.get(a.key).launches == 1  # type: ignore[union-attr]
@@ -440,7 +441,7 @@ def test_the_most_lenient_policy_of_a_pods_containers_wins(make_node: Any) -> No
     n._slice += 1
     side.created = a.created
     n.ledger.bind(side.key, "default", "nb", "side", "uid-nb")
-    n.usage[side.key] = formats.UsageFile(side.directory)
+    n.usage[side.key] = abi.UsageFile(side.directory)
     # main: idle-timeout 10 s, max-runtime 20 s; side: no idle-timeout, max-runtime 40 s.
     n.ident.policies[side.key] = replace(n.ident.policies[a.key], idle_timeout=0.0, max_runtime=40.0)
     n.run(34.5)

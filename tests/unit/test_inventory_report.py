@@ -11,8 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpufrac.agent import inventory
-from gpufrac.agent.gpus import Gpu, GpuHealth, Inventory, Link, PcieLink
-from gpufrac.agent.report import (
+from gpufrac.agent.gpu_commands import (
     cpu_list,
     cuda_version,
     format_gpus,
@@ -21,6 +20,7 @@ from gpufrac.agent.report import (
     link_label,
     topo_to_dict,
 )
+from gpufrac.core.gpus import Gpu, GpuHealth, Inventory, Link, PcieLink
 
 GiB = 1 << 30
 

@@ -10,23 +10,23 @@ from pathlib import Path
 import pytest
 
 from gpufrac.agent.cli import main
-from gpufrac.memguard import formats
-from gpufrac.memguard.inspect import inspect_dir
+from gpufrac.memguard import abi
+from gpufrac.memguard.inspector import inspect_dir
 
 GiB = 1 << 30
 
 
 @pytest.fixture
 def cdir(tmp_path: Path) -> Path:
-    f = formats.ConfigFile(tmp_path)
+    f = abi.ConfigFile(tmp_path)
     f.write(
-        formats.ContainerConfig(
+        abi.ContainerConfig(
             gpu_uuid="GPU-1234",
             request_bytes=8 * GiB,
             limit_bytes=24 * GiB,
             grant_bytes=4 * GiB,
-            flags=formats.FLAG_POD_KNOWN | formats.FLAG_SWAPPABLE,
-            workload_class=formats.CLASS_INTERACTIVE,
+            flags=abi.FLAG_POD_KNOWN | abi.FLAG_SWAPPABLE,
+            workload_class=abi.CLASS_INTERACTIVE,
             priority=100,
             namespace="ml",
             pod="trainer-0",
@@ -34,8 +34,8 @@ def cdir(tmp_path: Path) -> Path:
         )
     )
     f.close()
-    formats.create_usage(tmp_path)
-    u = formats.UsageFile(tmp_path)
+    abi.create_usage(tmp_path)
+    u = abi.UsageFile(tmp_path)
     slots = u.usage.slots
     slots[0].pid, slots[0].used_bytes, slots[0].peak_bytes, slots[0].launches = 41, 6 * GiB, 7 * GiB, 12
     slots[0].last_activity_ns = time.monotonic_ns() - 5_000_000_000
@@ -73,25 +73,25 @@ def test_cli_text_and_json(cdir: Path, capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_cli_names_the_bad_file(cdir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    os.truncate(cdir / formats.USAGE_FILE, 10)
+    os.truncate(cdir / abi.USAGE_FILE, 10)
     assert main(["memguard", "inspect", str(cdir)]) == 0
     assert "usage      UNREADABLE" in capsys.readouterr().out
     missing = tmp_path / "nope"
     assert main(["memguard", "inspect", str(missing)]) == 1
     assert str(missing) in capsys.readouterr().err
-    (cdir / formats.CONFIG_FILE).write_bytes(b"junk")
+    (cdir / abi.CONFIG_FILE).write_bytes(b"junk")
     assert main(["memguard", "inspect", str(cdir)]) == 1
     err = capsys.readouterr().err
-    assert str(cdir / formats.CONFIG_FILE) in err and "truncated" in err
+    assert str(cdir / abi.CONFIG_FILE) in err and "truncated" in err
 
 
 def test_config_write_after_an_agent_died_mid_write_stays_consistent(tmp_path: Path) -> None:
     """An agent killed between the two seqlock bumps leaves seq odd; the next agent's
     write must end even (readers see it) and never publish a torn config as consistent."""
-    cfg = formats.ConfigFile(tmp_path)
-    cfg.write(formats.ContainerConfig(gpu_uuid="GPU-a", request_bytes=1 << 30, limit_bytes=2 << 30))
+    cfg = abi.ConfigFile(tmp_path)
+    cfg.write(abi.ContainerConfig(gpu_uuid="GPU-a", request_bytes=1 << 30, limit_bytes=2 << 30))
     cfg._s.seq += 1  # the dead agent's half-done write
     assert cfg._s.seq % 2 == 1
-    cfg.write(formats.ContainerConfig(gpu_uuid="GPU-a", request_bytes=1 << 30, limit_bytes=3 << 30))
+    cfg.write(abi.ContainerConfig(gpu_uuid="GPU-a", request_bytes=1 << 30, limit_bytes=3 << 30))
     assert cfg._s.seq % 2 == 0
-    assert formats.read_config(tmp_path).limit_bytes == 3 << 30
+    assert abi.read_config(tmp_path).limit_bytes == 3 << 30

@@ -1,7 +1,7 @@
 """The metrics collector, probes, structured logs and Event reasons, without an agent.
 
 The collector is fed NodeStatus snapshots as the agent's loop would take them, with
-real usage files (formats.create_usage) written slot by slot as the shim does."""
+real usage files (abi.create_usage) written slot by slot as the shim does."""
 
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import gpufrac
-from gpufrac.agent import events, logs
+from gpufrac.agent import events
 from gpufrac.agent.metrics import Metrics, Probes, annotation_label
 from gpufrac.agent.status.cli import format_status
 from gpufrac.agent.status.model import ContainerStatus, GpuStatus, NodeStatus
-from gpufrac.deviceplugin.slices import FRACTION, MEMORY
-from gpufrac.memguard import formats
+from gpufrac.core import logs
+from gpufrac.core.slices import FRACTION, MEMORY
+from gpufrac.memguard import abi
 
 GiB = 1 << 30
 
@@ -53,7 +54,7 @@ def container(
 ) -> ContainerStatus:
     d = tmp / key
     d.mkdir(exist_ok=True)
-    formats.create_usage(d)
+    abi.create_usage(d)
     fields: dict[str, object] = dict(
         key=key,
         resource=MEMORY,
@@ -134,7 +135,7 @@ def test_departed_container_series_and_counts_disappear(tmp_path: Path) -> None:
 def test_oom_refusals_never_go_down_when_a_process_leaves(tmp_path: Path) -> None:
     c = container(tmp_path, "m-a", "pod-a")
     m = Metrics(source=lambda: node(c))
-    usage = formats.UsageFile(c.directory)
+    usage = abi.UsageFile(c.directory)
     try:
         slot = usage.usage.slots[0]
         slot.pid, slot.start_time, slot.oom_refusals = 1234, 99, 3
@@ -152,8 +153,8 @@ def test_oom_refusals_never_go_down_when_a_process_leaves(tmp_path: Path) -> Non
 def test_a_scrape_that_cannot_read_the_usage_file_counts_no_refusal_twice(tmp_path: Path) -> None:
     c = container(tmp_path, "m-a", "pod-a")
     m = Metrics(source=lambda: node(c))
-    usage = formats.UsageFile(c.directory)
-    path = Path(c.directory) / formats.USAGE_FILE
+    usage = abi.UsageFile(c.directory)
+    path = Path(c.directory) / abi.USAGE_FILE
     try:
         slot = usage.usage.slots[0]
         slot.pid, slot.start_time, slot.oom_refusals = 1234, 99, 5
@@ -184,7 +185,7 @@ def test_counting_does_not_wait_for_a_scrape_in_progress(tmp_path: Path) -> None
 
 def test_usage_file_figures(tmp_path: Path) -> None:
     c = container(tmp_path, "m-a", "pod-a")
-    usage = formats.UsageFile(c.directory)
+    usage = abi.UsageFile(c.directory)
     try:
         usage.usage.total_used = 3 * GiB
         s0, s1 = usage.usage.slots[0], usage.usage.slots[1]

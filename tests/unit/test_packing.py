@@ -115,7 +115,7 @@ def test_unknown_resolver_is_refused() -> None:
 
 
 def test_gpufrac_model_uses_the_agent_config_defaults() -> None:
-    from gpufrac.agent.config import Config
+    from gpufrac.core.config import Config
 
     c = Config(node_name="x")
     g = Gpufrac.from_config(c)

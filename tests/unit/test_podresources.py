@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from gpufrac.core.slices import ContainerDevices
 from gpufrac.deviceplugin.podresources import grouped
-from gpufrac.deviceplugin.slices import ContainerDevices
 from gpufrac.proto import podresources_pb2 as pr
 
 GPU = "GPU-5b1e7c4a-0000-4000-8000-000000000001"

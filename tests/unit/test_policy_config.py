@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from gpufrac.agent import config
-from gpufrac.agent.annotations import ContainerPolicy
-from gpufrac.agent.policy import LIMIT, PREEMPTIBLE, SWAPPABLE, NamespacePolicy, PolicyConfig, enforce
-from gpufrac.agent.units import format_bytes
+from gpufrac.core import config
+from gpufrac.core.annotations import ContainerPolicy
+from gpufrac.core.policy import LIMIT, PREEMPTIBLE, SWAPPABLE, NamespacePolicy, PolicyConfig, enforce
+from gpufrac.core.units import format_bytes
 
 GiB = 1 << 30
 

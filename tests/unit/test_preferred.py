@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from gpufrac.agent.config import Config, GiB
-from gpufrac.agent.gpus import Gpu, Inventory, Link, PcieLink
-from gpufrac.deviceplugin import slices
-from gpufrac.deviceplugin.preferred import preferred
-from gpufrac.deviceplugin.slices import FRACTION, MEMORY, device_id
+from gpufrac.agent.placement import preferred
+from gpufrac.core import slices
+from gpufrac.core.config import Config, GiB
+from gpufrac.core.gpus import Gpu, Inventory, Link, PcieLink
+from gpufrac.core.slices import FRACTION, MEMORY, device_id
 
 
 def node(numa: list[int], nvlink_pairs: dict[tuple[int, int], int] | None = None) -> Inventory:

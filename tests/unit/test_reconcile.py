@@ -8,12 +8,12 @@ from pathlib import Path
 
 from test_allocations import ids, make_inventory
 
-from gpufrac.agent.allocations import Ledger
-from gpufrac.agent.config import Config, PathsConfig
 from gpufrac.agent.container_dirs import ContainerDirs
+from gpufrac.agent.ledger import Ledger
 from gpufrac.agent.metrics import Metrics
 from gpufrac.agent.reconcile import Reconciler
-from gpufrac.deviceplugin.slices import MEMORY, ContainerDevices
+from gpufrac.core.config import Config, PathsConfig
+from gpufrac.core.slices import MEMORY, ContainerDevices
 
 
 class HeldLister:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpufrac.agent.units import parse_bytes
+from gpufrac.core.units import parse_bytes
 
 
 @pytest.mark.parametrize("text", ["1e-999999999999Ki", "1.5e-999999999999999999Gi", "1e-9"])

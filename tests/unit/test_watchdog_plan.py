@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from gpufrac.agent.allocations import ContainerAlloc
 from gpufrac.agent.gpu_processes import GpuProcess
+from gpufrac.agent.ledger import ContainerAlloc
 from gpufrac.agent.watchdog import plan
-from gpufrac.memguard.formats import FLAG_WHOLE_GPU, ContainerConfig
+from gpufrac.memguard.abi import FLAG_WHOLE_GPU, ContainerConfig
 
 GiB = 1 << 30
 MiB = 1 << 20

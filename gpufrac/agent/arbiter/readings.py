@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from gpufrac.agent import truth
-from gpufrac.agent.allocations import ContainerAlloc
 from gpufrac.agent.gpu_processes import Lookup, Observed
+from gpufrac.agent.ledger import ContainerAlloc
 
 log = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.arbiter.grants import kept_on_release
-from gpufrac.agent.units import format_bytes
-from gpufrac.memguard import formats
-from gpufrac.memguard.formats import FormatError
+from gpufrac.agent.ledger import ContainerAlloc, Ledger
+from gpufrac.core.units import format_bytes
+from gpufrac.memguard import abi
+from gpufrac.memguard.abi import FormatError
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def published_grants(containers: list[tuple[str, str, str, int]]) -> dict[str, i
     out = {}
     for key, directory, gpu, request in containers:
         try:
-            cfg = formats.read_config(directory)
+            cfg = abi.read_config(directory)
         except FormatError:
             continue
         if cfg.gpu_uuid == gpu and cfg.request_bytes == request:

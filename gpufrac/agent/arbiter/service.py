@@ -31,7 +31,6 @@ from gpufrac.agent import activity as activity_mod
 from gpufrac.agent import kill, truth
 from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.admission import reclaim_guarantee
-from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.arbiter import grants, recovery
 from gpufrac.agent.arbiter import sweep as grant_sweep
 from gpufrac.agent.arbiter.chain import build_chain
@@ -40,17 +39,18 @@ from gpufrac.agent.arbiter.readings import NVML_FRESH, DriverReadings, ReadMemor
 from gpufrac.agent.arbiter.server import RefusalLog, RequestMetrics, Result, SocketServer, Stats
 from gpufrac.agent.arbiter.usage import ContainerFiles
 from gpufrac.agent.callers import Caller, PeerError, PeerLookup
-from gpufrac.agent.config import Config
 from gpufrac.agent.events import container_ref
 from gpufrac.agent.fairness import Fairness, LimitMetrics
 from gpufrac.agent.gpu_processes import observe
 from gpufrac.agent.inventory import read_memory
 from gpufrac.agent.kube import ObjectRef
+from gpufrac.agent.ledger import ContainerAlloc, Ledger
 from gpufrac.agent.resolvers import Chain, Holding, Need, ResolverMetrics, guarantee_chain
 from gpufrac.agent.swap import SwapMetrics
-from gpufrac.agent.units import format_bytes
+from gpufrac.core.config import Config
+from gpufrac.core.units import format_bytes
 from gpufrac.memguard import wire
-from gpufrac.memguard.formats import FLAG_DISABLED
+from gpufrac.memguard.abi import FLAG_DISABLED
 from gpufrac.memguard.wire import BurstRequest
 
 log = logging.getLogger(__name__)

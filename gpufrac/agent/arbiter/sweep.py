@@ -9,10 +9,10 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 
-from gpufrac.agent.allocations import ContainerAlloc
 from gpufrac.agent.arbiter.grants import GrantSweep
-from gpufrac.agent.units import format_bytes
-from gpufrac.memguard import formats
+from gpufrac.agent.ledger import ContainerAlloc
+from gpufrac.core.units import format_bytes
+from gpufrac.memguard import abi
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ RECLAIM_INTERVAL = 1.0  # seconds between two sweeps
 
 def sweep(
     containers: Iterable[ContainerAlloc],
-    usage_of: Callable[[ContainerAlloc], formats.UsageStruct | None],
+    usage_of: Callable[[ContainerAlloc], abi.UsageStruct | None],
     driver_used: Callable[[ContainerAlloc], int | None],
     release: Callable[[ContainerAlloc], object],
     state: GrantSweep,

@@ -18,18 +18,18 @@ import sys
 from collections.abc import Callable
 from typing import Protocol
 
-from gpufrac.agent.allocations import ContainerAlloc
-from gpufrac.memguard import formats
-from gpufrac.memguard.formats import FormatError
+from gpufrac.agent.ledger import ContainerAlloc
+from gpufrac.memguard import abi
+from gpufrac.memguard.abi import FormatError
 
 log = logging.getLogger(__name__)
 
-_GEN_OFFSET = formats.ConfigStruct.generation.offset
+_GEN_OFFSET = abi.ConfigStruct.generation.offset
 
 
 class Booked(Protocol):
     """Which containers are booked, and whether their files are written
-    (gpufrac.agent.allocations.Ledger)."""
+    (gpufrac.agent.ledger.Ledger)."""
 
     def get(self, key: str) -> ContainerAlloc | None: ...
     def attached(self, key: str) -> bool: ...
@@ -51,7 +51,7 @@ class ContainerFiles:
                 return None  # not written yet: the path may hold a released container's file
             try:
                 fd = os.open(
-                    os.path.join(alloc.directory, formats.USAGE_FILE),
+                    os.path.join(alloc.directory, abi.USAGE_FILE),
                     os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
                 )
             except OSError as e:
@@ -67,13 +67,13 @@ class ContainerFiles:
             log.warning("usage file of %s is unusable (%s): its own bursts are refused until the shim "
                         "rewrites it; others are not affected", alloc.who(), why)  # fmt: skip
 
-    def usage_of(self, alloc: ContainerAlloc) -> formats.UsageStruct | None:
+    def usage_of(self, alloc: ContainerAlloc) -> abi.UsageStruct | None:
         """A validated copy of the container's usage file; None when unusable."""
         fd = self._usage_fd(alloc)
         if fd is None:
             return None
         try:
-            out = formats.parse_usage(os.pread(fd, formats.USAGE_SIZE, 0), "usage file")
+            out = abi.parse_usage(os.pread(fd, abi.USAGE_SIZE, 0), "usage file")
         except (OSError, FormatError) as e:
             self._usage_bad(alloc, str(e.strerror if isinstance(e, OSError) else e))
             return None
@@ -87,7 +87,7 @@ class ContainerFiles:
             return None
         try:
             # One pread per request: a file cut short reads short (no SIGBUS, unlike a mapping).
-            return formats.parse_usage_total(os.pread(fd, formats.USAGE_HEADER.size, 0))
+            return abi.parse_usage_total(os.pread(fd, abi.USAGE_HEADER.size, 0))
         except (OSError, FormatError) as e:
             self._usage_bad(alloc, str(e.strerror if isinstance(e, OSError) else e))
             return None
@@ -99,9 +99,9 @@ class ContainerFiles:
             if not self._ledger.attached(alloc.key):
                 return 0  # as for usage_of: no file of this booking to read yet
             try:
-                with open(os.path.join(alloc.directory, formats.CONFIG_FILE), "rb") as f:
+                with open(os.path.join(alloc.directory, abi.CONFIG_FILE), "rb") as f:
                     mm = self._config_maps[alloc.key] = mmap.mmap(
-                        f.fileno(), ctypes.sizeof(formats.ConfigStruct), access=mmap.ACCESS_READ
+                        f.fileno(), ctypes.sizeof(abi.ConfigStruct), access=mmap.ACCESS_READ
                     )
             except (OSError, ValueError):
                 return 0
@@ -121,7 +121,7 @@ class ContainerFiles:
                 writes += [("pid", i, -1), ("total_used", -1, total), ("used_bytes", i, 0), ("pid", i, 0)]
         if writes:
             with contextlib.suppress(FormatError):
-                formats.write_usage_fields(alloc.directory, writes)
+                abi.write_usage_fields(alloc.directory, writes)
 
     def forget_released(self, gone: Callable[[str], None]) -> None:
         """Close the handles of containers no longer booked; `gone(key)` for each usage handle

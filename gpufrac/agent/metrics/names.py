@@ -3,7 +3,7 @@ Grafana dashboard is written against it)."""
 
 from __future__ import annotations
 
-from gpufrac.agent.annotations import LIMIT_KEYS, PREFIX, USER_KEYS
+from gpufrac.core.annotations import LIMIT_KEYS, PREFIX, USER_KEYS
 
 NAMESPACE = "gpufrac"
 # UUID repeats uuid under the DCGM exporter's label name, so a query joins gpufrac and

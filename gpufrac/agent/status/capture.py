@@ -13,16 +13,16 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import gpufrac
-from gpufrac.agent.report import mig_to_dict
+from gpufrac.agent.gpu_commands import mig_to_dict
 from gpufrac.agent.status.model import ContainerStatus, GpuStatus, NodeStatus
-from gpufrac.deviceplugin import slices
-from gpufrac.memguard import formats
+from gpufrac.core import slices
+from gpufrac.memguard import abi
 
 if TYPE_CHECKING:
-    from gpufrac.agent.allocations import ContainerAlloc
-    from gpufrac.agent.config import Config
-    from gpufrac.agent.gpus import GpuHealth, Inventory
-    from gpufrac.deviceplugin.slices import GpuGeometry
+    from gpufrac.agent.ledger import ContainerAlloc
+    from gpufrac.core.config import Config
+    from gpufrac.core.gpus import GpuHealth, Inventory
+    from gpufrac.core.slices import GpuGeometry
 
 # How long a reader in another thread waits for the loop to take a snapshot.
 CAPTURE_TIMEOUT = 10.0
@@ -45,7 +45,7 @@ class Registration(Protocol):
 
 
 class LedgerView(Protocol):
-    """The bookings, read-only (gpufrac.agent.allocations.Ledger)."""
+    """The bookings, read-only (gpufrac.agent.ledger.Ledger)."""
 
     @property
     def geometry(self) -> Mapping[str, GpuGeometry]: ...
@@ -193,7 +193,7 @@ def capture(agent: Observed) -> NodeStatus:
                 request_bytes=a.request_bytes,
                 limit_bytes=c.limit_bytes,
                 burst_granted_bytes=c.grant_bytes,
-                workload_class=formats.CLASS_BY_NUMBER.get(c.workload_class, str(c.workload_class)),
+                workload_class=abi.CLASS_BY_NUMBER.get(c.workload_class, str(c.workload_class)),
                 priority=c.priority,
                 created=a.created,
                 directory=a.directory,

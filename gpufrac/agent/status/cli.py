@@ -8,10 +8,10 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from gpufrac.agent.output import render, table
 from gpufrac.agent.status.client import StatusUnavailable, fetch
-from gpufrac.agent.units import format_bytes
-from gpufrac.deviceplugin import slices
+from gpufrac.core import slices
+from gpufrac.core.output import render, table
+from gpufrac.core.units import format_bytes
 
 
 def _b(n: int | None) -> str:
@@ -156,14 +156,14 @@ def format_status(status: Mapping[str, Any], *, wide: bool = False) -> str:
 def default_socket(args: argparse.Namespace) -> str:
     if getattr(args, "socket", None):
         return str(args.socket)
-    from gpufrac.agent import config as config_mod
+    from gpufrac.core import config as config_mod
 
     return config_mod.load(getattr(args, "config", None)).status_socket
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     """`gpufrac status [-o json|yaml|wide] [--socket PATH]`."""
-    from gpufrac.agent.config import ConfigError
+    from gpufrac.core.config import ConfigError
 
     try:
         path = default_socket(args)

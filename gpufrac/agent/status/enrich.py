@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable
 
 from gpufrac.agent.status.model import NodeStatus, UsageView
-from gpufrac.memguard import formats
+from gpufrac.memguard import abi
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def read_gpu_live(uuids: Iterable[str]) -> dict[str, tuple[int | None, float | N
     return out
 
 
-def idle_seconds(usage: formats.UsageStruct, since_wall: float, now_mono_ns: int | None = None) -> float:
+def idle_seconds(usage: abi.UsageStruct, since_wall: float, now_mono_ns: int | None = None) -> float:
     """Seconds since the container's last GPU work (a kernel launch by any of its processes);
     since `since_wall` (its allocation) when none of its live processes has launched yet.
     The shim stamps launches with CLOCK_MONOTONIC, the clock of time.monotonic_ns()."""
@@ -51,8 +51,8 @@ def idle_seconds(usage: formats.UsageStruct, since_wall: float, now_mono_ns: int
 
 def read_usage_view(directory: str, since_wall: float) -> UsageView | None:
     try:
-        u = formats.read_usage(directory)
-    except formats.FormatError:
+        u = abi.read_usage(directory)
+    except abi.FormatError:
         return None
     live = [s for s in u.slots if s.pid > 0]
     return UsageView(

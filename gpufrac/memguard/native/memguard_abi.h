@@ -8,7 +8,7 @@
  *   usage   - written by the shim (every process of the container); one slot
  *             per process plus the container-wide total, all C11 atomics.
  *   arbiter.sock - the agent's unix socket for the slow path (bursts, swap-in).
- * gpufrac/memguard/formats.py mirrors these structs with ctypes; a test
+ * gpufrac/memguard/abi.py mirrors these structs with ctypes; a test
  * compiles a probe against this header and compares sizes and offsets.
  *
  * No lock lives in either file: a process killed at any instruction leaves

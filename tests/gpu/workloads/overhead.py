@@ -31,9 +31,9 @@ def usage_after() -> int | None:
     cdir = os.environ.get("GPUFRAC_CONTAINER_DIR")
     if not cdir:
         return None
-    from gpufrac.memguard import formats
+    from gpufrac.memguard import abi
 
-    return int(formats.read_usage(cdir).total_used)
+    return int(abi.read_usage(cdir).total_used)
 
 
 def train() -> dict[str, Any]:

@@ -50,9 +50,9 @@ def usage() -> dict[str, Any] | None:
     cdir = os.environ.get("GPUFRAC_CONTAINER_DIR")
     if not cdir:
         return None
-    from gpufrac.memguard import formats
+    from gpufrac.memguard import abi
 
-    u = formats.read_usage(cdir)
+    u = abi.read_usage(cdir)
     mine = next((s for s in u.slots if s.pid == os.getpid()), None)
     slot = (
         {k: int(getattr(mine, k)) for k in ("used_bytes", "launches", "oom_refusals", "swapped")}

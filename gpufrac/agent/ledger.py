@@ -23,13 +23,12 @@ import time
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gpufrac.agent.config import Config
 from gpufrac.agent.container_dirs import retire_container_dir, write_container_dir
-from gpufrac.agent.gpus import Inventory
-from gpufrac.agent.units import format_bytes
+from gpufrac.core import slices
+from gpufrac.core.config import Config
 from gpufrac.core.errors import AllocationError, ErrorKind
-from gpufrac.deviceplugin import slices
-from gpufrac.deviceplugin.slices import (
+from gpufrac.core.gpus import Inventory
+from gpufrac.core.slices import (
     FRACTION,
     FRACTION_SLICES,
     MEMORY,
@@ -37,8 +36,9 @@ from gpufrac.deviceplugin.slices import (
     GpuGeometry,
     container_key,
 )
-from gpufrac.memguard import formats
-from gpufrac.memguard.formats import ConfigFile, ContainerConfig
+from gpufrac.core.units import format_bytes
+from gpufrac.memguard import abi
+from gpufrac.memguard.abi import ConfigFile, ContainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -339,9 +339,9 @@ class Ledger:
         gpus, request, whole = self.check(resource, device_ids, ignore_health=ignore_health)
         key = container_key(resource, device_ids)
         if config is None:
-            flags = formats.FLAG_PREEMPTIBLE | (formats.FLAG_WHOLE_GPU if whole else 0)
+            flags = abi.FLAG_PREEMPTIBLE | (abi.FLAG_WHOLE_GPU if whole else 0)
             if self.config.swap.default_swappable:
-                flags |= formats.FLAG_SWAPPABLE
+                flags |= abi.FLAG_SWAPPABLE
             # limit = request until the pod is known (safe default).
             config = ContainerConfig(
                 gpu_uuid=gpus[0],

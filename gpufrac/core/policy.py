@@ -15,7 +15,7 @@ A namespace entry names only what differs from `default`. A pod asking beyond it
 namespace's policy gets the capped value (a limit of ratio x request, preemptible,
 swappable), and one Warning Event naming the cap (gpufrac.agent.pods posts it).
 
-gpufrac.agent.config imports this module, and the annotations' ContainerPolicy needs the
+gpufrac.core.config imports this module, and the annotations' ContainerPolicy needs the
 config: so `enforce` asks only for the fields it caps (CappedPolicy), and imports neither.
 """
 

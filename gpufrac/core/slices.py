@@ -14,8 +14,8 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from gpufrac.agent.config import Config
-from gpufrac.agent.gpus import Inventory
+from gpufrac.core.config import Config
+from gpufrac.core.gpus import Inventory
 
 FRACTION = "gpufrac.dev/gpu-fraction"
 MEMORY = "gpufrac.dev/gpu-memory"

@@ -4,7 +4,7 @@ Every decision the agent takes (an allocation, a release, a limit applied, a bur
 granted or denied, an eviction, a swap, a reap) is one log line with its facts as
 fields, so `jq 'select(.decision=="evict")'` or a log pipeline can find them:
 
-    from gpufrac.agent import logs
+    from gpufrac.core import logs
     logs.decision(log, "allocate", "allocated %s on %s", key, gpu,
                   container=key, resource=resource, gpu=gpu, request_bytes=n)
 
@@ -22,7 +22,7 @@ import logging
 import sys
 from typing import IO, Any
 
-from gpufrac.agent.config import Config
+from gpufrac.core.config import Config
 
 # The LogRecord attribute holding a line's structured fields.
 FIELDS = "gpufrac_fields"

@@ -12,8 +12,8 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from gpufrac.agent.gpus import MIG_REASON, Gpu, GpuHealth, Inventory, Link, PcieLink
-from gpufrac.agent.output import render, table
+from gpufrac.core.gpus import MIG_REASON, Gpu, GpuHealth, Inventory, Link, PcieLink
+from gpufrac.core.output import render, table
 
 GiB = 1 << 30
 
@@ -241,9 +241,9 @@ def _quiet_logs() -> None:
 
 
 def cmd_gpus(args: argparse.Namespace) -> int:
-    from gpufrac.agent import config as config_mod
     from gpufrac.agent.health import HealthMonitor
     from gpufrac.agent.inventory import NvmlError, read_inventory, read_memory
+    from gpufrac.core import config as config_mod
 
     _quiet_logs()
     try:

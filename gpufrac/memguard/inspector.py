@@ -17,16 +17,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpufrac.agent.output import table
-from gpufrac.agent.units import format_bytes
-from gpufrac.memguard import formats
+from gpufrac.core.output import table
+from gpufrac.core.units import format_bytes
+from gpufrac.memguard import abi
 
 FLAG_NAMES = {
-    formats.FLAG_POD_KNOWN: "pod-known",
-    formats.FLAG_PREEMPTIBLE: "preemptible",
-    formats.FLAG_SWAPPABLE: "swappable",
-    formats.FLAG_WHOLE_GPU: "whole-gpu",
-    formats.FLAG_DISABLED: "disabled",
+    abi.FLAG_POD_KNOWN: "pod-known",
+    abi.FLAG_PREEMPTIBLE: "preemptible",
+    abi.FLAG_SWAPPABLE: "swappable",
+    abi.FLAG_WHOLE_GPU: "whole-gpu",
+    abi.FLAG_DISABLED: "disabled",
 }
 
 
@@ -44,16 +44,16 @@ def inspect_dir(directory: str | Path) -> dict[str, Any]:
     `usage_error` (the shim refuses allocations in that state)."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise formats.FormatError(f"{directory}: no such directory")
-    if not (directory / formats.CONFIG_FILE).exists():
-        raise formats.FormatError(
-            f"{directory} is not a container's gpufrac directory (it has no {formats.CONFIG_FILE} file); "
+        raise abi.FormatError(f"{directory}: no such directory")
+    if not (directory / abi.CONFIG_FILE).exists():
+        raise abi.FormatError(
+            f"{directory} is not a container's gpufrac directory (it has no {abi.CONFIG_FILE} file); "
             "those are <paths.stateDir>/containers/<key>, /var/lib/gpufrac/containers/<key> by default"
         )
-    cfg = formats.read_config(directory)
+    cfg = abi.read_config(directory)
     out: dict[str, Any] = {
         "dir": str(directory),
-        "generation": formats.generation(directory),
+        "generation": abi.generation(directory),
         "gpu_uuid": cfg.gpu_uuid,
         "namespace": cfg.namespace,
         "pod": cfg.pod,
@@ -63,7 +63,7 @@ def inspect_dir(directory: str | Path) -> dict[str, Any]:
         "limit_bytes": cfg.limit_bytes,
         "grant_bytes": cfg.grant_bytes,
         "flags": flag_names(cfg.flags),
-        "workload_class": formats.CLASS_BY_NUMBER.get(cfg.workload_class, str(cfg.workload_class)),
+        "workload_class": abi.CLASS_BY_NUMBER.get(cfg.workload_class, str(cfg.workload_class)),
         "priority": cfg.priority,
         "arbiter_timeout_ms": cfg.arbiter_timeout_ms,
         "wait_timeout_ms": cfg.wait_timeout_ms,
@@ -73,8 +73,8 @@ def inspect_dir(directory: str | Path) -> dict[str, Any]:
         "processes": [],
     }
     try:
-        usage = formats.read_usage(directory)
-    except formats.FormatError as e:
+        usage = abi.read_usage(directory)
+    except abi.FormatError as e:
         out["usage_error"] = str(e)
         return out
     now = time.monotonic_ns()

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpufrac.agent.allocations import ContainerAlloc, Ledger
+from gpufrac.agent.ledger import ContainerAlloc, Ledger
 from gpufrac.core.errors import AllocationError
-from gpufrac.memguard.formats import ContainerConfig
+from gpufrac.memguard.abi import ContainerConfig
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from typing import Any, get_type_hints
 
 import yaml
 
-from gpufrac.agent.policy import PolicyConfig, parse_config
-from gpufrac.agent.units import MAX_MS_FIELD_S, parse_bytes, parse_duration
 from gpufrac.core.flags import CLASS_NAMES
+from gpufrac.core.policy import PolicyConfig, parse_config
+from gpufrac.core.units import MAX_MS_FIELD_S, parse_bytes, parse_duration
 
 GiB = 1 << 30
 RESOLVERS = ("swap", "evict", "wait")
@@ -172,7 +172,7 @@ class Config:
     swap: SwapConfig = field(default_factory=SwapConfig)
     idle: IdleConfig = field(default_factory=IdleConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    # Per-namespace caps on what pod annotations may ask (gpufrac.agent.policy parses it).
+    # Per-namespace caps on what pod annotations may ask (gpufrac.core.policy parses it).
     policy: PolicyConfig = field(default_factory=PolicyConfig, metadata={"kind": "policy"})
     arbiter_limits: ArbiterLimitsConfig = field(default_factory=ArbiterLimitsConfig)
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Container, Mapping, Sequence
 
-from gpufrac.agent.gpus import Inventory
-from gpufrac.deviceplugin import slices
-from gpufrac.deviceplugin.slices import FRACTION, FRACTION_SLICES, GpuGeometry
+from gpufrac.core import slices
+from gpufrac.core.gpus import Inventory
+from gpufrac.core.slices import FRACTION, FRACTION_SLICES, GpuGeometry
 
 # Above this many candidate sets, whole GPUs are chosen greedily instead.
 _MAX_COMBINATIONS = 20000

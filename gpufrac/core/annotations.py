@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import TypeVar
 
-from gpufrac.agent.config import Config
-from gpufrac.agent.units import MAX_MS_FIELD_S, format_bytes, parse_bytes, parse_duration
+from gpufrac.core.config import Config
 from gpufrac.core.flags import (
     CLASS_NAMES,
     FLAG_POD_KNOWN,
@@ -24,6 +23,7 @@ from gpufrac.core.flags import (
     FLAG_SWAPPABLE,
     FLAG_WHOLE_GPU,
 )
+from gpufrac.core.units import MAX_MS_FIELD_S, format_bytes, parse_bytes, parse_duration
 
 PREFIX = "gpufrac.dev/"
 MEMORY_LIMIT = PREFIX + "gpu-memory-limit"
