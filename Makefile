@@ -121,15 +121,15 @@ tools: $(HELM)
 	$(call need_tool,promtool,prometheus)
 
 # The runtime dependencies at the lowest versions pyproject.toml declares, in a venv of
-# their own (tests/dependency_floors.py; test_dependency_floors.py runs gpufrac in it).
+# their own (tests/fixtures/dependency_floors.py; test_dependency_floors.py runs gpufrac in it).
 # Rebuilt only when pyproject.toml changes; wheels only, so no compiler is involved.
 FLOORS_VENV := build/floors-venv
 floors: $(FLOORS_VENV)/.installed
-$(FLOORS_VENV)/.installed: pyproject.toml tests/dependency_floors.py
+$(FLOORS_VENV)/.installed: pyproject.toml tests/fixtures/dependency_floors.py
 	@test -n "$(PYTHON)" || { echo "error: make floors needs Python 3.11 or newer on PATH" >&2; exit 1; }
 	rm -rf $(FLOORS_VENV)
 	$(PYTHON) -m venv $(FLOORS_VENV)
-	$(PYTHON) tests/dependency_floors.py pins > $(FLOORS_VENV)/floors.txt
+	$(PYTHON) tests/fixtures/dependency_floors.py pins > $(FLOORS_VENV)/floors.txt
 	$(FLOORS_VENV)/bin/pip install -q --disable-pip-version-check --only-binary=:all: -r $(FLOORS_VENV)/floors.txt
 	touch $@
 

@@ -10,7 +10,7 @@ kmock 0.8 leaves out: field selectors on list/watch (spec.nodeName), uid,
 resourceVersion and creationTimestamp on objects, watch timeoutSeconds, and
 410 Gone for expired resource versions (`KubeServer.expire_watches`).
 
-Tests get one per test from the `kube_server` fixture (tests/kube_fixtures.py);
+Tests get one per test from the `kube_server` fixture (tests/fixtures/kube.py);
 the demo (`gpufrac run`) starts one itself.
 """
 

@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kube_fixtures import KubeServer, pod_manifest
-from polling import until_async
 
 from gpufrac.agent.allocations import ContainerAlloc, Ledger
 from gpufrac.agent.config import Config, load
@@ -29,6 +27,8 @@ from gpufrac.memguard.formats import (
     FLAG_SWAPPABLE,
     read_config,
 )
+from tests.fixtures.kube import KubeServer, pod_manifest
+from tests.fixtures.polling import until_async
 
 NODE = "node-a"
 GiB = 1 << 30

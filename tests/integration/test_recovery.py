@@ -6,12 +6,11 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 
-from agentsim_fixtures import Sim
-
 from gpufrac.agent.allocations import container_key
 from gpufrac.deviceplugin.slices import FRACTION, MEMORY
 from gpufrac.memguard import formats
 from gpufrac.simgpu.kubelet import AdmissionError, Pod
+from tests.fixtures.agentsim import Sim
 
 
 def kubelet_keys(sim: Sim) -> set[str]:

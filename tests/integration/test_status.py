@@ -17,12 +17,12 @@ from typing import Any
 
 import pynvml
 import yaml
-from metrics_support import CTX, GiB, InprocNode, finish, read_line
 
 from gpufrac.agent.status import MAX_REQUEST, StatusServer
 from gpufrac.agent.units import format_bytes
 from gpufrac.deviceplugin import slices
 from gpufrac.deviceplugin.slices import FRACTION, MEMORY
+from tests.fixtures.metrics import CTX, GiB, InprocNode, finish, read_line
 
 
 def gpufrac(*args: str) -> subprocess.CompletedProcess[str]:
