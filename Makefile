@@ -28,7 +28,8 @@ MG_LIB_SRC := $(MG_SRC)/memguard.c $(sort $(filter-out $(MG_SRC)/mg_ctest.c,$(wi
 
 NATIVE_LIBS = libnvidia-ml.so.1 libcuda.so.1 libmemguard.so mg_ctest
 
-.PHONY: all setup native native-asan proto run test test-fast bench lint clean tools floors image-lock
+.PHONY: all setup native native-asan proto run test test-fast bench lint ruff typecheck import-layers import-cycles \
+  clean tools floors image-lock
 
 all: setup
 
@@ -69,8 +70,12 @@ $(eval $(call native_rules,$(ASAN_BUILD),$(CFLAGS_SAN)))
 PROTOS := $(wildcard gpufrac/proto/*.proto)
 PROTO_STAMP := gpufrac/proto/.generated
 proto: $(PROTO_STAMP)
+# Typed stubs beside them (mypy-protobuf): *_pb2.pyi for the messages and *_pb2_grpc.pyi for
+# the stubs and servicers, which grpcio-tools leaves untyped; mypy checks our calls against them.
 $(PROTO_STAMP): $(PROTOS) $(VENV)/.installed
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. \
+	  --plugin=protoc-gen-mypy=$(VENV)/bin/protoc-gen-mypy --mypy_out=. \
+	  --plugin=protoc-gen-mypy_grpc=$(VENV)/bin/protoc-gen-mypy_grpc --mypy_grpc_out=. $(PROTOS)
 	touch $@
 
 # The main job: the agent on a real node when a GPU and a kubelet are present,
@@ -150,8 +155,10 @@ image-lock: $(UV_VENV)/bin/uv
 	$(UV_VENV)/bin/uv pip compile $(IMAGE_DIR)/build-requirements.in --universal --python-version 3.11 \
 	  --generate-hashes --custom-compile-command "make image-lock" --quiet -o $(IMAGE_DIR)/build-requirements.lock
 
+# The suite, then the gates of `make lint` (CI runs only this): both run, either failing fails.
 test: setup native-asan tools floors
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	@rc=0; $(PY) -m pytest -q -p no:cacheprovider tests || rc=1; \
+	$(MAKE) --no-print-directory lint || rc=1; exit $$rc
 
 test-fast: setup tools floors
 	$(PY) -m pytest -q -x -p no:cacheprovider tests -m 'not slow'
@@ -159,9 +166,30 @@ test-fast: setup tools floors
 bench: setup
 	$(PY) -m bench
 
+# The gates: ruff; mypy --strict over gpufrac/ (pyproject.toml [tool.mypy]); the layers
+# (pyproject.toml [tool.importlinter]: which package may import which); no import cycles
+# between modules (tools/import_cycles.py). `make lint` runs every one even when one before it
+# fails and names the failed ones last; `make test` runs them after the suite. One alone:
+# make ruff | make typecheck | make import-layers | make import-cycles
+GATES := ruff typecheck import-layers import-cycles
 lint: setup
+	@failed=; for g in $(GATES); do \
+	  echo "== make $$g"; $(MAKE) --no-print-directory $$g || failed="$$failed $$g"; done; \
+	if [ -n "$$failed" ]; then echo "lint: failed:$$failed (re-run one with: make <name>)" >&2; exit 1; fi; \
+	echo "lint: all gates passed ($(GATES))"
+
+ruff: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+typecheck: setup
+	$(PY) -m mypy
+
+import-layers: setup
+	$(VENV)/bin/lint-imports --no-logo --no-cache
+
+import-cycles: setup
+	$(PY) tools/import_cycles.py
 
 clean:
 	rm -rf build $(VENV) gpufrac/proto/*_pb2*.py* $(PROTO_STAMP)
