@@ -158,7 +158,7 @@ image-lock: $(UV_VENV)/bin/uv
 # The suite, then the gates of `make lint` (CI runs only this): both run, either failing fails.
 test: setup native-asan tools floors
 	@rc=0; $(PY) -m pytest -q -p no:cacheprovider tests || rc=1; \
-	$(MAKE) --no-print-directory lint || rc=1; exit $$rc
+	{ $(run_gates); } || rc=1; exit $$rc
 
 test-fast: setup tools floors
 	$(PY) -m pytest -q -x -p no:cacheprovider tests -m 'not slow'
@@ -172,24 +172,21 @@ bench: setup
 # fails and names the failed ones last; `make test` runs them after the suite. One alone:
 # make ruff | make typecheck | make import-layers | make import-cycles
 GATES := ruff typecheck import-layers import-cycles
+gate_ruff          := $(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+gate_typecheck     := $(PY) -m mypy
+gate_import-layers := $(VENV)/bin/lint-imports --no-logo --no-cache
+gate_import-cycles := $(PY) tools/import_cycles.py
+# A shell snippet (no sub-make, so `make -n` runs nothing): each gate, then the verdict.
+run_gates = failed=; \
+  $(foreach g,$(GATES),echo "== make $(g): $(gate_$(g))"; { $(gate_$(g)); } || failed="$$failed $(g)";) \
+  if [ -n "$$failed" ]; then echo "lint: failed:$$failed (re-run one with: make <name>)" >&2; false; \
+  else echo "lint: all gates passed ($(GATES))"; fi
+
 lint: setup
-	@failed=; for g in $(GATES); do \
-	  echo "== make $$g"; $(MAKE) --no-print-directory $$g || failed="$$failed $$g"; done; \
-	if [ -n "$$failed" ]; then echo "lint: failed:$$failed (re-run one with: make <name>)" >&2; exit 1; fi; \
-	echo "lint: all gates passed ($(GATES))"
+	@$(run_gates)
 
-ruff: setup
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
-
-typecheck: setup
-	$(PY) -m mypy
-
-import-layers: setup
-	$(VENV)/bin/lint-imports --no-logo --no-cache
-
-import-cycles: setup
-	$(PY) tools/import_cycles.py
+$(GATES): setup
+	$(gate_$@)
 
 clean:
 	rm -rf build $(VENV) gpufrac/proto/*_pb2*.py* $(PROTO_STAMP)
