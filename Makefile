@@ -32,7 +32,8 @@ MG_LIB_SRC := $(MG_FAST_SRC) $(sort $(filter-out $(MG_SRC)/mg_ctest.c $(MG_FAST_
 
 NATIVE_LIBS = libnvidia-ml.so.1 libcuda.so.1 libmemguard.so mg_ctest
 
-.PHONY: all setup native native-asan proto run test test-fast bench lint clean tools floors image-lock
+.PHONY: all setup native native-asan proto run test test-fast bench lint ruff typecheck import-layers import-cycles \
+  clean tools floors image-lock
 
 all: setup
 
@@ -73,8 +74,12 @@ $(eval $(call native_rules,$(ASAN_BUILD),$(CFLAGS_SAN)))
 PROTOS := $(wildcard gpufrac/proto/*.proto)
 PROTO_STAMP := gpufrac/proto/.generated
 proto: $(PROTO_STAMP)
+# Typed stubs beside them (mypy-protobuf): *_pb2.pyi for the messages and *_pb2_grpc.pyi for
+# the stubs and servicers, which grpcio-tools leaves untyped; mypy checks our calls against them.
 $(PROTO_STAMP): $(PROTOS) $(VENV)/.installed
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. \
+	  --plugin=protoc-gen-mypy=$(VENV)/bin/protoc-gen-mypy --mypy_out=. \
+	  --plugin=protoc-gen-mypy_grpc=$(VENV)/bin/protoc-gen-mypy_grpc --mypy_grpc_out=. $(PROTOS)
 	touch $@
 
 # The main job: the agent on a real node when a GPU and a kubelet are present,
@@ -125,15 +130,15 @@ tools: $(HELM)
 	$(call need_tool,promtool,prometheus)
 
 # The runtime dependencies at the lowest versions pyproject.toml declares, in a venv of
-# their own (tests/dependency_floors.py; test_dependency_floors.py runs gpufrac in it).
+# their own (tests/fixtures/dependency_floors.py; test_dependency_floors.py runs gpufrac in it).
 # Rebuilt only when pyproject.toml changes; wheels only, so no compiler is involved.
 FLOORS_VENV := build/floors-venv
 floors: $(FLOORS_VENV)/.installed
-$(FLOORS_VENV)/.installed: pyproject.toml tests/dependency_floors.py
+$(FLOORS_VENV)/.installed: pyproject.toml tests/fixtures/dependency_floors.py
 	@test -n "$(PYTHON)" || { echo "error: make floors needs Python 3.11 or newer on PATH" >&2; exit 1; }
 	rm -rf $(FLOORS_VENV)
 	$(PYTHON) -m venv $(FLOORS_VENV)
-	$(PYTHON) tests/dependency_floors.py pins > $(FLOORS_VENV)/floors.txt
+	$(PYTHON) tests/fixtures/dependency_floors.py pins > $(FLOORS_VENV)/floors.txt
 	$(FLOORS_VENV)/bin/pip install -q --disable-pip-version-check --only-binary=:all: -r $(FLOORS_VENV)/floors.txt
 	touch $@
 
@@ -154,8 +159,10 @@ image-lock: $(UV_VENV)/bin/uv
 	$(UV_VENV)/bin/uv pip compile $(IMAGE_DIR)/build-requirements.in --universal --python-version 3.11 \
 	  --generate-hashes --custom-compile-command "make image-lock" --quiet -o $(IMAGE_DIR)/build-requirements.lock
 
+# The suite, then the gates of `make lint` (CI runs only this): both run, either failing fails.
 test: setup native-asan tools floors
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	@rc=0; $(PY) -m pytest -q -p no:cacheprovider tests || rc=1; \
+	{ $(run_gates); } || rc=1; exit $$rc
 
 test-fast: setup tools floors
 	$(PY) -m pytest -q -x -p no:cacheprovider tests -m 'not slow'
@@ -163,9 +170,27 @@ test-fast: setup tools floors
 bench: setup
 	$(PY) -m bench
 
+# The gates: ruff; mypy --strict over gpufrac/ (pyproject.toml [tool.mypy]); the layers
+# (pyproject.toml [tool.importlinter]: which package may import which); no import cycles
+# between modules (tools/import_cycles.py). `make lint` runs every one even when one before it
+# fails and names the failed ones last; `make test` runs them after the suite. One alone:
+# make ruff | make typecheck | make import-layers | make import-cycles
+GATES := ruff typecheck import-layers import-cycles
+gate_ruff          := $(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+gate_typecheck     := $(PY) -m mypy
+gate_import-layers := $(VENV)/bin/lint-imports --no-logo --no-cache
+gate_import-cycles := $(PY) tools/import_cycles.py
+# A shell snippet (no sub-make, so `make -n` runs nothing): each gate, then the verdict.
+run_gates = failed=; \
+  $(foreach g,$(GATES),echo "== make $(g): $(gate_$(g))"; { $(gate_$(g)); } || failed="$$failed $(g)";) \
+  if [ -n "$$failed" ]; then echo "lint: failed:$$failed (re-run one with: make <name>)" >&2; false; \
+  else echo "lint: all gates passed ($(GATES))"; fi
+
 lint: setup
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+	@$(run_gates)
+
+$(GATES): setup
+	$(gate_$@)
 
 clean:
 	rm -rf build $(VENV) gpufrac/proto/*_pb2*.py* $(PROTO_STAMP)

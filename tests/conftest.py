@@ -2,20 +2,20 @@
 
 # Every fixture module is registered here, once; test modules import its helpers and
 # types, never its fixtures. One module per thing a test needs:
-#   a simulated GPU node     make_sim_node, sim_node, in_process_nvml (simnode_fixtures.py)
-#   the apiserver            kube_server (kube_fixtures.py)
-#   a container under the shim   container, shim, flavour (memguard_fixtures.py)
-#   the agent, a subprocess  make_sim, sim: with the kubelet emulator (agentsim_fixtures.py);
-#                            e2e_node: plus the apiserver, runtime and workloads (e2e_support.py)
-#   the agent, in-process    node: with metrics and status served (metrics_support.py)
-#   the arbiter's parts      make_node: ledger, identity, arbiter on a loop (arbiter_harness.py)
-# Polling with a deadline (no fixed sleeps): polling.py.
+#   a simulated GPU node     make_sim_node, sim_node, in_process_nvml (fixtures/simnode.py)
+#   the apiserver            kube_server (fixtures/kube.py)
+#   a container under the shim   container, shim, flavour (fixtures/memguard.py)
+#   the agent, a subprocess  make_sim, sim: with the kubelet emulator (fixtures/agentsim.py);
+#                            e2e_node: plus the apiserver, runtime and workloads (fixtures/e2e.py)
+#   the agent, in-process    node: with metrics and status served (fixtures/metrics.py)
+#   the arbiter's parts      make_node: ledger, identity, arbiter on a loop (fixtures/arbiter_harness.py)
+# Polling with a deadline (no fixed sleeps): fixtures/polling.py.
 pytest_plugins = [
-    "simnode_fixtures",
-    "kube_fixtures",
-    "memguard_fixtures",
-    "agentsim_fixtures",
-    "e2e_support",
-    "arbiter_harness",
-    "metrics_support",
+    "tests.fixtures.simnode",
+    "tests.fixtures.kube",
+    "tests.fixtures.memguard",
+    "tests.fixtures.agentsim",
+    "tests.fixtures.e2e",
+    "tests.fixtures.arbiter_harness",
+    "tests.fixtures.metrics",
 ]

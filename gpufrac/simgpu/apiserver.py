@@ -10,7 +10,7 @@ kmock 0.8 leaves out: field selectors on list/watch (spec.nodeName), uid,
 resourceVersion and creationTimestamp on objects, watch timeoutSeconds, and
 410 Gone for expired resource versions (`KubeServer.expire_watches`).
 
-Tests get one per test from the `kube_server` fixture (tests/kube_fixtures.py);
+Tests get one per test from the `kube_server` fixture (tests/fixtures/kube.py);
 the demo (`gpufrac run`) starts one itself.
 """
 
@@ -22,8 +22,8 @@ import datetime
 import threading
 import uuid
 from asyncio import FIRST_COMPLETED
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Mapping
+from typing import Any, TypeVar, cast
 
 import attrs
 import kmock
@@ -104,6 +104,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         recursive merge differs: metadata.uid in the patch is a precondition (409 on another
         object of that name), and a strategic merge patch of a pod merges
         status.conditions by type (kmock would replace the whole list)."""
+        if request.resource is None or request.name is None:
+            return  # not a write to a named object: nothing to check
         key = (request.resource, request.namespace, request.name)
         async with self._lock:
             try:
@@ -114,6 +116,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         if stored is None:
             return  # kmock answers 404
         data = request.data
+        if not isinstance(data, dict):
+            return  # _handle calls this for a dict body only
         uid = (data.get("metadata") or {}).get("uid")
         have = (stored.get("metadata") or {}).get("uid")
         if uid and have and uid != have:
@@ -132,7 +136,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             data["status"]["conditions"] = list(merged.values())
 
     async def _serve_list(self, request: rendering.Request) -> Any:
-        result = await super()._serve_list(request)
+        # kmock answers a list with a dict ({"items": [...], ...}).
+        result = cast(dict[str, Any], await super()._serve_list(request))
         selector = request.params.get("fieldSelector")
         result["items"] = [o for o in result["items"] if _selector_matches(o, selector)]
         result["metadata"] = {"resourceVersion": str(self.resource_version)}
@@ -198,7 +203,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             for f in pending:
                 f.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-            if inner is not None:
+            if isinstance(inner, AsyncGenerator):  # Bus.stream is an async generator
                 await inner.aclose()
             if mark is not None:
                 await bus.unmark(mark)
@@ -240,14 +245,14 @@ class _RecordingBus(aiobus.Bus[Any]):
         await super().put(*items)
 
 
-class _RecordingBuses(dict[Any, "_RecordingBus"]):
+class _RecordingBuses(dict[kmock.resource, aiobus.Bus[Any]]):
     """One recording bus per resource, made on first use (as kmock's defaultdict does)."""
 
     def __init__(self, emulator: ApiServerEmulator) -> None:
         super().__init__()
         self._emulator = emulator
 
-    def __missing__(self, resource: Any) -> _RecordingBus:
+    def __missing__(self, resource: kmock.resource) -> aiobus.Bus[Any]:
         bus = self[resource] = _RecordingBus(on_put=lambda items: self._emulator._record(resource, items))
         return bus
 
@@ -311,7 +316,7 @@ class KubeServer:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(30)
 
-    def call(self, fn: Callable[[ApiServerEmulator], Awaitable[T]]) -> T:
+    def call(self, fn: Callable[[ApiServerEmulator], Coroutine[Any, Any, T]]) -> T:
         """Run a coroutine against the emulator on its own loop (thread-safe)."""
         return asyncio.run_coroutine_threadsafe(fn(self.emulator), self._loop).result(30)
 

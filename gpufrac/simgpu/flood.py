@@ -19,6 +19,7 @@ only). It runs until killed.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import resource
@@ -58,7 +59,7 @@ def hold(path: str, n: int, half: bool) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, n + 64)), hard))
     sel = selectors.DefaultSelector()
     stats = [0, 0, 0]
-    partial = _request(1 << 30)[: abi.ctypes.sizeof(wire.BurstRequest) // 2]
+    partial = _request(1 << 30)[: ctypes.sizeof(wire.BurstRequest) // 2]
 
     def open_one() -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -108,7 +108,7 @@ class _Endpoint:
     resource: str
     socket: str
     channel: grpc.aio.Channel
-    stub: pb_grpc.DevicePluginStub
+    stub: pb_grpc.DevicePluginAsyncStub  # on an aio channel: the stub's calls are awaitable
     options: pb.DevicePluginOptions
     generation: int
     task: asyncio.Task[None] | None = None
@@ -133,6 +133,8 @@ class _Resource:
 
     def _decode(self) -> tuple[dict[str, str], dict[str, pb.Device], set[str]]:
         if self._decoded is None:
+            devices: dict[str, str]
+            msgs: dict[str, pb.Device]
             if self._override is not None:
                 devices, msgs = self._override, {}
             elif self._last is None:
@@ -185,7 +187,9 @@ class _Registration(pb_grpc.RegistrationServicer):
         self.kubelet = kubelet
         self.generation = generation
 
-    async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+    async def Register(
+        self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext[pb.RegisterRequest, pb.Empty]
+    ) -> pb.Empty:
         k = self.kubelet
         k.registration_total += 1
         if request.version not in SUPPORTED_VERSIONS:
@@ -213,7 +217,7 @@ class _PodResources(pr_grpc.PodResourcesListerServicer):
         self._tokens = 10.0
         self._last = time.monotonic()
 
-    async def _limit(self, context: grpc.aio.ServicerContext) -> None:
+    async def _limit(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         now = time.monotonic()
         self._tokens = min(10.0, self._tokens + (now - self._last) * 100.0)
         self._last = now
@@ -221,13 +225,21 @@ class _PodResources(pr_grpc.PodResourcesListerServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rejected by rate limit")
         self._tokens -= 1.0
 
-    async def List(self, request: pr.ListPodResourcesRequest, context: grpc.aio.ServicerContext) -> Any:
+    async def List(
+        self,
+        request: pr.ListPodResourcesRequest,
+        context: grpc.aio.ServicerContext[pr.ListPodResourcesRequest, pr.ListPodResourcesResponse],
+    ) -> Any:
         await self._limit(context)
         return pr.ListPodResourcesResponse(
             pod_resources=[self.kubelet._pod_resources(r) for r in self.kubelet._pods.values()]
         )
 
-    async def GetAllocatableResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def GetAllocatableResources(
+        self,
+        request: pr.AllocatableResourcesRequest,
+        context: grpc.aio.ServicerContext[pr.AllocatableResourcesRequest, pr.AllocatableResourcesResponse],
+    ) -> Any:
         await self._limit(context)
         resp = pr.AllocatableResourcesResponse()
         for name, res in sorted(self.kubelet._resources.items()):
@@ -237,7 +249,11 @@ class _PodResources(pr_grpc.PodResourcesListerServicer):
                     cd.topology.nodes.add(ID=n)
         return resp
 
-    async def Get(self, request: pr.GetPodResourcesRequest, context: grpc.aio.ServicerContext) -> Any:
+    async def Get(
+        self,
+        request: pr.GetPodResourcesRequest,
+        context: grpc.aio.ServicerContext[pr.GetPodResourcesRequest, pr.GetPodResourcesResponse],
+    ) -> Any:
         await self._limit(context)
         for r in self.kubelet._pods.values():
             if r.pod.name == request.pod_name and r.pod.namespace == request.pod_namespace:
@@ -355,7 +371,7 @@ class KubeletEmulator:
                 ep.task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await ep.task
-            await ep.channel.close()
+            await ep.channel.close(None)
 
     def restart(self) -> None:
         """Restart the kubelet: sockets wiped, kubelet.sock re-created, nothing re-dialled.
@@ -382,7 +398,7 @@ class KubeletEmulator:
             stub = pb_grpc.DevicePluginStub(channel)
             options = await stub.GetDevicePluginOptions(pb.Empty(), timeout=DIAL_TIMEOUT)
         except BaseException:
-            await channel.close()
+            await channel.close(None)
             raise
         res = self._resources.setdefault(request.resource_name, _Resource())
         if res.endpoint is not None:
@@ -561,7 +577,7 @@ class KubeletEmulator:
                 # As the kubelet lists them: one entry per device and NUMA node, or one
                 # without topology for a device that has none.
                 for dev in alloc.device_ids:
-                    for n in alloc.numa_nodes.get(dev) or [None]:
+                    for n in alloc.numa_nodes.get(dev) or (None,):
                         cd = cr.devices.add(resource_name=resource, device_ids=[dev])
                         if n is not None:
                             cd.topology.nodes.add(ID=n)
@@ -737,7 +753,8 @@ class AgentProcess:
     def state(self) -> dict[str, Any]:
         import json
 
-        return json.loads((self.state_dir / "state.json").read_text())
+        state: dict[str, Any] = json.loads((self.state_dir / "state.json").read_text())
+        return state
 
     def container_dirs(self) -> set[str]:
         d = self.state_dir / "containers"

@@ -21,10 +21,10 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from memguard_fixtures import Container
 
 from gpufrac.core import native
 from gpufrac.memguard import build
+from tests.fixtures.memguard import Container
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
 TORCH_WORKER = WORKLOADS / "torch_worker.py"
@@ -231,9 +231,9 @@ def spawn() -> Iterator[Callable[..., Worker]]:
 
 
 def arbiter_harness() -> ModuleType:
-    """tests/arbiter_harness.py, reused: the ledger, pod identity on the
+    """tests/fixtures/arbiter_harness.py, reused: the ledger, pod identity on the
     apiserver emulator, the arbiter on its own loop and containers in real cgroups. Only
     its ArbiterNode is used here (its make_node fixture would load simgpu's NVML)."""
-    import arbiter_harness  # a fixture module of tests/ (tests/conftest.py registers it)
+    from tests.fixtures import arbiter_harness  # a fixture module of tests/ (tests/conftest.py registers it)
 
     return arbiter_harness

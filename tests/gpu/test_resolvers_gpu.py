@@ -1,6 +1,6 @@
 """The arbiter's resolvers on a real GPU: PyTorch processes under the real shim in real
 cgroups, the agent's ledger, pod identity (apiserver emulator) and arbiter in this
-process, as on the simulated node (tests/arbiter_harness.py, reused), but
+process, as on the simulated node (tests/fixtures/arbiter_harness.py, reused), but
 with the real driver's memory, NVML and checkpoint API.
 
 Each scenario books most of the GPU for a pod that never runs, so the few GiB left are
@@ -36,7 +36,6 @@ from gpu_support import (  # noqa: F401
     probe_json,
     record,
 )
-from kube_fixtures import KubeServer
 
 from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.resolvers import REASON_EVICTED
@@ -44,6 +43,7 @@ from gpufrac.core.slices import MEMORY
 from gpufrac.deviceplugin.server import container_response
 from gpufrac.memguard import abi, build
 from gpufrac.simgpu.runtime import mounts_of
+from tests.fixtures.kube import KubeServer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(1800)]
 

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 from gpu_support import OVERHEAD, TIMEOUT, Gpu, Worker, gpu, gpu_env, record, spawn  # noqa: F401
-from memguard_fixtures import Container, make_container
 
 from bench.gpu_report import summarize
+from tests.fixtures.memguard import Container, make_container
 
 pytestmark = pytest.mark.gpu
 

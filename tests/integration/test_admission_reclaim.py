@@ -6,7 +6,7 @@ that memory back from the borrowers, never from anyone's guarantee; if it cannot
 still starts and a Warning Event says who holds the memory.
 
 One 1 GiB GPU (960 MiB allocatable, 64 MiB units, grant margin 16 MiB), real agent, real
-shim, real workload processes (tests/e2e_support.py).
+shim, real workload processes (tests/fixtures/e2e.py).
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from e2e_support import E2ENode, MiB, PodRun
-from polling import until
-
 from gpufrac.agent.events import REASON_EVICTED, REASON_GUARANTEE_AT_RISK, REASON_SWAPPED_OUT
 from gpufrac.memguard import abi
 from gpufrac.simgpu.workload import WorkloadProcess
+from tests.fixtures.e2e import E2ENode, MiB, PodRun
+from tests.fixtures.polling import until
 
 MakeNode = Callable[..., E2ENode]
 

@@ -9,16 +9,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from kube_fixtures import KubeServer
 from kubernetes.config import kube_config
-from metrics_support import start_node
 
 from gpufrac.core.slices import FRACTION, MEMORY
 from gpufrac.memguard import abi
 from gpufrac.simgpu.kubelet import Container, Pod
+from tests.fixtures.kube import KubeServer
+from tests.fixtures.metrics import start_node
 
 if TYPE_CHECKING:
-    from simnode_fixtures import SimNode
+    from tests.fixtures.simnode import SimNode
 
 
 def test_an_agent_without_an_apiserver_serves_and_says_what_it_leaves_out(

@@ -11,15 +11,15 @@ import sys
 from collections.abc import Callable
 
 import pytest
-from arbiter_harness import NODE, ArbiterNode, GiB, MiB
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kube_fixtures import pod_manifest
 
 from gpufrac.agent import arbiter as arbiter_mod
 from gpufrac.agent.callers import Caller, CgroupIdentity, Credentials
 from gpufrac.memguard import abi, wire
 from gpufrac.simgpu.nodestate import NodeState
+from tests.fixtures.arbiter_harness import NODE, ArbiterNode, GiB, MiB
+from tests.fixtures.kube import pod_manifest
 
 
 @pytest.fixture

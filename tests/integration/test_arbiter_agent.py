@@ -12,16 +12,16 @@ from typing import Any
 
 import psutil
 import pytest
-from agentsim_fixtures import Sim
-from arbiter_harness import GiB, Workload
-from kube_fixtures import KubeServer, pod_manifest
-from polling import until
 
 from gpufrac.core.slices import MEMORY
 from gpufrac.memguard import abi
 from gpufrac.simgpu.kubelet import Container as KContainer
 from gpufrac.simgpu.kubelet import Pod
 from gpufrac.simgpu.runtime import ContainerRuntime, mounts_of
+from tests.fixtures.agentsim import Sim
+from tests.fixtures.arbiter_harness import GiB, Workload
+from tests.fixtures.kube import KubeServer, pod_manifest
+from tests.fixtures.polling import until
 
 NODE = "node-a"
 

@@ -18,7 +18,7 @@ from gpufrac.simgpu import faults
 from gpufrac.simgpu.spec import TOPO_LEVEL_NAMES, NodeSpec, load_preset
 
 if TYPE_CHECKING:
-    from simnode_fixtures import SimNode
+    from tests.fixtures.simnode import SimNode
 
 GPUFRAC = Path(sys.executable).with_name("gpufrac")
 

@@ -15,16 +15,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
-from kube_fixtures import pod_manifest
-from metrics_support import GiB, InprocNode, finish, read_line
 
 import gpufrac
 from gpufrac.agent.gpu_commands import cpu_list
 from gpufrac.simgpu.kubelet import Container, Pod
 from gpufrac.simgpu.spec import load_preset
+from tests.fixtures.kube import pod_manifest
+from tests.fixtures.metrics import GiB, InprocNode, finish, read_line
 
 if TYPE_CHECKING:
-    from simnode_fixtures import SimNode
+    from tests.fixtures.simnode import SimNode
 
 GPUFRAC = Path(sys.executable).with_name("gpufrac")
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import subprocess
 
 import pynvml
-from metrics_support import CTX, GiB, InprocNode, MiB, finish, read_line
 
 from gpufrac.core import slices
+from tests.fixtures.metrics import CTX, GiB, InprocNode, MiB, finish, read_line
 
 MEMORY = "gpufrac.dev/gpu-memory"
 OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY

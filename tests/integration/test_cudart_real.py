@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from memguard_fixtures import Container, Shim
 
 from gpufrac.simgpu.spec import create_node, load_preset
+from tests.fixtures.memguard import Container, Shim
 
 REPLAY = r"""
 import ctypes as C, json, os, sys

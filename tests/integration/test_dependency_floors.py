@@ -1,7 +1,7 @@
 """gpufrac at the lowest dependency versions pyproject.toml declares.
 
 `make floors` (a prerequisite of `make test`) builds build/floors-venv with every runtime
-dependency pinned to its declared floor (tests/dependency_floors.py). Here that venv imports
+dependency pinned to its declared floor (tests/fixtures/dependency_floors.py). Here that venv imports
 every gpufrac module and runs the real agent on a simulated node: a floor that does not work
 fails, instead of surfacing on a user's machine.
 """
@@ -13,10 +13,10 @@ import re
 import subprocess
 from pathlib import Path
 
-import dependency_floors
 import pytest
 
 from gpufrac.core.native import REPO_ROOT
+from tests.fixtures import dependency_floors
 
 VENV = REPO_ROOT / "build" / "floors-venv"
 PYTHON = VENV / "bin" / "python"
@@ -29,7 +29,7 @@ def _run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     env.pop("VIRTUAL_ENV", None)
     return subprocess.run(
-        [str(PYTHON), str(REPO_ROOT / "tests" / "dependency_floors.py"), *args],
+        [str(PYTHON), str(REPO_ROOT / "tests" / "fixtures" / "dependency_floors.py"), *args],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from agentsim_fixtures import Sim
 
 from gpufrac.core.slices import FRACTION, MEMORY, SOCKETS, device_id
 from gpufrac.memguard import abi
@@ -15,6 +14,7 @@ from gpufrac.proto import deviceplugin_pb2 as pb
 from gpufrac.proto import deviceplugin_pb2_grpc as pb_grpc
 from gpufrac.simgpu import faults
 from gpufrac.simgpu.kubelet import AdmissionError, Container, Pod
+from tests.fixtures.agentsim import Sim
 
 MiB, GiB = 1 << 20, 1 << 30
 ALLOCATABLE = 81559 * MiB - GiB  # dgx-h100 H100 80GB minus the default 1Gi reserve

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from arbiter_harness import ArbiterNode, GiB
-from kube_fixtures import KubeServer
-
 from gpufrac.agent.events import CONDITION_GPU_MEMORY_RECLAIMED
 from gpufrac.agent.kube import DISRUPTION_TARGET
 from gpufrac.agent.resolvers import REASON_EVICTED
+from tests.fixtures.arbiter_harness import ArbiterNode, GiB
+from tests.fixtures.kube import KubeServer
 
 Make = Callable[..., ArbiterNode]
 
@@ -58,9 +57,8 @@ def test_an_evicted_pod_gets_the_disruption_target_condition(
 def test_a_new_pod_of_the_same_name_is_not_marked(kube_server: KubeServer) -> None:
     import asyncio
 
-    from kube_fixtures import pod_manifest
-
     from gpufrac.agent.kube import EventRecorder, ObjectRef
+    from tests.fixtures.kube import pod_manifest
 
     v1 = kube_server.core_v1()
     old = v1.create_namespaced_pod("default", pod_manifest("job-0", node="n"))

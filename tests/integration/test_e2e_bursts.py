@@ -14,13 +14,13 @@ import subprocess
 from collections.abc import Callable
 
 import psutil
-from e2e_support import TIMEOUT, E2ENode, MiB, PodRun
-from polling import until
 
 from gpufrac.agent.resolvers import REASON_EVICTED, REASON_PREEMPTED
 from gpufrac.memguard import abi
 from gpufrac.simgpu import runtime as runtime_mod
 from gpufrac.simgpu.workload import RESULT_BYTES, WorkloadProcess
+from tests.fixtures.e2e import TIMEOUT, E2ENode, MiB, PodRun
+from tests.fixtures.polling import until
 
 MakeNode = Callable[..., E2ENode]
 RESULT_BUF = RESULT_BYTES  # the workload's result buffer, allocated at start

@@ -6,9 +6,8 @@ import asyncio
 import datetime
 import json
 
-from kube_fixtures import KubeServer, pod_manifest
-
 from gpufrac.agent.kube import EventRecorder, ObjectRef, PodInfo, make_api_client
+from tests.fixtures.kube import KubeServer, pod_manifest
 
 NODE = "node-a"
 

@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kube_fixtures import KubeServer, pod_manifest
-from polling import until_async
 
 from gpufrac.agent.inventory import read_inventory
 from gpufrac.agent.kube import EventRecorder, PodCache, make_api_client
@@ -29,6 +27,8 @@ from gpufrac.memguard.abi import (
     FLAG_SWAPPABLE,
     read_config,
 )
+from tests.fixtures.kube import KubeServer, pod_manifest
+from tests.fixtures.polling import until_async
 
 NODE = "node-a"
 GiB = 1 << 30

@@ -8,12 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agentsim_fixtures import Sim
-from kube_fixtures import KubeServer, pod_manifest
-
 from gpufrac.core.slices import MEMORY, container_key
 from gpufrac.memguard.abi import FLAG_POD_KNOWN, ContainerConfig, FormatError, read_config
 from gpufrac.simgpu.kubelet import Container, Pod
+from tests.fixtures.agentsim import Sim
+from tests.fixtures.kube import KubeServer, pod_manifest
 
 NODE = "sim-node-1"
 GiB = 1 << 30

@@ -19,10 +19,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from agentsim_fixtures import Sim, short_tmpdir, start_sim, stop_sim
-from e2e_support import NODE, SMALL_NODE, UNIT, MiB, agent_config
-from kube_fixtures import KubeServer, pod_manifest
-from polling import until
 from test_identity_kubelet import config_of
 
 from gpufrac.core import annotations as ann
@@ -30,6 +26,10 @@ from gpufrac.core.slices import MEMORY, container_key
 from gpufrac.memguard.abi import FLAG_POD_KNOWN, ContainerConfig
 from gpufrac.simgpu.kubelet import Container, Pod
 from gpufrac.simgpu.spec import spec_from_dict
+from tests.fixtures.agentsim import Sim, short_tmpdir, start_sim, stop_sim
+from tests.fixtures.e2e import NODE, SMALL_NODE, UNIT, MiB, agent_config
+from tests.fixtures.kube import KubeServer, pod_manifest
+from tests.fixtures.polling import until
 
 UNITS = 5  # every pod: 5 x 64 MiB; three of them fill the GPU's 15 allocatable units
 REQUEST = UNITS * UNIT

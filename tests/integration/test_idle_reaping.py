@@ -28,10 +28,6 @@ from typing import Any
 
 import kmock
 import pytest
-from agentsim_fixtures import Sim
-from kube_fixtures import PODS, KubeServer, pod_manifest
-from memguard_fixtures import Shim, read_line
-from polling import until_async
 
 from gpufrac.agent.activity import ActivityTracker, NvmlUtilisation
 from gpufrac.agent.idle import IdleReaper
@@ -47,6 +43,10 @@ from gpufrac.memguard import abi
 from gpufrac.simgpu.kubelet import Container as KContainer
 from gpufrac.simgpu.kubelet import Pod as KPod
 from gpufrac.simgpu.spec import load_preset
+from tests.fixtures.agentsim import Sim
+from tests.fixtures.kube import PODS, KubeServer, pod_manifest
+from tests.fixtures.memguard import Shim, read_line
+from tests.fixtures.polling import until_async
 
 NODE = "node-a"
 MiB = 1 << 20

@@ -19,9 +19,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from arbiter_harness import ArbiterNode, Box, GiB, MiB
-from kube_fixtures import KubeServer, kube_server  # noqa: F401 (pytest fixture)
-from memguard_fixtures import read_line
 from test_idle_reaping import Scenario
 from test_swap import (  # noqa: F401 (pytest fixtures node_file, sim_state)
     RESULT,
@@ -44,6 +41,9 @@ from gpufrac.core import annotations
 from gpufrac.core.slices import FRACTION, FRACTION_SLICES, device_id
 from gpufrac.memguard import abi
 from gpufrac.simgpu.nodestate import NodeState
+from tests.fixtures.arbiter_harness import ArbiterNode, Box, GiB, MiB
+from tests.fixtures.kube import KubeServer, kube_server  # noqa: F401 (pytest fixture)
+from tests.fixtures.memguard import read_line
 
 # Short durations: warned after 2 s without GPU work, acted on 1 s later.
 IDLE = {"interval": "100ms", "action": "swap", "idleTimeout": "2s", "gracePeriod": "1s"}

@@ -14,7 +14,7 @@ from gpufrac.simgpu import faults
 from gpufrac.simgpu.spec import TOPO_LEVEL_NAMES, NodeSpec, load_preset, preset_names
 
 if TYPE_CHECKING:
-    from simnode_fixtures import SimNode
+    from tests.fixtures.simnode import SimNode
 
 
 @pytest.fixture(params=preset_names())

@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from agentsim_fixtures import Sim
 
 from gpufrac.core.slices import FRACTION, MEMORY, SOCKETS
 from gpufrac.deviceplugin.podresources import PodResourcesClient
@@ -17,6 +16,7 @@ from gpufrac.proto import deviceplugin_pb2_grpc as pb_grpc
 from gpufrac.proto import podresources_pb2 as pr
 from gpufrac.proto import podresources_pb2_grpc as pr_grpc
 from gpufrac.simgpu.kubelet import AdmissionError, Container, KubeletEmulator, Pod
+from tests.fixtures.agentsim import Sim
 
 
 def register(k: KubeletEmulator, **fields: str) -> grpc.RpcError:

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from memguard_fixtures import LIMIT, Container, Line, MiB, Shim
 
 from gpufrac.core import native
+from tests.fixtures.memguard import LIMIT, Container, Line, MiB, Shim
 
 
 def by_cmd(lines: list[Line], cmd: str) -> list[Line]:

@@ -21,17 +21,17 @@ import textwrap
 from collections.abc import Callable
 
 import pytest
-from memguard_fixtures import NVML, TIMEOUT, Container, MiB, Shim, read_line
-from simnode_fixtures import SimNode
 
 from gpufrac.simgpu.nodestate import NodeState
 from gpufrac.simgpu.spec import load_preset
+from tests.fixtures.memguard import NVML, TIMEOUT, Container, MiB, Shim, read_line
+from tests.fixtures.simnode import SimNode
 
 CTX = load_preset("dgx-h100").gpus[0].context_memory  # the H100 estimate (docs/simgpu.md)
 MOD = 8 * MiB
 OOM = 2
 
-# Helpers of every workload here (nvml() too); unlike memguard_fixtures' prelude,
+# Helpers of every workload here (nvml() too); unlike tests.fixtures.memguard' prelude,
 # no context yet.
 PRE = """
 import ctypes, json, os, sys

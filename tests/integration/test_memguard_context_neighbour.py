@@ -24,11 +24,11 @@ import textwrap
 from collections.abc import Callable, Iterator
 
 import pytest
-from memguard_fixtures import TIMEOUT, Container, MiB, Shim, read_line
-from simnode_fixtures import SimNode
 
 from gpufrac.core import native
 from gpufrac.simgpu.spec import create_node, spec_from_dict
+from tests.fixtures.memguard import TIMEOUT, Container, MiB, Shim, read_line
+from tests.fixtures.simnode import SimNode
 
 CTX = 512 * MiB
 GiB = 1024 * MiB

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from memguard_fixtures import Container, MiB, Shim
 from test_memguard_graphs import graph_body
+
+from tests.fixtures.memguard import Container, MiB, Shim
 
 OOM = 2
 

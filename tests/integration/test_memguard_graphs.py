@@ -15,11 +15,11 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Callable
 
-from memguard_fixtures import NVML, Container, MiB, Shim
+from tests.fixtures.memguard import NVML, Container, MiB, Shim
 
 OOM = 2
 
-# Helpers for the workloads below (they run after memguard_fixtures' prelude:
+# Helpers for the workloads below (they run after tests.fixtures.memguard' prelude:
 # a current primary context, chk/rc/used, `out`).
 GRAPH = (
     NVML

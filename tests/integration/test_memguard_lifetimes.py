@@ -18,7 +18,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from memguard_fixtures import (
+from gpufrac.memguard import abi, wire
+from tests.fixtures.memguard import (
     CUDA_ERROR_OUT_OF_MEMORY,
     REQUEST,
     Container,
@@ -28,8 +29,6 @@ from memguard_fixtures import (
     held,
     read_line,
 )
-
-from gpufrac.memguard import abi, wire
 
 # ------------------------------------------------------------------ exec
 

@@ -17,7 +17,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from memguard_fixtures import (
+
+from gpufrac.memguard import abi, wire
+from gpufrac.simgpu.nodestate import NodeState
+from gpufrac.simgpu.workload import RESULT_BYTES, WorkloadProcess
+from tests.fixtures.memguard import (
     CUDA_ERROR_OUT_OF_MEMORY,
     LIMIT,
     REQUEST,
@@ -28,11 +32,7 @@ from memguard_fixtures import (
     grant_burst,
     read_line,
 )
-from polling import until
-
-from gpufrac.memguard import abi, wire
-from gpufrac.simgpu.nodestate import NodeState
-from gpufrac.simgpu.workload import RESULT_BYTES, WorkloadProcess
+from tests.fixtures.polling import until
 
 
 @pytest.fixture

@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from memguard_fixtures import NVML, Container, MiB, Shim
+
+from tests.fixtures.memguard import NVML, Container, MiB, Shim
 
 OOM = 2
 

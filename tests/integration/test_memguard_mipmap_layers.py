@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from memguard_fixtures import NVML, Container, MiB, Shim
+from tests.fixtures.memguard import NVML, Container, MiB, Shim
 
 LAYERED, CUBEMAP = 0x01, 0x04
 

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from memguard_fixtures import LIMIT, Container, MiB, Shim, read_line
 
 from gpufrac.core import native
 from gpufrac.memguard import abi
 from gpufrac.simgpu.nodestate import NodeState
+from tests.fixtures.memguard import LIMIT, Container, MiB, Shim, read_line
 
 QUERIES = """
 import ctypes as C, json, os, sys, time

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from memguard_fixtures import Container, Line, MiB, Shim, held, parse_ctest
+from tests.fixtures.memguard import Container, Line, MiB, Shim, held, parse_ctest
 
 KEEP_ALL = (1 << 64) - 1
 KiB = 1 << 10

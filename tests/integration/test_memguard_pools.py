@@ -20,10 +20,17 @@ import subprocess
 import threading
 from collections.abc import Callable
 
-from memguard_fixtures import CUDA_ERROR_OUT_OF_MEMORY, Container, Line, MiB, Shim, answer_bursts, read_line
-
 from gpufrac.memguard import abi, wire
 from gpufrac.simgpu.nodestate import NodeState
+from tests.fixtures.memguard import (
+    CUDA_ERROR_OUT_OF_MEMORY,
+    Container,
+    Line,
+    MiB,
+    Shim,
+    answer_bursts,
+    read_line,
+)
 
 KEEP_ALL = (1 << 64) - 1  # release threshold UINT64_MAX: the pool never gives memory back on its own
 OOM = CUDA_ERROR_OUT_OF_MEMORY

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from memguard_fixtures import LIMIT, Container, MiB, Shim, read_line
+from tests.fixtures.memguard import LIMIT, Container, MiB, Shim, read_line
 
 
 def _killed_holding(shim: Shim, c: Container, nbytes: int) -> int:

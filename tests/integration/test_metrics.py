@@ -16,8 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pynvml
-from kube_fixtures import KubeServer
-from metrics_support import (
+
+from gpufrac.core import slices
+from gpufrac.core.slices import FRACTION, MEMORY
+from gpufrac.simgpu import faults
+from gpufrac.simgpu.kubelet import Pod
+from tests.fixtures.kube import KubeServer
+from tests.fixtures.metrics import (
     CTX,
     NODE,
     GiB,
@@ -28,11 +33,6 @@ from metrics_support import (
     result,
     start_node,
 )
-
-from gpufrac.core import slices
-from gpufrac.core.slices import FRACTION, MEMORY
-from gpufrac.simgpu import faults
-from gpufrac.simgpu.kubelet import Pod
 
 METRICS_MD = Path(__file__).resolve().parents[2] / "deploy" / "daemonset" / "METRICS.md"
 RESERVED = GiB  # the default reservedPerGpu

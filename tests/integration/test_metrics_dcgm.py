@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pynvml
 import yaml
-from metrics_support import CTX, NODE, GiB, InprocNode, MiB, Scrape, finish, result
 
 from gpufrac.core.native import REPO_ROOT
 from gpufrac.core.slices import FRACTION, MEMORY
+from tests.fixtures.metrics import CTX, NODE, GiB, InprocNode, MiB, Scrape, finish, result
 
 METRICS_MD = REPO_ROOT / "deploy" / "daemonset" / "METRICS.md"
 # What a Prometheus Operator scrape adds (the agent's ServiceMonitor: honorLabels, node).

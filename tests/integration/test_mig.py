@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 
 import pynvml
 import pytest
-from metrics_support import InprocNode
 
 from gpufrac.core.gpus import MIG_REASON
 from gpufrac.core.slices import FRACTION, MEMORY
 from gpufrac.simgpu.spec import SpecError, load_preset, spec_from_dict
+from tests.fixtures.metrics import InprocNode
 
 if TYPE_CHECKING:
-    from simnode_fixtures import SimNode
+    from tests.fixtures.simnode import SimNode
 
 PRESET = "h100x4-mig"
 SPEC = load_preset(PRESET)
@@ -51,7 +51,7 @@ def test_fake_nvml_reports_the_mig_mode(in_process_nvml: SimNode) -> None:
 
 
 def test_a_gpu_without_mig_support_says_not_supported(make_sim_node: Callable[..., SimNode]) -> None:
-    from simnode_fixtures import nvml_in_process
+    from tests.fixtures.simnode import nvml_in_process
 
     node = make_sim_node("pcie-l4x4")
     with nvml_in_process(node.path):

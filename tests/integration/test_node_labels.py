@@ -8,18 +8,18 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from kube_fixtures import KubeServer
-from metrics_support import NODE, InprocNode, start_node
-from polling import until
 
 from gpufrac.agent import nodelabels
 from gpufrac.core import config as config_mod
 from gpufrac.core.gpus import Gpu, Inventory
 from gpufrac.simgpu import faults
 from gpufrac.simgpu.spec import load_preset
+from tests.fixtures.kube import KubeServer
+from tests.fixtures.metrics import NODE, InprocNode, start_node
+from tests.fixtures.polling import until
 
 if TYPE_CHECKING:
-    from simnode_fixtures import SimNode
+    from tests.fixtures.simnode import SimNode
 
 MiB = 1 << 20
 # What a cluster put on the node before gpufrac ran: the operator's opt-in label, the

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kube_fixtures import PODS, KubeServer, pod_manifest
 from kubernetes import client, watch
-from polling import until_async
 
 from gpufrac.agent.kube import KubeConfigError, PodCache, PodInfo, make_api_client
+from tests.fixtures.kube import PODS, KubeServer, pod_manifest
+from tests.fixtures.polling import until_async
 
 NODE = "node-a"
 

@@ -9,15 +9,15 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from kube_fixtures import KubeServer, pod_manifest
-from metrics_support import GiB, InprocNode, start_node
 
 from gpufrac.agent.events import REASON_POLICY_CAPPED
 from gpufrac.memguard import abi
 from gpufrac.simgpu.kubelet import Container, Pod
+from tests.fixtures.kube import KubeServer, pod_manifest
+from tests.fixtures.metrics import GiB, InprocNode, start_node
 
 if TYPE_CHECKING:
-    from simnode_fixtures import SimNode
+    from tests.fixtures.simnode import SimNode
 
 MEMORY = "gpufrac.dev/gpu-memory"
 POLICY = {

@@ -6,11 +6,10 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 
-from agentsim_fixtures import Sim
-
 from gpufrac.core.slices import FRACTION, MEMORY, container_key
 from gpufrac.memguard import abi
 from gpufrac.simgpu.kubelet import AdmissionError, Pod
+from tests.fixtures.agentsim import Sim
 
 
 def kubelet_keys(sim: Sim) -> set[str]:

@@ -10,12 +10,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from arbiter_harness import ArbiterNode, Box, GiB
-from kube_fixtures import KubeServer
 
 from gpufrac.agent import kill as kill_mod
 from gpufrac.agent.resolvers import REASON_EVICTED, REASON_PREEMPTED
 from gpufrac.core.units import format_bytes
+from tests.fixtures.arbiter_harness import ArbiterNode, Box, GiB
+from tests.fixtures.kube import KubeServer
 
 Make = Callable[..., ArbiterNode]
 

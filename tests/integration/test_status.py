@@ -17,12 +17,12 @@ from typing import Any
 
 import pynvml
 import yaml
-from metrics_support import CTX, GiB, InprocNode, finish, read_line
 
 from gpufrac.agent.status.server import MAX_REQUEST, StatusServer
 from gpufrac.core import slices
 from gpufrac.core.slices import FRACTION, MEMORY
 from gpufrac.core.units import format_bytes
+from tests.fixtures.metrics import CTX, GiB, InprocNode, finish, read_line
 
 
 def gpufrac(*args: str) -> subprocess.CompletedProcess[str]:

@@ -16,10 +16,6 @@ from typing import Any
 
 import pynvml
 import pytest
-from arbiter_harness import ArbiterNode, Box, CudaApp, GiB, MiB
-from kube_fixtures import KubeServer
-from polling import until
-from simnode_fixtures import nvml_node
 
 from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.cuda_checkpoint import Support
@@ -30,6 +26,10 @@ from gpufrac.core import native
 from gpufrac.memguard import abi
 from gpufrac.simgpu.nodestate import NodeState
 from gpufrac.simgpu.workload import RESULT_BYTES
+from tests.fixtures.arbiter_harness import ArbiterNode, Box, CudaApp, GiB, MiB
+from tests.fixtures.kube import KubeServer
+from tests.fixtures.polling import until
+from tests.fixtures.simnode import nvml_node
 
 TIMEOUT = 120.0
 RESULT = RESULT_BYTES  # every workload also holds check_u32's result buffer

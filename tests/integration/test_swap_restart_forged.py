@@ -14,11 +14,11 @@ import os
 from pathlib import Path
 
 import pytest
-from arbiter_harness import ArbiterNode, GiB
 from test_swap import RESULT, gpu_pids, node, node_file, sim_state, swap_victim_out  # noqa: F401
 
 from gpufrac.agent import swap_files
 from gpufrac.memguard import abi
+from tests.fixtures.arbiter_harness import ArbiterNode, GiB
 
 
 @pytest.mark.parametrize(("forged", "record"), [(1 << 62, True), (0, True), (1 << 62, False)])

@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from arbiter_harness import ArbiterNode, Box, GiB, MiB
-from kube_fixtures import KubeServer
-from polling import until
 
 from gpufrac.agent.events import REASON_LIMIT_ENFORCED, REASON_OVER_LIMIT
 from gpufrac.agent.watchdog import Watchdog
 from gpufrac.core.config import WatchdogConfig
+from tests.fixtures.arbiter_harness import ArbiterNode, Box, GiB, MiB
+from tests.fixtures.kube import KubeServer
+from tests.fixtures.polling import until
 
 # A program that bypasses the shim: it records GPU memory for itself in the simulated
 # driver's node state, as a static binary talking to the driver would, and waits. With

@@ -1,7 +1,7 @@
 """The watchdog against a real CUDA program that bypasses the shim, end to end.
 
 Each pod's container is gpufrac.simgpu.workload (cuda-python over the fake libcuda) in a
-real cgroup, started from the kubelet emulator's Allocate response (e2e_support) but
+real cgroup, started from the kubelet emulator's Allocate response (tests.fixtures.e2e) but
 WITHOUT the LD_PRELOAD that response asks for: the memguard shim never loads, so the
 driver hands out whatever the GPU has, past the container's limit. Only NVML sees it;
 the real agent (a subprocess) with its watchdog in enforce or report mode must act.
@@ -17,14 +17,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
-from e2e_support import E2ENode, MiB, PodRun
-from polling import until
 
 from gpufrac.agent.events import REASON_LIMIT_ENFORCED, REASON_OVER_LIMIT
 from gpufrac.core import native
 from gpufrac.core.units import format_bytes
 from gpufrac.simgpu.runtime import Container
 from gpufrac.simgpu.workload import RESULT_BYTES
+from tests.fixtures.e2e import E2ENode, MiB, PodRun
+from tests.fixtures.polling import until
 
 MakeNode = Callable[..., E2ENode]
 LIMIT = 256 * MiB

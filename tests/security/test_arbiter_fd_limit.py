@@ -4,7 +4,7 @@ The node-wide connection cap (`arbiterLimits.maxConnections`, 4096) only protect
 agent if the process may open that many files: a container runtime commonly starts the
 agent with a soft RLIMIT_NOFILE of 1024. Past it, accept() fails (EMFILE), the loop stops
 accepting for a while, and the agent cannot open its own files either. Real processes in
-real cgroups on the real socket (tests/arbiter_harness.py), the flood from
+real cgroups on the real socket (tests/fixtures/arbiter_harness.py), the flood from
 gpufrac.simgpu.flood. Also here: a flood that holds nothing at all (connect and close,
 never over a limit) but keeps the kernel's listen queue full.
 """
@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from arbiter_harness import ArbiterNode, GiB
 from test_arbiter_flood import start_flood
 
 from gpufrac.agent.fairness import FD_RESERVE, fit_fd_limit
+from tests.fixtures.arbiter_harness import ArbiterNode, GiB
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """One container floods the arbiter socket; its neighbour's burst is still granted.
 
-Real processes in real cgroups on the real socket (tests/arbiter_harness.py): the
+Real processes in real cgroups on the real socket (tests/fixtures/arbiter_harness.py): the
 flooder is gpufrac.simgpu.flood in its own container, the neighbour the stand-in
 workload in another. Limits: gpufrac.agent.fairness, docs/arbiter-protocol.md.
 """
@@ -16,7 +16,6 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
-from arbiter_harness import ArbiterNode, Box, GiB
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +25,7 @@ from gpufrac.core import native
 from gpufrac.deviceplugin.server import container_response
 from gpufrac.memguard import wire
 from gpufrac.simgpu.runtime import Container, mounts_of
+from tests.fixtures.arbiter_harness import ArbiterNode, Box, GiB
 
 
 def start_flood(node: ArbiterNode, box: Box, mode: str, n: int, *extra: int) -> Container:

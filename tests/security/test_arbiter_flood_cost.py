@@ -9,7 +9,7 @@ times), so it gets a fraction of its connections answered per REFUSE_DELAY; and 
 processes' container is read from /proc once per process, not once per connection
 (gpufrac.agent.knowncallers).
 
-Real processes in real cgroups on the real socket (tests/arbiter_harness.py).
+Real processes in real cgroups on the real socket (tests/fixtures/arbiter_harness.py).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from arbiter_harness import ArbiterNode, GiB
 from test_arbiter_flood import start_flood
 
 from gpufrac.agent.fairness import MAX_STRETCH, REFUSE_DELAY
+from tests.fixtures.arbiter_harness import ArbiterNode, GiB
 
 
 def test_a_container_holding_1100_connections_is_answered_at_its_limits_pace(

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from arbiter_harness import ArbiterNode, Box, GiB
 
 from gpufrac.memguard import abi, wire
+from tests.fixtures.arbiter_harness import ArbiterNode, Box, GiB
 
 NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
 

@@ -3,7 +3,7 @@
 Anyone who reaches the socket without being a served container (a host process, a
 socket kept after its connecting process exited) is refused; sent back to back, each
 refusal must not become a log line of its own (hundreds a second, within the rate limit).
-Real socket, real agent loop (tests/arbiter_harness.py); this test process is in no
+Real socket, real agent loop (tests/fixtures/arbiter_harness.py); this test process is in no
 kubelet container.
 """
 
@@ -13,9 +13,9 @@ import logging
 from collections.abc import Callable
 
 import pytest
-from arbiter_harness import ArbiterNode, GiB
 
 from gpufrac.memguard import wire
+from tests.fixtures.arbiter_harness import ArbiterNode, GiB
 
 
 def test_refusals_of_unidentified_callers_are_logged_once_with_a_count(

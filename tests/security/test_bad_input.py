@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import yaml
-from arbiter_harness import ArbiterNode, GiB
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +24,7 @@ from gpufrac.core import annotations as ann
 from gpufrac.core.config import Config, ConfigError, load
 from gpufrac.core.units import format_bytes, parse_bytes, parse_duration
 from gpufrac.memguard import abi
+from tests.fixtures.arbiter_harness import ArbiterNode, GiB
 
 U32 = 2**32 - 1
 MAX_MS_FIELD_S = U32 / 1000  # the shim's u32 millisecond fields, in seconds

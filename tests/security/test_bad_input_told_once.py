@@ -3,7 +3,7 @@
 A tenant (or any controller) may rewrite an unrelated annotation of its pod as often as the
 apiserver lets it; each change makes the agent apply the pod's policy again. A refusal
 that has not changed must not become a new log line and Event each time. Real pod on
-kmock's apiserver, the agent's PodIdentity and pod cache (tests/arbiter_harness.py).
+kmock's apiserver, the agent's PodIdentity and pod cache (tests/fixtures/arbiter_harness.py).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import logging
 from collections.abc import Callable
 
 import pytest
-from arbiter_harness import ArbiterNode, GiB
 
 from gpufrac.core import annotations as ann
+from tests.fixtures.arbiter_harness import ArbiterNode, GiB
 
 
 def test_a_refused_annotation_is_told_once_whatever_else_changes(

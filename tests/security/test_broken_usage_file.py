@@ -6,18 +6,17 @@ else: the agent then counts it from the driver (NVML's per-process memory), or a
 it may, and as idle (gpufrac.agent.arbiter.Arbiter.holdings).
 
 One 1 GiB GPU (960 MiB allocatable, 64 MiB units); the real agent, real shim, real workload
-processes (tests/e2e_support.py). Node resolvers: wait only; lendUnusedRequests on.
+processes (tests/fixtures/e2e.py). Node resolvers: wait only; lendUnusedRequests on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from e2e_support import E2ENode, MiB
-from hostile_tenant import agent_alive, agent_config, break_magic
-from polling import until
-
 from gpufrac.agent.events import REASON_EVICTED
+from tests.fixtures.e2e import E2ENode, MiB
+from tests.fixtures.hostile_tenant import agent_alive, agent_config, break_magic
+from tests.fixtures.polling import until
 
 MakeNode = Callable[..., E2ENode]
 

@@ -8,7 +8,7 @@ over the container's processes (gpufrac.agent.truth; Arbiter._used, Arbiter.driv
 A file that disagrees with NVML is flagged (GpuUsageFileMismatch Event, metric).
 
 One 1 GiB GPU (992 MiB usable, 960 MiB allocatable, 64 MiB units, grant margin 16 MiB);
-the real agent, real shim, real workload processes (tests/e2e_support.py).
+the real agent, real shim, real workload processes (tests/fixtures/e2e.py).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from e2e_support import E2ENode, MiB, PodRun
-from hostile_tenant import agent_alive, agent_config, exec_in, write_total, zero_usage
-from polling import until
 
 from gpufrac.agent.events import REASON_EVICTED, REASON_LIMIT_ENFORCED, REASON_USAGE_MISMATCH
 from gpufrac.agent.gpu_processes import start_time
+from tests.fixtures.e2e import E2ENode, MiB, PodRun
+from tests.fixtures.hostile_tenant import agent_alive, agent_config, exec_in, write_total, zero_usage
+from tests.fixtures.polling import until
 
 MakeNode = Callable[..., E2ENode]
 

@@ -9,18 +9,17 @@ leave evict out (gpufrac.agent.resolvers.EvictResolver.victims, guarantee_chain;
 gpufrac.agent.admission.reclaim_guarantee).
 
 One 1 GiB GPU (960 MiB allocatable, 64 MiB units, grant margin 16 MiB); the real agent,
-real shim, real workload processes (tests/e2e_support.py). Node resolvers: wait only.
+real shim, real workload processes (tests/fixtures/e2e.py). Node resolvers: wait only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from e2e_support import E2ENode, MiB, PodRun
-from hostile_tenant import agent_alive, agent_config
-from polling import until
-
 from gpufrac.agent.events import REASON_EVICTED, REASON_GUARANTEE_AT_RISK
+from tests.fixtures.e2e import E2ENode, MiB, PodRun
+from tests.fixtures.hostile_tenant import agent_alive, agent_config
+from tests.fixtures.polling import until
 
 MakeNode = Callable[..., E2ENode]
 

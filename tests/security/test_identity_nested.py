@@ -7,7 +7,7 @@ outermost pod component of the path names the caller (gpufrac.agent.callers.pars
 for the arbiter and the watchdog alike.
 
 One 1 GiB GPU (64 MiB units); the real agent, real shim, real workload processes in real
-cgroups (tests/e2e_support.py).
+cgroups (tests/fixtures/e2e.py).
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from e2e_support import E2ENode, MiB, PodRun
-from hostile_tenant import agent_alive, agent_config, exec_in
-from polling import until
 
 from gpufrac.agent.callers import parse_cgroup_path
 from gpufrac.agent.events import REASON_LIMIT_ENFORCED
 from gpufrac.simgpu.runtime import cgroup_relpath
 from gpufrac.simgpu.workload import WorkloadProcess
+from tests.fixtures.e2e import E2ENode, MiB, PodRun
+from tests.fixtures.hostile_tenant import agent_alive, agent_config, exec_in
+from tests.fixtures.polling import until
 
 MakeNode = Callable[..., E2ENode]
 UID_A, UID_B = "0f1e2d3c-4b5a-6978-8877-665544332211", "aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"

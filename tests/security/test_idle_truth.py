@@ -9,7 +9,7 @@ from its activity tracker (gpufrac.agent.activity: NVML's per-process samples, t
 launches only when the driver sampled the container in the same window).
 
 One 1 GiB GPU (992 MiB usable, 960 MiB allocatable, 64 MiB units); the real agent, real shim,
-real workload processes (tests/e2e_support.py).
+real workload processes (tests/fixtures/e2e.py).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from e2e_support import E2ENode, MiB
-from hostile_tenant import agent_alive, agent_config
-from polling import until
 
 from gpufrac.agent.events import REASON_EVICTED
 from gpufrac.memguard import abi
+from tests.fixtures.e2e import E2ENode, MiB
+from tests.fixtures.hostile_tenant import agent_alive, agent_config
+from tests.fixtures.polling import until
 
 MakeNode = Callable[..., E2ENode]
 # Every pod here is of the default class; the reaper is told to reap it.

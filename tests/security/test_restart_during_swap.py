@@ -1,6 +1,6 @@
 """kill -9 of the agent while a container is swapped out: the new agent brings it back.
 
-Every part real (tests/e2e_support.py): the agent a subprocess, the container's process
+Every part real (tests/fixtures/e2e.py): the agent a subprocess, the container's process
 cuda-python under the memguard shim in its own cgroup, the fake driver's checkpoint API
 across processes. The swapped container's processes stay locked in the driver across the
 agent's death; a new agent must never clear their swapped flags while the driver says so
@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable
 
 import pytest
-from e2e_support import TIMEOUT, E2ENode, MiB, PodRun
-from polling import until
 
 from gpufrac.memguard import abi
+from tests.fixtures.e2e import TIMEOUT, E2ENode, MiB, PodRun
+from tests.fixtures.polling import until
 
 
 def idle_for(pod: PodRun, seconds: float) -> bool:

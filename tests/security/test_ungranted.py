@@ -5,18 +5,17 @@ asking the arbiter for a grant. That memory is weighed like any burst: a neighbo
 guarantee takes it back (gpufrac.agent.resolvers.EvictResolver, gpufrac.agent.ungranted).
 
 One 1 GiB GPU (992 MiB usable, 960 MiB allocatable, 64 MiB units, grant margin 16 MiB);
-the real agent, real shim, real workload processes (tests/e2e_support.py).
+the real agent, real shim, real workload processes (tests/fixtures/e2e.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from e2e_support import E2ENode, MiB
-from hostile_tenant import agent_alive, agent_config, exec_in
-from polling import until
-
 from gpufrac.agent.events import REASON_EVICTED
+from tests.fixtures.e2e import E2ENode, MiB
+from tests.fixtures.hostile_tenant import agent_alive, agent_config, exec_in
+from tests.fixtures.polling import until
 
 MakeNode = Callable[..., E2ENode]
 

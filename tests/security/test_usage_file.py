@@ -7,7 +7,7 @@ size, magic and version, and clamps every byte counter (gpufrac.memguard.abi.rea
 parse_usage).
 
 End to end: one 1 GiB GPU (960 MiB allocatable, 64 MiB units), the real agent, real
-workload processes under the real shim (tests/e2e_support.py).
+workload processes under the real shim (tests/fixtures/e2e.py).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from e2e_support import E2ENode, MiB
-from hostile_tenant import agent_alive, agent_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpufrac.memguard import abi
+from tests.fixtures.e2e import E2ENode, MiB
+from tests.fixtures.hostile_tenant import agent_alive, agent_config
 
 MakeNode = Callable[..., E2ENode]
 

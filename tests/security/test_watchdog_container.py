@@ -7,19 +7,18 @@ enforce mode (the default) the container's newest processes are killed until the
 in the scan that finds it.
 
 One 1 GiB GPU (992 MiB usable, 64 MiB units); the real agent, real shim, real workload
-processes (tests/e2e_support.py).
+processes (tests/fixtures/e2e.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from e2e_support import E2ENode, MiB
-from hostile_tenant import agent_alive, agent_config, exec_in
-from polling import until
-
 from gpufrac.agent.events import REASON_LIMIT_ENFORCED
 from gpufrac.core.units import format_bytes
+from tests.fixtures.e2e import E2ENode, MiB
+from tests.fixtures.hostile_tenant import agent_alive, agent_config, exec_in
+from tests.fixtures.polling import until
 
 MakeNode = Callable[..., E2ENode]
 TOLERANCE = 64 * MiB

@@ -8,11 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from fakecuda_support import ctx_bytes, ok, run_py
-from simnode_fixtures import SimNode
-
 from gpufrac.core import native
 from gpufrac.simgpu.spec import create_node, spec_from_dict
+from tests.fixtures.fakecuda import ctx_bytes, ok, run_py
+from tests.fixtures.simnode import SimNode
 
 MiB = 1 << 20
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from fakecuda_support import MIB, Workload, gpu_used, ok, run_py, slot_fields
-from simnode_fixtures import SimNode
 
 from gpufrac.simgpu.nodestate import NodeState
+from tests.fixtures.fakecuda import MIB, Workload, gpu_used, ok, run_py, slot_fields
+from tests.fixtures.simnode import SimNode
 
 TARGET = """
 import time

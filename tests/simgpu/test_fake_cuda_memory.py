@@ -7,8 +7,9 @@ import textwrap
 from collections.abc import Callable
 
 import pytest
-from fakecuda_support import MIB, Workload, gpu_used, ok, run_py, slot_used
-from simnode_fixtures import SimNode
+
+from tests.fixtures.fakecuda import MIB, Workload, gpu_used, ok, run_py, slot_used
+from tests.fixtures.simnode import SimNode
 
 
 @pytest.fixture

@@ -11,7 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fakecuda_support import (
+
+from gpufrac.core import native
+from tests.fixtures.fakecuda import (
     GIB,
     MIB,
     Workload,
@@ -23,9 +25,7 @@ from fakecuda_support import (
     slot_fields,
     slot_used,
 )
-from simnode_fixtures import SimNode
-
-from gpufrac.core import native
+from tests.fixtures.simnode import SimNode
 
 
 @pytest.fixture(params=["release", "asan"])
