@@ -181,7 +181,7 @@ class NvmlUtilisation:
     so every call returns only what happened since the previous one."""
 
     def __init__(self, threshold: int = DEFAULT_UTIL_THRESHOLD) -> None:
-        import pynvml  # type: ignore[import-untyped]  # nvidia-ml-py ships no type hints
+        import pynvml  # nvidia-ml-py ships no type hints
 
         from gpufrac.agent.inventory import nvml_init
 

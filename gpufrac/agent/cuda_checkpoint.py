@@ -96,7 +96,7 @@ class Checkpointer:
 
     def _detect(self) -> Support:
         try:
-            from cuda.bindings import driver  # type: ignore[import-untyped]  # cuda-python ships no types
+            from cuda.bindings import driver  # cuda-python ships no types
         except ImportError as e:
             return Support(False, f"cuda-python is not installed ({e})")
         try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import pynvml  # type: ignore[import-untyped]  # nvidia-ml-py ships no types
+import pynvml  # nvidia-ml-py ships no types
 
 from gpufrac.agent.callers import CgroupIdentity, PeerError, read_cgroup
 from gpufrac.agent.inventory import query_gpus

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
-import pynvml  # type: ignore[import-untyped]  # nvidia-ml-py ships no type hints
+import pynvml  # nvidia-ml-py ships no type hints
 
 from gpufrac.agent.inventory import LOST_REASON, NvmlError, nvml_call, nvml_init, nvml_shutdown
 from gpufrac.core.config import HealthConfig

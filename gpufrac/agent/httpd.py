@@ -14,8 +14,8 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client.exposition import ThreadingWSGIServer
 
-if TYPE_CHECKING:  # wsgiref.types is Python 3.11+; the annotations only
-    from wsgiref.types import WSGIApplication
+if TYPE_CHECKING:  # typeshed's WSGI types (wsgiref.types is Python 3.11+): annotations only
+    from _typeshed.wsgi import WSGIApplication
 
 log = logging.getLogger(__name__)
 

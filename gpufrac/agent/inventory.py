@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import pynvml  # type: ignore[import-untyped]  # nvidia-ml-py ships no type hints
+import pynvml  # nvidia-ml-py ships no type hints
 
 from gpufrac.core.gpus import MIG_REASON, Gpu, Inventory, Link, PcieLink
 

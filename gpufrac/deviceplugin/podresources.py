@@ -7,6 +7,7 @@ gone (there is no deallocate call) and to find the pod behind an allocation.
 
 from __future__ import annotations
 
+import builtins
 from dataclasses import dataclass
 
 import grpc
@@ -20,7 +21,7 @@ def grouped(resp: pr.ListPodResourcesResponse, resources: tuple[str, ...] | None
     """A List answer as one entry per container and resource. The kubelet lists a container's
     devices one ID per entry (and an ID once per NUMA node it sits on), not as the set its
     Allocate got: the set is the union, each ID once, in the order listed."""
-    out = []
+    out: list[ContainerDevices] = []
     for pod in resp.pod_resources:
         for c in pod.containers:
             ids: dict[str, dict[str, None]] = {}  # resource -> IDs (a dict keeps order, drops repeats)
@@ -81,25 +82,25 @@ class PodResourcesClient:
         finally:
             conn.calls -= 1
             if conn.retired and conn.calls == 0:
-                await conn.channel.close()
+                await conn.channel.close(None)
 
     async def close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            await conn.channel.close()
+            await conn.channel.close(None)
 
-    async def list(self, resources: tuple[str, ...] | None = None) -> list[ContainerDevices]:
+    async def list(self, resources: tuple[str, ...] | None = None) -> builtins.list[ContainerDevices]:
         """All containers' devices (optionally only of `resources`), one entry per container
         and resource. Raises grpc.aio.AioRpcError."""
         resp = await self._call("List", pr.ListPodResourcesRequest())
         assert isinstance(resp, pr.ListPodResourcesResponse)
         return grouped(resp, resources)
 
-    async def allocatable(self) -> dict[str, list[str]]:
+    async def allocatable(self) -> dict[str, builtins.list[str]]:
         """Healthy device IDs per resource, as the kubelet counts them allocatable."""
         resp = await self._call("GetAllocatableResources", pr.AllocatableResourcesRequest())
         assert isinstance(resp, pr.AllocatableResourcesResponse)
-        out: dict[str, list[str]] = {}
+        out: dict[str, builtins.list[str]] = {}
         for d in resp.devices:
             out.setdefault(d.resource_name, []).extend(d.device_ids)
         return out

@@ -364,7 +364,7 @@ class PluginServer:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)  # stale socket of an earlier run
         server = grpc.aio.server()
-        pb_grpc.add_DevicePluginServicer_to_server(self.plugin, server)  # type: ignore[no-untyped-call]  # generated, unannotated
+        pb_grpc.add_DevicePluginServicer_to_server(self.plugin, server)
         server.add_insecure_port(f"unix://{self.socket_path}")
         await server.start()
         self._server = server
@@ -379,7 +379,7 @@ class PluginServer:
             options=OPTIONS,
         )
         async with grpc.aio.insecure_channel(f"unix://{self.kubelet_socket}") as ch:
-            stub = pb_grpc.RegistrationStub(ch)  # type: ignore[no-untyped-call]  # generated, unannotated
+            stub = pb_grpc.RegistrationStub(ch)
             await stub.Register(req, timeout=REGISTER_TIMEOUT)
 
     async def _supervise(self) -> None:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
+
+if TYPE_CHECKING:  # typeshed's WSGI types (wsgiref.types is Python 3.11+): annotations only
+    from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
 
 # Liveness: the loop's heartbeat task beats this often; a beat older than
 # HEARTBEAT_STALE_AFTER means the loop is stuck (/healthz fails). Not the arbiter's

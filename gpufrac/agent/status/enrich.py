@@ -18,7 +18,7 @@ def read_gpu_live(uuids: Iterable[str]) -> dict[str, tuple[int | None, float | N
     """uuid -> (memory used bytes, utilisation 0..1) from NVML; (None, None) where it fails."""
     # nvidia-ml-py ships no type information; NVML is imported where it is used, as the
     # inventory does, so that importing the status model needs no driver.
-    import pynvml  # type: ignore[import-untyped]
+    import pynvml
 
     from gpufrac.agent.inventory import NvmlError, query_gpus
 

@@ -25,8 +25,8 @@ from gpufrac.agent.httpd import QuietHandler, Served, serve_unix
 from gpufrac.agent.status.capture import Observed, capture_threadsafe
 from gpufrac.agent.status.enrich import enrich
 
-if TYPE_CHECKING:  # wsgiref.types is Python 3.11+; the annotations only
-    from wsgiref.types import StartResponse, WSGIEnvironment
+if TYPE_CHECKING:  # typeshed's WSGI types (wsgiref.types is Python 3.11+): annotations only
+    from _typeshed.wsgi import StartResponse, WSGIEnvironment
 
 log = logging.getLogger(__name__)
 
