@@ -39,7 +39,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gpufrac.agent.callers import read_cgroup
+from gpufrac.agent.callers import PeerError, read_cgroup
 from gpufrac.memguard import abi
 
 log = logging.getLogger(__name__)
@@ -191,11 +191,14 @@ class NvmlUtilisation:
         self._handles: dict[str, object] = {}
         self._last_seen: dict[str, int] = {}
         self._unsupported: set[str] = set()
+        # GPUs whose last call failed otherwise: no samples is then no evidence of idleness,
+        # so their containers fall back to launch counts until a call succeeds again.
+        self._failing: set[str] = set()
         self._closed = False
 
     def supported(self, gpu_uuid: str) -> bool:
         """Whether this GPU gives per-process samples (as far as known)."""
-        return gpu_uuid not in self._unsupported
+        return gpu_uuid not in self._unsupported and gpu_uuid not in self._failing
 
     def busy_pids(self, gpu_uuid: str) -> dict[int, float]:
         """Host pid -> wall time of its newest sample at or above the threshold."""
@@ -224,7 +227,9 @@ class NvmlUtilisation:
                 return {}
             log.warning("GPU %s: nvmlDeviceGetProcessUtilization: %s", gpu_uuid, e)
             self._handles.pop(gpu_uuid, None)
+            self._failing.add(gpu_uuid)
             return {}
+        self._failing.discard(gpu_uuid)
         out: dict[int, tuple[float, bool]] = {}
         newest = self._last_seen.get(gpu_uuid, 0)
         for s in samples:
@@ -341,10 +346,14 @@ class ActivityTracker:
         ident = proc_identity(host_pid, self.proc)
         if ident is None:
             return []
-        claims = owner.get(ident) or owner.get((ident[0], 0)) or []
+        # Both kinds of claim: a forged exact claim must not hide a slot not stamped yet.
+        claims = owner.get(ident, []) + owner.get((ident[0], 0), [])
         if not claims:
             return []
-        cg = read_cgroup(host_pid, self.proc)
+        try:
+            cg = read_cgroup(host_pid, self.proc)
+        except PeerError:  # gone since NVML sampled it: one process must not fail the poll
+            return []
         return [t.key for t in claims if cg is None or t.pod_uid is None or cg.pod_uid == t.pod_uid]
 
     def apply(self, tracked: list[Tracked], sample: _Sample) -> dict[str, ContainerActivity]:

@@ -48,14 +48,6 @@ class KnownCallers:
         """The connecting process's kubelet container (None: in none). Raises PeerError when
         the process that connected has exited (its pid may name another one), OSError."""
         pid = peer_credentials(sock).pid
-        hit = self._known.get(pid)
-        if hit is not None:
-            if _alive(hit[0]):
-                self.hits += 1
-                return hit[1]
-            os.close(hit[0])
-            del self._known[pid]
-        self.misses += 1
         try:
             pidfd: int | None = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
         except OSError as e:
@@ -64,6 +56,24 @@ class KnownCallers:
             pidfd = None  # a kernel before 6.5: the pid alone, read every time
         if pidfd is None:
             return read_cgroup(pid, self.proc)
+        hit = self._known.get(pid)
+        if hit is not None:
+            # The connector's own pidfd first: its pid may since name a cached neighbour's
+            # process. Two live processes never share a pid, so the connector alive and the
+            # cached process alive means they are one.
+            try:
+                connector_alive = _alive(pidfd)
+            finally:
+                os.close(pidfd)
+            if not connector_alive:
+                raise PeerError(f"process {pid} that connected has exited")
+            if _alive(hit[0]):
+                self.hits += 1
+                return hit[1]
+            os.close(hit[0])
+            del self._known[pid]
+            return self.identify(sock)  # cached one gone: read afresh (and cache) below
+        self.misses += 1
         try:
             ident = read_cgroup(pid, self.proc)
             if not _alive(pidfd):

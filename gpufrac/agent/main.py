@@ -60,6 +60,8 @@ from gpufrac.deviceplugin.podresources import PodResourcesClient
 from gpufrac.deviceplugin.server import DevicePlugin, PluginServer
 
 log = logging.getLogger("gpufrac.agent")
+# How long start() waits for the apiserver client before it goes on without one.
+CONNECT_TIMEOUT = 30.0
 
 
 class AgentHealth(HealthSource, Protocol):
@@ -199,11 +201,18 @@ class Agent:
         self.started.set()
 
     async def _connect(self) -> tuple[ApiClient | None, str]:
-        """The agent's one apiserver client, or None and why not (the node runs without one)."""
+        """The agent's one apiserver client, or None and why not (the node runs without one).
+        Bounded: a kubeconfig's exec plugin that hangs must not keep the device plugins from
+        registering (containers are then admitted with limit = request, as without one)."""
         try:
-            return await kube.connect(self.config.api_server), ""
+            return await asyncio.wait_for(kube.connect(self.config.api_server), CONNECT_TIMEOUT), ""
         except kube.KubeConfigError as e:
             return None, str(e)
+        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
+            return (
+                None,
+                f"no apiserver client within {CONNECT_TIMEOUT:g} s (a kubeconfig exec plugin hanging?)",
+            )
 
     async def _start_arbiter(
         self, ledger: Ledger, pod_cache: PodCache | None, activity: ActivityTracker | None
@@ -288,8 +297,6 @@ class Agent:
             await reaper.run()
         except Exception:  # the rest of the agent goes on without it
             log.exception("idle reaper stopped")
-        finally:
-            await asyncio.to_thread(reaper.tracker.close)
 
     def _open_health(self) -> AgentHealth | None:
         try:
@@ -320,6 +327,8 @@ class Agent:
         await self.pod_resources.close()
         if self.ledger is not None:
             await self.state.save(self.ledger)
+        if self.activity is not None:  # after the arbiter and the reaper, which read it
+            await asyncio.to_thread(self.activity.close)
         if self.health is not None:
             await asyncio.to_thread(self.health.close)
         if self.node_labels is not None:

@@ -230,7 +230,7 @@ chk(cu.cuGraphAddKernelNode(graph, None, 0, np))
 gexec = chk(cu.cuGraphInstantiate(graph, 0))
 chk(cu.cuGraphLaunch(gexec, stream))
 chk(cu.cuStreamSynchronize(stream))
-u = formats.read_usage(DIR)
+u = abi.read_usage(DIR)
 out["launches"] = [int(s.launches) for s in u.slots if s.pid == os.getpid()]
 """
 
@@ -281,7 +281,7 @@ arg = C.c_uint64(1)
 params = (C.c_void_p * 1)(C.addressof(arg))
 u = C.c_uint
 out["launch_rc"] = lib.cuLaunchKernel(fn, u(1), u(1), u(1), u(1), u(1), u(1), u(0), None, params, None)
-out["launches"] = [int(s.launches) for s in formats.read_usage(DIR).slots if s.pid == os.getpid()]
+out["launches"] = [int(s.launches) for s in abi.read_usage(DIR).slots if s.pid == os.getpid()]
 """
 
 
