@@ -21,6 +21,11 @@
  * alloc node of a graph has memory of its own (no reuse between an allocation
  * freed inside the graph and a later one), and freeing graph memory outside the
  * graph (cuMemFreeAsync, cuMemFree) leaves it with its executable graph.
+ *
+ * One file (~600 lines) on purpose: capture, graph building, instantiation and
+ * launch all work on the same node, graph and executable-graph structures and the
+ * graph memory pool under one lock (g_graph_lock, gmem_t refcounts); split, all of
+ * that would move into a header shared by files that each only make sense together.
  */
 #include <stdlib.h>
 #include <string.h>
