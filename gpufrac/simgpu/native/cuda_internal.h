@@ -225,9 +225,11 @@ typedef struct {
 
 /* Each area contributes its section of the one symbol table. */
 extern SIM_HIDDEN const cu_sym_t cu_syms_core[], cu_syms_ctx[], cu_syms_mem[], cu_syms_array[], cu_syms_copy[],
-    cu_syms_pool[], cu_syms_vmm[], cu_syms_exec[], cu_syms_launch[], cu_syms_graph[], cu_syms_ckpt[];
+    cu_syms_pool[], cu_syms_vmm[], cu_syms_exec[], cu_syms_launch[], cu_syms_graph[],
+    cu_syms_graph_exec[], cu_syms_ckpt[];
 extern SIM_HIDDEN const size_t cu_syms_core_n, cu_syms_ctx_n, cu_syms_mem_n, cu_syms_array_n, cu_syms_copy_n,
-    cu_syms_pool_n, cu_syms_vmm_n, cu_syms_exec_n, cu_syms_launch_n, cu_syms_graph_n, cu_syms_ckpt_n;
+    cu_syms_pool_n, cu_syms_vmm_n, cu_syms_exec_n, cu_syms_launch_n, cu_syms_graph_n,
+    cu_syms_graph_exec_n, cu_syms_ckpt_n;
 
 static inline size_t cu_round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 

@@ -47,6 +47,7 @@ static void build_table(void) {
         {cu_syms_exec, cu_syms_exec_n},
         {cu_syms_launch, cu_syms_launch_n},
         {cu_syms_graph, cu_syms_graph_n},
+        {cu_syms_graph_exec, cu_syms_graph_exec_n},
         {cu_syms_ckpt, cu_syms_ckpt_n},
     };
     size_t total = 0;
