@@ -20,8 +20,10 @@ LDLIBS     := -ldl -lpthread
 SIM_SRC := gpufrac/simgpu/native
 MG_SRC  := gpufrac/memguard/native
 SIM_HDR := $(wildcard $(SIM_SRC)/*.h)
-# The fake libcuda is split by area: cuda.c (core, symbol table), cuda_*.c (the rest).
+# The fake drivers are split by area: cuda.c (core, symbol table) and cuda_*.c (the rest);
+# nvml.c (init, handles) and nvml_*.c (the rest).
 CUDA_SRC := $(sort $(wildcard $(SIM_SRC)/cuda*.c))
+NVML_SRC := $(sort $(wildcard $(SIM_SRC)/nvml*.c))
 MG_HDR  := $(wildcard $(MG_SRC)/*.h)
 # libmemguard.so: every mg_*.c but the test program mg_ctest.c. mg_init.c first, so its
 # constructor (the shim's init) runs before the other sources' ones; then the sources of
@@ -55,9 +57,9 @@ native-asan: $(addprefix $(ASAN_BUILD)/,$(NATIVE_LIBS))
 # -Bsymbolic: like the real drivers, the fakes' calls between their own API
 # functions stay inside the library (an LD_PRELOAD shim sees only the app's calls).
 define native_rules
-$(1)/libnvidia-ml.so.1: $(SIM_SRC)/nvml.c $(SIM_SRC)/simstate.c $(SIM_HDR)
+$(1)/libnvidia-ml.so.1: $(NVML_SRC) $(SIM_SRC)/simstate.c $(SIM_HDR)
 	@mkdir -p $(1)
-	$(CC) $(2) -shared -Wl,-soname,libnvidia-ml.so.1 -Wl,-Bsymbolic -o $$@ $(SIM_SRC)/nvml.c $(SIM_SRC)/simstate.c $(LDLIBS)
+	$(CC) $(2) -shared -Wl,-soname,libnvidia-ml.so.1 -Wl,-Bsymbolic -o $$@ $(NVML_SRC) $(SIM_SRC)/simstate.c $(LDLIBS)
 $(1)/libcuda.so.1: $(CUDA_SRC) $(SIM_SRC)/simstate.c $(SIM_HDR)
 	@mkdir -p $(1)
 	$(CC) $(2) -shared -Wl,-soname,libcuda.so.1 -Wl,-Bsymbolic -o $$@ $(CUDA_SRC) $(SIM_SRC)/simstate.c $(LDLIBS)

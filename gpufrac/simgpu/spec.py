@@ -20,6 +20,9 @@ PCIe levels between two GPUs are derived from where they hang: same `pcie_switch
 NVLink: `nvlinks` maps a peer GPU index to a link count (direct links, must be
 symmetric); `nvswitch_links` counts links into an NVSwitch fabric, through which
 every pair of fabric GPUs talks over NVLink (DGX/HGX H100).
+
+One module (~510 lines) on purpose: it is one format's reader, every key's check
+next to the others, and the writer of the node-state file that format describes.
 """
 
 from __future__ import annotations

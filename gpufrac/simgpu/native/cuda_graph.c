@@ -21,83 +21,36 @@
  * alloc node of a graph has memory of its own (no reuse between an allocation
  * freed inside the graph and a later one), and freeing graph memory outside the
  * graph (cuMemFreeAsync, cuMemFree) leaves it with its executable graph.
+ *
+ * This file: capture and building graphs; cuda_graph_exec.c: executable graphs
+ * and the graph memory pool; cuda_graph.h: the structures both use.
  */
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 
-#include "cuda_internal.h"
+#include "cuda_graph.h"
 
-/* One alloc node's virtual range, shared by the node and the graphs made from it. */
-typedef struct {
-    uintptr_t base;
-    size_t size; /* whole 2 MiB granules */
-    int refs;    /* under g_graph_lock */
-} gmem_t;
-
-struct CUgraphNode_st {
-    cu_obj_t hdr;
-    struct CUgraph_st *graph;
-    int type; /* CU_GRAPH_NODE_TYPE_* */
-    int kernel;
-    unsigned char buf[KERN_MAX_PARAM_BYTES];
-    gmem_t *mem;                      /* MEM_ALLOC */
-    int dev;                          /* MEM_ALLOC: device ordinal */
-    CUDA_MEM_ALLOC_NODE_PARAMS alloc; /* MEM_ALLOC: as added (dptr filled in) */
-    CUdeviceptr free_ptr;             /* MEM_FREE */
-};
-
-struct CUgraph_st {
-    cu_obj_t hdr;
-    struct CUgraphNode_st **nodes;
-    size_t n, cap;
-    int mem_execs; /* live executable graphs of a graph with memory nodes (at most 1) */
-};
-
-typedef struct {
-    int kernel;
-    unsigned char buf[KERN_MAX_PARAM_BYTES];
-} exec_kernel_t;
-
-struct CUgraphExec_st {
-    cu_obj_t hdr;
-    size_t n;
-    exec_kernel_t *k;
-    gmem_t **mem; /* its alloc nodes' ranges */
-    size_t nmem;
-    uint64_t need; /* bytes of graph memory it holds while mapped */
-    int dev;
-    int mapped;
-    uint64_t done_ns; /* when its last launch's work completes (under g_graph_lock) */
-    struct CUgraph_st *graph;
-};
-
-/* Per device (ordinal): the process's graph memory pool (CUgraphMem_attribute). */
-typedef struct {
-    uint64_t used, used_high, reserved, reserved_high;
-} gpool_t;
-static gpool_t g_gpool[SIMGPU_MAX_GPUS];
-
-static pthread_mutex_t g_graph_lock = PTHREAD_MUTEX_INITIALIZER;
+SIM_HIDDEN pthread_mutex_t cu_graph_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static CUresult add_node_full(struct CUgraph_st *g, struct CUgraphNode_st *proto, CUgraphNode *out) {
     struct CUgraphNode_st *nd = calloc(1, sizeof *nd);
     if (!nd) return CUDA_ERROR_OUT_OF_MEMORY;
     *nd = *proto;
     nd->graph = g;
-    pthread_mutex_lock(&g_graph_lock);
+    pthread_mutex_lock(&cu_graph_lock);
     if (g->n == g->cap) {
         size_t cap = g->cap ? g->cap * 2 : 8;
         struct CUgraphNode_st **v = realloc(g->nodes, cap * sizeof *v);
         if (!v) {
-            pthread_mutex_unlock(&g_graph_lock);
+            pthread_mutex_unlock(&cu_graph_lock);
             free(nd);
             return CUDA_ERROR_OUT_OF_MEMORY;
         }
         g->nodes = v, g->cap = cap;
     }
     g->nodes[g->n++] = nd;
-    pthread_mutex_unlock(&g_graph_lock);
+    pthread_mutex_unlock(&cu_graph_lock);
     cu_obj_add(nd, OBJ_GRAPH_NODE, NULL);
     if (out) *out = nd;
     return CUDA_SUCCESS;
@@ -109,7 +62,7 @@ static CUresult add_node(struct CUgraph_st *g, int kernel, const unsigned char *
     return add_node_full(g, &proto, out);
 }
 
-static void gmem_unref(gmem_t *m) { /* caller holds g_graph_lock */
+void cu_gmem_unref(gmem_t *m) { /* caller holds cu_graph_lock */
     if (!m || --m->refs > 0) return;
     munmap((void *)m->base, m->size);
     free(m);
@@ -134,9 +87,9 @@ static CUresult add_alloc(struct CUgraph_st *g, int dev, size_t bytesize, const 
     proto.alloc.bytesize = bytesize, proto.alloc.dptr = m->base;
     CUresult r = add_node_full(g, &proto, out);
     if (r) {
-        pthread_mutex_lock(&g_graph_lock);
-        gmem_unref(m);
-        pthread_mutex_unlock(&g_graph_lock);
+        pthread_mutex_lock(&cu_graph_lock);
+        cu_gmem_unref(m);
+        pthread_mutex_unlock(&cu_graph_lock);
         return r;
     }
     *dptr = m->base;
@@ -146,10 +99,10 @@ static CUresult add_alloc(struct CUgraph_st *g, int dev, size_t bytesize, const 
 /* Is `p` the address of one of g's alloc nodes? */
 static int graph_owns(struct CUgraph_st *g, CUdeviceptr p) {
     int hit = 0;
-    pthread_mutex_lock(&g_graph_lock);
+    pthread_mutex_lock(&cu_graph_lock);
     for (size_t i = 0; i < g->n && !hit; i++)
         hit = g->nodes[i]->type == CU_GRAPH_NODE_TYPE_MEM_ALLOC && g->nodes[i]->mem->base == p;
-    pthread_mutex_unlock(&g_graph_lock);
+    pthread_mutex_unlock(&cu_graph_lock);
     return hit;
 }
 
@@ -339,7 +292,7 @@ CU_API CUresult cuGraphGetNodes(CUgraph hGraph, CUgraphNode *nodes, size_t *numN
     CU_ENTER();
     if (!numNodes) return CUDA_ERROR_INVALID_VALUE;
     if (!cu_obj_ok(hGraph, OBJ_GRAPH)) return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&g_graph_lock);
+    pthread_mutex_lock(&cu_graph_lock);
     if (nodes) {
         size_t n = *numNodes < hGraph->n ? *numNodes : hGraph->n;
         for (size_t i = 0; i < n; i++) nodes[i] = hGraph->nodes[i];
@@ -347,227 +300,26 @@ CU_API CUresult cuGraphGetNodes(CUgraph hGraph, CUgraphNode *nodes, size_t *numN
     } else {
         *numNodes = hGraph->n;
     }
-    pthread_mutex_unlock(&g_graph_lock);
+    pthread_mutex_unlock(&cu_graph_lock);
     return CUDA_SUCCESS;
 }
 
 CU_API CUresult cuGraphDestroy(CUgraph hGraph) {
     CU_ENTER();
     if (!cu_obj_del(hGraph, OBJ_GRAPH)) return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&g_graph_lock);
+    pthread_mutex_lock(&cu_graph_lock);
     for (size_t i = 0; i < hGraph->n; i++) {
         cu_obj_del(hGraph->nodes[i], OBJ_GRAPH_NODE);
-        gmem_unref(hGraph->nodes[i]->mem);
+        cu_gmem_unref(hGraph->nodes[i]->mem);
         free(hGraph->nodes[i]);
     }
-    pthread_mutex_unlock(&g_graph_lock);
+    pthread_mutex_unlock(&cu_graph_lock);
     free(hGraph->nodes);
     free(hGraph);
     return CUDA_SUCCESS;
 }
 
-static CUresult instantiate(CUgraphExec *phGraphExec, CUgraph hGraph) {
-    if (!phGraphExec) return CUDA_ERROR_INVALID_VALUE;
-    if (!cu_obj_ok(hGraph, OBJ_GRAPH)) return CUDA_ERROR_INVALID_VALUE;
-    struct CUgraphExec_st *e = calloc(1, sizeof *e);
-    CUresult r = CUDA_SUCCESS;
-    pthread_mutex_lock(&g_graph_lock);
-    size_t nk = 0, nm = 0;
-    for (size_t i = 0; i < hGraph->n; i++) {
-        nk += hGraph->nodes[i]->type == CU_GRAPH_NODE_TYPE_KERNEL;
-        nm += hGraph->nodes[i]->type == CU_GRAPH_NODE_TYPE_MEM_ALLOC;
-    }
-    /* A graph with memory nodes has one executable graph at a time (its addresses are fixed). */
-    if (nm && hGraph->mem_execs) r = CUDA_ERROR_NOT_SUPPORTED;
-    if (e && !r && ((nk && !(e->k = calloc(nk, sizeof *e->k))) || (nm && !(e->mem = calloc(nm, sizeof *e->mem))))) {
-        free(e->k);
-        free(e);
-        e = NULL;
-    }
-    if (e && !r) {
-        for (size_t i = 0; i < hGraph->n; i++) {
-            struct CUgraphNode_st *nd = hGraph->nodes[i];
-            if (nd->type == CU_GRAPH_NODE_TYPE_KERNEL) {
-                e->k[e->n].kernel = nd->kernel;
-                memcpy(e->k[e->n++].buf, nd->buf, KERN_MAX_PARAM_BYTES);
-            } else if (nd->type == CU_GRAPH_NODE_TYPE_MEM_ALLOC) {
-                nd->mem->refs++;
-                e->mem[e->nmem++] = nd->mem;
-                e->need += nd->mem->size;
-                e->dev = nd->dev;
-            }
-        }
-        if (nm) hGraph->mem_execs++, e->graph = hGraph;
-    }
-    pthread_mutex_unlock(&g_graph_lock);
-    if (r) {
-        free(e);
-        return r;
-    }
-    if (!e) return CUDA_ERROR_OUT_OF_MEMORY;
-    cu_obj_add(e, OBJ_GRAPH_EXEC, NULL);
-    *phGraphExec = e;
-    return CUDA_SUCCESS;
-}
-
-/* Give the executable graph its memory from the device's graph pool (caller holds
- * g_graph_lock): idle pool memory first, the rest charged to the GPU. */
-static CUresult exec_map(struct CUgraphExec_st *e) {
-    if (e->mapped || !e->nmem) return CUDA_SUCCESS;
-    struct CUctx_st *c = cu_current_ctx();
-    uint32_t gpu = cu_g_devs[e->dev];
-    gpool_t *p = &g_gpool[e->dev];
-    uint64_t idle = p->reserved - p->used;
-    if (e->need > idle) {
-        if (cu_charge(gpu, e->need - idle)) return CUDA_ERROR_OUT_OF_MEMORY;
-        p->reserved += e->need - idle;
-        if (p->reserved > p->reserved_high) p->reserved_high = p->reserved;
-    }
-    p->used += e->need;
-    if (p->used > p->used_high) p->used_high = p->used;
-    for (size_t i = 0; i < e->nmem; i++) {
-        gmem_t *m = e->mem[i];
-        mprotect((void *)m->base, m->size, PROT_READ | PROT_WRITE);
-        cu_alloc_t a = {.base = m->base, .size = m->size, .gpu = gpu, .kind = MEM_GRAPH, .ctx = c};
-        cu_reg_insert(&a);
-    }
-    e->mapped = 1;
-    return CUDA_SUCCESS;
-}
-
-static void exec_unmap(struct CUgraphExec_st *e) {
-    if (!e->mapped) return;
-    for (size_t i = 0; i < e->nmem; i++) {
-        cu_reg_remove(e->mem[i]->base, NULL);
-        mprotect((void *)e->mem[i]->base, e->mem[i]->size, PROT_NONE);
-    }
-    gpool_t *p = &g_gpool[e->dev];
-    p->used = p->used >= e->need ? p->used - e->need : 0; /* stays reserved in the pool until a trim */
-    e->mapped = 0;
-}
-
-CU_API CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags) {
-    CU_ENTER();
-    if (flags & ~0xfull) return CUDA_ERROR_INVALID_VALUE;
-    return instantiate(phGraphExec, hGraph);
-}
-
-CU_API CUresult cuGraphInstantiate_v2(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
-                                      char *logBuffer, size_t bufferSize) {
-    CU_ENTER();
-    if (phErrorNode) *phErrorNode = NULL;
-    if (logBuffer && bufferSize) logBuffer[0] = 0;
-    return instantiate(phGraphExec, hGraph);
-}
-
-CU_API CUresult cuGraphInstantiate(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
-                                   char *logBuffer, size_t bufferSize) {
-    return cuGraphInstantiate_v2(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize);
-}
-
-CU_API CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) {
-    CU_ENTER();
-    struct CUctx_st *c;
-    struct CUstream_st *s;
-    if (!cu_obj_ok(hGraphExec, OBJ_GRAPH_EXEC)) return CUDA_ERROR_INVALID_VALUE;
-    CUresult r = cu_stream_get(hStream, &c, &s);
-    if (r) return r;
-    if (s->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-    if (c->sticky) return c->sticky;
-    pthread_mutex_lock(&g_graph_lock);
-    r = exec_map(hGraphExec);
-    pthread_mutex_unlock(&g_graph_lock);
-    if (r) return r; /* its memory does not fit: nothing runs */
-    for (size_t i = 0; i < hGraphExec->n; i++) cu_kernel_exec(c, s, hGraphExec->k[i].kernel, hGraphExec->k[i].buf);
-    uint64_t done = atomic_load(&s->done_ns), now = sim_now_ns();
-    pthread_mutex_lock(&g_graph_lock);
-    hGraphExec->done_ns = done > now ? done : now;
-    pthread_mutex_unlock(&g_graph_lock);
-    return CUDA_SUCCESS;
-}
-
-/* Upload: the executable graph takes its memory now, so a launch cannot fail for it. */
-CU_API CUresult cuGraphUpload(CUgraphExec hGraphExec, CUstream hStream) {
-    CU_ENTER();
-    struct CUctx_st *c;
-    struct CUstream_st *s;
-    if (!cu_obj_ok(hGraphExec, OBJ_GRAPH_EXEC)) return CUDA_ERROR_INVALID_VALUE;
-    CUresult r = cu_stream_get(hStream, &c, &s);
-    if (r) return r;
-    pthread_mutex_lock(&g_graph_lock);
-    r = exec_map(hGraphExec);
-    pthread_mutex_unlock(&g_graph_lock);
-    return r;
-}
-
-/* CUgraphMem_attribute: USED_MEM_CURRENT 0, USED_MEM_HIGH 1, RESERVED_MEM_CURRENT 2,
- * RESERVED_MEM_HIGH 3 (cuuint64_t); the watermarks may only be reset (set to 0). */
-CU_API CUresult cuDeviceGetGraphMemAttribute(CUdevice device, int attr, void *value) {
-    CU_ENTER();
-    CUresult r = cu_check_dev(device);
-    if (r) return r;
-    if (!value || attr < 0 || attr > 3) return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&g_graph_lock);
-    gpool_t *p = &g_gpool[device];
-    const uint64_t v[4] = {p->used, p->used_high, p->reserved, p->reserved_high};
-    *(cuuint64_t *)value = v[attr];
-    pthread_mutex_unlock(&g_graph_lock);
-    return CUDA_SUCCESS;
-}
-
-CU_API CUresult cuDeviceSetGraphMemAttribute(CUdevice device, int attr, void *value) {
-    CU_ENTER();
-    CUresult r = cu_check_dev(device);
-    if (r) return r;
-    if (!value || (attr != 1 && attr != 3) || *(cuuint64_t *)value != 0) return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&g_graph_lock);
-    gpool_t *p = &g_gpool[device];
-    if (attr == 1) p->used_high = p->used;
-    else p->reserved_high = p->reserved;
-    pthread_mutex_unlock(&g_graph_lock);
-    return CUDA_SUCCESS;
-}
-
-/* Give the pool's memory that no graph running or queued uses back to the GPU:
- * idle executable graphs lose theirs (taken again at their next upload or launch). */
-CU_API CUresult cuDeviceGraphMemTrim(CUdevice device) {
-    CU_ENTER();
-    CUresult r = cu_check_dev(device);
-    if (r) return r;
-    void *execs[256];
-    size_t n = cu_obj_owned(OBJ_GRAPH_EXEC, NULL, execs, 256);
-    pthread_mutex_lock(&g_graph_lock);
-    uint64_t now = sim_now_ns();
-    for (size_t i = 0; i < n; i++) {
-        struct CUgraphExec_st *e = execs[i];
-        if (cu_obj_ok(e, OBJ_GRAPH_EXEC) && e->dev == device && e->mapped && e->done_ns <= now) exec_unmap(e);
-    }
-    gpool_t *p = &g_gpool[device];
-    if (p->reserved > p->used) {
-        cu_uncharge(cu_g_devs[device], p->reserved - p->used);
-        p->reserved = p->used;
-    }
-    pthread_mutex_unlock(&g_graph_lock);
-    return CUDA_SUCCESS;
-}
-
-CU_API CUresult cuGraphExecDestroy(CUgraphExec hGraphExec) {
-    CU_ENTER();
-    if (!cu_obj_del(hGraphExec, OBJ_GRAPH_EXEC)) return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&g_graph_lock);
-    exec_unmap(hGraphExec);
-    if (hGraphExec->graph && cu_obj_ok(hGraphExec->graph, OBJ_GRAPH)) hGraphExec->graph->mem_execs--;
-    for (size_t i = 0; i < hGraphExec->nmem; i++) gmem_unref(hGraphExec->mem[i]);
-    pthread_mutex_unlock(&g_graph_lock);
-    free(hGraphExec->mem);
-    free(hGraphExec->k);
-    free(hGraphExec);
-    return CUDA_SUCCESS;
-}
-
 /* Per-thread default stream twins (see CU_TWIN). */
-CU_TWIN(cuGraphLaunch_ptsz, cuGraphLaunch, (CUgraphExec e, CUstream h), (e, h))
-CU_TWIN(cuGraphUpload_ptsz, cuGraphUpload, (CUgraphExec e, CUstream h), (e, h))
 CU_TWIN(cuStreamBeginCapture_v2_ptsz, cuStreamBeginCapture_v2, (CUstream h, int mode), (h, mode))
 CU_TWIN(cuStreamEndCapture_ptsz, cuStreamEndCapture, (CUstream h, CUgraph * g), (h, g))
 CU_TWIN(cuStreamIsCapturing_ptsz, cuStreamIsCapturing, (CUstream h, int *status), (h, status))
@@ -590,19 +342,7 @@ const cu_sym_t cu_syms_graph[] = {
     CU_SYM("cuGraphNodeGetType", 10000, cuGraphNodeGetType),
     CU_SYM("cuGraphAddNode", 12020, cuGraphAddNode),
     CU_SYM("cuGraphAddNode", 12030, cuGraphAddNode_v2),
-    CU_SYM("cuGraphUpload", 11010, cuGraphUpload),
-    CU_SYM_PT("cuGraphUpload", 11010, cuGraphUpload_ptsz),
-    CU_SYM("cuDeviceGetGraphMemAttribute", 11040, cuDeviceGetGraphMemAttribute),
-    CU_SYM("cuDeviceSetGraphMemAttribute", 11040, cuDeviceSetGraphMemAttribute),
-    CU_SYM("cuDeviceGraphMemTrim", 11040, cuDeviceGraphMemTrim),
     CU_SYM("cuGraphGetNodes", 10000, cuGraphGetNodes),
     CU_SYM("cuGraphDestroy", 10000, cuGraphDestroy),
-    CU_SYM("cuGraphInstantiate", 10000, cuGraphInstantiate),
-    CU_SYM("cuGraphInstantiate", 11000, cuGraphInstantiate_v2),
-    CU_SYM("cuGraphInstantiate", 11040, cuGraphInstantiateWithFlags),
-    CU_SYM("cuGraphInstantiateWithFlags", 11040, cuGraphInstantiateWithFlags),
-    CU_SYM("cuGraphLaunch", 10000, cuGraphLaunch),
-    CU_SYM_PT("cuGraphLaunch", 10000, cuGraphLaunch_ptsz),
-    CU_SYM("cuGraphExecDestroy", 10000, cuGraphExecDestroy),
 };
 const size_t cu_syms_graph_n = sizeof cu_syms_graph / sizeof cu_syms_graph[0];

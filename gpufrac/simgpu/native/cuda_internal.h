@@ -163,9 +163,10 @@ SIM_HIDDEN void cu_mem_free_ctx(struct CUctx_st *ctx);
 /* Allocate device memory charged to the current context's GPU. */
 SIM_HIDDEN CUresult cu_mem_alloc(CUdeviceptr *dptr, size_t size, uint8_t kind, unsigned int flags);
 SIM_HIDDEN CUresult cu_mem_free(CUdeviceptr dptr);
-SIM_HIDDEN void cu_array_release(struct CUarray_st *a);
+SIM_HIDDEN void cu_array_release(struct CUarray_st *a); /* cuda_array.c */
+SIM_HIDDEN void cu_mipmap_release(struct CUmipmappedArray_st *m);
 
-/* ------------------------------------------------------------------ streams, kernels (cuda_exec.c) */
+/* ------------------------------------------------------------------ streams, kernels (cuda_exec.c, cuda_launch.c) */
 
 /* Resolve a stream handle (NULL, legacy and per-thread mean the context's null stream). */
 SIM_HIDDEN CUresult cu_stream_get(CUstream h, struct CUctx_st **ctx, struct CUstream_st **s);
@@ -209,7 +210,7 @@ SIM_HIDDEN void cu_pools_release(void);
 /* Pool block being freed by cuMemFree/cuMemFreeAsync: back to its pool. */
 SIM_HIDDEN CUresult cu_pool_free_block(const cu_alloc_t *a);
 
-/* ------------------------------------------------------------------ symbol table (cuda.c) */
+/* ------------------------------------------------------------------ symbol table (cuda_procaddr.c) */
 
 typedef struct {
     const char *name; /* the name cuGetProcAddress is asked for (base name) */
@@ -223,10 +224,12 @@ typedef struct {
 #define CU_SYM_PT(name, version, fn) {name, version, 1, (void *)(fn), #fn}
 
 /* Each area contributes its section of the one symbol table. */
-extern SIM_HIDDEN const cu_sym_t cu_syms_core[], cu_syms_ctx[], cu_syms_mem[], cu_syms_copy[], cu_syms_pool[], cu_syms_vmm[],
-    cu_syms_exec[], cu_syms_graph[], cu_syms_ckpt[];
-extern SIM_HIDDEN const size_t cu_syms_core_n, cu_syms_ctx_n, cu_syms_mem_n, cu_syms_copy_n, cu_syms_pool_n, cu_syms_vmm_n,
-    cu_syms_exec_n, cu_syms_graph_n, cu_syms_ckpt_n;
+extern SIM_HIDDEN const cu_sym_t cu_syms_core[], cu_syms_ctx[], cu_syms_mem[], cu_syms_array[], cu_syms_copy[],
+    cu_syms_pool[], cu_syms_vmm[], cu_syms_exec[], cu_syms_launch[], cu_syms_graph[],
+    cu_syms_graph_exec[], cu_syms_ckpt[];
+extern SIM_HIDDEN const size_t cu_syms_core_n, cu_syms_ctx_n, cu_syms_mem_n, cu_syms_array_n, cu_syms_copy_n,
+    cu_syms_pool_n, cu_syms_vmm_n, cu_syms_exec_n, cu_syms_launch_n, cu_syms_graph_n,
+    cu_syms_graph_exec_n, cu_syms_ckpt_n;
 
 static inline size_t cu_round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 

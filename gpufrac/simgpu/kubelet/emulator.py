@@ -1,41 +1,17 @@
-"""A kubelet emulator: the device-manager and pod-resources sides of a kubelet.
-
-It behaves as the real kubelet does towards device plugins
-(docs/design.md section 4):
-
-* start/restart: every socket in the device-plugin directory is removed, then
-  kubelet.sock is created (Registration only); old plugins are never re-dialled;
-  after a restart capacity is 0 until a plugin registers again;
-* Register: version and resource-name checks, a blocking dial-back (10 s) and
-  GetDevicePluginOptions inside the call, then ListAndWatch in the background;
-* each ListAndWatch message is a full snapshot, only "Healthy" counts; when the
-  stream ends every device of the resource turns unhealthy and nobody re-dials;
-* admission, per container and resource: available = healthy - allocated,
-  GetPreferredAllocation (if advertised) with one container request, then
-  Allocate with exactly one ContainerAllocateRequest, then PreStartContainer (if
-  required) at each container start; errors read like the kubelet's;
-* no deallocate call: deleting a pod just forgets its devices;
-* v1.PodResourcesLister (List, GetAllocatableResources, Get) on
-  <root>/pod-resources/kubelet.sock from its own records, rate-limited like the
-  kubelet's (100 QPS, burst 10), each device of a container its own entry (once
-  per NUMA node), as the kubelet lists them.
-
-It runs its own asyncio loop in a background thread; the public methods are
-synchronous and thread-safe (tests and the demo call them from anywhere).
-"""
+"""The kubelet emulator: its process lifetime, device-plugin registration and
+ListAndWatch, admission (GetPreferredAllocation, Allocate, PreStartContainer) and the
+container view of what was allocated. The pod-resources server is podresources.py,
+the records model.py (the package docstring says how it behaves)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
-import re
 import stat
 import threading
 import time
-import uuid as uuid_mod
-from collections.abc import Callable, Coroutine, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,143 +19,25 @@ import grpc
 
 from gpufrac.proto import deviceplugin_pb2 as pb
 from gpufrac.proto import deviceplugin_pb2_grpc as pb_grpc
-from gpufrac.proto import podresources_pb2 as pr
 from gpufrac.proto import podresources_pb2_grpc as pr_grpc
+from gpufrac.simgpu.kubelet.model import (
+    CHECKPOINT,
+    DIAL_TIMEOUT,
+    PRESTART_TIMEOUT,
+    SUPPORTED_VERSIONS,
+    AdmissionError,
+    Allocated,
+    Endpoint,
+    Pod,
+    PodRecord,
+    Resource,
+    go_error,
+    is_extended_resource_name,
+)
+from gpufrac.simgpu.kubelet.podresources import PodResourcesServer
 from gpufrac.simgpu.runtime import MountSpec, link_mounts, mounts_of, translate_envs
 
 T = TypeVar("T")
-
-SUPPORTED_VERSIONS = ["v1beta1"]
-HEALTHY = "Healthy"
-DIAL_TIMEOUT = 10.0
-PRESTART_TIMEOUT = 30.0
-ENDPOINT_STOP_GRACE = 300.0
-CHECKPOINT = "kubelet_internal_checkpoint"
-_QUALIFIED = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)$")
-
-
-def _go_code(code: grpc.StatusCode) -> str:
-    """grpc-go's name of a status code (InvalidArgument), as the kubelet prints it."""
-    return "".join(p.title() for p in code.name.split("_")).replace("Ok", "OK")
-
-
-def _go_error(e: grpc.aio.AioRpcError) -> str:
-    return f"rpc error: code = {_go_code(e.code())} desc = {e.details()}"
-
-
-def is_extended_resource_name(name: str) -> bool:
-    """v1helper.IsExtendedResourceName: domain-prefixed, not kubernetes.io, not requests.*"""
-    if "/" not in name or name.startswith("requests."):
-        return False
-    domain, _, short = name.partition("/")
-    if domain == "kubernetes.io" or domain.endswith(".kubernetes.io") or not domain or not short:
-        return False
-    return len(short) <= 63 and bool(_QUALIFIED.match(short)) and "." in domain
-
-
-@dataclass
-class Container:
-    name: str
-    # Extended resources from resources.limits (request == limit for them).
-    resources: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class Pod:
-    namespace: str
-    name: str
-    containers: list[Container]
-    uid: str = field(default_factory=lambda: str(uuid_mod.uuid4()))
-    annotations: dict[str, str] = field(default_factory=dict)
-    priority: int = 0
-
-
-class AdmissionError(Exception):
-    """The kubelet rejected the pod at admission (pod phase Failed with this reason)."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"{reason}: {message}")
-        self.reason = reason
-        self.message = message
-
-
-@dataclass
-class _Endpoint:
-    resource: str
-    socket: str
-    channel: grpc.aio.Channel
-    stub: pb_grpc.DevicePluginAsyncStub  # on an aio channel: the stub's calls are awaitable
-    options: pb.DevicePluginOptions
-    generation: int
-    task: asyncio.Task[None] | None = None
-    stopped_at: float | None = None
-
-
-@dataclass
-class _Resource:
-    endpoint: _Endpoint | None = None
-    snapshots: int = 0
-    registrations: list[float] = field(default_factory=list)  # time.monotonic() of each
-
-    # The last snapshot, decoded lazily: a Go kubelet digests 800 devices in microseconds,
-    # Python would add milliseconds to the admissions the bench times. Topology (a list per
-    # device) is read only for the devices asked about.
-    _last: pb.ListAndWatchResponse | None = None
-    _decoded: tuple[dict[str, str], dict[str, pb.Device], set[str]] | None = None
-    _override: dict[str, str] | None = None
-
-    def update(self, msg: pb.ListAndWatchResponse | None, devices: dict[str, str] | None = None) -> None:
-        self._last, self._decoded, self._override = msg, None, devices
-
-    def _decode(self) -> tuple[dict[str, str], dict[str, pb.Device], set[str]]:
-        if self._decoded is None:
-            devices: dict[str, str]
-            msgs: dict[str, pb.Device]
-            if self._override is not None:
-                devices, msgs = self._override, {}
-            elif self._last is None:
-                devices, msgs = {}, {}
-            else:
-                msgs = {d.ID: d for d in self._last.devices}
-                devices = {i: d.health for i, d in msgs.items()}
-            self._decoded = (devices, msgs, {d for d, h in devices.items() if h == HEALTHY})
-        return self._decoded
-
-    @property
-    def devices(self) -> dict[str, str]:
-        return self._decode()[0]
-
-    def numa_nodes(self, device_ids: Iterable[str]) -> list[int]:
-        """The NUMA nodes the last snapshot gives these devices, sorted, each once."""
-        msgs = self._decode()[1]
-        return sorted({n.ID for d in device_ids if d in msgs for n in msgs[d].topology.nodes})
-
-    @property
-    def healthy(self) -> set[str]:
-        return self._decode()[2]
-
-
-@dataclass
-class _Allocated:
-    resource: str
-    device_ids: list[str]
-    response: pb.ContainerAllocateResponse
-    # Each device's NUMA nodes when allocated: the kubelet keeps them with its allocation record.
-    numa_nodes: dict[str, list[int]] = field(default_factory=dict)
-    # Time spent in the plugin's RPCs for this allocation (preferred + Allocate + PreStart).
-    rpc_seconds: float = 0.0
-
-
-@dataclass
-class _PodRecord:
-    pod: Pod
-    # container name -> resource -> allocation
-    allocations: dict[str, dict[str, _Allocated]] = field(default_factory=dict)
-    start_errors: dict[str, str] = field(default_factory=dict)
-    # Its pod-resources entry, built once per set of allocations: a Go kubelet answers List
-    # in microseconds, Python building ~10 messages a pod would tax every admission the
-    # bench times while the agent asks.
-    listed: tuple[int, pr.PodResources] | None = None
 
 
 class _Registration(pb_grpc.RegistrationServicer):
@@ -206,65 +64,13 @@ class _Registration(pb_grpc.RegistrationServicer):
         try:
             await k._connect(request, self.generation)
         except Exception as e:
-            msg = _go_error(e) if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            msg = go_error(e) if isinstance(e, grpc.aio.AioRpcError) else str(e)
             await context.abort(grpc.StatusCode.UNKNOWN, f"failed to connect to new client: {msg}")
         return pb.Empty()
 
 
-class _PodResources(pr_grpc.PodResourcesListerServicer):
-    def __init__(self, kubelet: KubeletEmulator) -> None:
-        self.kubelet = kubelet
-        self._tokens = 10.0
-        self._last = time.monotonic()
-
-    async def _limit(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        now = time.monotonic()
-        self._tokens = min(10.0, self._tokens + (now - self._last) * 100.0)
-        self._last = now
-        if self._tokens < 1.0:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rejected by rate limit")
-        self._tokens -= 1.0
-
-    async def List(
-        self,
-        request: pr.ListPodResourcesRequest,
-        context: grpc.aio.ServicerContext[pr.ListPodResourcesRequest, pr.ListPodResourcesResponse],
-    ) -> Any:
-        await self._limit(context)
-        return pr.ListPodResourcesResponse(
-            pod_resources=[self.kubelet._pod_resources(r) for r in self.kubelet._pods.values()]
-        )
-
-    async def GetAllocatableResources(
-        self,
-        request: pr.AllocatableResourcesRequest,
-        context: grpc.aio.ServicerContext[pr.AllocatableResourcesRequest, pr.AllocatableResourcesResponse],
-    ) -> Any:
-        await self._limit(context)
-        resp = pr.AllocatableResourcesResponse()
-        for name, res in sorted(self.kubelet._resources.items()):
-            for dev in sorted(res.healthy):
-                cd = resp.devices.add(resource_name=name, device_ids=[dev])
-                for n in res.numa_nodes([dev]):
-                    cd.topology.nodes.add(ID=n)
-        return resp
-
-    async def Get(
-        self,
-        request: pr.GetPodResourcesRequest,
-        context: grpc.aio.ServicerContext[pr.GetPodResourcesRequest, pr.GetPodResourcesResponse],
-    ) -> Any:
-        await self._limit(context)
-        for r in self.kubelet._pods.values():
-            if r.pod.name == request.pod_name and r.pod.namespace == request.pod_namespace:
-                return pr.GetPodResourcesResponse(pod_resources=self.kubelet._pod_resources(r))
-        await context.abort(
-            grpc.StatusCode.UNKNOWN, f"pod {request.pod_name} in namespace {request.pod_namespace} not found"
-        )
-
-
 class KubeletEmulator:
-    """See the module docstring. `root_dir` plays /var/lib/kubelet."""
+    """See the package docstring (kubelet/__init__.py). `root_dir` plays /var/lib/kubelet."""
 
     def __init__(self, root_dir: str | os.PathLike[str]) -> None:
         self.root = Path(root_dir)
@@ -273,9 +79,9 @@ class KubeletEmulator:
         self.pod_resources_socket = self.root / "pod-resources" / "kubelet.sock"
         self.registration_total = 0
         self.generation = 0
-        self._resources: dict[str, _Resource] = {}
-        self._stale: list[_Endpoint] = []
-        self._pods: dict[str, _PodRecord] = {}
+        self._resources: dict[str, Resource] = {}
+        self._stale: list[Endpoint] = []
+        self._pods: dict[str, PodRecord] = {}
         self._rpc_times: list[float] = []
         self._server: grpc.aio.Server | None = None
         self._pr_server: grpc.aio.Server | None = None
@@ -351,7 +157,9 @@ class KubeletEmulator:
         pb_grpc.add_RegistrationServicer_to_server(_Registration(self, self.generation), server)
         server.add_insecure_port(f"unix://{self.kubelet_socket}")
         pr_server = grpc.aio.server()
-        pr_grpc.add_PodResourcesListerServicer_to_server(_PodResources(self), pr_server)
+        pr_grpc.add_PodResourcesListerServicer_to_server(
+            PodResourcesServer(self._pods, self._resources), pr_server
+        )
         pr_server.add_insecure_port(f"unix://{self.pod_resources_socket}")
         await pr_server.start()
         await server.start()
@@ -400,16 +208,16 @@ class KubeletEmulator:
         except BaseException:
             await channel.close(None)
             raise
-        res = self._resources.setdefault(request.resource_name, _Resource())
+        res = self._resources.setdefault(request.resource_name, Resource())
         if res.endpoint is not None:
             # The real kubelet overwrites the entry and leaves the old connection open.
             self._stale.append(res.endpoint)
-        ep = _Endpoint(request.resource_name, socket, channel, stub, options, generation)
+        ep = Endpoint(request.resource_name, socket, channel, stub, options, generation)
         res.endpoint = ep
         res.registrations.append(time.monotonic())
         ep.task = asyncio.create_task(self._run_client(ep, res))
 
-    async def _run_client(self, ep: _Endpoint, res: _Resource) -> None:
+    async def _run_client(self, ep: Endpoint, res: Resource) -> None:
         try:
             async for msg in ep.stub.ListAndWatch(pb.Empty()):
                 if res.endpoint is not ep:
@@ -446,7 +254,7 @@ class KubeletEmulator:
         return self._call(lambda: self._admit(pod))
 
     async def _admit(self, pod: Pod) -> dict[str, dict[str, list[str]]]:
-        rec = _PodRecord(pod)
+        rec = PodRecord(pod)
         self._pods[pod.uid] = rec
         try:
             for c in pod.containers:
@@ -469,7 +277,7 @@ class KubeletEmulator:
                     out.update(per[resource].device_ids)
         return out
 
-    async def _allocate(self, rec: _PodRecord, container: str, resource: str, count: int) -> _Allocated:
+    async def _allocate(self, rec: PodRecord, container: str, resource: str, count: int) -> Allocated:
         def fail(msg: str) -> AdmissionError:
             return AdmissionError(
                 "UnexpectedAdmissionError", f"Allocate failed due to {msg}, which is unexpected"
@@ -503,7 +311,7 @@ class KubeletEmulator:
                 resp = await ep.stub.GetPreferredAllocation(req)
             except grpc.aio.AioRpcError as e:
                 raise fail(
-                    f"device plugin GetPreferredAllocation rpc failed with err: {_go_error(e)}"
+                    f"device plugin GetPreferredAllocation rpc failed with err: {go_error(e)}"
                 ) from None
             if resp.container_responses:
                 chosen = [d for d in resp.container_responses[0].deviceIDs if d in available][:count]
@@ -514,14 +322,14 @@ class KubeletEmulator:
                 pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=chosen)])
             )
         except grpc.aio.AioRpcError as e:
-            raise fail(_go_error(e)) from None
+            raise fail(go_error(e)) from None
         if not aresp.container_responses:
             raise fail(f"no allocation response for {resource}")
         rpc_seconds = time.perf_counter() - t0
         numa = {d: res.numa_nodes([d]) for d in chosen}
-        return _Allocated(resource, chosen, aresp.container_responses[0], numa, rpc_seconds)
+        return Allocated(resource, chosen, aresp.container_responses[0], numa, rpc_seconds)
 
-    async def _start_container(self, rec: _PodRecord, container: str) -> None:
+    async def _start_container(self, rec: PodRecord, container: str) -> None:
         rec.start_errors.pop(container, None)
         for resource, alloc in rec.allocations.get(container, {}).items():
             ep = self._resources[resource].endpoint
@@ -535,7 +343,7 @@ class KubeletEmulator:
                 alloc.rpc_seconds += time.perf_counter() - t0
             except grpc.aio.AioRpcError as e:
                 rec.start_errors[container] = (
-                    f"device plugin PreStartContainer rpc failed with err: {_go_error(e)}"
+                    f"device plugin PreStartContainer rpc failed with err: {go_error(e)}"
                 )
 
     def restart_container(self, pod_uid: str, container: str) -> str | None:
@@ -563,26 +371,6 @@ class KubeletEmulator:
 
     # -- what the kubelet knows ---------------------------------------------------------------------
 
-    def _pod_resources(self, rec: _PodRecord) -> pr.PodResources:
-        n = sum(len(per) for per in rec.allocations.values())
-        if rec.listed is None or rec.listed[0] != n:
-            rec.listed = (n, self._build_pod_resources(rec))
-        return rec.listed[1]
-
-    def _build_pod_resources(self, rec: _PodRecord) -> pr.PodResources:
-        out = pr.PodResources(name=rec.pod.name, namespace=rec.pod.namespace)
-        for c in rec.pod.containers:
-            cr = out.containers.add(name=c.name)
-            for resource, alloc in rec.allocations.get(c.name, {}).items():
-                # As the kubelet lists them: one entry per device and NUMA node, or one
-                # without topology for a device that has none.
-                for dev in alloc.device_ids:
-                    for n in alloc.numa_nodes.get(dev) or (None,):
-                        cd = cr.devices.add(resource_name=resource, device_ids=[dev])
-                        if n is not None:
-                            cd.topology.nodes.add(ID=n)
-        return out
-
     def pods(self) -> list[Pod]:
         return self._get(lambda: [r.pod for r in self._pods.values()])
 
@@ -599,10 +387,10 @@ class KubeletEmulator:
 
     def devices(self, resource: str) -> dict[str, str]:
         """The last full snapshot: device ID -> health."""
-        return self._get(lambda: dict(self._resources.get(resource, _Resource()).devices))
+        return self._get(lambda: dict(self._resources.get(resource, Resource()).devices))
 
     def healthy(self, resource: str) -> set[str]:
-        return self._get(lambda: set(self._resources.get(resource, _Resource()).healthy))
+        return self._get(lambda: set(self._resources.get(resource, Resource()).healthy))
 
     def allocatable(self, resource: str) -> int:
         """Allocatable as node status shows it: healthy devices (allocated ones included)."""
@@ -614,15 +402,15 @@ class KubeletEmulator:
     def available(self, resource: str) -> int:
         """What a new container could still get: healthy - allocated."""
         return self._get(
-            lambda: len(self._resources.get(resource, _Resource()).healthy - self._allocated(resource))
+            lambda: len(self._resources.get(resource, Resource()).healthy - self._allocated(resource))
         )
 
     def snapshots(self, resource: str) -> int:
-        return self._get(lambda: self._resources.get(resource, _Resource()).snapshots)
+        return self._get(lambda: self._resources.get(resource, Resource()).snapshots)
 
     def registrations(self, resource: str) -> list[float]:
         """time.monotonic() of every successful Register of the resource."""
-        return self._get(lambda: list(self._resources.get(resource, _Resource()).registrations))
+        return self._get(lambda: list(self._resources.get(resource, Resource()).registrations))
 
     def connected(self, resource: str) -> bool:
         def check() -> bool:
@@ -664,98 +452,3 @@ class KubeletEmulator:
         for alloc in self._get(lambda: list(self._pods[pod_uid].allocations.get(container, {}).values())):
             envs.update(alloc.response.envs)
         return translate_envs(envs, self._mounts(pod_uid, container), root)
-
-
-class AgentProcess:
-    """The real agent as a subprocess on a simulated node, wired to a KubeletEmulator.
-
-    Writes <root>/agent.yaml (state under <root>/state, the emulator's directory as
-    kubelet dir) and runs `python -m gpufrac.agent.main` with the simgpu environment."""
-
-    def __init__(
-        self,
-        root: str | os.PathLike[str],
-        node_state: str | os.PathLike[str],
-        kubelet_dir: str | os.PathLike[str],
-        config: dict[str, Any] | None = None,
-        reconcile_interval: float = 0.5,
-        release_grace: float = 2.0,
-    ) -> None:
-        import yaml
-
-        from gpufrac.core import native
-
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.node_state = Path(node_state)
-        self.state_dir = self.root / "state"
-        self.config_path = self.root / "agent.yaml"
-        self.log_path = self.root / "agent.log"
-        cfg: dict[str, Any] = {
-            "paths": {
-                "stateDir": str(self.state_dir),
-                "kubeletDir": str(kubelet_dir),
-                "shimHostPath": str(native.native_dir() / native.SHIM),
-            },
-            "health": {"pollInterval": "50ms"},
-            # Under the root, so agents of concurrent tests never share one status socket.
-            "statusSocket": str(self.root / "status.sock"),
-        }
-        for k, v in (config or {}).items():
-            cfg[k] = {**cfg[k], **v} if isinstance(v, dict) and isinstance(cfg.get(k), dict) else v
-        self.config_path.write_text(yaml.safe_dump(cfg))
-        native.library(native.FAKE_NVML)
-        self.env = dict(os.environ)
-        self.env.update(SIMGPU_STATE=str(self.node_state), LD_LIBRARY_PATH=str(native.native_dir()))
-        self.args = [
-            "--config",
-            str(self.config_path),
-            "--reconcile-interval",
-            str(reconcile_interval),
-            "--release-grace",
-            str(release_grace),
-        ]
-        self.proc: Any = None
-
-    def start(self) -> AgentProcess:
-        import subprocess
-        import sys
-
-        log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpufrac.agent.main", *self.args], env=self.env, stdout=log, stderr=log
-        )
-        log.close()
-        return self
-
-    @property
-    def pid(self) -> int:
-        return int(self.proc.pid)
-
-    def kill(self) -> None:
-        """kill -9: no cleanup of any kind."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except Exception:
-                self.proc.kill()
-                self.proc.wait(30)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def state(self) -> dict[str, Any]:
-        import json
-
-        state: dict[str, Any] = json.loads((self.state_dir / "state.json").read_text())
-        return state
-
-    def container_dirs(self) -> set[str]:
-        d = self.state_dir / "containers"
-        return set(os.listdir(d)) if d.exists() else set()
