@@ -7,6 +7,9 @@ arrivals join the admission queue; finished pods leave; the idle reaper runs
 pod's demand is sampled from the trace; then each GPU applies the tick's frees
 first and its allocations second, where the strategy's isolation model decides
 what happens to an allocation that does not fit.
+
+One file though over 500 lines: one tick loop (Replay) whose steps all read and change
+the same replay state (queue, GPUs, running pods); apart, each step would take it whole.
 """
 
 from __future__ import annotations
