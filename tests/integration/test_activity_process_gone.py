@@ -1,0 +1,93 @@
+"""A process that exits in the middle of an activity poll fails only its own part of it.
+
+The activity tracker (gpufrac.agent.activity) asks NVML which processes ran, then reads each
+one's /proc identity and cgroup to learn its container. A process may exit between the two
+reads; its cgroup file is then gone. That must leave the process out of the poll, never fail
+the whole poll: every other container on the node keeps its figures (an idle reaper or the
+arbiter reading a poll that raised would see no container's activity at all).
+
+Real workloads under the real shim on simgpu, sampled by simgpu's NVML in this process. The
+moment between the two reads cannot be hit on purpose, so the tracker reads /proc from a
+copy (its `proc` seam): each workload's `status` and `stat` as the kernel wrote them, and the
+`cgroup` file for the neighbour only, as the exiting tenant's entry would look then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pynvml
+
+from gpufrac.agent.activity import ActivityTracker, NvmlUtilisation, Tracked
+from tests.fixtures.memguard import Shim, make_container, read_line
+from tests.fixtures.simnode import SimNode
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@contextlib.contextmanager
+def workload(shim: Shim, directory: Path) -> Iterator[subprocess.Popen[str]]:
+    """mg_ctest under the shim: allocates and holds; launches one kernel when told (launch)."""
+    make_container(directory, GiB, GiB)  # the config and usage files, as the agent writes them
+    p = subprocess.Popen(
+        shim.ctest_cmd("alloc", 64 * MiB, "hold", "launch", "hold"),
+        env=shim.env(directory),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        until_hold(p)
+        yield p
+    finally:
+        p.kill()
+        p.wait(30)
+        for f in (p.stdin, p.stdout, p.stderr):
+            if f is not None:
+                f.close()
+
+
+def until_hold(p: subprocess.Popen[str]) -> None:
+    while (line := read_line(p)) and not line.startswith("hold"):
+        assert line.split()[1] == "0", f"workload command failed: {line!r}"
+    assert line, f"workload exited ({p.poll()})"
+
+
+def launch(p: subprocess.Popen[str]) -> None:
+    assert p.stdin is not None
+    p.stdin.write("\n")
+    p.stdin.flush()
+    until_hold(p)
+
+
+def test_a_process_gone_between_nvml_and_its_cgroup_read_does_not_fail_the_poll(
+    in_process_nvml: SimNode, tmp_path: Path
+) -> None:
+    uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(0))
+    shim = Shim(in_process_nvml.env, "release")
+    dirs = {k: tmp_path / k for k in ("tenant", "neighbour")}
+    proc = tmp_path / "proc"
+    with workload(shim, dirs["tenant"]) as tenant, workload(shim, dirs["neighbour"]) as neighbour:
+        nvml = NvmlUtilisation(0)  # threshold 0: any sample is work
+        tracker = ActivityTracker(nvml=nvml, proc=str(proc))
+        launch(tenant)  # both work after the tracker started: their samples are news to it
+        launch(neighbour)
+        for p, files in ((tenant, ("status", "stat")), (neighbour, ("status", "stat", "cgroup"))):
+            (proc / str(p.pid)).mkdir(parents=True)
+            for f in files:
+                shutil.copyfile(f"/proc/{p.pid}/{f}", proc / str(p.pid) / f)
+        tracked = [Tracked(k, str(d), (uuid,), 0.0) for k, d in dirs.items()]
+
+        try:
+            got = asyncio.run(tracker.poll(tracked))
+        finally:
+            nvml.close()
+        assert got["neighbour"].why == "nvml"  # the driver saw it work, and the poll says so
+        assert (got["tenant"].processes, got["tenant"].launches) == (1, 1)

@@ -1,0 +1,126 @@
+"""A connection whose connector died is not charged to the live process now holding its pid.
+
+The arbiter's fairness account (gpufrac.agent.fairness) charges each new connection to its
+caller's container, and gpufrac.agent.knowncallers keeps the container found for a process
+(with a pidfd of it) so a flood's connections need not each read /proc. A tenant can connect
+from a short-lived process and leave its connection in the backlog until a neighbour's
+process is given the same pid and has connected itself (so is in the cache): the tenant's
+connection must then be refused, not charged to the neighbour's container (where enough of
+them would lock the neighbour out of the arbiter).
+
+Real processes, a real unix socket, real cgroups (gpufrac.simgpu.runtime names the
+neighbour's as the kubelet does); the pid is handed to the neighbour's process through
+ns_last_pid, as the kernel's pid allocator would in time.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpufrac.agent.callers import PeerError
+from gpufrac.agent.knowncallers import KnownCallers
+from gpufrac.simgpu.runtime import ContainerRuntime, RuntimeUnavailable
+
+NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
+
+
+def connect_and_die(path: str) -> int:
+    """Connect to `path` from a child that then exits (and is reaped); returns its pid."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).connect(path)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
+
+
+def connect_with_pid(pid: int, path: str, procs: Path) -> int | None:
+    """A sleeping process with exactly `pid`, in the cgroup of `procs`, connected to `path`;
+    None if another fork on the machine took that pid first."""
+    try:
+        NS_LAST_PID.write_text(str(pid - 1))
+    except OSError:
+        pytest.skip("ns_last_pid is not writable here")
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(r)
+        try:
+            if os.getpid() == pid:
+                procs.write_text(str(os.getpid()))
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(path)
+                os.write(w, b"1")
+            else:
+                os.write(w, b"0")
+            os.close(w)
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    os.close(w)
+    ok = os.read(r, 1) == b"1"
+    os.close(r)
+    if not ok:
+        os.waitpid(child, 0)
+        return None
+    return child
+
+
+@pytest.fixture
+def runtime(tmp_path: Path) -> Iterator[ContainerRuntime]:
+    try:
+        rt = ContainerRuntime(view_root=tmp_path / "v")
+    except RuntimeUnavailable as e:
+        pytest.skip(str(e))
+    with rt:
+        yield rt
+
+
+def test_a_dead_connectors_connection_is_refused_not_charged_to_the_cached_owner_of_its_pid(
+    runtime: ContainerRuntime, tmp_path: Path
+) -> None:
+    pod = str(uuid.uuid4())
+    neighbour = runtime.start(pod, "neighbour", ["sleep", "60"])
+    runtime.wait_entered(neighbour)
+    procs = neighbour.cgroup_dir / "cgroup.procs"
+    path = str(tmp_path / "arbiter.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(64)
+    callers = KnownCallers()
+    try:
+        for _ in range(20):  # another fork on the machine may take the pid first: try again
+            dead = connect_and_die(path)
+            heir = connect_with_pid(dead, path, procs)
+            if heir is not None:
+                break
+            srv.accept()[0].close()
+        else:
+            pytest.skip("the pid was always taken by another process first")
+        try:
+            # Accepted in the order they connected: the dead connector's first.
+            tenant_conn, _ = srv.accept()
+            heir_conn, _ = srv.accept()
+            with tenant_conn, heir_conn:
+                # The neighbour's own connection is identified first and so cached.
+                got = callers.identify(heir_conn)
+                assert got is not None and got.pod_uid == pod
+                with pytest.raises(PeerError):
+                    callers.identify(tenant_conn)
+        finally:
+            os.kill(heir, signal.SIGKILL)
+            os.waitpid(heir, 0)
+    finally:
+        callers.close()
+        srv.close()
+        neighbour.stop()
