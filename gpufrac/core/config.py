@@ -222,9 +222,16 @@ class Config:
             )
 
 
+def arbiter_socket_dir(config: Config) -> str:
+    """Host directory holding the arbiter's socket and nothing else: the device plugin mounts
+    it into each container (memguard_abi.h MG_SOCKET_DIR), so a container sees the socket a
+    restarted agent binds anew, which a mount of the socket file (its old inode) would not."""
+    return os.path.join(config.paths.state_dir, "arbiter")
+
+
 def arbiter_socket(config: Config) -> str:
     """Host path of the arbiter's unix socket (one per node; peers are told apart by SO_PEERCRED)."""
-    return os.path.join(config.paths.state_dir, "arbiter.sock")
+    return os.path.join(arbiter_socket_dir(config), "arbiter.sock")
 
 
 def _convert(path: str, f: dataclasses.Field[Any], hint: Any, value: Any) -> Any:

@@ -25,7 +25,7 @@ from typing import Protocol
 import grpc
 
 from gpufrac.core import logs, slices
-from gpufrac.core.config import Config, arbiter_socket
+from gpufrac.core.config import Config, arbiter_socket_dir
 from gpufrac.core.errors import AllocationError, ErrorKind
 from gpufrac.core.slices import container_key
 from gpufrac.memguard import abi
@@ -113,8 +113,11 @@ def container_response(alloc: Booking, config: Config) -> pb.ContainerAllocateRe
     shim = os.path.join(cdir, SHIM_NAME)
     resp.envs["LD_PRELOAD"] = shim
     resp.envs["GPUFRAC_CONTAINER_DIR"] = cdir
-    # File mounts, not the directory: the container may write its usage file and
-    # reach the arbiter, but its config (limits) is read-only to it.
+    # File mounts, not the directory: the container may write its usage file, but its
+    # config (limits) is read-only to it. The arbiter's socket comes in its own directory's
+    # mount: a file mount would pin the socket's inode, dead once the agent restarts and
+    # binds a new one. Read-only: connect() needs no write access to the mount, and no
+    # tenant can unlink or replace the socket every container of the node shares.
     host = alloc.directory
     resp.mounts.extend(
         [
@@ -130,9 +133,9 @@ def container_response(alloc: Booking, config: Config) -> pb.ContainerAllocateRe
                 read_only=False,
             ),
             pb.Mount(
-                container_path=os.path.join(cdir, abi.SOCKET_FILE),
-                host_path=arbiter_socket(config),
-                read_only=False,
+                container_path=os.path.join(cdir, abi.SOCKET_DIR),
+                host_path=arbiter_socket_dir(config),
+                read_only=True,
             ),
         ]
     )

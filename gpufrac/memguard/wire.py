@@ -10,10 +10,11 @@ from __future__ import annotations
 import ctypes
 import os
 import socket
+import stat
 import struct
 import time
 
-from gpufrac.memguard.abi import ABI_VERSION
+from gpufrac.memguard.abi import ABI_VERSION, SOCKET_DIR, SOCKET_FILE
 
 u32, u64, i32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int32
 
@@ -86,6 +87,22 @@ def well_formed(req: BurstRequest) -> bool:
 def reply(status: int, generation: int = 0) -> bytes:
     """One encoded reply."""
     return bytes(BurstReply(BURST_MAGIC, ABI_VERSION, status, generation))
+
+
+def socket_path(container_dir: str) -> str:
+    """The arbiter socket as a container's shim picks it (mg_arbiter.c mg_sock): the one in the
+    directory mount, else the socket file an older agent mounted; the first when neither is
+    there (the agent is away: connecting fails)."""
+    current = os.path.join(container_dir, SOCKET_DIR, SOCKET_FILE)
+    legacy = os.path.join(container_dir, SOCKET_FILE)
+    return legacy if not _is_socket(current) and _is_socket(legacy) else current
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def request(

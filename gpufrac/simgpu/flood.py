@@ -35,7 +35,7 @@ CONTAINER_DIR_ENV = "GPUFRAC_CONTAINER_DIR"
 
 
 def _path() -> str:
-    return os.path.join(os.environ.get(CONTAINER_DIR_ENV, abi.DEFAULT_DIR), abi.SOCKET_FILE)
+    return wire.socket_path(os.environ.get(CONTAINER_DIR_ENV, abi.DEFAULT_DIR))
 
 
 def _request(nbytes: int) -> bytes:

@@ -6,7 +6,7 @@ What the agent relies on is exactly what a real runtime gives it: a process whos
 which the device plugin's mounts (config, usage, the arbiter socket, the shim)
 sit at their container paths. The view is a directory of symlinks to the host
 paths; envs that point into a mount are rewritten to the view, so
-$GPUFRAC_CONTAINER_DIR/arbiter.sock reaches the agent's socket and LD_PRELOAD the
+$GPUFRAC_CONTAINER_DIR/arbiter/arbiter.sock reaches the agent's socket and LD_PRELOAD the
 shim. The process writes its own pid into cgroup.procs before it execs the
 workload, so it is in the container's cgroup before it makes any CUDA call.
 
@@ -293,7 +293,6 @@ def workload(stdin: Any = None, stdout: Any = None) -> int:
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
     cdir = os.environ.get(CONTAINER_DIR_ENV, abi.DEFAULT_DIR)
-    sock = os.path.join(cdir, abi.SOCKET_FILE)
     usage = abi.UsageFile(cdir)
     slot = next(s for s in usage.usage.slots if s.pid == 0)
     slot.pid = os.getpid()
@@ -303,7 +302,7 @@ def workload(stdin: Any = None, stdout: Any = None) -> int:
         cfg = abi.read_config(cdir)
         timeout = (cfg.arbiter_timeout_ms + cfg.wait_timeout_ms) / 1000.0 + 1.0
         span[0] = time.monotonic_ns()
-        rep = wire.request(sock, op, nbytes, total_after, timeout=timeout)
+        rep = wire.request(wire.socket_path(cdir), op, nbytes, total_after, timeout=timeout)
         span[1] = time.monotonic_ns()
         return "none" if rep is None else wire.STATUS_NAMES.get(rep.status, f"status{rep.status}")
 

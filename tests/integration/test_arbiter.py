@@ -108,7 +108,7 @@ PROBE = """
 import os
 from gpufrac.memguard import abi, wire
 d = os.environ["GPUFRAC_CONTAINER_DIR"]
-rep = wire.request(os.path.join(d, abi.SOCKET_FILE), wire.BURST_OP_BURST, 1 << 30, 3 << 30,
+rep = wire.request(wire.socket_path(d), wire.BURST_OP_BURST, 1 << 30, 3 << 30,
                       generation=abi.generation(d), timeout=30)
 names = {wire.BURST_REFUSED: "refused", wire.BURST_GRANTED: "granted", wire.BURST_DENIED: "denied"}
 print(names.get(rep.status, rep.status) if rep else "none")

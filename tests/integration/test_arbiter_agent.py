@@ -74,7 +74,7 @@ def node(make_sim: Callable[..., Sim], kube_server: KubeServer) -> Iterator[Node
 
 def arbiter_conns(node: Node) -> list[Any]:
     """The agent's unix sockets on the arbiter's path (the listener and accepted requests)."""
-    sock = str(node.sim.agent.state_dir / abi.SOCKET_FILE)
+    sock = str(node.sim.agent.state_dir / abi.SOCKET_DIR / abi.SOCKET_FILE)
     return [c for c in psutil.Process(node.sim.agent.pid).net_connections("unix") if c.laddr == sock]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from collections import Counter
 from collections.abc import Callable
 
@@ -100,7 +102,10 @@ def test_allocate_response_injects_gpu_and_shim(sim: Sim) -> None:
     mounts = {m.container_path: m for m in resp.mounts}
     assert mounts[resp.envs["LD_PRELOAD"]].read_only
     assert mounts[f"{cdir}/config"].read_only and not mounts[f"{cdir}/usage"].read_only
-    assert f"{cdir}/arbiter.sock" in mounts
+    # the arbiter's socket comes in a read-only mount of its directory (a restarted agent's
+    # new socket shows through it; no tenant can replace it)
+    assert mounts[f"{cdir}/arbiter"].read_only
+    assert stat.S_ISSOCK(os.stat(os.path.join(mounts[f"{cdir}/arbiter"].host_path, "arbiter.sock")).st_mode)
     host_dir = mounts[f"{cdir}/config"].host_path.rsplit("/", 1)[0]
     cfg = abi.read_config(host_dir)
     assert cfg.gpu_uuid == sim.gpus[g] and cfg.request_bytes == cfg.limit_bytes == 4 * GiB

@@ -35,7 +35,7 @@ def info(p: PodRun) -> tuple[int, int]:
 
 def held_requests(node: E2ENode) -> int:
     """Requests the agent holds open on its arbiter socket (accepted connections)."""
-    sock = str(node.sim.agent.state_dir / abi.SOCKET_FILE)
+    sock = str(node.sim.agent.state_dir / abi.SOCKET_DIR / abi.SOCKET_FILE)
     conns = psutil.Process(node.sim.agent.pid).net_connections("unix")
     return sum(1 for c in conns if c.laddr == sock) - 1  # less the listener
 

@@ -1,7 +1,8 @@
 """The arbiter's socket: one fixed-size request in, one reply out, per connection.
 
-One unix socket per node (gpufrac.deviceplugin.server.arbiter_socket), bind-mounted into
-every sharing container. Who a caller is comes from the kernel (SO_PEERCRED ->
+One unix socket per node (gpufrac.core.config.arbiter_socket), alone in a directory that is
+bind-mounted into every sharing container (so a socket bound anew after a restart is seen).
+Who a caller is comes from the kernel (SO_PEERCRED ->
 gpufrac.agent.callers), never from its message; how much each container may ask is
 gpufrac.agent.fairness. What a request is answered is the Handler's (the Arbiter); this
 module only reads, times out, counts and writes.
@@ -96,7 +97,12 @@ class SocketServer:
     async def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # a previous agent's socket: nobody listens on it
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        directory = os.path.dirname(self.path) or "."
+        if not os.path.isdir(directory):
+            os.makedirs(directory, exist_ok=True)
+            # Containers mount this directory and run as any uid: whatever the umask, they
+            # must reach the socket in it.
+            os.chmod(directory, 0o755)
         loop = asyncio.get_running_loop()
         self.handler.fairness.fit_fd_limit()  # before the first connection: the cap must fit the file limit
         self._server = await loop.create_unix_server(

@@ -7,7 +7,12 @@
  *             PROT_READ. Updated in place under a seqlock (odd seq = writing).
  *   usage   - written by the shim (every process of the container); one slot
  *             per process plus the container-wide total, all C11 atomics.
- *   arbiter.sock - the agent's unix socket for the slow path (bursts, swap-in).
+ *   arbiter/arbiter.sock - the agent's unix socket for the slow path (bursts,
+ *             swap-in), in a directory of its own mounted read-only: a restarted
+ *             agent binds a new socket (a new inode) there, which a mount of the
+ *             directory shows and a mount of the socket file would not. Containers
+ *             admitted by an older agent have the socket file mounted at
+ *             arbiter.sock instead; the shim falls back to that.
  * gpufrac/memguard/abi.py mirrors these structs with ctypes; a test
  * compiles a probe against this header and compares sizes and offsets.
  *
@@ -30,6 +35,7 @@
 
 #define MG_CONFIG_FILE "config"
 #define MG_USAGE_FILE "usage"
+#define MG_SOCKET_DIR "arbiter"
 #define MG_SOCKET_FILE "arbiter.sock"
 #define MG_DEFAULT_DIR "/var/run/gpufrac"
 
@@ -91,7 +97,7 @@ typedef struct {
 } mg_usage_t;
 
 /*
- * Slow path on arbiter.sock (the agent's side: gpufrac/agent/arbiter.py,
+ * Slow path on arbiter/arbiter.sock (the agent's side: gpufrac/agent/arbiter/,
  * docs/arbiter-protocol.md). One request and one reply per connection, both fixed-size,
  * native byte order. The agent identifies the caller by SO_PEERCRED, never by
  * `pid`. On MG_BURST_GRANTED the agent has ALREADY published the larger

@@ -68,18 +68,32 @@ static MG_COLD int mg_connect_by(int fd, const struct sockaddr_un *addr, uint64_
  * refuse: no socket, no agent, timeout, denial, garbage. Never grants blindly.
  *
  * Protocol (mg_burst_req_t / mg_burst_rep_t in memguard_abi.h): one request
- * per connection on $GPUFRAC_CONTAINER_DIR/arbiter.sock; the agent identifies
+ * per connection on the socket mg_sock() names; the agent identifies
  * the caller by SO_PEERCRED, not by the message. Connect and send are bounded
  * by arbiter_timeout_ms (a full backlog is waited out within it); the reply by
  * arbiter_timeout_ms + wait_timeout_ms, since the agent's wait resolver may
  * hold the request that long. Without await_reply (RELEASE): one non-blocking
  * connect and send, failing at once.
  */
+static MG_COLD int mg_is_sock(const char *path) {
+    struct stat st;
+    return path[0] && stat(path, &st) == 0 && S_ISSOCK(st.st_mode);
+}
+
+/* The agent's socket, asked anew on each request: $GPUFRAC_CONTAINER_DIR/arbiter/arbiter.sock,
+ * in the directory mount that shows a restarted agent's new socket; else the socket file an
+ * older agent mounted at $GPUFRAC_CONTAINER_DIR/arbiter.sock. NULL when neither is a socket
+ * (the agent is away). Which path it is says nothing of who calls: that is SO_PEERCRED's. */
+static MG_COLD const char *mg_sock(void) {
+    if (mg_is_sock(g_sock_path)) return g_sock_path;
+    if (mg_is_sock(g_sock_legacy)) return g_sock_legacy;
+    return NULL;
+}
+
 static MG_COLD int mg_arbiter_io(uint16_t op, uint64_t bytes, uint64_t total_after, const mg_limits_t *l,
                                  int await_reply) {
-    if (!g_sock_path[0]) return 0;
-    struct stat st;
-    if (stat(g_sock_path, &st) != 0 || !S_ISSOCK(st.st_mode)) return 0;
+    const char *path = mg_sock();
+    if (!path) return 0;
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | (await_reply ? 0 : SOCK_NONBLOCK), 0);
     if (fd < 0) return 0;
     int granted = 0;
@@ -87,7 +101,7 @@ static MG_COLD int mg_arbiter_io(uint16_t op, uint64_t bytes, uint64_t total_aft
     int reply_timeout = timeout + (int)(l->wait_timeout_ms > 600000 ? 600000 : l->wait_timeout_ms);
     uint64_t deadline = mg_now_ms() + (uint64_t)timeout;
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
-    memcpy(addr.sun_path, g_sock_path, strlen(g_sock_path) + 1);
+    memcpy(addr.sun_path, path, strlen(path) + 1);
     if (!await_reply) {
         if (connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) goto out; /* full backlog: EAGAIN, at once */
     } else if (mg_connect_by(fd, &addr, deadline) != 0 || fcntl(fd, F_SETFL, O_NONBLOCK) != 0) {

@@ -32,6 +32,7 @@ mg_usage_t *g_usage;
 mg_proc_slot_t *_Atomic g_slot;
 char g_dir[PATH_MAX];
 char g_sock_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+char g_sock_legacy[sizeof(((struct sockaddr_un *)0)->sun_path)];
 int32_t g_pid;
 uint64_t g_start; /* this process's /proc starttime, set when it claims a slot */
 _Atomic int g_warned_track;
@@ -104,8 +105,12 @@ static int mg_do_init(void) {
     const char *dir = getenv("GPUFRAC_CONTAINER_DIR");
     if (!dir || !*dir) dir = MG_DEFAULT_DIR;
     snprintf(g_dir, sizeof g_dir, "%s", dir);
-    if ((size_t)snprintf(g_sock_path, sizeof g_sock_path, "%s/%s", g_dir, MG_SOCKET_FILE) >= sizeof g_sock_path)
-        g_sock_path[0] = 0; /* too long for a unix socket: no arbiter */
+    /* Too long for a unix socket: no arbiter at that path. */
+    if ((size_t)snprintf(g_sock_path, sizeof g_sock_path, "%s/%s/%s", g_dir, MG_SOCKET_DIR, MG_SOCKET_FILE) >=
+        sizeof g_sock_path)
+        g_sock_path[0] = 0;
+    if ((size_t)snprintf(g_sock_legacy, sizeof g_sock_legacy, "%s/%s", g_dir, MG_SOCKET_FILE) >= sizeof g_sock_legacy)
+        g_sock_legacy[0] = 0;
 
     void *cfg = NULL, *usage = NULL;
     snprintf(path, sizeof path, "%s/%s", g_dir, MG_CONFIG_FILE);

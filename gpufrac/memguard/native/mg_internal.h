@@ -124,7 +124,8 @@ extern MG_HIDDEN const mg_config_t *g_cfg;
 extern MG_HIDDEN mg_usage_t *g_usage;
 extern MG_HIDDEN mg_proc_slot_t *_Atomic g_slot;
 extern MG_HIDDEN char g_dir[];
-extern MG_HIDDEN char g_sock_path[];
+extern MG_HIDDEN char g_sock_path[];   /* $GPUFRAC_CONTAINER_DIR/arbiter/arbiter.sock */
+extern MG_HIDDEN char g_sock_legacy[]; /* $GPUFRAC_CONTAINER_DIR/arbiter.sock (an older agent's mount) */
 extern MG_HIDDEN int32_t g_pid;
 extern MG_HIDDEN uint64_t g_start; /* this process's /proc starttime, set when it claims a slot */
 extern MG_HIDDEN int g_nvml_pids_local; /* NVML's pids are this pid namespace's (see mg_nvml.c) */
