@@ -4,8 +4,9 @@ in real cgroups, named as the kubelet's container runtime names them.
 What the agent relies on is exactly what a real runtime gives it: a process whose
 /proc/<pid>/cgroup names its pod UID and container ID, and a filesystem view in
 which the device plugin's mounts (config, usage, the arbiter socket, the shim)
-sit at their container paths. The view is a directory of symlinks to the host
-paths; envs that point into a mount are rewritten to the view, so
+sit at their container paths. The view holds each file mount as a hard link (pinning
+its inode, as a bind mount of a file does) and each directory mount as a symlink
+(link_mounts); envs that point into a mount are rewritten to the view, so
 $GPUFRAC_CONTAINER_DIR/arbiter/arbiter.sock reaches the agent's socket and LD_PRELOAD the
 shim. The process writes its own pid into cgroup.procs before it execs the
 workload, so it is in the container's cgroup before it makes any CUDA call.
@@ -228,14 +229,36 @@ class ContainerRuntime:
 
 
 def link_mounts(view: Path, mounts: Sequence[MountSpec]) -> None:
-    """A container's filesystem view: each mount a symlink at <view>/<container path> to its
-    host path (replacing one already there, so a view can be rebuilt)."""
+    """A container's filesystem view: each mount at <view>/<container path>, as a container
+    runtime's bind mount behaves (replacing one already there, so a view can be rebuilt,
+    which is what starting the container again does).
+
+    A bind mount of a FILE pins the inode it was made with: a host path later replaced (a
+    rename onto it, a socket unlinked and bound again) is not seen inside. A hard link pins
+    the inode the same way, so a file mount is one. A hard link cannot cross filesystems
+    (nor reach a file this process may not link): such a mount stays a symlink, which
+    follows the path and so hides a replaced file; docs/simgpu.md says so. A bind mount of a
+    DIRECTORY shows later changes to its entries, as a symlink to it does. A host path that
+    does not exist yet gets a symlink too (a real runtime would fail or make a directory)."""
     for m in mounts:
         link = view / m.container_path.lstrip("/")
         link.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             link.unlink()
+        if _pins_inode(m.host_path, link):
+            continue
         link.symlink_to(m.host_path)
+
+
+def _pins_inode(host_path: str, link: Path) -> bool:
+    """Hard-link a file mount into the view; False where the mount must be a symlink."""
+    try:
+        if os.path.isdir(host_path):
+            return False
+        os.link(host_path, link)  # follows a symlinked host path, as a bind mount does
+    except OSError:  # missing, another filesystem (EXDEV), not linkable by us (EPERM)
+        return False
+    return True
 
 
 def translate_envs(envs: Mapping[str, str], mounts: Sequence[MountSpec], view: Path) -> dict[str, str]:
