@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,8 +20,7 @@ import pytest
 
 from gpufrac.memguard import abi, wire
 from tests.fixtures.arbiter_harness import ArbiterNode, Box, GiB
-
-NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
+from tests.fixtures.hostile_tenant import spawn_with_pid
 
 
 def cgroup_procs(node: ArbiterNode, box: Box) -> Path:
@@ -43,36 +41,6 @@ def connect_and_die(path: str, procs: Path) -> tuple[socket.socket, int]:
             os._exit(0)
     os.waitpid(pid, 0)
     return s, pid
-
-
-def spawn_with_pid(pid: int, procs: Path) -> int | None:
-    """A sleeping process with exactly `pid` in `procs`'s cgroup, or None if another fork
-    on the machine took that pid first."""
-    try:
-        NS_LAST_PID.write_text(str(pid - 1))
-    except OSError:
-        pytest.skip("ns_last_pid is not writable here")
-    r, w = os.pipe()
-    child = os.fork()
-    if child == 0:
-        os.close(r)
-        try:
-            if os.getpid() == pid:
-                procs.write_text(str(os.getpid()))
-                os.write(w, b"1")
-            else:
-                os.write(w, b"0")
-            os.close(w)
-            time.sleep(60)
-        finally:
-            os._exit(0)
-    os.close(w)
-    ok = os.read(r, 1) == b"1"
-    os.close(r)
-    if not ok:
-        os.waitpid(child, 0)
-        return None
-    return child
 
 
 def test_a_request_from_a_dead_process_is_not_taken_for_the_next_owner_of_its_pid(

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,8 +27,7 @@ import pytest
 from gpufrac.agent.callers import PeerError
 from gpufrac.agent.knowncallers import KnownCallers
 from gpufrac.simgpu.runtime import ContainerRuntime, RuntimeUnavailable
-
-NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
+from tests.fixtures.hostile_tenant import spawn_with_pid
 
 
 def connect_and_die(path: str) -> int:
@@ -42,38 +40,6 @@ def connect_and_die(path: str) -> int:
             os._exit(0)
     os.waitpid(pid, 0)
     return pid
-
-
-def connect_with_pid(pid: int, path: str, procs: Path) -> int | None:
-    """A sleeping process with exactly `pid`, in the cgroup of `procs`, connected to `path`;
-    None if another fork on the machine took that pid first."""
-    try:
-        NS_LAST_PID.write_text(str(pid - 1))
-    except OSError:
-        pytest.skip("ns_last_pid is not writable here")
-    r, w = os.pipe()
-    child = os.fork()
-    if child == 0:
-        os.close(r)
-        try:
-            if os.getpid() == pid:
-                procs.write_text(str(os.getpid()))
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                s.connect(path)
-                os.write(w, b"1")
-            else:
-                os.write(w, b"0")
-            os.close(w)
-            time.sleep(60)
-        finally:
-            os._exit(0)
-    os.close(w)
-    ok = os.read(r, 1) == b"1"
-    os.close(r)
-    if not ok:
-        os.waitpid(child, 0)
-        return None
-    return child
 
 
 @pytest.fixture
@@ -101,7 +67,7 @@ def test_a_dead_connectors_connection_is_refused_not_charged_to_the_cached_owner
     try:
         for _ in range(20):  # another fork on the machine may take the pid first: try again
             dead = connect_and_die(path)
-            heir = connect_with_pid(dead, path, procs)
+            heir = spawn_with_pid(dead, procs, connect_to=path)
             if heir is not None:
                 break
             srv.accept()[0].close()
