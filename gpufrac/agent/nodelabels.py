@@ -26,12 +26,12 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
+from gpufrac.core.annotations import PREFIX  # the one gpufrac.dev/ domain
 from gpufrac.core.config import Config
 from gpufrac.core.gpus import Inventory
 
 log = logging.getLogger(__name__)
 
-PREFIX = "gpufrac.dev/"
 PRODUCT = PREFIX + "gpu.product"
 MEMORY_MIB = PREFIX + "gpu.memory"
 COUNT = PREFIX + "gpu.count"

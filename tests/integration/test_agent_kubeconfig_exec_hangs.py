@@ -24,11 +24,8 @@ import yaml
 from kubernetes.config import kube_config
 
 from gpufrac.agent import main
-from gpufrac.core.slices import FRACTION, MEMORY
-from gpufrac.memguard import abi
-from gpufrac.simgpu.kubelet import Container, Pod
 from tests.fixtures.kube import KubeServer
-from tests.fixtures.metrics import start_node
+from tests.fixtures.metrics import admits_at_request_without_apiserver, start_node
 
 if TYPE_CHECKING:
     from tests.fixtures.simnode import SimNode
@@ -87,21 +84,8 @@ def test_an_exec_plugin_that_hangs_leaves_the_agent_serving_without_an_apiserver
     try:
         node, stop = start_node(in_process_nvml, kube_server, config={"apiServer": ""})
         try:
-            node.wait(
-                lambda: node.kubelet.connected(FRACTION) and node.kubelet.connected(MEMORY),
-                "the agent to register both resources",
-            )
+            admits_at_request_without_apiserver(node)
             assert pidfile.exists()  # the plugin ran, and is still hanging
-            pod = Pod(
-                "default",
-                "p",
-                [Container("main", {MEMORY: 2})],
-                annotations={"gpufrac.dev/gpu-memory-limit": "20Gi"},
-            )
-            node.kubelet.admit(pod)
-            alloc = node.alloc_of(pod)
-            cfg = abi.read_config(alloc.directory)
-            assert cfg.limit_bytes == cfg.request_bytes == alloc.request_bytes  # no annotations without a pod
         finally:
             end_plugin(pidfile)
             stop()

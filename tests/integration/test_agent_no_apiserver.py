@@ -11,11 +11,8 @@ from typing import TYPE_CHECKING
 import pytest
 from kubernetes.config import kube_config
 
-from gpufrac.core.slices import FRACTION, MEMORY
-from gpufrac.memguard import abi
-from gpufrac.simgpu.kubelet import Container, Pod
 from tests.fixtures.kube import KubeServer
-from tests.fixtures.metrics import start_node
+from tests.fixtures.metrics import admits_at_request_without_apiserver, start_node
 
 if TYPE_CHECKING:
     from tests.fixtures.simnode import SimNode
@@ -36,20 +33,7 @@ def test_an_agent_without_an_apiserver_serves_and_says_what_it_leaves_out(
         in_process_nvml, kube_server, config={"apiServer": "", "idle": {"enabled": True, "action": "evict"}}
     )
     try:
-        node.wait(
-            lambda: node.kubelet.connected(FRACTION) and node.kubelet.connected(MEMORY),
-            "the agent to register both resources",
-        )
-        pod = Pod(
-            "default",
-            "p",
-            [Container("main", {MEMORY: 2})],
-            annotations={"gpufrac.dev/gpu-memory-limit": "20Gi"},
-        )
-        node.kubelet.admit(pod)
-        alloc = node.alloc_of(pod)
-        cfg = abi.read_config(alloc.directory)
-        assert cfg.limit_bytes == cfg.request_bytes == alloc.request_bytes  # no annotations without a pod
+        admits_at_request_without_apiserver(node)
     finally:
         stop()
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
