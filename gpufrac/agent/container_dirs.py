@@ -32,13 +32,15 @@ _T = TypeVar("_T")
 
 
 def write_container_dir(directory: str, cfg: ContainerConfig) -> ConfigFile:
-    """Create (or repair) a container's host directory: config (0644) and usage files.
+    """Create (or repair) a container's host directory: config (0644) and usage files, and
+    the directory of its arbiter socket (gpufrac.agent.arbiter.listeners binds it there).
 
     Blocking file I/O: the agent runs it in a worker thread. No fsync: after a crash
     the agent rewrites every booked container's files from its state and the
     kubelet's record, so durability here would only add latency to Allocate."""
     Path(directory).mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o755)
+    _socket_dir(directory)
     # Headers only: a config an agent killed mid-write left with an odd seq is repaired in
     # place by ConfigFile.write. A new file would be a new inode, and a running container
     # keeps the old one mounted: the shim would never see a config again.
@@ -53,6 +55,14 @@ def write_container_dir(directory: str, cfg: ContainerConfig) -> ConfigFile:
     handle.write(cfg)
     abi.create_usage(directory, durable=False)
     return handle
+
+
+def _socket_dir(directory: str) -> None:
+    """The directory the device plugin mounts for the container's arbiter socket: it must be
+    there before the runtime mounts it. 0755: container processes run as any uid."""
+    path = os.path.join(directory, abi.SOCKET_DIR)
+    os.makedirs(path, exist_ok=True)
+    os.chmod(path, 0o755)
 
 
 def retire_container_dir(directory: str, handle: ConfigFile | None) -> None:
@@ -77,6 +87,7 @@ def prepare_spare(directory: str) -> ConfigFile:
     renames a spare into place (a mapping follows its file through a rename)."""
     os.mkdir(directory)  # a fresh name: never an existing directory
     os.chmod(directory, 0o755)
+    _socket_dir(directory)
     abi.create_unpublished(directory)
     return ConfigFile(directory, durable=False)
 

@@ -12,6 +12,12 @@ gpufrac.agent.callers), never by its message:
   a swap-in, a reclaim;
 * requests per second (`requestsPerSecond`, a token bucket of `requestBurst`).
 
+On a container's own socket (gpufrac.agent.arbiter.listeners) the agent stops accepting
+while the container holds its connection limit: its further connections wait in the kernel's
+listen queue, costing the agent's loop nothing, and are taken as its connections close. The
+rest of this applies there too, and to the node-wide socket that containers admitted by an
+older agent share.
+
 A caller over a limit gets BURST_BUSY (the shim's "no") without any work done
 for it, REFUSE_DELAY later; its connection is held meanwhile and counts as its
 container's: a flood that reconnects as soon as it is answered is slowed down
@@ -39,6 +45,7 @@ import logging
 import resource
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -80,6 +87,12 @@ class Conn(Protocol):
     def op(self) -> int | None: ...  # its request's op, None while none was read
 
     def abort(self) -> None: ...
+
+
+class Pausable(Protocol):
+    """A container's own listening socket (gpufrac.agent.arbiter.listeners.Listener)."""
+
+    def resume(self) -> None: ...
 
 
 class Limits(Protocol):
@@ -146,6 +159,13 @@ class Fairness:
         self.open = 0  # connections node-wide
         self._pruned_at = time.monotonic()
         self.known = KnownCallers(proc)  # callers' containers, kept while their process lives
+        # Containers' own sockets not accepting until one of their connections closes (at their
+        # connection limit), or until one closes anywhere (at the node cap): by account key.
+        self.paused: dict[str, Pausable] = {}
+        self.paused_at_node: dict[str, Pausable] = {}
+        # How the log names an account of a container's own socket (keyed by its booking):
+        # its pod and container, once known (gpufrac.agent.ledger.ContainerAlloc.who).
+        self.names: dict[str, Callable[[], str]] = {}
 
     @classmethod
     def from_config(cls, config: LimitsConfig, proc: str = "/proc", *, metrics: LimitMetrics) -> Fairness:
@@ -193,7 +213,7 @@ class Fairness:
             return OUTSIDE
         return f"{ident.pod_uid}/{ident.container_id}"
 
-    def _account(self, key: str) -> Account:
+    def account(self, key: str) -> Account:
         acc = self.accounts.get(key)
         if acc is None:
             acc = self.accounts[key] = Account(key, tokens=float(self.burst), refill_at=time.monotonic())
@@ -205,7 +225,7 @@ class Fairness:
         None; whether it is over its container's connection limit, to be answered BUSY after
         REFUSE_DELAY). A held connection counts as its container's until it is closed."""
         self._prune()
-        acc = self._account(key)
+        acc = self.account(key)
         over = len(acc.connections) >= self.max_connections
         if over:
             self.refuse(acc, "connections")
@@ -235,6 +255,22 @@ class Fairness:
         past = len(acc.connections) - self.max_connections
         return REFUSE_DELAY * min(float(MAX_STRETCH), max(1.0, past / max(1, self.max_connections)))
 
+    def at_limit(self, acc: Account) -> bool:
+        """Whether a container holds as many connections as it may."""
+        return len(acc.connections) >= self.max_connections
+
+    def pause(self, acc: Account, listener: Pausable, *, node: bool) -> None:
+        """A container's own socket stops accepting until it is under its connection limit
+        (node=False) or the node under its cap (node=True): counted and logged as a refusal."""
+        (self.paused_at_node if node else self.paused)[acc.key] = listener
+        self.refuse(acc, "node" if node else "connections")
+
+    def forget_socket(self, key: str) -> None:
+        """A container's socket is closed: nothing is to resume it, or name its account."""
+        self.paused.pop(key, None)
+        self.paused_at_node.pop(key, None)
+        self.names.pop(key, None)
+
     def close(self) -> None:
         self.known.close()
 
@@ -244,6 +280,12 @@ class Fairness:
         except ValueError:
             return
         self.open -= 1
+        if acc.key in self.paused and len(acc.connections) < self.max_connections:
+            self.paused.pop(acc.key).resume()
+        if self.paused_at_node and self.open < self.node_connections:
+            waiting, self.paused_at_node = self.paused_at_node, {}
+            for listener in waiting.values():
+                listener.resume()
 
     def _prune(self) -> None:
         """Forget accounts with nothing open, a full bucket and no recent report: kept any
@@ -284,9 +326,9 @@ class Fairness:
         now = time.monotonic()
         if now - acc.logged_at >= LOG_EVERY:
             log.warning(
-                "arbiter: container %s is over its %s limit (%s); refused %d request(s) or "
+                "arbiter: %s is over its %s limit (%s); refused %d request(s) or "
                 "connection(s) since the last report (next report in %.0fs at the earliest)",
-                acc.key,
+                self.names[acc.key]() if acc.key in self.names else f"container {acc.key}",
                 limit,
                 self.describe(limit),
                 acc.refused,

@@ -118,6 +118,7 @@ class Ledger:
         self._unhealthy: dict[str, str] = {}  # GPU UUID -> reason
         self._files: dict[str, ConfigFile] = {}
         self._listeners: list[Callable[[], None]] = []
+        self._attach_listeners: list[Callable[[ContainerAlloc], None]] = []
         # Bumped by every change that can alter what ListAndWatch reports (bookings, health),
         # not by config-only changes (identity, limits, grants): listeners tell them apart.
         self.capacity_generation = 0
@@ -137,6 +138,10 @@ class Ledger:
         }
 
     # -- observation -----------------------------------------------------------------
+
+    def add_attach_listener(self, callback: Callable[[ContainerAlloc], None]) -> None:
+        """Called (on the loop) when a booked container's directory is written (attach())."""
+        self._attach_listeners.append(callback)
 
     def add_listener(self, callback: Callable[[], None]) -> None:
         """Called (on the loop) after every allocation, release, config or health change."""
@@ -383,6 +388,8 @@ class Ledger:
             self._files[key] = handle
             if handle.written != alloc.config:  # changed (identity, a limit) while being written
                 handle.write(alloc.config)
+            for cb in self._attach_listeners:
+                cb(alloc)
         else:  # released while its directory was being written
             handle.close()
 

@@ -25,7 +25,7 @@ from typing import Protocol
 import grpc
 
 from gpufrac.core import logs, slices
-from gpufrac.core.config import Config, arbiter_socket_dir
+from gpufrac.core.config import Config
 from gpufrac.core.errors import AllocationError, ErrorKind
 from gpufrac.core.slices import container_key
 from gpufrac.memguard import abi
@@ -114,10 +114,10 @@ def container_response(alloc: Booking, config: Config) -> pb.ContainerAllocateRe
     resp.envs["LD_PRELOAD"] = shim
     resp.envs["GPUFRAC_CONTAINER_DIR"] = cdir
     # File mounts, not the directory: the container may write its usage file, but its
-    # config (limits) is read-only to it. The arbiter's socket comes in its own directory's
-    # mount: a file mount would pin the socket's inode, dead once the agent restarts and
-    # binds a new one. Read-only: connect() needs no write access to the mount, and no
-    # tenant can unlink or replace the socket every container of the node shares.
+    # config (limits) is read-only to it. The container's own arbiter socket comes in its
+    # directory's mount: a file mount would pin the socket's inode, dead once the agent
+    # restarts and binds a new one. Read-only: connect() needs no write access to the mount,
+    # and the tenant cannot unlink or replace its socket.
     host = alloc.directory
     resp.mounts.extend(
         [
@@ -134,7 +134,7 @@ def container_response(alloc: Booking, config: Config) -> pb.ContainerAllocateRe
             ),
             pb.Mount(
                 container_path=os.path.join(cdir, abi.SOCKET_DIR),
-                host_path=arbiter_socket_dir(config),
+                host_path=os.path.join(host, abi.SOCKET_DIR),
                 read_only=True,
             ),
         ]

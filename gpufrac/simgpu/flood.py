@@ -54,29 +54,31 @@ def _request(nbytes: int) -> bytes:
 
 
 def hold(path: str, n: int, half: bool) -> None:
-    """Keep `n` connections open, each silent or with half a request sent."""
+    """Keep `n` connections open, each silent or with half a request sent. A connection the
+    agent's listen queue has no room for (EAGAIN: the agent stopped accepting this container's)
+    is tried again every round, as a flooder would, never waited for."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, n + 64)), hard))
     sel = selectors.DefaultSelector()
     stats = [0, 0, 0]
     partial = _request(1 << 30)[: ctypes.sizeof(wire.BurstRequest) // 2]
 
-    def open_one() -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    def open_one() -> bool:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
         try:
             s.connect(path)
             if half:
                 s.send(partial)
         except OSError:
             s.close()
-            time.sleep(0.001)
-            return
+            return False
         stats[0] += 1
-        s.setblocking(False)
         sel.register(s, selectors.EVENT_READ)
+        return True
 
     for _ in range(n):
-        open_one()
+        if not open_one():
+            time.sleep(0.001)
     print("ready", flush=True)
     last = time.monotonic()
     while True:
@@ -92,7 +94,9 @@ def hold(path: str, n: int, half: bool) -> None:
                 stats[2] += int.from_bytes(data[6:8], sys.byteorder) == wire.BURST_BUSY
             sel.unregister(s)
             s.close()
-            open_one()  # the agent closed it: open another
+        for _ in range(min(64, n - len(sel.get_map()))):  # back to n, as far as the agent lets it
+            if not open_one():
+                break
         if time.monotonic() - last >= 1:
             last = time.monotonic()
             print(*stats, flush=True)

@@ -2,11 +2,15 @@
 
 Real processes in real cgroups on the real socket (tests/fixtures/arbiter_harness.py): the
 flooder is gpufrac.simgpu.flood in its own container, the neighbour the stand-in
-workload in another. Limits: gpufrac.agent.fairness, docs/arbiter-protocol.md.
+workload in another. Limits: gpufrac.agent.fairness, docs/arbiter-protocol.md. A flood
+runs on the flooder's own socket (gpufrac.agent.arbiter.listeners), as the device plugin
+mounts it, or with shared=True on the node-wide socket, as a container admitted by an
+older agent has it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import subprocess
@@ -22,21 +26,33 @@ from hypothesis import strategies as st
 from gpufrac.agent.fairness import Fairness
 from gpufrac.agent.metrics import Metrics
 from gpufrac.core import native
+from gpufrac.core.config import arbiter_socket_dir
 from gpufrac.deviceplugin.server import container_response
-from gpufrac.memguard import wire
+from gpufrac.memguard import abi, wire
 from gpufrac.simgpu.runtime import Container, mounts_of
 from tests.fixtures.arbiter_harness import ArbiterNode, Box, GiB
 
 
-def start_flood(node: ArbiterNode, box: Box, mode: str, n: int, *extra: int) -> Container:
-    """box's container runs the flood (gpufrac.simgpu.flood); returns once it is under way."""
+def start_flood(
+    node: ArbiterNode, box: Box, mode: str, n: int, *extra: int, shared: bool = False
+) -> Container:
+    """box's container runs the flood (gpufrac.simgpu.flood); returns once it is under way.
+    shared: on the node-wide socket (an older agent's mount), not the container's own."""
     resp = container_response(box.alloc, node.cfg)
+    mounts = mounts_of(resp)
+    if shared:
+        mounts = [
+            dataclasses.replace(m, host_path=arbiter_socket_dir(node.cfg))
+            if m.container_path.endswith("/" + abi.SOCKET_DIR)
+            else m
+            for m in mounts
+        ]
     c = node.runtime.start(
         box.uid,
         "main",
         [sys.executable, "-m", "gpufrac.simgpu.flood", mode, str(n), *map(str, extra)],
         envs={k: v for k, v in resp.envs.items() if k != "LD_PRELOAD"},
-        mounts=mounts_of(resp),
+        mounts=mounts,
         stdout=subprocess.PIPE,
     )
     box.container = c
@@ -50,10 +66,13 @@ def start_flood(node: ArbiterNode, box: Box, mode: str, n: int, *extra: int) -> 
 
 
 def limit_lines(caplog: pytest.LogCaptureFixture, box: Box, limit: str) -> list[str]:
+    """The log lines saying box's container is over `limit`: named by its pod on its own
+    socket, by its pod UID (from its cgroup) on the node-wide one."""
     return [
         r.getMessage()
         for r in caplog.records
-        if f"over its {limit} limit" in r.getMessage() and box.uid in r.getMessage()
+        if f"over its {limit} limit" in r.getMessage()
+        and (box.uid in r.getMessage() or f"pod default/{box.pod} container" in r.getMessage())
     ]
 
 
@@ -62,21 +81,31 @@ def node(make_node: Callable[..., ArbiterNode]) -> ArbiterNode:
     return make_node()
 
 
-@pytest.mark.parametrize("mode", ["idle", "slow"])
+@pytest.mark.parametrize(("mode", "shared"), [("idle", False), ("slow", False), ("idle", True)])
 def test_a_neighbour_bursts_while_a_container_holds_1100_connections(
-    node: ArbiterNode, mode: str, caplog: pytest.LogCaptureFixture
+    node: ArbiterNode, mode: str, shared: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="gpufrac.agent.fairness")
     flood = node.add("flood", 2, "4Gi", start=False)
     b = node.add("b", 2, "6Gi")
     assert b.workload is not None
-    start_flood(node, flood, mode, 1100)
+    start_flood(node, flood, mode, 1100, shared=shared)
     # Each of these is a new connection while the flooder holds (and keeps reopening) its own.
     assert b.workload.do(f"alloc {3 * GiB}") == "granted"
     for _ in range(5):  # each a new connection: the grant is there already, the answer must come
         assert b.workload.do(f"burst {GiB} {3 * GiB}") == "granted"
-    # The flooder was held to its own share and told so, in one log line, not one per refusal.
-    node.until(lambda: node.arbiter.stats.busy > 0, what="the flooder told BUSY")
+    # The flooder was held to its own share (on its own socket: the agent stopped taking its
+    # connections; on the shared one: those past its share were answered BUSY), and this was
+    # said in one log line, not one per refusal.
+    if shared:
+        node.until(lambda: node.arbiter.stats.busy > 0, what="the flooder told BUSY")
+    else:
+        own = node.arbiter.sockets.listeners[flood.alloc.key]
+        node.until(lambda: own.paused, what="the flooder's socket not accepting")
+        assert (
+            len(node.arbiter.fairness.account(flood.alloc.key).connections)
+            <= node.cfg.arbiter_limits.connections_per_container
+        )
     assert len(limit_lines(caplog, flood, "connections")) == 1
     assert not limit_lines(caplog, b, "connections")
 

@@ -1,13 +1,18 @@
-"""A flood's held connections are answered at its limit's pace, not each once a second.
+"""What a flood of connections costs the agent's loop: about its limit's worth, not each one.
 
-A connection past its container's connection limit is held and answered BUSY later
-(gpufrac.agent.fairness). Were each answered REFUSE_DELAY after it came, a container holding
-1,100 connections and reopening each as it is answered would have the agent's loop accept,
-identify, answer and close about a thousand connections a second for nothing. The delay
-grows with how far past its limit the container is (Fairness.refuse_delay, up to MAX_STRETCH
-times), so it gets a fraction of its connections answered per REFUSE_DELAY; and its
-processes' container is read from /proc once per process, not once per connection
-(gpufrac.agent.knowncallers).
+On its own socket (gpufrac.agent.arbiter.listeners) a container holding its connection limit
+has nothing more accepted: its further connections wait in the kernel's listen queue, then
+fail to connect (EAGAIN) or wait in connect(), and the agent's loop does no work for them
+until one of the connections it holds closes (here: after the read timeout, sent nothing).
+
+On the node-wide socket (containers an older agent admitted) a connection past its
+container's connection limit is held and answered BUSY later (gpufrac.agent.fairness). Were
+each answered REFUSE_DELAY after it came, a container holding 1,100 connections and reopening
+each as it is answered would have the agent's loop accept, identify, answer and close about
+a thousand connections a second for nothing. The delay grows with how far past its limit the
+container is (Fairness.refuse_delay, up to MAX_STRETCH times), so it gets a fraction of its
+connections answered per REFUSE_DELAY; and its processes' container is read from /proc once
+per process, not once per connection (gpufrac.agent.knowncallers).
 
 Real processes in real cgroups on the real socket (tests/fixtures/arbiter_harness.py).
 """
@@ -23,7 +28,33 @@ from gpufrac.agent.fairness import MAX_STRETCH, REFUSE_DELAY
 from tests.fixtures.arbiter_harness import ArbiterNode, GiB
 
 
-def test_a_container_holding_1100_connections_is_answered_at_its_limits_pace(
+def test_a_container_holding_1100_connections_on_its_own_socket_has_only_its_limit_accepted(
+    make_node: Callable[..., ArbiterNode],
+) -> None:
+    node = make_node()
+    flood = node.add("flood", 2, "4Gi", start=False)
+    b = node.add("b", 2, "6Gi")
+    assert b.workload is not None
+    limit = node.cfg.arbiter_limits.connections_per_container
+    start_flood(node, flood, "idle", 1100)
+    own = node.arbiter.sockets.listeners[flood.alloc.key]
+    node.until(lambda: own.paused, what="the flooder's socket not accepting")
+    before = own.accepted
+    window = 3 * node.arbiter.read_timeout  # a window to count accepts in, not a deadline
+    time.sleep(window)
+    accepted = own.accepted - before
+    # It holds `limit` connections, each dropped after the read timeout (it sends nothing) and
+    # replaced from the queue: about `limit` accepts per read timeout, some 96 here; taking
+    # every connection it tries would be thousands.
+    assert accepted <= limit * (window / node.arbiter.read_timeout + 2), accepted
+    assert len(node.arbiter.fairness.account(flood.alloc.key).connections) <= limit
+    # None of its connections was read from /proc to be counted: the socket says whose it is.
+    assert node.arbiter.fairness.known.misses <= 2, node.arbiter.fairness.known.misses
+    # Its neighbour's burst is still granted, on a new connection.
+    assert b.workload.do(f"alloc {3 * GiB}") == "granted"
+
+
+def test_a_container_holding_1100_connections_on_the_shared_socket_is_answered_at_its_limits_pace(
     make_node: Callable[..., ArbiterNode],
 ) -> None:
     node = make_node()
@@ -31,7 +62,7 @@ def test_a_container_holding_1100_connections_is_answered_at_its_limits_pace(
     b = node.add("b", 2, "6Gi")
     assert b.workload is not None
     fair = node.arbiter.fairness
-    start_flood(node, flood, "idle", 1100)
+    start_flood(node, flood, "idle", 1100, shared=True)
     node.until(lambda: node.arbiter.stats.busy > 0, what="the flooder told BUSY")
     before = node.arbiter.stats.busy
     time.sleep(4 * REFUSE_DELAY)  # a window to count answers in, not a deadline

@@ -1,8 +1,9 @@
-"""The arbiter's socket: one fixed-size request in, one reply out, per connection.
+"""The arbiter's sockets: one fixed-size request in, one reply out, per connection.
 
-One unix socket per node (gpufrac.core.config.arbiter_socket), alone in a directory that is
-bind-mounted into every sharing container (so a socket bound anew after a restart is seen).
-Who a caller is comes from the kernel (SO_PEERCRED ->
+Each container has a socket of its own, in a directory of its host directory that the device
+plugin mounts into it (gpufrac.agent.arbiter.listeners). The node-wide socket here
+(gpufrac.core.config.arbiter_socket) serves containers an older agent admitted (they mount
+its directory) and the agent's own tools. Who a caller is comes from the kernel (SO_PEERCRED ->
 gpufrac.agent.callers), never from its message; how much each container may ask is
 gpufrac.agent.fairness. What a request is answered is the Handler's (the Arbiter); this
 module only reads, times out, counts and writes.
@@ -59,7 +60,9 @@ class Handler(Protocol):
     @property
     def metrics(self) -> RequestMetrics: ...
 
-    def handle(self, req: BurstRequest, sock: socket.socket) -> Result | Coroutine[Any, Any, Result]: ...
+    def handle(
+        self, req: BurstRequest, sock: socket.socket, expected: str | None = None
+    ) -> Result | Coroutine[Any, Any, Result]: ...
 
 
 class RefusalLog:
@@ -135,7 +138,7 @@ class Connection(asyncio.Protocol):
     (resolvers, a swap-in, a reclaim) becomes a task, cancelled if the caller hangs up.
     """
 
-    def __init__(self, server: SocketServer) -> None:
+    def __init__(self, server: SocketServer, expected: str | None = None) -> None:
         self.server = server
         self.arb = server.handler
         self.buf = bytearray()
@@ -146,11 +149,17 @@ class Connection(asyncio.Protocol):
         self.account: Account | None = None  # its container's (gpufrac.agent.fairness)
         self.counted = False  # whether it counts among its container's requests in flight
         self.held = False  # past its container's connection limit: answered BUSY shortly
+        # On a container's own socket: that booking's key (only its processes may ask there).
+        self.expected = expected
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport; both have its methods.
         self.transport = cast(asyncio.Transport, transport)
         arb = self.arb
+        if self.account is not None:  # counted by its container's listener when it was accepted
+            self.server.connections.add(self)
+            self.timer = asyncio.get_running_loop().call_later(arb.read_timeout, self._too_slow)
+            return
         fair = arb.fairness
         self.account, victim, over = fair.admit(self, fair.container_of(transport.get_extra_info("socket")))
         if victim is not None:
@@ -199,7 +208,7 @@ class Connection(asyncio.Protocol):
             )
             return
         try:
-            out = self.arb.handle(req, self.transport.get_extra_info("socket"))
+            out = self.arb.handle(req, self.transport.get_extra_info("socket"), self.expected)
         except Exception:
             log.exception("arbiter: request failed")
             self.transport.abort()

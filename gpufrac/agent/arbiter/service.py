@@ -34,6 +34,7 @@ from gpufrac.agent.admission import reclaim_guarantee
 from gpufrac.agent.arbiter import grants, recovery
 from gpufrac.agent.arbiter import sweep as grant_sweep
 from gpufrac.agent.arbiter.chain import build_chain
+from gpufrac.agent.arbiter.listeners import ContainerSockets
 from gpufrac.agent.arbiter.queue import LAST, WaitQueue
 from gpufrac.agent.arbiter.readings import NVML_FRESH, DriverReadings, ReadMemory, ReadProcesses
 from gpufrac.agent.arbiter.server import RefusalLog, RequestMetrics, Result, SocketServer, Stats
@@ -114,6 +115,8 @@ class Arbiter:
         self.swap = swap_mod.of(self.chain)
         self.fairness = Fairness.from_config(config, peers.proc, metrics=metrics)
         self.server = SocketServer(self, socket_path, config.arbiter_limits.listen_backlog)
+        # Each container's own socket (its connections share the server's bookkeeping).
+        self.sockets = ContainerSockets(self.server, self.fairness, config.arbiter_limits.listen_backlog)
         self._refusals = RefusalLog()
         self._seq = itertools.count(1)
         self._tasks: list[asyncio.Task[None]] = []
@@ -126,12 +129,15 @@ class Arbiter:
     async def start(self) -> None:
         self.reconcile()
         await self.server.start()
+        self.sockets.open_all(self.ledger.containers(), self.ledger.attached)
+        self.ledger.add_attach_listener(self.sockets.open)
         self.ledger.add_listener(self._on_ledger_change)
         self._tasks.append(asyncio.create_task(grant_sweep.sweep_forever(self.sweep), name="arbiter-reclaim"))
         log.info("arbiter listening on %s (resolvers %s)", self.socket_path, self.chain.names)
 
     async def stop(self) -> None:
         self.queue.close()  # a stopping agent grants nothing
+        self.sockets.close()
         self.server.close()
         for t in self._tasks:
             t.cancel()
@@ -148,12 +154,19 @@ class Arbiter:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def handle(self, req: BurstRequest, sock: socket.socket) -> Result | Coroutine[Any, Any, Result]:
-        """A request's answer now, or a coroutine that finds it (waiting, resolvers, swap-in)."""
+    def handle(
+        self, req: BurstRequest, sock: socket.socket, expected: str | None = None
+    ) -> Result | Coroutine[Any, Any, Result]:
+        """A request's answer now, or a coroutine that finds it (waiting, resolvers, swap-in).
+        `expected`: the container whose own socket it came on (None: the node-wide socket)."""
         if not wire.well_formed(req):
             return wire.BURST_INVALID, 0
         try:
             caller = self.peers.identify(sock)
+            if expected is not None and caller.alloc.key != expected:
+                raise PeerError(
+                    f"pid {caller.creds.pid} of container {caller.alloc.key} asked on {expected}'s socket"
+                )
         except PeerError as e:
             self.stats.refused += 1
             self._refusals.say(str(e))
@@ -517,6 +530,7 @@ class Arbiter:
         if self.ledger.capacity_generation != self._handles_generation:
             self._handles_generation = self.ledger.capacity_generation
             self.files.forget_released(self.sweeper.forget)
+            self.sockets.sync(self.ledger.get)
             booked = self.ledger.get
             for key in [k for k in self._granted_at if booked(k) is None]:
                 del self._granted_at[key]

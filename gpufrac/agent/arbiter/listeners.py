@@ -1,0 +1,232 @@
+"""A socket of its own for each container: the agent stops accepting one container's flood.
+
+Each booked container's host directory holds `arbiter/arbiter.sock` (gpufrac.memguard.abi
+SOCKET_DIR, SOCKET_FILE), which the device plugin mounts read-only at the same place in the
+container: the shim connects there, as it did to the node-wide socket. What a socket per
+container buys is that the agent may stop accepting one container alone. While a container
+holds its connection limit (gpufrac.agent.fairness), its socket is taken off the loop: its
+further connections wait in the kernel's listen queue and then in connect() in its own
+processes, and cost the agent's loop nothing until one of its connections closes. On the
+node-wide socket every such connection had to be accepted, identified and refused, one at a
+time, on the loop every neighbour's grant waits for.
+
+A connection on a container's socket is counted against that container's account without
+reading /proc (only its processes can reach the socket); its request is still identified by
+the kernel (SO_PEERCRED -> cgroup) and refused when the caller is not that container
+(gpufrac.agent.arbiter.service.Arbiter.handle): a process that reaches another container's
+socket through some mount gets nothing there.
+
+The sockets follow the ledger: one is bound when a booking's directory is written
+(Ledger.attach, also after a restart: a directory mount shows the socket bound anew) and
+closed when the booking is released (its directory is deleted with the socket file in it).
+Paths past the 107 bytes a unix socket address holds are bound through /proc/self/fd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from gpufrac.agent.arbiter.server import Connection, SocketServer
+from gpufrac.agent.fairness import Fairness
+from gpufrac.memguard import abi, wire
+
+log = logging.getLogger(__name__)
+
+# Connections taken per wake-up of a socket: a container whose processes connect at once is
+# served in turns with the other sockets, not drained before anyone else runs.
+ACCEPT_BATCH = 16
+# After accept() fails for a reason other than an empty queue (the file limit, memory), the
+# socket rests this long: retrying at once would spin the loop.
+ACCEPT_RETRY = 1.0
+
+
+def socket_path(directory: str) -> str:
+    """A container's own socket, under its host directory."""
+    return os.path.join(directory, abi.SOCKET_DIR, abi.SOCKET_FILE)
+
+
+def bind_unix(sock: socket.socket, path: str) -> None:
+    """Bind `sock` at `path`, a stale socket file there replaced. A path too long for a unix
+    address is bound through its directory's /proc/self/fd link."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    if len(os.fsencode(path)) < 108:
+        sock.bind(path)
+        return
+    fd = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY)
+    try:
+        sock.bind(f"/proc/self/fd/{fd}/{os.path.basename(path)}")
+    finally:
+        os.close(fd)
+
+
+class Booked(Protocol):
+    """A booking as the ledger holds it (gpufrac.agent.ledger.ContainerAlloc)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def directory(self) -> str: ...
+    def who(self) -> str: ...
+
+
+class Listener:
+    """One container's listening socket, accepting while its container is under its limits."""
+
+    def __init__(
+        self, server: SocketServer, fairness: Fairness, alloc: Booked, path: str, backlog: int
+    ) -> None:
+        key = alloc.key
+        self.server = server
+        self.fairness = fairness
+        self.key = key
+        self.path = path
+        self.accepted = 0  # connections taken (tests and the bench read it)
+        self.paused = False
+        self._loop = asyncio.get_running_loop()
+        self._retry: asyncio.TimerHandle | None = None
+        self._closed = False
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            bind_unix(sock, path)
+            # Container processes may run as any uid; who they are comes from SO_PEERCRED.
+            os.chmod(path, 0o666)
+            sock.listen(backlog)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        fairness.names[key] = alloc.who
+        self._loop.add_reader(sock.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        fair = self.fairness
+        for _ in range(ACCEPT_BATCH):
+            acc = fair.account(self.key)
+            if fair.at_limit(acc):
+                self._pause()
+                fair.pause(acc, self, node=False)
+                return
+            try:
+                conn_sock, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self._rest(e)
+                return
+            conn = Connection(self.server, expected=self.key)
+            admitted, victim, _ = fair.admit(conn, self.key)
+            if victim is not None:
+                self.server.handler.stats.dropped += 1
+                victim.abort()
+            if admitted is None:  # the node is at its cap and this container holds the most
+                self._refuse(conn_sock)
+                self._pause()
+                fair.pause(acc, self, node=True)
+                return
+            conn.account = admitted
+            self.accepted += 1
+            self._start(conn, conn_sock)
+
+    def _start(self, conn: Connection, sock: socket.socket) -> None:
+        """The connection's transport (uvloop's or asyncio's), made in a task of its own."""
+
+        def made(task: asyncio.Task[tuple[asyncio.BaseTransport, Connection]]) -> None:
+            if task.cancelled() or task.exception() is not None:
+                # No transport: the connection never started; its place is given back.
+                sock.close()
+                if conn.account is not None:
+                    self.fairness.gone(conn.account, conn)
+
+        self._loop.create_task(self._loop.connect_accepted_socket(lambda: conn, sock)).add_done_callback(made)
+
+    def _refuse(self, sock: socket.socket) -> None:
+        """BUSY on a fresh connection, without a transport (it fits any socket buffer)."""
+        self.server.handler.stats.busy += 1
+        self.server.handler.metrics.count_arbiter_request("connection", "busy")
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)
+            sock.send(wire.reply(wire.BURST_BUSY))
+        sock.close()
+
+    def _pause(self) -> None:
+        if not self.paused and not self._closed:
+            self.paused = True
+            self._loop.remove_reader(self.sock.fileno())
+
+    def resume(self) -> None:
+        if self.paused and not self._closed:
+            self.paused = False
+            self._loop.add_reader(self.sock.fileno(), self._readable)
+
+    def _rest(self, e: OSError) -> None:
+        log.warning(
+            "arbiter: cannot accept on %s (%s); trying again in %.0f s",
+            self.path,
+            errno.errorcode.get(e.errno or 0, e),
+            ACCEPT_RETRY,
+        )
+        self._pause()
+        self._retry = self._loop.call_later(ACCEPT_RETRY, self.resume)
+
+    def close(self) -> None:
+        """Stop accepting. Connections already taken are the server's (closed with it)."""
+        if self._closed:
+            return
+        if not self.paused:
+            self._loop.remove_reader(self.sock.fileno())
+        self._closed = True
+        if self._retry is not None:
+            self._retry.cancel()
+        self.fairness.forget_socket(self.key)
+        self.sock.close()
+
+
+class ContainerSockets:
+    """Every booked container's Listener, kept in step with the ledger (on the agent's loop)."""
+
+    def __init__(self, server: SocketServer, fairness: Fairness, backlog: int) -> None:
+        self.server = server
+        self.fairness = fairness
+        self.backlog = backlog
+        self.listeners: dict[str, Listener] = {}
+        self._closed = False
+
+    def open(self, alloc: Booked) -> None:
+        """Bind the booking's socket (again: after a restart, or its key booked anew). A
+        failure is logged: that container's bursts are refused, everything else goes on."""
+        if self._closed:  # the arbiter has stopped
+            return
+        old = self.listeners.pop(alloc.key, None)
+        if old is not None:
+            old.close()
+        path = socket_path(alloc.directory)
+        try:
+            os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)  # booked by an older agent
+            self.listeners[alloc.key] = Listener(self.server, self.fairness, alloc, path, self.backlog)
+        except OSError as e:
+            log.error("arbiter: cannot listen on %s for %s: %s (its bursts are refused)", path, alloc.key, e)
+
+    def open_all(self, allocs: Iterable[Booked], attached: Callable[[str], bool]) -> None:
+        for alloc in allocs:
+            if attached(alloc.key):
+                self.open(alloc)
+
+    def sync(self, booked: Callable[[str], object | None]) -> None:
+        """Close the sockets of containers no longer booked (`booked(key)` is None)."""
+        for key in [k for k in self.listeners if booked(k) is None]:
+            self.listeners.pop(key).close()
+
+    def close(self) -> None:
+        self._closed = True
+        for listener in self.listeners.values():
+            listener.close()
+        self.listeners.clear()
