@@ -76,9 +76,9 @@ class _Loop:
         self.thread.join(30)
 
 
-# (label, gpufrac.simgpu.flood mode, processes or connections). idle-past-cap holds more
-# connections than the node's cap (arbiterLimits.maxConnections, 4096): the flooder's own
-# reconnects are refused at the cap, a neighbour's make room.
+# (label, gpufrac.simgpu.flood mode, processes or connections). idle-past-cap tries to hold
+# more connections than the node's cap (arbiterLimits.maxConnections, 4096); on its own
+# socket the agent takes no more than its connection limit of them at a time.
 FLOODS = (
     ("rate", "rate", 4),
     ("idle", "idle", 1100),
@@ -271,10 +271,11 @@ def run(
             released(alloc)
         return out
 
-    def flooded(label: str, mode: str, n: int, alloc: Any, w: WorkloadDriver) -> tuple[list[float], int]:
-        """The grants while another container floods the arbiter; and how many of its
-        connections or requests were refused BUSY meanwhile."""
-        _, uid, resp = book(f"flood-{label}", 1, 2)
+    def flooded(label: str, mode: str, n: int, alloc: Any, w: WorkloadDriver) -> tuple[list[float], int, int]:
+        """The grants while another container floods the arbiter; how many of its connections
+        or requests were refused BUSY meanwhile, and how many connections the agent took
+        from it (on its own socket: gpufrac.agent.arbiter.listeners)."""
+        flood_alloc, uid, resp = book(f"flood-{label}", 1, 2)
         c = runtime.start(
             uid,
             "main",
@@ -293,8 +294,9 @@ def run(
             if flood_cpu_request > 0:
                 cpu = _cpu_weighted(c.pids(), f"{root.name}-{label}", flood_cpu_request)
             flood_cpu[label] = cpu is not None
-            busy = arb.stats.busy
-            return grants(alloc, w), arb.stats.busy - busy
+            own = arb.sockets.listeners[flood_alloc.key]
+            busy, accepted = arb.stats.busy, own.accepted
+            return grants(alloc, w), arb.stats.busy - busy, own.accepted - accepted
         finally:
             c.stop()
             _cpu_release(cpu)
@@ -306,9 +308,10 @@ def run(
         grant_us = grants(a_alloc, a)
         flood_us: dict[str, list[float]] = {}
         flood_busy: dict[str, int] = {}
+        flood_accepted: dict[str, int] = {}
         flood_cpu: dict[str, bool] = {}
         for label, mode, n in FLOODS:
-            flood_us[label], flood_busy[label] = flooded(label, mode, n, a_alloc, a)
+            flood_us[label], flood_busy[label], flood_accepted[label] = flooded(label, mode, n, a_alloc, a)
         shim_us, shim_granted = shim_bursts(bursts)
 
         # -- wait handoff: b holds everything grantable; c waits; b's release wakes c.
@@ -360,6 +363,7 @@ def run(
                 "grant_p50_us": round(statistics.median(flood_us[label]), 1),
                 "grant_p99_us": round(flood_p99[label], 1),
                 "refused_busy": flood_busy[label],
+                "connections_accepted": flood_accepted[label],
             }
             for label, _, n in FLOODS
         },

@@ -223,14 +223,15 @@ class Config:
 
 
 def arbiter_socket_dir(config: Config) -> str:
-    """Host directory holding the arbiter's socket and nothing else: the device plugin mounts
-    it into each container (memguard_abi.h MG_SOCKET_DIR), so a container sees the socket a
-    restarted agent binds anew, which a mount of the socket file (its old inode) would not."""
+    """Host directory holding the node-wide arbiter socket and nothing else. Containers admitted
+    by an agent that mounted it (memguard_abi.h MG_SOCKET_DIR) reach the arbiter through it;
+    new containers get a socket of their own (gpufrac.agent.arbiter.listeners)."""
     return os.path.join(config.paths.state_dir, "arbiter")
 
 
 def arbiter_socket(config: Config) -> str:
-    """Host path of the arbiter's unix socket (one per node; peers are told apart by SO_PEERCRED)."""
+    """Host path of the node-wide arbiter socket (the agent's tools, containers admitted by an
+    agent that mounted its directory; peers are told apart by SO_PEERCRED)."""
     return os.path.join(arbiter_socket_dir(config), "arbiter.sock")
 
 

@@ -30,10 +30,11 @@ MAX_PROCS = 256
 
 CONFIG_FILE = "config"
 USAGE_FILE = "usage"
-# The arbiter's socket sits alone in a directory the device plugin mounts (read-only) at
-# SOCKET_DIR: a directory mount shows the socket a restarted agent binds anew, a mount of the
-# socket file keeps the dead one (memguard_abi.h). An older agent mounted the file at
-# SOCKET_FILE; gpufrac.memguard.wire.socket_path falls back to it, as the shim does.
+# The container's arbiter socket sits alone in a directory of its host directory that the
+# device plugin mounts (read-only) at SOCKET_DIR: a directory mount shows the socket a
+# restarted agent binds anew, a mount of the socket file keeps the dead one (memguard_abi.h).
+# An older agent mounted the file at SOCKET_FILE; gpufrac.memguard.wire.socket_path falls
+# back to it, as the shim does.
 SOCKET_DIR = "arbiter"
 SOCKET_FILE = "arbiter.sock"
 DEFAULT_DIR = "/var/run/gpufrac"

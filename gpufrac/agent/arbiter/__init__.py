@@ -1,7 +1,8 @@
 """The burst arbiter (docs/arbiter-protocol.md): what other parts of the agent use of it.
 
 service    the Arbiter: decides each request on the agent's loop
-server     the socket: reads, times out, counts and answers requests
+server     a connection: reads, times out, counts and answers requests; the node-wide socket
+listeners  each container's own socket, paused while its container holds its limit
 grants     the grant model: pure arithmetic, no I/O
 queue      the order of requests on a GPU: waiters and claims
 readings   the NVML cache

@@ -81,7 +81,13 @@ class Listener:
     """One container's listening socket, accepting while its container is under its limits."""
 
     def __init__(
-        self, server: SocketServer, fairness: Fairness, alloc: Booked, path: str, backlog: int
+        self,
+        loop: asyncio.AbstractEventLoop,
+        server: SocketServer,
+        fairness: Fairness,
+        alloc: Booked,
+        path: str,
+        backlog: int,
     ) -> None:
         key = alloc.key
         self.server = server
@@ -90,7 +96,7 @@ class Listener:
         self.path = path
         self.accepted = 0  # connections taken (tests and the bench read it)
         self.paused = False
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop
         self._retry: asyncio.TimerHandle | None = None
         self._closed = False
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -198,12 +204,13 @@ class ContainerSockets:
         self.fairness = fairness
         self.backlog = backlog
         self.listeners: dict[str, Listener] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # the agent's, from open_all on
         self._closed = False
 
     def open(self, alloc: Booked) -> None:
         """Bind the booking's socket (again: after a restart, or its key booked anew). A
         failure is logged: that container's bursts are refused, everything else goes on."""
-        if self._closed:  # the arbiter has stopped
+        if self._closed or self._loop is None:  # the arbiter has stopped, or not started
             return
         old = self.listeners.pop(alloc.key, None)
         if old is not None:
@@ -211,11 +218,14 @@ class ContainerSockets:
         path = socket_path(alloc.directory)
         try:
             os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)  # booked by an older agent
-            self.listeners[alloc.key] = Listener(self.server, self.fairness, alloc, path, self.backlog)
+            listener = Listener(self._loop, self.server, self.fairness, alloc, path, self.backlog)
+            self.listeners[alloc.key] = listener
         except OSError as e:
             log.error("arbiter: cannot listen on %s for %s: %s (its bursts are refused)", path, alloc.key, e)
 
     def open_all(self, allocs: Iterable[Booked], attached: Callable[[str], bool]) -> None:
+        """At the arbiter's start, on the agent's loop: every booked container's socket."""
+        self._loop = asyncio.get_running_loop()
         for alloc in allocs:
             if attached(alloc.key):
                 self.open(alloc)

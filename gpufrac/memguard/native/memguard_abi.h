@@ -8,7 +8,7 @@
  *   usage   - written by the shim (every process of the container); one slot
  *             per process plus the container-wide total, all C11 atomics.
  *   arbiter/arbiter.sock - the agent's unix socket for the slow path (bursts,
- *             swap-in), in a directory of its own mounted read-only: a restarted
+ *             swap-in), the container's own, in a directory mounted read-only: a restarted
  *             agent binds a new socket (a new inode) there, which a mount of the
  *             directory shows and a mount of the socket file would not. Containers
  *             admitted by an older agent have the socket file mounted at
