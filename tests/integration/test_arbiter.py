@@ -78,14 +78,15 @@ def test_a_process_of_another_container_cannot_act_for_it(node: ArbiterNode) -> 
     assert a.container is not None
     forged_env = dict(a.container.env)  # a's socket, a's config dir, a's everything
 
-    # b is a gpufrac pod without burst; its process uses a's environment and claims a's
-    # generation. The request acts for b (the caller's own container): denied, a untouched.
+    # b is a gpufrac pod without burst; its process uses a's environment (a's own socket) and
+    # claims a's generation. A request on a's socket from a process the kernel places in b
+    # is refused (it could act only for b, never for a): a untouched.
     b = node.add("b", 2, start=False)
     cb = node.runtime.start(
         b.uid, "main", [sys.executable, "-c", PROBE], env=forged_env, stdout=subprocess.PIPE
     )
     node.set_container_id("b", b.uid, cb.runtime_id)
-    assert cb.proc.communicate(timeout=60)[0].decode().split() == ["denied"]
+    assert cb.proc.communicate(timeout=60)[0].decode().split() == ["refused"]
 
     # c holds no gpufrac allocation at all: refused.
     c_uid = node.v1.create_namespaced_pod("default", pod_manifest("c", node=NODE)).metadata.uid
@@ -100,7 +101,7 @@ def test_a_process_of_another_container_cannot_act_for_it(node: ArbiterNode) -> 
     assert rep is not None and rep.status == wire.BURST_REFUSED
 
     assert a.config().grant_bytes == 0 and b.config().grant_bytes == 0
-    assert node.arbiter.stats.refused == 2
+    assert node.arbiter.stats.refused == 3
 
 
 # A process that claims to be container "a" in every field the message has.

@@ -72,9 +72,10 @@ def node(make_sim: Callable[..., Sim], kube_server: KubeServer) -> Iterator[Node
         yield Node(sim, kube_server, runtime)
 
 
-def arbiter_conns(node: Node) -> list[Any]:
-    """The agent's unix sockets on the arbiter's path (the listener and accepted requests)."""
-    sock = str(node.sim.agent.state_dir / abi.SOCKET_DIR / abi.SOCKET_FILE)
+def arbiter_conns(node: Node, host_dir: Path) -> list[Any]:
+    """The agent's unix sockets on a container's own arbiter socket (the listener and accepted
+    requests)."""
+    sock = str(host_dir / abi.SOCKET_DIR / abi.SOCKET_FILE)
     return [c for c in psutil.Process(node.sim.agent.pid).net_connections("unix") if c.laddr == sock]
 
 
@@ -102,7 +103,7 @@ def test_agent_kill_while_waiting_then_restart_reconciles(node: Node, kube_serve
     a_grant = _grant(a_dir)
     assert a_grant > 0
     b.send(f"alloc {2 * GiB}")  # b waits: nothing is free
-    until(lambda: len(arbiter_conns(node)) >= 2, what="b's request held by the agent")  # listener + b
+    until(lambda: len(arbiter_conns(node, b_dir)) >= 2, what="b's request held by the agent")  # listener + b
     node.sim.agent.kill()
     # The agent died holding b's request: b gets an answer (the connection closes), no hang.
     assert b.line(timeout=30) == "none"

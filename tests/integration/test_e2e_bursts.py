@@ -33,9 +33,9 @@ def info(p: PodRun) -> tuple[int, int]:
     return int(words[1]), int(words[3])
 
 
-def held_requests(node: E2ENode) -> int:
-    """Requests the agent holds open on its arbiter socket (accepted connections)."""
-    sock = str(node.sim.agent.state_dir / abi.SOCKET_DIR / abi.SOCKET_FILE)
+def held_requests(node: E2ENode, pod: PodRun) -> int:
+    """Requests the agent holds open on pod's own arbiter socket (accepted connections)."""
+    sock = str(pod.host_dir / abi.SOCKET_DIR / abi.SOCKET_FILE)
     conns = psutil.Process(node.sim.agent.pid).net_connections("unix")
     return sum(1 for c in conns if c.laddr == sock) - 1  # less the listener
 
@@ -89,7 +89,7 @@ def test_waiting_burst_gets_memory_the_holder_frees(e2e_node: MakeNode) -> None:
     a = hog(node)
     assert b.alloc(200 * MiB, 5) == "ok 1"  # within b's request
     b.send(f"alloc {200 * MiB} 6")  # b's burst does not fit: it waits in the agent
-    until(lambda: held_requests(node) >= 1, what="b's burst held by the agent")
+    until(lambda: held_requests(node, b) >= 1, what="b's burst held by the agent")
     assert b.app.proc.poll() is None
     # a frees its burst: the shim gives the grant back at once, and b's allocation goes through.
     assert a.app.do("free 2") == "ok"
@@ -108,7 +108,7 @@ def test_holder_exiting_without_freeing_gives_its_grant_back(e2e_node: MakeNode)
     a = hog(node)
     assert b.alloc(200 * MiB) == "ok 1"
     b.send(f"alloc {200 * MiB}")
-    until(lambda: held_requests(node) >= 1, what="b's burst held by the agent")
+    until(lambda: held_requests(node, b) >= 1, what="b's burst held by the agent")
     # a's stdin closes: the workload returns with its buffers still allocated. The shim's
     # exit hands the grant back (usage.grant_returned), the driver frees the memory.
     assert a.app.proc.stdin is not None
@@ -215,7 +215,7 @@ def test_agent_killed_while_a_burst_waits(e2e_node: MakeNode) -> None:
     a = hog(node)
     assert b.alloc(100 * MiB, 2) == "ok 1"
     b.send(f"alloc {300 * MiB}")
-    until(lambda: held_requests(node) >= 1, what="b's burst held by the agent")
+    until(lambda: held_requests(node, b) >= 1, what="b's burst held by the agent")
     node.sim.agent.kill()  # kill -9 while b's thread waits
     # The connection closed with the agent: b's allocation fails with OOM now, not at its timeout.
     assert b.app.line(TIMEOUT) == "oom"
