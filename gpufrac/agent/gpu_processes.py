@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -87,9 +86,7 @@ def _alive(pidfd: int) -> bool:
     return True
 
 
-def observe(
-    proc_root: str = "/proc", listing: Callable[[], list[GpuProcess]] | None = None
-) -> list[Observed]:
+def observe(proc_root: str = "/proc") -> list[Observed]:
     """NVML's GPU processes, each with its container's cgroup identity (blocking).
 
     NVML names processes by pid, and a pid names another process once the first has exited
@@ -115,11 +112,8 @@ def observe(
     lagging behind the reaping) would charge the dead one's memory to the new holder's
     container; the driver releases a process's contexts as it exits, before its parent can
     reap it. And a pidfd pins a process, not its pid number once that process is reaped:
-    the liveness check therefore comes after L2, never before.
-
-    `listing`: the NVML read (read_gpu_processes by default; a test's seam)."""
-    read = listing if listing is not None else read_gpu_processes
-    first = read()
+    the liveness check therefore comes after L2, never before."""
+    first = read_gpu_processes()
     pinned: dict[int, int] = {}  # pid -> pidfd
     read_at: dict[int, tuple[CgroupIdentity | None, int]] = {}
     try:
@@ -133,7 +127,7 @@ def observe(
             except PeerError:
                 continue  # exited since NVML listed it
             read_at[pid] = (ident, start_time(pid, proc_root))
-        second = read() if read_at else []
+        second = read_gpu_processes() if read_at else []
         confirmed = {pid for pid in read_at if _alive(pinned[pid])}
     finally:
         for fd in pinned.values():
