@@ -15,10 +15,14 @@ Two signals, combined (either one showing work makes the container active):
 The usage file is the tenant's to write (docs/security.md): a stamp in the future is
 clamped to the poll, and where NVML's per-process samples can be had, the file's launches
 count only in a poll window in which the driver itself sampled one of the container's
-processes (any utilisation: the process ran something), the process named by host pid and
-checked against the container's pod by its cgroup when it has one. Stamping its own slots
-or claiming a neighbour's pid therefore buys a container nothing; without NVML's samples
-(no driver, MIG and boards that lack them) the file is all there is, and is used.
+processes (any utilisation: the process ran something). A slot names a process; the driver's
+sample is credited to the container only if the kernel places that process in that very
+container (its /proc/<pid>/cgroup names the container's pod UID and one of the container IDs
+the pod's status gives it: gpufrac.agent.callers); a slot naming any other process (a host
+process in no kubelet pod, a neighbour's, one of a container whose IDs are not known yet) is
+ignored and logged once. Stamping its own slots or claiming another's pid therefore buys a
+container nothing; without NVML's samples (no driver, MIG and boards that lack them) the
+file is all there is, and is used.
 
 Idle = neither signal shows work. A container holding memory while its
 processes only use the CPU is idle from the GPU's point of view; WHEN that
@@ -35,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -96,6 +100,9 @@ class Tracked:
     gpus: tuple[str, ...]
     created: float  # wall time the container was allocated
     pod_uid: str | None = None  # its pod, to check a process's cgroup against
+    # The kubelet container IDs its pod's status gives it (a restart adds one): a process
+    # whose cgroup names none of them is not this container's.
+    container_ids: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,9 @@ class _Sample:
     # Containers whose file activity needs the driver's word (NVML samples are had for all
     # their GPUs).
     corroborate: set[str] = field(default_factory=set)
+    # (container key, host pid) -> where the kernel places a process a slot of that container
+    # claims, when that is not the container itself: the claim was ignored.
+    refused: dict[tuple[str, int], str] = field(default_factory=dict)
 
 
 @dataclass
@@ -269,6 +279,7 @@ class ActivityTracker:
         self._states: dict[str, _State] = {}
         self._current: dict[str, ContainerActivity] = {}
         self._warned: set[str] = set()
+        self._refused_told: set[tuple[str, int]] = set()  # ignored claims already logged
         # One poll at a time: the reaper and the arbiter may both ask, and NVML's
         # "samples since" cursor must move forward once per sample.
         self._poll_lock = asyncio.Lock()
@@ -297,9 +308,18 @@ class ActivityTracker:
 
     # -- polling ----------------------------------------------------------------------------------
 
-    async def poll(self, containers: Iterable[Trackable]) -> dict[str, ContainerActivity]:
-        """Read every container's usage file and NVML (in a worker thread), then update."""
-        tracked = [Tracked(c.key, c.directory, tuple(c.gpus), c.created, c.pod_uid) for c in containers]
+    async def poll(
+        self, containers: Iterable[Trackable], container_ids: Mapping[str, Collection[str]] | None = None
+    ) -> dict[str, ContainerActivity]:
+        """Read every container's usage file and NVML (in a worker thread), then update.
+        `container_ids`: container key -> the kubelet container IDs its pod's status names
+        for it (the pod cache's; gpufrac.agent.idle passes them). A container without any
+        gets no credit for the driver's samples of the processes its slots claim."""
+        ids = container_ids or {}
+        tracked = [
+            Tracked(c.key, c.directory, tuple(c.gpus), c.created, c.pod_uid, frozenset(ids.get(c.key, ())))
+            for c in containers
+        ]
         async with self._poll_lock:
             sample = await asyncio.to_thread(self.sample, tracked)
             return self.apply(tracked, sample)
@@ -332,17 +352,20 @@ class ActivityTracker:
             gpus = sorted({g for t in tracked if t.key in out.slots for g in t.gpus})
             for gpu in gpus:
                 for host_pid, (when, busy) in nvml.sampled_pids(gpu).items() if owner else ():
-                    for key in self._owners_of(host_pid, owner):
+                    for key in self._owners_of(host_pid, owner, out.refused):
                         out.driver_ran.add(key)
                         if busy:
                             out.nvml_active[key] = max(out.nvml_active.get(key, 0.0), when)
             out.corroborate = {t.key for t in tracked if t.gpus and all(nvml.supported(g) for g in t.gpus)}
         return out
 
-    def _owners_of(self, host_pid: int, owner: dict[tuple[int, int], list[Tracked]]) -> list[str]:
+    def _owners_of(
+        self, host_pid: int, owner: dict[tuple[int, int], list[Tracked]], refused: dict[tuple[str, int], str]
+    ) -> list[str]:
         """The containers a host pid's process belongs to: those whose slots name it (pid in
         its namespace and start time; a slot whose start time is not stamped yet by its pid
-        alone), less any whose pod the process's cgroup contradicts (the kernel's word)."""
+        alone) AND in which the kernel places it (its cgroup names the container's pod and
+        one of its container IDs). Claims the kernel does not bear out go into `refused`."""
         ident = proc_identity(host_pid, self.proc)
         if ident is None:
             return []
@@ -354,12 +377,30 @@ class ActivityTracker:
             cg = read_cgroup(host_pid, self.proc)
         except PeerError:  # gone since NVML sampled it: one process must not fail the poll
             return []
-        return [t.key for t in claims if cg is None or t.pod_uid is None or cg.pod_uid == t.pod_uid]
+        out = []
+        for t in claims:
+            if cg is None:
+                refused[(t.key, host_pid)] = "in no kubelet container"
+            elif cg.pod_uid != t.pod_uid or cg.container_id not in t.container_ids:
+                where = f"in pod {cg.pod_uid} container {cg.container_id[:12]}"
+                if cg.pod_uid == t.pod_uid and not t.container_ids:
+                    where += " (this container's IDs are not known yet)"
+                refused[(t.key, host_pid)] = where
+            else:
+                out.append(t.key)
+        return out
 
     def apply(self, tracked: list[Tracked], sample: _Sample) -> dict[str, ContainerActivity]:
         """Fold a sample into the per-container state (on the loop)."""
         now = sample.mono
         current: dict[str, ContainerActivity] = {}
+        for (key, pid), where in sample.refused.items():
+            if (key, pid) not in self._refused_told:
+                self._refused_told.add((key, pid))
+                why = "the driver's samples of it are not that container's GPU work"
+                log.warning(
+                    "usage file of container %s claims process %d, placed %s: %s", key, pid, where, why
+                )
         for t in tracked:
             state = self._states.get(t.key)
             if t.key in sample.unreadable:
@@ -420,6 +461,7 @@ class ActivityTracker:
         for key in gone:
             del self._states[key]
             self._warned.discard(key)
+        self._refused_told = {(k, p) for k, p in self._refused_told if k not in gone}
         self._current = current
         return current
 

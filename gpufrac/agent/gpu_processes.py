@@ -8,6 +8,8 @@ a tenant can write its own usage file, not the driver's count. Reading it blocks
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -64,13 +66,76 @@ def start_time(pid: int, proc_root: str = "/proc") -> int:
         return 0
 
 
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of the process that has `pid` now, None when there is none."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _alive(pidfd: int) -> bool:
+    """Whether the process a pidfd names has not exited (a signal 0 through the pidfd: it
+    cannot reach a process that merely has the same pid number)."""
+    try:
+        signal.pidfd_send_signal(pidfd, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists; the agent may not signal it (not root: tests, a dev box)
+    return True
+
+
 def observe(proc_root: str = "/proc") -> list[Observed]:
-    """NVML's GPU processes, each with its container's cgroup identity (blocking)."""
+    """NVML's GPU processes, each with its container's cgroup identity (blocking).
+
+    NVML names processes by pid, and a pid names another process once the first has exited
+    and been reaped: read naively, a pid reused between NVML's listing and the /proc read
+    would charge one container's memory to another (a neighbour watchdog-killed or evicted
+    for it). So every pid is pinned:
+
+    1. NVML lists the processes (L1); a pidfd is opened for each pid listed;
+    2. each process's cgroup and start time are read through /proc;
+    3. NVML lists them again (L2), and each pidfd is asked whether its process is alive.
+
+    A process counts only if its pidfd's process is still alive after L2 and L2 lists its
+    pid; its memory is L2's figure. A process alive through (1)..(3) held the pid all that
+    time, so the cgroup read in (2) and L2's line are that one process's. What cannot be
+    confirmed is left out of this reading (counted again in the next one), never attributed.
+
+    A pid reused between L1 and the pidfd_open right after it gives a pidfd of the new
+    process: its own cgroup is read, and L2 (taken later) lists the pid with its own memory
+    or not at all, so nothing is charged to the wrong container.
+
+    What remains: L2's line for a pid is taken to be the process that holds the pid then. A
+    driver still listing a process after it exited and its pid went to another (teardown
+    lagging behind the reaping) would charge the dead one's memory to the new holder's
+    container; the driver releases a process's contexts as it exits, before its parent can
+    reap it. And a pidfd pins a process, not its pid number once that process is reaped:
+    the liveness check therefore comes after L2, never before."""
+    first = read_gpu_processes()
+    pinned: dict[int, int] = {}  # pid -> pidfd
+    read_at: dict[int, tuple[CgroupIdentity | None, int]] = {}
+    try:
+        for pid in dict.fromkeys(p.pid for p in first):
+            fd = _pidfd(pid)
+            if fd is not None:
+                pinned[pid] = fd
+        for pid in pinned:
+            try:
+                ident = read_cgroup(pid, proc_root)
+            except PeerError:
+                continue  # exited since NVML listed it
+            read_at[pid] = (ident, start_time(pid, proc_root))
+        second = read_gpu_processes() if read_at else []
+        confirmed = {pid for pid in read_at if _alive(pinned[pid])}
+    finally:
+        for fd in pinned.values():
+            os.close(fd)
     out = []
-    for p in read_gpu_processes():
-        try:
-            ident = read_cgroup(p.pid, proc_root)
-        except PeerError:
-            continue  # exited since NVML listed it
-        out.append(Observed(GpuProcess(p.pid, p.gpu, p.used, start_time(p.pid, proc_root)), ident))
+    for p in second:
+        if p.pid not in confirmed:
+            continue  # not pinned in L1, or gone (its pid may be another process's now)
+        ident, start = read_at[p.pid]
+        out.append(Observed(GpuProcess(p.pid, p.gpu, p.used, start), ident))
     return out

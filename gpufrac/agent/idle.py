@@ -120,7 +120,7 @@ class IdleReaper:
     async def tick(self) -> list[PodView]:
         """One pass: refresh activity, judge every pod. Returns the pods judged."""
         allocs = self.ledger.containers()
-        await self.tracker.poll(allocs)
+        await self.tracker.poll(allocs, self.container_ids(allocs))
         self._prev_pass, self._last_pass = self._last_pass, self.clock.monotonic()
         if not self.cfg.idle.enabled:
             self.pending.clear()
@@ -140,6 +140,18 @@ class IdleReaper:
         for key in set(self.runtime_done) - seen:
             del self.runtime_done[key]
         return views
+
+    def container_ids(self, allocs: Iterable[ContainerAlloc]) -> dict[str, frozenset[str]]:
+        """Container key -> the container IDs its pod's status names for it (pod cache): the
+        tracker credits the driver's samples of a process to a container only if the
+        process's cgroup names one of them (gpufrac.agent.activity)."""
+        pods = self.identity.pods if self.identity is not None else None
+        out: dict[str, frozenset[str]] = {}
+        for a in allocs:
+            info = pods.get(a.namespace, a.pod) if pods is not None and a.namespace and a.pod else None
+            if info is not None and info.uid == a.pod_uid:
+                out[a.key] = frozenset(cid for cid, name in info.container_ids.items() if name == a.container)
+        return out
 
     def pods(self, allocs: Iterable[ContainerAlloc], ident: Identity | None) -> list[PodView]:
         """Group allocations by pod; pods whose identity or policy is unknown are left out."""

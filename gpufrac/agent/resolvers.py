@@ -109,6 +109,10 @@ class Holding:
     priority: int
     flags: int
     idle_s: float  # seconds since the container's last kernel launch
+    # What the driver counted for it in both of its last two distinct readings (the smaller;
+    # gpufrac.agent.arbiter.readings.DriverReadings.steady_used), 0 without two: what holding
+    # memory above the request without a grant is judged on.
+    steady: int = 0
 
     @property
     def preemptible(self) -> bool:
@@ -133,6 +137,7 @@ class ResolverContext(Protocol):
     def holdings(self, gpu: str) -> list[Holding]: ...
     def claim(self, need: Need) -> AbstractContextManager[None]: ...
     async def wait_turn(self, need: Need) -> bool: ...
+    async def second_reading(self) -> None: ...
     async def kill_container(self, alloc: ContainerAlloc) -> int: ...
     def revoke_burst(self, alloc: ContainerAlloc) -> None: ...
     def event(self, alloc: ContainerAlloc, type_: str, reason: str, message: str) -> None: ...
@@ -207,15 +212,20 @@ class EvictResolver:
         self.ctx = ctx
         self._evicting: set[asyncio.Task[int | None]] = set()  # per-victim work, run to its end
 
-    def victims(self, need: Need) -> list[Holding]:
+    def victims(self, need: Need, *, latest: bool = False) -> list[Holding]:
+        """Who may be evicted for `need`. A holder without a grant counts only if two distinct
+        driver readings both show it above its request (`latest`: on the last reading alone,
+        to tell whether a second reading could find more victims)."""
         out = []
         guarantee = need.kind == "reclaim"
         for h in self.ctx.holdings(need.gpu):
             if h.alloc.key == need.requester.key or h.burst <= 0:
                 continue
             # No grant, yet above its request within its limit (the driver's count): memory
-            # taken without asking is a burst like any other (gpufrac.agent.ungranted).
-            if h.grant <= 0 and ungranted(h.used, h.request, h.grant, h.alloc.config.limit_bytes) <= 0:
+            # taken without asking is a burst like any other (gpufrac.agent.ungranted), once
+            # it has lasted two readings (a lazily loaded module spikes for a moment).
+            held = h.used if latest else h.steady
+            if h.grant <= 0 and ungranted(held, h.request, h.grant, h.alloc.config.limit_bytes) <= 0:
                 continue
             if not h.preemptible and not guarantee:
                 continue
@@ -233,8 +243,17 @@ class EvictResolver:
         missing = need.shortfall()
         if missing <= 0:
             return Outcome()
+        victims = self.victims(need)
+        if _won(victims) < missing and len(self.victims(need, latest=True)) > len(victims):
+            # Some holder is above its request without a grant on one reading only: judge it
+            # on a second, distinct one (the smaller of the two counts).
+            await self.ctx.second_reading()
+            missing = need.shortfall()
+            if missing <= 0:
+                return Outcome()  # the chain grants it next
+            victims = self.victims(need)
         chosen, won = [], 0
-        for h in self.victims(need):
+        for h in victims:
             if won >= missing:
                 break
             chosen.append(h)
@@ -293,6 +312,10 @@ class EvictResolver:
         )
         log.warning("evicted %s (burst %s) for %s", h.alloc.who(), format_bytes(h.burst), need.who())
         return killed
+
+
+def _won(victims: Sequence[Holding]) -> int:
+    return sum(h.burst for h in victims)
 
 
 def guarantee_chain(chain: Chain, ctx: ResolverContext) -> Chain:

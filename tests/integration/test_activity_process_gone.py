@@ -8,22 +8,26 @@ arbiter reading a poll that raised would see no container's activity at all).
 
 Real workloads under the real shim on simgpu, sampled by simgpu's NVML in this process. The
 moment between the two reads cannot be hit on purpose, so the tracker reads /proc from a
-copy (its `proc` seam): each workload's `status` and `stat` as the kernel wrote them, and the
-`cgroup` file for the neighbour only, as the exiting tenant's entry would look then.
+copy (its `proc` seam): each workload's `status` and `stat` as the kernel wrote them, and a
+`cgroup` file for the neighbour only (naming its pod's container, as the kubelet's runtime
+places it), as the exiting tenant's entry would look then.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from uuid import uuid4
 
 import pynvml
 
 from gpufrac.agent.activity import ActivityTracker, NvmlUtilisation, Tracked
+from gpufrac.simgpu.runtime import cgroup_relpath
 from tests.fixtures.memguard import Shim, make_container, read_line
 from tests.fixtures.simnode import SimNode
 
@@ -79,14 +83,22 @@ def test_a_process_gone_between_nvml_and_its_cgroup_read_does_not_fail_the_poll(
         tracker = ActivityTracker(nvml=nvml, proc=str(proc))
         launch(tenant)  # both work after the tracker started: their samples are news to it
         launch(neighbour)
-        for p, files in ((tenant, ("status", "stat")), (neighbour, ("status", "stat", "cgroup"))):
+        for p in (tenant, neighbour):
             (proc / str(p.pid)).mkdir(parents=True)
-            for f in files:
+            for f in ("status", "stat"):
                 shutil.copyfile(f"/proc/{p.pid}/{f}", proc / str(p.pid) / f)
-        tracked = [Tracked(k, str(d), (uuid,), 0.0) for k, d in dirs.items()]
+        # The neighbour's process in its pod's container, as the kubelet's runtime places it
+        # (the driver's samples count for a container only for its own processes).
+        pod, cid = str(uuid4()), secrets.token_hex(32)
+        cgroup = cgroup_relpath(pod, cid, "besteffort", "cgroupfs")
+        (proc / str(neighbour.pid) / "cgroup").write_text(f"0::/{cgroup}\n")
+        tracked = [
+            Tracked("tenant", str(dirs["tenant"]), (uuid,), 0.0),
+            Tracked("neighbour", str(dirs["neighbour"]), (uuid,), 0.0, pod),
+        ]
 
         try:
-            got = asyncio.run(tracker.poll(tracked))
+            got = asyncio.run(tracker.poll(tracked, {"neighbour": {cid}}))
         finally:
             nvml.close()
         assert got["neighbour"].why == "nvml"  # the driver saw it work, and the poll says so

@@ -42,6 +42,7 @@ from gpufrac.core.slices import MEMORY, ContainerDevices, device_id
 from gpufrac.memguard import abi
 from gpufrac.simgpu.kubelet import Container as KContainer
 from gpufrac.simgpu.kubelet import Pod as KPod
+from gpufrac.simgpu.runtime import Container, ContainerRuntime, RuntimeUnavailable
 from gpufrac.simgpu.spec import load_preset
 from tests.fixtures.agentsim import Sim
 from tests.fixtures.kube import PODS, KubeServer, pod_manifest
@@ -184,8 +185,18 @@ class Workload:
 
 
 class Scenario:
-    def __init__(self, kube: KubeServer, ledger: Ledger, cfg: Config, shim: Shim, eviction_api: bool) -> None:
-        self.kube, self.ledger, self.cfg, self.shim = kube, ledger, cfg, shim
+    def __init__(
+        self,
+        kube: KubeServer,
+        ledger: Ledger,
+        cfg: Config,
+        shim: Shim,
+        eviction_api: bool,
+        runtime: ContainerRuntime,
+    ) -> None:
+        self.kube, self.ledger, self.cfg, self.shim, self.runtime = kube, ledger, cfg, shim, runtime
+        self.pods: dict[str, tuple[str, str, str]] = {}  # container key -> (namespace, pod, pod UID)
+        self.containers: dict[str, Container] = {}  # container key -> its kubelet container
         self.v1 = kube.core_v1()
         self.evictions = EvictionApi(kube) if eviction_api else None
         self.listing: dict[str, ContainerDevices] = {}
@@ -198,7 +209,7 @@ class Scenario:
         """A pod in the apiserver, its container's allocation, and what pod-resources lists."""
         with contextlib.suppress(Exception):
             self.v1.create_namespace({"metadata": {"name": namespace}})
-        self.v1.create_namespaced_pod(
+        created = self.v1.create_namespaced_pod(
             namespace, pod_manifest(name, node=NODE, namespace=namespace, annotations=ann)
         )
         gpu = self.ledger.inventory.gpus[0].uuid
@@ -206,12 +217,39 @@ class Scenario:
         self._next_slice += 1
         alloc = self.ledger.allocate(MEMORY, ids)
         self.listing[alloc.key] = ContainerDevices(namespace, name, "main", MEMORY, tuple(ids))
+        assert created.metadata is not None and created.metadata.uid
+        self.pods[alloc.key] = (namespace, name, created.metadata.uid)
         return alloc
 
     def workload(self, alloc: ContainerAlloc, **kw: Any) -> Workload:
         w = Workload(self.shim, alloc.directory, **kw)
         self.workloads.append(w)
+        self.enter(alloc, w.p.pid)
         return w
+
+    def enter(self, alloc: ContainerAlloc, pid: int) -> None:
+        """Put process `pid` in the cgroup of `alloc`'s pod's container, as the kubelet's
+        runtime places a container's processes, and name that container's ID in the pod's
+        status: the driver's samples of a process count for a container only when the
+        kernel places it there (gpufrac.agent.activity)."""
+        c = self.containers.get(alloc.key)
+        namespace, name, uid = self.pods[alloc.key]
+        if c is None:
+            c = self.containers[alloc.key] = self.runtime.start(uid, "main", ["sleep", "3600"])
+            self.runtime.wait_entered(c)
+            cs = {
+                "name": "main",
+                "containerID": c.runtime_id,
+                "image": "app",
+                "imageID": "app",
+                "ready": True,
+            }
+            self.v1.patch_namespaced_pod(
+                name,
+                namespace,
+                {"status": {"phase": "Running", "containerStatuses": [{**cs, "restartCount": 0}]}},
+            )
+        (c.cgroup_dir / "cgroup.procs").write_text(str(pid))
 
     def run(self, body: Callable[[IdleReaper], Awaitable[None]], *, reaping: bool = True) -> None:
         """Run `body` with the reaper passing every idle.interval (or not, with reaping=False)."""
@@ -311,6 +349,10 @@ async def until(cond: Callable[[], Any], what: str = "condition") -> Any:
 @pytest.fixture
 def make_scenario(kube_server: KubeServer, in_process_nvml: Any, tmp_path: Path) -> Iterator[Any]:
     made: list[Ledger] = []
+    try:
+        runtime = ContainerRuntime(view_root=tmp_path / "v")
+    except RuntimeUnavailable as e:
+        pytest.skip(str(e))
 
     def make(eviction_api: bool = True, **idle: Any) -> Scenario:
         base = {"interval": "100ms", "action": "evict"}
@@ -323,9 +365,10 @@ def make_scenario(kube_server: KubeServer, in_process_nvml: Any, tmp_path: Path)
         )
         ledger = Ledger(cfg, read_inventory())
         made.append(ledger)
-        return Scenario(kube_server, ledger, cfg, Shim(in_process_nvml.env, "release"), eviction_api)
+        return Scenario(kube_server, ledger, cfg, Shim(in_process_nvml.env, "release"), eviction_api, runtime)
 
-    yield make
+    with runtime:
+        yield make
     for led in made:
         for a in led.containers():
             led.release(a.key)
@@ -518,6 +561,7 @@ def test_nvml_utilisation_keeps_a_long_kernel_active(make_scenario: Any) -> None
         sys.stdin.readline()
     """
     p = s.shim.python_popen(nb.directory, code)  # type: ignore[arg-type]
+    s.enter(nb, p.pid)
 
     async def body(reaper: IdleReaper) -> None:
         try:
@@ -525,7 +569,7 @@ def test_nvml_utilisation_keeps_a_long_kernel_active(make_scenario: Any) -> None
             launched = time.monotonic()
             deadline = launched + DEADLINE
             while True:
-                act = (await reaper.tracker.poll([nb])).get(nb.key)
+                act = (await reaper.tracker.poll([nb], reaper.container_ids([nb]))).get(nb.key)
                 # Work seen later than the launch stamp could explain: NVML's samples.
                 if act is not None and act.why == "nvml" and act.last_active > launched + 1.0:
                     break

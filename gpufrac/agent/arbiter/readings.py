@@ -3,6 +3,12 @@
 Grants rest on what the driver reports, read in a worker thread and kept for a moment: a
 reading younger than NVML_FRESH is used as is (the common burst takes no task); an older one
 starts a new reading; one older than NVML_STALE makes a request wait for the new one.
+
+The last readings of each container's processes are kept for a while (CONFIRM_WINDOW): memory
+a container holds above its request without a grant makes it an eviction victim only if two
+distinct readings at least CONFIRM_SPACING apart both show it (`steady_used`: the smaller of
+the two), so a moment's spike (a module loaded lazily, a scratch buffer) is not taken for
+ungranted memory, and a holder that stays above in both is caught whatever it does between.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
@@ -21,6 +28,10 @@ log = logging.getLogger(__name__)
 
 NVML_FRESH = 0.1  # an NVML reading younger than this is used as is
 NVML_STALE = 1.0  # older than this, a request waits for a new one
+# Two process readings this far apart, both showing a container above request + grant, rule
+# out a moment's spike; readings older than CONFIRM_WINDOW are no longer used for that.
+CONFIRM_SPACING = 0.2
+CONFIRM_WINDOW = 10.0
 
 
 class MemoryReading(Protocol):
@@ -56,6 +67,8 @@ class DriverReadings:
         self.memory: Mapping[str, MemoryReading] | None = None
         self.driver: truth.DriverUsage | None = None
         self.at = -1e9
+        # (time.monotonic(), reading) of the recent process readings, oldest first.
+        self._past: deque[tuple[float, truth.DriverUsage]] = deque()
         self._task: asyncio.Task[None] | None = None
         self._error_logged = False
         self._driver_error_logged = False
@@ -92,6 +105,28 @@ class DriverReadings:
             return None
         raw = self.driver.bytes_of(alloc.key, alloc.gpus[0])
         return max(0, raw - self.allowance)
+
+    def steady_used(self, alloc: ContainerAlloc) -> int | None:
+        """What NVML counted for the container in BOTH the current process reading and the
+        newest one taken at least CONFIRM_SPACING before it (the smaller, less one context
+        allowance); None without two such readings (gpufrac.agent.resolvers.EvictResolver
+        then asks for a second one: `second_reading`)."""
+        if self.driver is None or not self._past or time.monotonic() - self.at > NVML_STALE:
+            return None
+        at, now = self._past[-1]
+        earlier = next((d for t, d in reversed(self._past) if t <= at - CONFIRM_SPACING), None)
+        if now is not self.driver or earlier is None:
+            return None
+        gpu = alloc.gpus[0]
+        return max(0, min(now.bytes_of(alloc.key, gpu), earlier.bytes_of(alloc.key, gpu)) - self.allowance)
+
+    async def second_reading(self) -> None:
+        """A new reading at least CONFIRM_SPACING after the last one (a distinct sample of the
+        driver: a spike seen in the last one has had time to end)."""
+        wait = self.at + CONFIRM_SPACING - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        await self.refresh()
 
     def _read(self) -> tuple[Mapping[str, MemoryReading], list[Observed] | Exception]:
         """Blocking: NVML's memory per GPU, then its processes with their cgroups."""
@@ -133,3 +168,7 @@ class DriverReadings:
             return
         self._driver_error_logged = False
         self.driver = truth.attribute(procs, self._lookup)
+        now = time.monotonic()
+        self._past.append((now, self.driver))
+        while self._past and now - self._past[0][0] > CONFIRM_WINDOW:
+            self._past.popleft()

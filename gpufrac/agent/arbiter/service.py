@@ -430,9 +430,14 @@ class Arbiter:
                     priority=a.config.priority,
                     flags=a.config.flags,
                     idle_s=idle_s,
+                    steady=self.readings.steady_used(a) or 0,
                 )
             )
         return out
+
+    async def second_reading(self) -> None:
+        """A new NVML reading, distinct from the last (gpufrac.agent.arbiter.readings)."""
+        await self.readings.second_reading()
 
     def guarantee_shortfall(self, alloc: ContainerAlloc, gpu: str, inflight: int = 0) -> int | None:
         """Bytes of `alloc`'s request on `gpu` that are not physically there now: its request

@@ -1,0 +1,101 @@
+"""A usage-file slot claiming a process outside the container earns it no GPU activity.
+
+The activity tracker credits a container with the driver's samples of the processes its
+usage slots name (gpufrac.agent.activity), and lets the file's own launches count once the
+driver has sampled one of them. The usage file is the tenant's to write: a slot naming a
+busy GPU process that is not the container's (here a host process in no kubelet pod) must
+not make an idle container look busy. The kernel decides: the process's cgroup must name
+the container's pod and one of its container IDs.
+
+One 1 GiB GPU; the real agent, real shim, real workload processes (tests/fixtures/e2e.py);
+the busy process is the real CUDA workload on the same simulated GPU, started on the host.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from gpufrac.agent.activity import proc_identity
+from gpufrac.memguard import abi
+from gpufrac.simgpu.workload import WorkloadProcess
+from tests.fixtures.e2e import E2ENode, MiB
+from tests.fixtures.hostile_tenant import agent_alive, agent_config
+from tests.fixtures.polling import until
+
+MakeNode = Callable[..., E2ENode]
+IDLE = {
+    "idleTimeout": "2s",
+    "gracePeriod": "1s",
+    "interval": "200ms",
+    "action": "notify",
+    "reapClasses": ["batch"],
+}
+
+
+def claim_and_stamp(host_dir: Path, pid: int) -> None:
+    """Take a free slot of the container's usage file for host process `pid` (as the shim
+    would name a process of its own: pid and start time) and stamp every slot busy."""
+    ident = proc_identity(pid)
+    assert ident is not None
+    u = abi.UsageFile(host_dir)
+    try:
+        slots = u.usage.slots
+        if not any(slots[i].pid == ident[0] for i in range(abi.MAX_PROCS)):
+            free = next(i for i in range(abi.MAX_PROCS) if slots[i].pid == 0)
+            slots[free].start_time = ident[1]
+            slots[free].pid = ident[0]
+        for i in range(abi.MAX_PROCS):
+            if slots[i].pid > 0:
+                slots[i].launches += 1
+                slots[i].last_activity_ns = time.monotonic_ns()
+        del slots  # a view into the mapping: gone before it closes
+    finally:
+        u.close()
+
+
+@pytest.fixture
+def claimer() -> Iterator[Callable[[Path, int], None]]:
+    """claimer(host_dir, pid): claim `pid` and stamp the slots every 50 ms until the test ends."""
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+
+    def start(host_dir: Path, pid: int) -> None:
+        def run() -> None:
+            while not stop.wait(0.05):
+                claim_and_stamp(host_dir, pid)
+
+        t = threading.Thread(target=run, name="claimer", daemon=True)
+        t.start()
+        threads.append(t)
+
+    yield start
+    stop.set()
+    for t in threads:
+        t.join(5)
+
+
+def test_a_slot_claiming_a_busy_host_process_does_not_keep_an_idle_container_from_being_reaped(
+    e2e_node: MakeNode, claimer: Callable[[Path, int], None]
+) -> None:
+    node = e2e_node(**agent_config(idle=IDLE))
+    host = WorkloadProcess.spawn(node.app_env(), "host")  # in no kubelet pod, no shim
+    try:
+        assert host.do(f"alloc {64 * MiB} 1") == "ok 1"
+        host.send("busy 600000000")  # a 600 s kernel: the driver samples it busy all along
+        a = node.run_pod("a", 2, "256Mi")
+        assert a.alloc(64 * MiB) == "ok 1"  # it holds GPU memory and does no GPU work
+        claimer(a.host_dir, host.proc.pid)
+        # Idle on the driver's word: the claimed process's work is not a's.
+        until(lambda: node.events(a, "IdleWarning"), what="the IdleWarning Event")
+        (ev,) = until(lambda: node.events(a, "IdleNotify"), what="the IdleNotify Event")
+        assert "idle" in ev["message"], ev
+        assert f"claims process {host.proc.pid}," in node.sim.agent.log()  # named in the log
+        assert agent_alive(node)
+    finally:
+        host.proc.kill()
+        host.proc.wait(30)

@@ -1,0 +1,117 @@
+"""A pid reused between NVML's listing and the /proc read is not charged to its new holder.
+
+The watchdog and the arbiter count each container's GPU memory from NVML's per-process list,
+attributed by each process's cgroup (gpufrac.agent.gpu_processes.observe). NVML names
+processes by pid; a tenant's GPU process that exits right after NVML listed it, its pid
+handed to a neighbour's new process before the agent reads /proc/<pid>/cgroup, must not have
+its memory charged to the neighbour (which the watchdog could then kill, or the arbiter
+evict, for memory it never held).
+
+Real processes: the tenant is a workload under the real shim holding memory on simgpu (NVML
+in this process lists it), the neighbour's process lives in a real cgroup named as the
+kubelet names it, and the pid goes to it through ns_last_pid as the kernel's pid allocator
+would in time. The moment between the listing and the cgroup read is hit by doing the swap
+in the cgroup reader the agent calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpufrac.agent import callers, gpu_processes
+from gpufrac.agent.callers import CgroupIdentity
+from gpufrac.simgpu.runtime import ContainerRuntime, RuntimeUnavailable
+from tests.fixtures.hostile_tenant import spawn_with_pid
+from tests.fixtures.memguard import Shim, make_container, read_line
+from tests.fixtures.simnode import SimNode
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@pytest.fixture
+def runtime(tmp_path: Path) -> Iterator[ContainerRuntime]:
+    try:
+        rt = ContainerRuntime(view_root=tmp_path / "v")
+    except RuntimeUnavailable as e:
+        pytest.skip(str(e))
+    with rt:
+        yield rt
+
+
+@contextlib.contextmanager
+def holding(shim: Shim, directory: Path, nbytes: int) -> Iterator[subprocess.Popen[str]]:
+    """A workload under the shim that allocates `nbytes` on the GPU and holds them."""
+    make_container(directory, GiB, GiB)
+    p = subprocess.Popen(
+        shim.ctest_cmd("alloc", nbytes, "hold"),
+        env=shim.env(directory),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        while (line := read_line(p)) and not line.startswith("hold"):
+            assert line.split()[1] == "0", f"workload command failed: {line!r}"
+        assert line, f"workload exited ({p.poll()})"
+        yield p
+    finally:
+        p.kill()
+        p.wait(30)
+        for f in (p.stdin, p.stdout, p.stderr):
+            if f is not None:
+                f.close()
+
+
+def test_a_pid_reused_between_the_listing_and_the_cgroup_read_is_not_charged_to_its_new_holder(
+    in_process_nvml: SimNode, runtime: ContainerRuntime, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pod = str(uuid.uuid4())
+    neighbour = runtime.start(pod, "neighbour", ["sleep", "60"])
+    runtime.wait_entered(neighbour)
+    shim = Shim(in_process_nvml.env, "release")
+    heirs: list[int | None] = []
+    real_read = callers.read_cgroup
+
+    with (
+        holding(shim, tmp_path / "tenant", 300 * MiB) as tenant,
+        holding(shim, tmp_path / "other", 64 * MiB) as other,
+    ):
+        listed = {p.pid: p.used for p in gpu_processes.read_gpu_processes()}
+        assert listed.get(tenant.pid, 0) >= 300 * MiB and listed.get(other.pid, 0) >= 64 * MiB, listed
+
+        def racing_read(pid: int, proc: str = "/proc") -> CgroupIdentity | None:
+            # NVML has listed the tenant's process: it exits, is reaped, and its pid goes to a
+            # new process of the neighbour's container before the agent reads its cgroup.
+            if pid == tenant.pid and not heirs:
+                tenant.kill()
+                tenant.wait(30)
+                heirs.append(spawn_with_pid(pid, neighbour.cgroup_dir / "cgroup.procs"))
+            return real_read(pid, proc)
+
+        monkeypatch.setattr(gpu_processes, "read_cgroup", racing_read)
+        try:
+            seen = gpu_processes.observe()
+        finally:
+            heir = heirs[0] if heirs else None
+            if heir is not None:
+                os.kill(heir, signal.SIGKILL)
+                os.waitpid(heir, 0)
+        if heir is None:
+            pytest.skip("another process took the pid first")
+        charged = [o for o in seen if o.cgroup is not None and o.cgroup.pod_uid == pod]
+        assert charged == [], "the neighbour was charged the dead tenant's GPU memory"
+        assert [o.proc.pid for o in seen if o.proc.pid == tenant.pid] == []
+        # A process that lived through the reading is counted as before.
+        (mine,) = [o for o in seen if o.proc.pid == other.pid]
+        assert mine.proc.used >= 64 * MiB and mine.proc.start > 0
+    neighbour.stop()
