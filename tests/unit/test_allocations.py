@@ -296,7 +296,12 @@ def test_container_dirs_spares_discard_and_sweep(tmp_path: Path) -> None:
             spare = await dirs.create(b, cfg)
             # The modes containers rely on, whatever the agent's umask.
             modes = {p.name: p.stat().st_mode & 0o777 for p in (Path(b), *Path(b).iterdir())}
-            assert modes == {"m-b": 0o755, abi.CONFIG_FILE: 0o644, abi.USAGE_FILE: 0o666}
+            assert modes == {
+                "m-b": 0o755,
+                abi.CONFIG_FILE: 0o644,
+                abi.USAGE_FILE: 0o666,
+                abi.SOCKET_DIR: 0o755,  # the arbiter socket's, mounted into the container
+            }
             assert abi.read_config(b) == cfg
             # The spare's config was mapped before the rename: later writes land at the new path.
             later = dataclasses.replace(cfg, limit_bytes=5 * GiB)
