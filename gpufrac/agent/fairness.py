@@ -1,9 +1,10 @@
 """Per-container limits on the arbiter socket: one tenant cannot starve the others.
 
-The socket is shared by every container on the node, so without limits one
-container could hold every connection (slowloris), keep every request waiting, or
-keep the agent's loop busy answering it. Each caller is counted against its own
-container, named by the kernel (SO_PEERCRED -> /proc/<pid>/cgroup, as in
+Without limits one container could hold every connection the agent may open
+(slowloris), keep every request waiting, or keep the agent's loop busy answering it.
+Each connection is counted against a container: on a container's own socket, that
+container (only its pod's processes are taken there); on the node-wide socket, the
+caller's container as the kernel names it (SO_PEERCRED -> /proc/<pid>/cgroup, as in
 gpufrac.agent.callers), never by its message:
 
 * connections open at once (`connectionsPerContainer`), including ones that have
@@ -63,7 +64,8 @@ REFUSE_DELAY = 1.0
 OUTSIDE = "outside-containers"  # the account of callers in no kubelet container
 LIMITS = ("connections", "inflight", "rate", "node")
 # Files the agent keeps open besides arbiter connections (gRPC, the apiserver, NVML, usage
-# and config files, logs): the node cap leaves them this many under the file limit.
+# and config files, one listening socket per container, pidfds while reading the driver's
+# processes, logs): the node cap leaves them this many under the file limit.
 FD_RESERVE = 1024
 # How far a connection's BUSY may be put off (Fairness.refuse_delay), in REFUSE_DELAYs: a
 # container that opened too many at once for a moment still hears within this.
@@ -231,20 +233,34 @@ class Fairness:
             self.refuse(acc, "connections")
         victim = None
         if self.open >= self.node_connections:
-            heaviest = max(self.accounts.values(), key=lambda a: len(a.connections))
-            # Looked for only when the newcomer is not the heaviest's, newest first: the
-            # heaviest reconnecting at the cap must cost one comparison, not a walk over
-            # its thousands of connections each time.
-            if heaviest is not acc and len(heaviest.connections) > len(acc.connections):
-                victim = next((c for c in reversed(heaviest.connections) if c.op is None), None)
+            heaviest, victim = self._victim(acc)
             if victim is None:
                 if not over:
                     self.refuse(acc, "node")
                 return None, None, over
             self.refuse(heaviest, "node")
+            # Counted out now, not when its close is seen (a later loop turn, or never for a
+            # connection whose transport is not made yet): the next newcomer in this turn must
+            # find the node full again, not the same victim.
+            self._forget(heaviest, victim)
         acc.connections.append(conn)
         self.open += 1
         return acc, victim, over
+
+    def _victim(self, acc: Account) -> tuple[Account, Conn | None]:
+        """The connection to close to make room for one of `acc` at the node cap: the newest
+        not yet read of the container holding the most, if that is not `acc` and holds more."""
+        heaviest = max(self.accounts.values(), key=lambda a: len(a.connections))
+        # Looked for only when the newcomer is not the heaviest's, newest first: the
+        # heaviest reconnecting at the cap must cost one comparison, not a walk over
+        # its thousands of connections each time.
+        if heaviest is not acc and len(heaviest.connections) > len(acc.connections):
+            return heaviest, next((c for c in reversed(heaviest.connections) if c.op is None), None)
+        return heaviest, None
+
+    def room_for(self, acc: Account) -> bool:
+        """Whether a new connection of `acc` would be admitted under the node cap."""
+        return self.open < self.node_connections or self._victim(acc)[1] is not None
 
     def refuse_delay(self, acc: Account) -> float:
         """How long a connection past its container's connection limit is held before its BUSY:
@@ -275,11 +291,18 @@ class Fairness:
         self.known.close()
 
     def gone(self, acc: Account, conn: Conn) -> None:
-        try:
-            acc.connections.remove(conn)
-        except ValueError:
+        """A connection closed (its second report, after a victim's early one, is ignored)."""
+        self._forget(acc, conn)
+
+    def _forget(self, acc: Account, conn: Conn) -> None:
+        # By identity (list.remove compares with ==): a second report must find nothing.
+        at = next((i for i, c in enumerate(acc.connections) if c is conn), None)
+        if at is None:
             return
+        del acc.connections[at]
         self.open -= 1
+        # Sockets waiting for room check it again before they accept (Listener._readable):
+        # all are woken, one takes the place, the others pause again without accepting.
         if acc.key in self.paused and len(acc.connections) < self.max_connections:
             self.paused.pop(acc.key).resume()
         if self.paused_at_node and self.open < self.node_connections:

@@ -8,6 +8,8 @@ a tenant can write its own usage file, not the driver's count. Reading it blocks
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import signal
 from dataclasses import dataclass
@@ -18,6 +20,8 @@ import pynvml  # nvidia-ml-py ships no types
 from gpufrac.agent.callers import CgroupIdentity, PeerError, read_cgroup
 from gpufrac.agent.inventory import query_gpus
 from gpufrac.agent.ledger import ContainerAlloc
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -66,11 +70,21 @@ def start_time(pid: int, proc_root: str = "/proc") -> int:
         return 0
 
 
+@functools.cache
+def _say_cannot_pin(error: str) -> None:
+    """Said once per kind of error: a node out of files would say it at every reading."""
+    log.warning("GPU processes: cannot pin a process (%s): left out of the reading", error)
+
+
 def _pidfd(pid: int) -> int | None:
-    """A pidfd of the process that has `pid` now, None when there is none."""
+    """A pidfd of the process that has `pid` now, None when there is none or none can be
+    had (out of files or memory: that process is left out of this reading)."""
     try:
         return os.pidfd_open(pid)
     except ProcessLookupError:
+        return None
+    except OSError as e:
+        _say_cannot_pin(e.strerror or str(e))
         return None
 
 

@@ -217,8 +217,9 @@ class Agent:
     async def _start_arbiter(
         self, ledger: Ledger, pod_cache: PodCache | None, activity: ActivityTracker | None
     ) -> None:
-        """The burst arbiter on one node-wide socket (bind-mounted into each container).
-        Its callers are named through the pod cache."""
+        """The burst arbiter: each container's own socket (gpufrac.agent.arbiter.listeners)
+        and the node-wide one (the agent's tools, containers an older agent admitted). Its
+        callers are named through the pod cache."""
         path = arbiter_socket(self.config)
         arbiter = Arbiter(
             self.config,

@@ -10,24 +10,14 @@ runtime mounts files as hard links (pinning their inodes, as a bind mount does).
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 from pathlib import Path
 
 from gpufrac.core.config import arbiter_socket, load
 from tests.fixtures.e2e import E2ENode, MiB
-from tests.fixtures.polling import until
+from tests.fixtures.polling import listening, until
 
 MakeNode = Callable[..., E2ENode]
-
-
-def _listening(path: str) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        try:
-            s.connect(path)
-        except OSError:
-            return False
-    return True
 
 
 def test_a_container_admitted_before_an_agent_restart_bursts_after_it(e2e_node: MakeNode) -> None:
@@ -45,7 +35,7 @@ def test_a_container_admitted_before_an_agent_restart_bursts_after_it(e2e_node: 
     node.sim.agent.kill()  # kill -9: its socket file stays behind, dead
     node.sim.restart_agent()
     host_socket = arbiter_socket(load(str(node.sim.agent.config_path)))
-    until(lambda: _listening(host_socket), what="the restarted agent listening")
+    until(lambda: listening(host_socket), what="the restarted agent listening")
     # b, started before the restart and never restarted, bursts again: the shim reaches the
     # new socket through b's mount.
     until(

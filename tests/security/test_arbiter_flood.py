@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -29,24 +30,37 @@ from gpufrac.core import native
 from gpufrac.core.config import arbiter_socket_dir
 from gpufrac.deviceplugin.server import container_response
 from gpufrac.memguard import abi, wire
-from gpufrac.simgpu.runtime import Container, mounts_of
+from gpufrac.simgpu.runtime import Container, MountSpec, mounts_of
 from tests.fixtures.arbiter_harness import ArbiterNode, Box, GiB
 
 
+def socket_mounted(mounts: list[MountSpec], host_dir: str) -> list[MountSpec]:
+    """The Allocate response's mounts with `host_dir` where the container's own socket
+    directory belongs."""
+    return [
+        dataclasses.replace(m, host_path=host_dir) if m.container_path.endswith("/" + abi.SOCKET_DIR) else m
+        for m in mounts
+    ]
+
+
 def start_flood(
-    node: ArbiterNode, box: Box, mode: str, n: int, *extra: int, shared: bool = False
+    node: ArbiterNode,
+    box: Box,
+    mode: str,
+    n: int,
+    *extra: int,
+    shared: bool = False,
+    socket_of: Box | None = None,
 ) -> Container:
     """box's container runs the flood (gpufrac.simgpu.flood); returns once it is under way.
-    shared: on the node-wide socket (an older agent's mount), not the container's own."""
+    shared: on the node-wide socket (an older agent's mount), not the container's own;
+    socket_of: on that container's socket (a mount gone wrong, a hostPath)."""
     resp = container_response(box.alloc, node.cfg)
     mounts = mounts_of(resp)
     if shared:
-        mounts = [
-            dataclasses.replace(m, host_path=arbiter_socket_dir(node.cfg))
-            if m.container_path.endswith("/" + abi.SOCKET_DIR)
-            else m
-            for m in mounts
-        ]
+        mounts = socket_mounted(mounts, arbiter_socket_dir(node.cfg))
+    elif socket_of is not None:
+        mounts = socket_mounted(mounts, os.path.join(socket_of.alloc.directory, abi.SOCKET_DIR))
     c = node.runtime.start(
         box.uid,
         "main",

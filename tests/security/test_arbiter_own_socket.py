@@ -8,19 +8,19 @@ once there is room. Real processes in real cgroups (tests/fixtures/arbiter_harne
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from test_arbiter_flood import socket_mounted, start_flood
 
 from gpufrac.agent.arbiter import Arbiter
-from gpufrac.agent.arbiter.listeners import bind_unix, socket_path
+from gpufrac.agent.arbiter.listeners import socket_path
+from gpufrac.agent.arbiter.server import listening_socket
 from gpufrac.agent.fairness import Fairness
 from gpufrac.agent.metrics import Metrics
 from gpufrac.core.slices import MEMORY
@@ -28,33 +28,19 @@ from gpufrac.deviceplugin.server import container_response
 from gpufrac.memguard import abi
 from gpufrac.simgpu.runtime import mounts_of
 from tests.fixtures.arbiter_harness import ArbiterNode, Box, GiB, Workload
-
-
-def _listening(path: str) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        try:
-            s.connect(path)
-        except OSError:
-            return False
-    return True
+from tests.fixtures.polling import listening
 
 
 def start_on_socket_of(node: ArbiterNode, box: Box, other: Box) -> Workload:
     """box's container started with `other`'s socket directory mounted where its own belongs
     (a mount gone wrong, a hostPath): the stand-in workload then asks on other's socket."""
     resp = container_response(box.alloc, node.cfg)
-    mounts = [
-        dataclasses.replace(m, host_path=os.path.join(other.alloc.directory, abi.SOCKET_DIR))
-        if m.container_path.endswith("/" + abi.SOCKET_DIR)
-        else m
-        for m in mounts_of(resp)
-    ]
     c = node.runtime.start(
         box.uid,
         "main",
         [sys.executable, "-m", "gpufrac.simgpu.runtime"],
         envs={k: v for k, v in resp.envs.items() if k != "LD_PRELOAD"},
-        mounts=mounts,
+        mounts=socket_mounted(mounts_of(resp), os.path.join(other.alloc.directory, abi.SOCKET_DIR)),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )
@@ -75,25 +61,65 @@ def test_a_process_asking_on_another_containers_socket_is_refused(
     intruder = start_on_socket_of(node, a, b)
     assert intruder.do(f"alloc {3 * GiB}") == "refused"
     assert a.config().grant_bytes == 0 and b.config().grant_bytes == 0
-    assert [r for r in caplog.records if f"asked on {b.alloc.key}'s socket" in r.getMessage()]
+    assert [r for r in caplog.records if f"connected on {b.alloc.key}'s socket" in r.getMessage()]
     # The socket's own container is served on it.
     assert b.workload.do(f"alloc {3 * GiB}") == "granted"
+
+
+def test_another_pods_flood_on_a_containers_socket_is_not_charged_to_it(
+    make_node: Callable[..., ArbiterNode],
+) -> None:
+    """A flood reaching a neighbour's socket is turned away at accept: the neighbour's
+    connections and request rate stay its own, and its bursts are granted."""
+    node = make_node()
+    b = node.add("b", 2, "6Gi")
+    a = node.add("a", 2, "6Gi", start=False)
+    assert b.workload is not None
+    start_flood(node, a, "idle", 200, socket_of=b)
+    node.until(lambda: node.arbiter.stats.refused > 50, what="the intruder's connections turned away")
+    assert not node.arbiter.fairness.account(b.alloc.key).connections
+    for _ in range(5):
+        assert b.workload.do(f"burst {GiB} {3 * GiB}") == "granted"
+    assert not node.arbiter.sockets.listeners[b.alloc.key].paused
+
+
+def test_the_node_cap_holds_across_containers_own_sockets(make_node: Callable[..., ArbiterNode]) -> None:
+    """Two containers flood their own sockets past a small node cap: the agent never holds
+    more than the cap, the two share it, and a third container's bursts still get in (the
+    heaviest's silent connection makes room)."""
+    limit, cap = 8, 10
+    node = make_node(arbiterLimits={"connectionsPerContainer": limit, "maxConnections": cap})
+    f1 = node.add("f1", 1, "2Gi", start=False)
+    f2 = node.add("f2", 1, "2Gi", start=False)
+    b = node.add("b", 2, "6Gi")
+    assert b.workload is not None
+    fair = node.arbiter.fairness
+    start_flood(node, f1, "idle", 100)
+    start_flood(node, f2, "idle", 100)
+    seen: list[int] = []
+    node.until(lambda: seen.append(fair.open) or len(seen) > 200, what="samples of the node's count")
+    assert max(seen) <= cap, max(seen)
+    held = [len(fair.account(f.alloc.key).connections) for f in (f1, f2)]
+    assert all(h > 0 for h in held) and sum(held) <= cap, held
+    for _ in range(3):
+        assert b.workload.do(f"burst {GiB} {3 * GiB}") == "granted"
+    assert fair.open <= cap
 
 
 def test_a_containers_socket_lives_as_long_as_its_booking(make_node: Callable[..., ArbiterNode]) -> None:
     node = make_node()
     b = node.add("b", 2, "6Gi")
     path = socket_path(b.alloc.directory)
-    assert _listening(path)
+    assert listening(path)
     ids = list(b.alloc.device_ids)
     node.on_loop(lambda: node.ledger.release(b.alloc.key))
     node.boxes.remove(b)
     node.until(lambda: b.alloc.key not in node.arbiter.sockets.listeners, what="the socket closed")
-    assert not _listening(path)
+    assert not listening(path)
     # The same devices booked again (the kubelet reuses a deleted pod's): a socket again.
     again = node.on_loop(lambda: node.ledger.allocate(MEMORY, ids))
     assert again.key == b.alloc.key
-    assert _listening(socket_path(again.directory))
+    assert listening(socket_path(again.directory))
     node.on_loop(lambda: node.ledger.release(again.key))
 
 
@@ -102,17 +128,14 @@ def test_a_socket_too_long_for_a_unix_address_is_bound_through_its_directory(tmp
     deep.mkdir(parents=True)
     path = str(deep / abi.SOCKET_FILE)
     assert len(path) > 108
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        bind_unix(s, path)
-        s.listen(1)
+    with listening_socket(path, 1):
+        assert os.stat(path).st_mode & 0o777 == 0o666  # container processes run as any uid
         # A container reaches it by a short path of its own (its mount; a link here).
         (tmp_path / "c").symlink_to(deep)
-        assert _listening(str(tmp_path / "c" / abi.SOCKET_FILE))
+        assert listening(str(tmp_path / "c" / abi.SOCKET_FILE))
         # Bound again (a restart): the old socket file is replaced, not an error.
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s2:
-            bind_unix(s2, path)
-            s2.listen(1)
-            assert _listening(str(tmp_path / "c" / abi.SOCKET_FILE))
+        with listening_socket(path, 1):
+            assert listening(str(tmp_path / "c" / abi.SOCKET_FILE))
 
 
 class _Socket:
@@ -169,7 +192,7 @@ def test_an_arbiter_started_over_existing_bookings_binds_their_sockets_anew(
         await old.stop()
 
     node.on_loop(stop)
-    assert not _listening(path)
+    assert not listening(path)
     assert b.workload.do(f"alloc {3 * GiB}") != "granted"  # nobody answers: the shim's no
 
     async def start() -> Arbiter:

@@ -10,16 +10,23 @@ processes, and cost the agent's loop nothing until one of its connections closes
 node-wide socket every such connection had to be accepted, identified and refused, one at a
 time, on the loop every neighbour's grant waits for.
 
-A connection on a container's socket is counted against that container's account without
-reading /proc (only its processes can reach the socket); its request is still identified by
-the kernel (SO_PEERCRED -> cgroup) and refused when the caller is not that container
-(gpufrac.agent.arbiter.service.Arbiter.handle): a process that reaches another container's
-socket through some mount gets nothing there.
+A connection on a container's socket is counted against that container's account once the
+kernel places the connecting process in the container's pod (its cgroup read once per
+process, gpufrac.agent.knowncallers): a process of another pod that reaches the socket (a
+hostPath, a mount gone wrong) is answered REFUSED at once and uses none of the container's
+connections or request rate. Each request is still identified by the kernel (SO_PEERCRED ->
+cgroup) and refused when the caller is not that container
+(gpufrac.agent.arbiter.service.Arbiter.handle). At the node cap (`maxConnections`) a socket
+is not accepted from unless the connection can be admitted (the heaviest container's silent
+connection making room); sockets waiting for room are woken when any connection closes, and
+check again before they accept.
 
 The sockets follow the ledger: one is bound when a booking's directory is written
 (Ledger.attach, also after a restart: a directory mount shows the socket bound anew) and
 closed when the booking is released (its directory is deleted with the socket file in it).
-Paths past the 107 bytes a unix socket address holds are bound through /proc/self/fd.
+A socket is bound on the loop, inside Allocate: a unlink, a bind and a chmod, tens of
+microseconds; a rollback to an agent without container sockets leaves such containers
+without an arbiter (their bursts refused) until they are recreated.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ import socket
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from gpufrac.agent.arbiter.server import Connection, SocketServer
+from gpufrac.agent.arbiter.server import Connection, RefusalLog, SocketServer, listening_socket
+from gpufrac.agent.callers import PeerError
 from gpufrac.agent.fairness import Fairness
 from gpufrac.memguard import abi, wire
 
@@ -48,23 +56,9 @@ ACCEPT_RETRY = 1.0
 
 
 def socket_path(directory: str) -> str:
-    """A container's own socket, under its host directory."""
+    """A container's own socket, under its host directory (where gpufrac.memguard.wire.socket_path
+    finds it inside the container, through the mount)."""
     return os.path.join(directory, abi.SOCKET_DIR, abi.SOCKET_FILE)
-
-
-def bind_unix(sock: socket.socket, path: str) -> None:
-    """Bind `sock` at `path`, a stale socket file there replaced. A path too long for a unix
-    address is bound through its directory's /proc/self/fd link."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    if len(os.fsencode(path)) < 108:
-        sock.bind(path)
-        return
-    fd = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY)
-    try:
-        sock.bind(f"/proc/self/fd/{fd}/{os.path.basename(path)}")
-    finally:
-        os.close(fd)
 
 
 class Booked(Protocol):
@@ -74,6 +68,8 @@ class Booked(Protocol):
     def key(self) -> str: ...
     @property
     def directory(self) -> str: ...
+    @property
+    def pod_uid(self) -> str | None: ...  # None until the pod is known
     def who(self) -> str: ...
 
 
@@ -88,8 +84,11 @@ class Listener:
         alloc: Booked,
         path: str,
         backlog: int,
+        refusals: RefusalLog,
     ) -> None:
         key = alloc.key
+        self.alloc = alloc
+        self.refusals = refusals
         self.server = server
         self.fairness = fairness
         self.key = key
@@ -99,16 +98,8 @@ class Listener:
         self._loop = loop
         self._retry: asyncio.TimerHandle | None = None
         self._closed = False
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            bind_unix(sock, path)
-            # Container processes may run as any uid; who they are comes from SO_PEERCRED.
-            os.chmod(path, 0o666)
-            sock.listen(backlog)
-            sock.setblocking(False)
-        except BaseException:
-            sock.close()
-            raise
+        sock = listening_socket(path, backlog)
+        sock.setblocking(False)
         self.sock = sock
         fairness.names[key] = alloc.who
         self._loop.add_reader(sock.fileno(), self._readable)
@@ -116,10 +107,12 @@ class Listener:
     def _readable(self) -> None:
         fair = self.fairness
         for _ in range(ACCEPT_BATCH):
+            # Room is checked before accept(): a connection there is no room for stays in the
+            # kernel's queue, costing the loop nothing, and is taken once there is room.
             acc = fair.account(self.key)
-            if fair.at_limit(acc):
+            if fair.at_limit(acc) or not fair.room_for(acc):
                 self._pause()
-                fair.pause(acc, self, node=False)
+                fair.pause(acc, self, node=not fair.at_limit(acc))
                 return
             try:
                 conn_sock, _ = self.sock.accept()
@@ -128,19 +121,40 @@ class Listener:
             except OSError as e:
                 self._rest(e)
                 return
+            if not self._from_its_pod(conn_sock):
+                self._answer_at_once(conn_sock, wire.BURST_REFUSED)
+                continue
             conn = Connection(self.server, expected=self.key)
             admitted, victim, _ = fair.admit(conn, self.key)
             if victim is not None:
                 self.server.handler.stats.dropped += 1
                 victim.abort()
-            if admitted is None:  # the node is at its cap and this container holds the most
-                self._refuse(conn_sock)
-                self._pause()
-                fair.pause(acc, self, node=True)
-                return
+            if admitted is None:  # not after room_for; kept safe all the same
+                self._answer_at_once(conn_sock, wire.BURST_BUSY)
+                continue
             conn.account = admitted
             self.accepted += 1
             self._start(conn, conn_sock)
+
+    def _from_its_pod(self, sock: socket.socket) -> bool:
+        """Whether the kernel places the connecting process in this container's pod (the cgroup
+        read once per process, gpufrac.agent.knowncallers). A process of another pod that
+        reaches this socket (a hostPath, a mount gone wrong) must not use this container's
+        connections or request rate; until the pod is known, every request is identified
+        when it is read (gpufrac.agent.arbiter.service.Arbiter.handle)."""
+        pod = self.alloc.pod_uid
+        if not pod:
+            return True
+        try:
+            ident = self.fairness.known.identify(sock)
+        except (PeerError, OSError) as e:
+            self.refusals.say(f"on {self.key}'s socket: {e}")
+            return False
+        if ident is None or ident.pod_uid != pod:
+            where = "no kubelet container" if ident is None else f"pod {ident.pod_uid}"
+            self.refusals.say(f"a process of {where} connected on {self.key}'s socket")
+            return False
+        return True
 
     def _start(self, conn: Connection, sock: socket.socket) -> None:
         """The connection's transport (uvloop's or asyncio's), made in a task of its own."""
@@ -154,13 +168,17 @@ class Listener:
 
         self._loop.create_task(self._loop.connect_accepted_socket(lambda: conn, sock)).add_done_callback(made)
 
-    def _refuse(self, sock: socket.socket) -> None:
-        """BUSY on a fresh connection, without a transport (it fits any socket buffer)."""
-        self.server.handler.stats.busy += 1
-        self.server.handler.metrics.count_arbiter_request("connection", "busy")
+    def _answer_at_once(self, sock: socket.socket, status: int) -> None:
+        """A reply on a fresh connection, without a transport (it fits any socket buffer)."""
+        stats = self.server.handler.stats
+        if status == wire.BURST_REFUSED:
+            stats.refused += 1
+        else:
+            stats.busy += 1
+        self.server.handler.metrics.count_arbiter_request("connection", wire.STATUS_NAMES[status])
         with contextlib.suppress(OSError):
             sock.setblocking(False)
-            sock.send(wire.reply(wire.BURST_BUSY))
+            sock.send(wire.reply(status))
         sock.close()
 
     def _pause(self) -> None:
@@ -204,6 +222,7 @@ class ContainerSockets:
         self.fairness = fairness
         self.backlog = backlog
         self.listeners: dict[str, Listener] = {}
+        self.refusals = RefusalLog()
         self._loop: asyncio.AbstractEventLoop | None = None  # the agent's, from open_all on
         self._closed = False
 
@@ -217,8 +236,12 @@ class ContainerSockets:
             old.close()
         path = socket_path(alloc.directory)
         try:
-            os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)  # booked by an older agent
-            listener = Listener(self._loop, self.server, self.fairness, alloc, path, self.backlog)
+            if not os.path.isdir(os.path.dirname(path)):  # booked by an older agent
+                os.mkdir(os.path.dirname(path))
+                os.chmod(os.path.dirname(path), 0o755)  # container processes run as any uid
+            listener = Listener(
+                self._loop, self.server, self.fairness, alloc, path, self.backlog, self.refusals
+            )
             self.listeners[alloc.key] = listener
         except OSError as e:
             log.error("arbiter: cannot listen on %s for %s: %s (its bursts are refused)", path, alloc.key, e)

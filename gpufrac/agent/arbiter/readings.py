@@ -70,6 +70,7 @@ class DriverReadings:
         # (time.monotonic(), reading) of the recent process readings, oldest first.
         self._past: deque[tuple[float, truth.DriverUsage]] = deque()
         self._task: asyncio.Task[None] | None = None
+        self._confirm: asyncio.Task[None] | None = None  # second_reading's, shared
         self._error_logged = False
         self._driver_error_logged = False
 
@@ -122,11 +123,17 @@ class DriverReadings:
 
     async def second_reading(self) -> None:
         """A new reading at least CONFIRM_SPACING after the last one (a distinct sample of the
-        driver: a spike seen in the last one has had time to end)."""
+        driver: a spike seen in the last one has had time to end). One for every caller that
+        asks meanwhile: a flood of reclaims must not multiply the driver's readings."""
+        if self._confirm is None or self._confirm.done():
+            self._confirm = asyncio.create_task(self._confirm_reading())
+        await asyncio.shield(self._confirm)
+
+    async def _confirm_reading(self) -> None:
         wait = self.at + CONFIRM_SPACING - time.monotonic()
         if wait > 0:
             await asyncio.sleep(wait)
-        await self.refresh()
+        await self.refresh()  # its own: one under way may have started too soon to be distinct
 
     def _read(self) -> tuple[Mapping[str, MemoryReading], list[Observed] | Exception]:
         """Blocking: NVML's memory per GPU, then its processes with their cgroups."""

@@ -87,8 +87,38 @@ class RefusalLog:
         self._said[kind] = (now, 0)
 
 
+def _bind(sock: socket.socket, path: str) -> None:
+    """Bind `sock` at `path`, a stale socket file there replaced. A path longer than a unix
+    address holds (107 bytes) is bound through its directory's /proc/self/fd link."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    if len(os.fsencode(path)) < 108:
+        sock.bind(path)
+        return
+    fd = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY)
+    try:
+        sock.bind(f"/proc/self/fd/{fd}/{os.path.basename(path)}")
+    finally:
+        os.close(fd)
+
+
+def listening_socket(path: str, backlog: int) -> socket.socket:
+    """A unix socket listening at `path` that any uid may connect to: container processes run
+    as any uid, and who they are comes from SO_PEERCRED."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        _bind(sock, path)
+        os.chmod(path, 0o666)
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class SocketServer:
-    """The listening socket and its open connections."""
+    """The node-wide listening socket, and every open connection (those taken on containers'
+    own sockets too: closing the server drops them all)."""
 
     def __init__(self, handler: Handler, path: str, backlog: int) -> None:
         self.handler = handler
@@ -98,8 +128,6 @@ class SocketServer:
         self._server: asyncio.base_events.Server | None = None
 
     async def start(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # a previous agent's socket: nobody listens on it
         directory = os.path.dirname(self.path) or "."
         if not os.path.isdir(directory):
             os.makedirs(directory, exist_ok=True)
@@ -108,11 +136,11 @@ class SocketServer:
             os.chmod(directory, 0o755)
         loop = asyncio.get_running_loop()
         self.handler.fairness.fit_fd_limit()  # before the first connection: the cap must fit the file limit
+        # A previous agent's socket file is replaced: nobody listens on it.
+        sock = listening_socket(self.path, self.backlog)
         self._server = await loop.create_unix_server(
-            lambda: Connection(self), path=self.path, backlog=self.backlog
+            lambda: Connection(self), sock=sock, backlog=self.backlog
         )
-        # Container processes may run as any uid; who they are comes from SO_PEERCRED.
-        os.chmod(self.path, 0o666)
 
     def close(self) -> None:
         """Stop accepting; drop every connection (a request in work is cancelled)."""
@@ -151,11 +179,15 @@ class Connection(asyncio.Protocol):
         self.held = False  # past its container's connection limit: answered BUSY shortly
         # On a container's own socket: that booking's key (only its processes may ask there).
         self.expected = expected
+        self.aborted = False  # closed (to make room) before its transport was made
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport; both have its methods.
         self.transport = cast(asyncio.Transport, transport)
         arb = self.arb
+        if self.aborted:
+            self.transport.abort()
+            return
         if self.account is not None:  # counted by its container's listener when it was accepted
             self.server.connections.add(self)
             self.timer = asyncio.get_running_loop().call_later(arb.read_timeout, self._too_slow)
@@ -242,6 +274,7 @@ class Connection(asyncio.Protocol):
 
     def abort(self) -> None:
         self._give_up()
+        self.aborted = True
         if self.transport is not None:
             self.transport.abort()
 
