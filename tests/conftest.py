@@ -9,6 +9,8 @@
 #                            e2e_node: plus the apiserver, runtime and workloads (fixtures/e2e.py)
 #   the agent, in-process    node: with metrics and status served (fixtures/metrics.py)
 #   the arbiter's parts      make_node: ledger, identity, arbiter on a loop (fixtures/arbiter_harness.py)
+#   real cgroups alone       runtime: a container runtime (fixtures/hostile_tenant.py, with
+#                            what a hostile tenant does from inside its container)
 # Polling with a deadline (no fixed sleeps): fixtures/polling.py.
 pytest_plugins = [
     "tests.fixtures.simnode",
@@ -18,4 +20,5 @@ pytest_plugins = [
     "tests.fixtures.e2e",
     "tests.fixtures.arbiter_harness",
     "tests.fixtures.metrics",
+    "tests.fixtures.hostile_tenant",
 ]

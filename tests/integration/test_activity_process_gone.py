@@ -20,7 +20,6 @@ import contextlib
 import secrets
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from uuid import uuid4
 
@@ -28,40 +27,16 @@ import pynvml
 
 from gpufrac.agent.activity import ActivityTracker, NvmlUtilisation, Tracked
 from gpufrac.simgpu.runtime import cgroup_relpath
-from tests.fixtures.memguard import Shim, make_container, read_line
+from tests.fixtures.memguard import Shim, holding_workload, until_hold
 from tests.fixtures.simnode import SimNode
 
 MiB = 1 << 20
 GiB = 1 << 30
 
 
-@contextlib.contextmanager
-def workload(shim: Shim, directory: Path) -> Iterator[subprocess.Popen[str]]:
+def workload(shim: Shim, directory: Path) -> contextlib.AbstractContextManager[subprocess.Popen[str]]:
     """mg_ctest under the shim: allocates and holds; launches one kernel when told (launch)."""
-    make_container(directory, GiB, GiB)  # the config and usage files, as the agent writes them
-    p = subprocess.Popen(
-        shim.ctest_cmd("alloc", 64 * MiB, "hold", "launch", "hold"),
-        env=shim.env(directory),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        until_hold(p)
-        yield p
-    finally:
-        p.kill()
-        p.wait(30)
-        for f in (p.stdin, p.stdout, p.stderr):
-            if f is not None:
-                f.close()
-
-
-def until_hold(p: subprocess.Popen[str]) -> None:
-    while (line := read_line(p)) and not line.startswith("hold"):
-        assert line.split()[1] == "0", f"workload command failed: {line!r}"
-    assert line, f"workload exited ({p.poll()})"
+    return holding_workload(shim, directory, "alloc", 64 * MiB, "hold", "launch", "hold")
 
 
 def launch(p: subprocess.Popen[str]) -> None:

@@ -10,7 +10,6 @@ older agent has it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
@@ -30,17 +29,8 @@ from gpufrac.core import native
 from gpufrac.core.config import arbiter_socket_dir
 from gpufrac.deviceplugin.server import container_response
 from gpufrac.memguard import abi, wire
-from gpufrac.simgpu.runtime import Container, MountSpec, mounts_of
-from tests.fixtures.arbiter_harness import ArbiterNode, Box, GiB
-
-
-def socket_mounted(mounts: list[MountSpec], host_dir: str) -> list[MountSpec]:
-    """The Allocate response's mounts with `host_dir` where the container's own socket
-    directory belongs."""
-    return [
-        dataclasses.replace(m, host_path=host_dir) if m.container_path.endswith("/" + abi.SOCKET_DIR) else m
-        for m in mounts
-    ]
+from gpufrac.simgpu.runtime import Container, mounts_of
+from tests.fixtures.arbiter_harness import ArbiterNode, Box, GiB, socket_mounted
 
 
 def start_flood(

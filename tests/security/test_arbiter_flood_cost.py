@@ -25,16 +25,22 @@ from collections.abc import Callable
 from test_arbiter_flood import start_flood
 
 from gpufrac.agent.fairness import MAX_STRETCH, REFUSE_DELAY
-from tests.fixtures.arbiter_harness import ArbiterNode, GiB
+from tests.fixtures.arbiter_harness import ArbiterNode, Box, GiB, Workload
+
+
+def flooder_and_neighbour(make_node: Callable[..., ArbiterNode]) -> tuple[ArbiterNode, Box, Workload]:
+    """A node with a container to flood from (not started) and a neighbour running."""
+    node = make_node()
+    flood = node.add("flood", 2, "4Gi", start=False)
+    b = node.add("b", 2, "6Gi")
+    assert b.workload is not None
+    return node, flood, b.workload
 
 
 def test_a_container_holding_1100_connections_on_its_own_socket_has_only_its_limit_accepted(
     make_node: Callable[..., ArbiterNode],
 ) -> None:
-    node = make_node()
-    flood = node.add("flood", 2, "4Gi", start=False)
-    b = node.add("b", 2, "6Gi")
-    assert b.workload is not None
+    node, flood, neighbour = flooder_and_neighbour(make_node)
     limit = node.cfg.arbiter_limits.connections_per_container
     start_flood(node, flood, "idle", 1100)
     own = node.arbiter.sockets.listeners[flood.alloc.key]
@@ -51,16 +57,13 @@ def test_a_container_holding_1100_connections_on_its_own_socket_has_only_its_lim
     # None of its connections was read from /proc to be counted: the socket says whose it is.
     assert node.arbiter.fairness.known.misses <= 2, node.arbiter.fairness.known.misses
     # Its neighbour's burst is still granted, on a new connection.
-    assert b.workload.do(f"alloc {3 * GiB}") == "granted"
+    assert neighbour.do(f"alloc {3 * GiB}") == "granted"
 
 
 def test_a_container_holding_1100_connections_on_the_shared_socket_is_answered_at_its_limits_pace(
     make_node: Callable[..., ArbiterNode],
 ) -> None:
-    node = make_node()
-    flood = node.add("flood", 2, "4Gi", start=False)
-    b = node.add("b", 2, "6Gi")
-    assert b.workload is not None
+    node, flood, neighbour = flooder_and_neighbour(make_node)
     fair = node.arbiter.fairness
     start_flood(node, flood, "idle", 1100, shared=True)
     node.until(lambda: node.arbiter.stats.busy > 0, what="the flooder told BUSY")
@@ -73,4 +76,4 @@ def test_a_container_holding_1100_connections_on_the_shared_socket_is_answered_a
     # The flooder's connections came from one process: its container was read once or so.
     assert fair.known.hits > 10 * fair.known.misses, (fair.known.hits, fair.known.misses)
     # Its neighbour's burst is still granted, on a new connection.
-    assert b.workload.do(f"alloc {3 * GiB}") == "granted"
+    assert neighbour.do(f"alloc {3 * GiB}") == "granted"

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from test_arbiter_flood import socket_mounted, start_flood
+from test_arbiter_flood import start_flood
 
 from gpufrac.agent.arbiter import Arbiter
 from gpufrac.agent.arbiter.listeners import socket_path
@@ -24,30 +22,9 @@ from gpufrac.agent.arbiter.server import listening_socket
 from gpufrac.agent.fairness import Fairness
 from gpufrac.agent.metrics import Metrics
 from gpufrac.core.slices import MEMORY
-from gpufrac.deviceplugin.server import container_response
 from gpufrac.memguard import abi
-from gpufrac.simgpu.runtime import mounts_of
-from tests.fixtures.arbiter_harness import ArbiterNode, Box, GiB, Workload
+from tests.fixtures.arbiter_harness import ArbiterNode, GiB
 from tests.fixtures.polling import listening
-
-
-def start_on_socket_of(node: ArbiterNode, box: Box, other: Box) -> Workload:
-    """box's container started with `other`'s socket directory mounted where its own belongs
-    (a mount gone wrong, a hostPath): the stand-in workload then asks on other's socket."""
-    resp = container_response(box.alloc, node.cfg)
-    c = node.runtime.start(
-        box.uid,
-        "main",
-        [sys.executable, "-m", "gpufrac.simgpu.runtime"],
-        envs={k: v for k, v in resp.envs.items() if k != "LD_PRELOAD"},
-        mounts=socket_mounted(mounts_of(resp), os.path.join(other.alloc.directory, abi.SOCKET_DIR)),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-    box.container = c
-    node.set_container_id(box.pod, box.uid, c.runtime_id)
-    box.workload = Workload(box, c)
-    return box.workload
 
 
 def test_a_process_asking_on_another_containers_socket_is_refused(
@@ -58,7 +35,7 @@ def test_a_process_asking_on_another_containers_socket_is_refused(
     b = node.add("b", 2, "6Gi")
     a = node.add("a", 2, "6Gi", start=False)
     assert b.workload is not None
-    intruder = start_on_socket_of(node, a, b)
+    intruder = node.start(a, socket_dir=os.path.join(b.alloc.directory, abi.SOCKET_DIR))
     assert intruder.do(f"alloc {3 * GiB}") == "refused"
     assert a.config().grant_bytes == 0 and b.config().grant_bytes == 0
     assert [r for r in caplog.records if f"connected on {b.alloc.key}'s socket" in r.getMessage()]

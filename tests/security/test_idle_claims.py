@@ -13,76 +13,40 @@ the busy process is the real CUDA workload on the same simulated GPU, started on
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from gpufrac.agent.activity import proc_identity
-from gpufrac.memguard import abi
 from gpufrac.simgpu.workload import WorkloadProcess
 from tests.fixtures.e2e import E2ENode, MiB
-from tests.fixtures.hostile_tenant import agent_alive, agent_config
+from tests.fixtures.hostile_tenant import IDLE_FAST, Repeating, agent_alive, agent_config, stamp_slots
 from tests.fixtures.polling import until
 
 MakeNode = Callable[..., E2ENode]
-IDLE = {
-    "idleTimeout": "2s",
-    "gracePeriod": "1s",
-    "interval": "200ms",
-    "action": "notify",
-    "reapClasses": ["batch"],
-}
-
-
-def claim_and_stamp(host_dir: Path, pid: int) -> None:
-    """Take a free slot of the container's usage file for host process `pid` (as the shim
-    would name a process of its own: pid and start time) and stamp every slot busy."""
-    ident = proc_identity(pid)
-    assert ident is not None
-    u = abi.UsageFile(host_dir)
-    try:
-        slots = u.usage.slots
-        if not any(slots[i].pid == ident[0] for i in range(abi.MAX_PROCS)):
-            free = next(i for i in range(abi.MAX_PROCS) if slots[i].pid == 0)
-            slots[free].start_time = ident[1]
-            slots[free].pid = ident[0]
-        for i in range(abi.MAX_PROCS):
-            if slots[i].pid > 0:
-                slots[i].launches += 1
-                slots[i].last_activity_ns = time.monotonic_ns()
-        del slots  # a view into the mapping: gone before it closes
-    finally:
-        u.close()
 
 
 @pytest.fixture
 def claimer() -> Iterator[Callable[[Path, int], None]]:
-    """claimer(host_dir, pid): claim `pid` and stamp the slots every 50 ms until the test ends."""
-    stop = threading.Event()
-    threads: list[threading.Thread] = []
+    """claimer(host_dir, pid): claim host process `pid` in a free slot of the container's usage
+    file (as the shim names a process of its own) and stamp the slots every 50 ms until the
+    test ends."""
+    loop = Repeating()
 
     def start(host_dir: Path, pid: int) -> None:
-        def run() -> None:
-            while not stop.wait(0.05):
-                claim_and_stamp(host_dir, pid)
-
-        t = threading.Thread(target=run, name="claimer", daemon=True)
-        t.start()
-        threads.append(t)
+        ident = proc_identity(pid)
+        assert ident is not None
+        loop.start(lambda: stamp_slots(host_dir, claim=ident))
 
     yield start
-    stop.set()
-    for t in threads:
-        t.join(5)
+    loop.close()
 
 
 def test_a_slot_claiming_a_busy_host_process_does_not_keep_an_idle_container_from_being_reaped(
     e2e_node: MakeNode, claimer: Callable[[Path, int], None]
 ) -> None:
-    node = e2e_node(**agent_config(idle=IDLE))
+    node = e2e_node(**agent_config(idle=IDLE_FAST))
     host = WorkloadProcess.spawn(node.app_env(), "host")  # in no kubelet pod, no shim
     try:
         assert host.do(f"alloc {64 * MiB} 1") == "ok 1"

@@ -14,7 +14,6 @@ real workload processes (tests/fixtures/e2e.py).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,62 +21,26 @@ from pathlib import Path
 import pytest
 
 from gpufrac.agent.events import REASON_EVICTED
-from gpufrac.memguard import abi
 from tests.fixtures.e2e import E2ENode, MiB
-from tests.fixtures.hostile_tenant import agent_alive, agent_config
+from tests.fixtures.hostile_tenant import IDLE_FAST, Repeating, agent_alive, agent_config, stamp_slots
 from tests.fixtures.polling import until
 
 MakeNode = Callable[..., E2ENode]
-# Every pod here is of the default class; the reaper is told to reap it.
-IDLE = {
-    "idleTimeout": "2s",
-    "gracePeriod": "1s",
-    "interval": "200ms",
-    "action": "notify",
-    "reapClasses": ["batch"],
-}
-
-
-def stamp_busy(host_dir: Path, how: str) -> None:
-    """Make the container's own slots say it is working, as any of its processes can."""
-    u = abi.UsageFile(host_dir)
-    try:
-        slots = u.usage.slots
-        for i in range(abi.MAX_PROCS):
-            if slots[i].pid > 0:
-                slots[i].launches += 1
-                slots[i].last_activity_ns = (1 << 63) if how == "future stamp" else time.monotonic_ns()
-        del slots  # a view into the mapping: gone before it closes
-    finally:
-        u.close()
 
 
 @pytest.fixture
 def stamper() -> Iterator[Callable[[Path, str], None]]:
     """stamper(host_dir, how): stamp the slots every 50 ms until the test ends."""
-    stop = threading.Event()
-    threads: list[threading.Thread] = []
-
-    def start(host_dir: Path, how: str) -> None:
-        def run() -> None:
-            while not stop.wait(0.05):
-                stamp_busy(host_dir, how)
-
-        t = threading.Thread(target=run, name="stamper", daemon=True)
-        t.start()
-        threads.append(t)
-
-    yield start
-    stop.set()
-    for t in threads:
-        t.join(5)
+    loop = Repeating()
+    yield lambda host_dir, how: loop.start(lambda: stamp_slots(host_dir, future=how == "future stamp"))
+    loop.close()
 
 
 @pytest.mark.parametrize("how", ["future stamp", "fresh stamps"])
 def test_stamping_its_own_usage_file_does_not_keep_an_idle_container_from_being_reaped(
     e2e_node: MakeNode, stamper: Callable[[Path, str], None], how: str
 ) -> None:
-    node = e2e_node(**agent_config(idle=IDLE))
+    node = e2e_node(**agent_config(idle=IDLE_FAST))
     a = node.run_pod("a", 2, "256Mi")
     assert a.alloc(64 * MiB) == "ok 1"  # it holds GPU memory and does no GPU work
     stamper(a.host_dir, how)

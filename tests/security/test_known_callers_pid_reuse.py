@@ -19,14 +19,13 @@ import os
 import signal
 import socket
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from gpufrac.agent.callers import PeerError
 from gpufrac.agent.knowncallers import KnownCallers
-from gpufrac.simgpu.runtime import ContainerRuntime, RuntimeUnavailable
+from gpufrac.simgpu.runtime import ContainerRuntime
 from tests.fixtures.hostile_tenant import spawn_with_pid
 
 
@@ -40,16 +39,6 @@ def connect_and_die(path: str) -> int:
             os._exit(0)
     os.waitpid(pid, 0)
     return pid
-
-
-@pytest.fixture
-def runtime(tmp_path: Path) -> Iterator[ContainerRuntime]:
-    try:
-        rt = ContainerRuntime(view_root=tmp_path / "v")
-    except RuntimeUnavailable as e:
-        pytest.skip(str(e))
-    with rt:
-        yield rt
 
 
 def test_a_dead_connectors_connection_is_refused_not_charged_to_the_cached_owner_of_its_pid(

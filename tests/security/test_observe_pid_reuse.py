@@ -21,55 +21,26 @@ import os
 import signal
 import subprocess
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from gpufrac.agent import callers, gpu_processes
 from gpufrac.agent.callers import CgroupIdentity
-from gpufrac.simgpu.runtime import ContainerRuntime, RuntimeUnavailable
+from gpufrac.simgpu.runtime import ContainerRuntime
 from tests.fixtures.hostile_tenant import spawn_with_pid
-from tests.fixtures.memguard import Shim, make_container, read_line
+from tests.fixtures.memguard import Shim, holding_workload
 from tests.fixtures.simnode import SimNode
 
 MiB = 1 << 20
 GiB = 1 << 30
 
 
-@pytest.fixture
-def runtime(tmp_path: Path) -> Iterator[ContainerRuntime]:
-    try:
-        rt = ContainerRuntime(view_root=tmp_path / "v")
-    except RuntimeUnavailable as e:
-        pytest.skip(str(e))
-    with rt:
-        yield rt
-
-
-@contextlib.contextmanager
-def holding(shim: Shim, directory: Path, nbytes: int) -> Iterator[subprocess.Popen[str]]:
+def holding(
+    shim: Shim, directory: Path, nbytes: int
+) -> contextlib.AbstractContextManager[subprocess.Popen[str]]:
     """A workload under the shim that allocates `nbytes` on the GPU and holds them."""
-    make_container(directory, GiB, GiB)
-    p = subprocess.Popen(
-        shim.ctest_cmd("alloc", nbytes, "hold"),
-        env=shim.env(directory),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        while (line := read_line(p)) and not line.startswith("hold"):
-            assert line.split()[1] == "0", f"workload command failed: {line!r}"
-        assert line, f"workload exited ({p.poll()})"
-        yield p
-    finally:
-        p.kill()
-        p.wait(30)
-        for f in (p.stdin, p.stdout, p.stderr):
-            if f is not None:
-                f.close()
+    return holding_workload(shim, directory, "alloc", nbytes, "hold")
 
 
 def test_a_pid_reused_between_the_listing_and_the_cgroup_read_is_not_charged_to_its_new_holder(

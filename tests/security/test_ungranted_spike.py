@@ -17,40 +17,14 @@ reading, and (in the first test) ends just before the next one.
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
 from collections.abc import Callable, Mapping
 
 from gpufrac.agent.admission import reclaim_guarantee
 from gpufrac.agent.arbiter.readings import MemoryReading
-from gpufrac.core import native
-from gpufrac.deviceplugin.server import container_response
-from gpufrac.simgpu.runtime import mounts_of
 from gpufrac.simgpu.workload import WorkloadProcess
 from tests.fixtures.arbiter_harness import ArbiterNode, Box, GiB
 
 Make = Callable[..., ArbiterNode]
-
-
-def shimless_app(node: ArbiterNode, box: Box) -> WorkloadProcess:
-    """The real CUDA workload in `box`'s container, without the shim (no LD_PRELOAD)."""
-    assert node.state_path is not None
-    resp = container_response(box.alloc, node.cfg)
-    env = dict(os.environ, SIMGPU_STATE=str(node.state_path), LD_LIBRARY_PATH=str(native.native_dir()))
-    env.pop("LD_PRELOAD", None)
-    c = node.runtime.start(
-        box.uid,
-        "main",
-        WorkloadProcess.argv(),
-        env=env,
-        envs={k: v for k, v in resp.envs.items() if k != "LD_PRELOAD"},
-        mounts=mounts_of(resp),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-    box.container = c
-    node.set_container_id(box.pod, box.uid, c.runtime_id)
-    return WorkloadProcess(c.proc, box.pod, 120)
 
 
 def reclaim_with_spike(node: ArbiterNode, hog: WorkloadProcess, b: Box, *, spike_ends: bool) -> int:
@@ -85,7 +59,7 @@ def reclaim_with_spike(node: ArbiterNode, hog: WorkloadProcess, b: Box, *, spike
 def setup(make_node: Make) -> tuple[ArbiterNode, WorkloadProcess, Box]:
     node = make_node(resolvers=["evict", "wait"])
     a = node.add("a", 10, "70Gi", start=False)  # request 10 GiB, may hold up to 70 GiB
-    hog = shimless_app(node, a)
+    hog = node.start_cuda(a, shim=False)
     assert hog.do(f"alloc {5 * GiB} 1") == "ok 1"  # within its request
     # b's 60 GiB are physically free only while a holds no more than about its request.
     b = node.add("b", 60, start=False)
