@@ -233,7 +233,7 @@ class Agent:
         try:
             await arbiter.start()
         except OSError as e:  # the shim then refuses bursts: safe, and the rest still works
-            log.error("burst arbiter unavailable: cannot listen on %s: %s", path, e)
+            log.error("burst arbiter unavailable: %s", e)
             return
         self.arbiter = arbiter
         self._kick_identity()  # callers are identified through the pod cache: fill it now

@@ -38,7 +38,7 @@ def test_a_process_asking_on_another_containers_socket_is_refused(
     intruder = node.start(a, socket_dir=os.path.join(b.alloc.directory, abi.SOCKET_DIR))
     assert intruder.do(f"alloc {3 * GiB}") == "refused"
     assert a.config().grant_bytes == 0 and b.config().grant_bytes == 0
-    assert [r for r in caplog.records if f"connected on {b.alloc.key}'s socket" in r.getMessage()]
+    assert [r for r in caplog.records if f"asked on {b.alloc.key}'s socket" in r.getMessage()]
     # The socket's own container is served on it.
     assert b.workload.do(f"alloc {3 * GiB}") == "granted"
 
@@ -46,15 +46,19 @@ def test_a_process_asking_on_another_containers_socket_is_refused(
 def test_another_pods_flood_on_a_containers_socket_is_not_charged_to_it(
     make_node: Callable[..., ArbiterNode],
 ) -> None:
-    """A flood reaching a neighbour's socket is turned away at accept: the neighbour's
-    connections and request rate stay its own, and its bursts are granted."""
+    """A flood reaching a neighbour's socket is counted against the flooder's own container
+    (held to its limits as on the node-wide socket): the neighbour's connections and request
+    rate stay its own, and its bursts are granted."""
     node = make_node()
     b = node.add("b", 2, "6Gi")
     a = node.add("a", 2, "6Gi", start=False)
     assert b.workload is not None
-    start_flood(node, a, "idle", 200, socket_of=b)
-    node.until(lambda: node.arbiter.stats.refused > 50, what="the intruder's connections turned away")
-    assert not node.arbiter.fairness.account(b.alloc.key).connections
+    c = start_flood(node, a, "idle", 200, socket_of=b)
+    fair = node.arbiter.fairness
+    intruder = f"{a.uid}/{c.container_id}"  # its account, as the kernel names its container
+    node.until(lambda: node.arbiter.stats.busy > 0, what="the intruder held to its own limit")
+    assert len(fair.account(intruder).connections) > fair.max_connections
+    assert not fair.account(b.alloc.key).connections
     for _ in range(5):
         assert b.workload.do(f"burst {GiB} {3 * GiB}") == "granted"
     assert not node.arbiter.sockets.listeners[b.alloc.key].paused
@@ -178,4 +182,27 @@ def test_an_arbiter_started_over_existing_bookings_binds_their_sockets_anew(
         return arb
 
     node.arbiter = node.on_loop(start)
+    assert b.workload.do(f"alloc {3 * GiB}") == "granted"
+
+
+def test_containers_are_served_when_the_node_wide_socket_cannot_be_bound(
+    make_node: Callable[..., ArbiterNode], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The node-wide socket is only for the agent's tools and containers an older agent
+    admitted: an arbiter that cannot bind it still serves every container's own socket."""
+    caplog.set_level(logging.ERROR, logger="gpufrac.agent.arbiter")
+    node = make_node()
+    b = node.add("b", 2, "6Gi")
+    assert b.workload is not None
+    old = node.arbiter
+
+    async def restart() -> Arbiter:
+        await old.stop()
+        os.mkdir(node.socket)  # something in the way where the node-wide socket goes
+        arb = Arbiter(node.cfg, node.ledger, old.peers, node.socket, events=old.events, metrics=node.metrics)
+        await arb.start()
+        return arb
+
+    node.arbiter = node.on_loop(restart)
+    assert [r for r in caplog.records if "cannot listen on the node-wide socket" in r.getMessage()]
     assert b.workload.do(f"alloc {3 * GiB}") == "granted"

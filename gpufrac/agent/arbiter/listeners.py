@@ -13,9 +13,9 @@ time, on the loop every neighbour's grant waits for.
 A connection on a container's socket is counted against that container's account once the
 kernel places the connecting process in the container's pod (its cgroup read once per
 process, gpufrac.agent.knowncallers): a process of another pod that reaches the socket (a
-hostPath, a mount gone wrong) is answered REFUSED at once and uses none of the container's
-connections or request rate. Each request is still identified by the kernel (SO_PEERCRED ->
-cgroup) and refused when the caller is not that container
+hostPath, a mount gone wrong) is counted against its own container, as on the node-wide
+socket, and uses none of this container's connections or request rate. Each request is
+still identified by the kernel (SO_PEERCRED -> cgroup) and refused when the caller is not that container
 (gpufrac.agent.arbiter.service.Arbiter.handle). At the node cap (`maxConnections`) a socket
 is not accepted from unless the connection can be admitted (the heaviest container's silent
 connection making room); sockets waiting for room are woken when any connection closes, and
@@ -40,7 +40,7 @@ import socket
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from gpufrac.agent.arbiter.server import Connection, RefusalLog, SocketServer, listening_socket
+from gpufrac.agent.arbiter.server import Connection, SocketServer, listening_socket
 from gpufrac.agent.callers import PeerError
 from gpufrac.agent.fairness import Fairness
 from gpufrac.memguard import abi, wire
@@ -84,11 +84,9 @@ class Listener:
         alloc: Booked,
         path: str,
         backlog: int,
-        refusals: RefusalLog,
     ) -> None:
         key = alloc.key
         self.alloc = alloc
-        self.refusals = refusals
         self.server = server
         self.fairness = fairness
         self.key = key
@@ -122,7 +120,9 @@ class Listener:
                 self._rest(e)
                 return
             if not self._from_its_pod(conn_sock):
-                self._answer_at_once(conn_sock, wire.BURST_REFUSED)
+                # Counted against the caller's own container, as on the node-wide socket (its
+                # limits, not this container's, hold it back), and its request refused when read.
+                self._start(Connection(self.server, expected=self.key), conn_sock)
                 continue
             conn = Connection(self.server, expected=self.key)
             admitted, victim, _ = fair.admit(conn, self.key)
@@ -130,7 +130,7 @@ class Listener:
                 self.server.handler.stats.dropped += 1
                 victim.abort()
             if admitted is None:  # not after room_for; kept safe all the same
-                self._answer_at_once(conn_sock, wire.BURST_BUSY)
+                self._busy_at_once(conn_sock)
                 continue
             conn.account = admitted
             self.accepted += 1
@@ -140,21 +140,16 @@ class Listener:
         """Whether the kernel places the connecting process in this container's pod (the cgroup
         read once per process, gpufrac.agent.knowncallers). A process of another pod that
         reaches this socket (a hostPath, a mount gone wrong) must not use this container's
-        connections or request rate; until the pod is known, every request is identified
-        when it is read (gpufrac.agent.arbiter.service.Arbiter.handle)."""
+        connections or request rate. Every request is identified when it is read, and refused
+        unless it is this container's (gpufrac.agent.arbiter.service.Arbiter.handle)."""
         pod = self.alloc.pod_uid
         if not pod:
             return True
         try:
             ident = self.fairness.known.identify(sock)
-        except (PeerError, OSError) as e:
-            self.refusals.say(f"on {self.key}'s socket: {e}")
-            return False
-        if ident is None or ident.pod_uid != pod:
-            where = "no kubelet container" if ident is None else f"pod {ident.pod_uid}"
-            self.refusals.say(f"a process of {where} connected on {self.key}'s socket")
-            return False
-        return True
+        except (PeerError, OSError):
+            return False  # its request is refused, and logged, when it is read
+        return ident is not None and ident.pod_uid == pod
 
     def _start(self, conn: Connection, sock: socket.socket) -> None:
         """The connection's transport (uvloop's or asyncio's), made in a task of its own."""
@@ -168,17 +163,13 @@ class Listener:
 
         self._loop.create_task(self._loop.connect_accepted_socket(lambda: conn, sock)).add_done_callback(made)
 
-    def _answer_at_once(self, sock: socket.socket, status: int) -> None:
-        """A reply on a fresh connection, without a transport (it fits any socket buffer)."""
-        stats = self.server.handler.stats
-        if status == wire.BURST_REFUSED:
-            stats.refused += 1
-        else:
-            stats.busy += 1
-        self.server.handler.metrics.count_arbiter_request("connection", wire.STATUS_NAMES[status])
+    def _busy_at_once(self, sock: socket.socket) -> None:
+        """BUSY on a fresh connection, without a transport (it fits any socket buffer)."""
+        self.server.handler.stats.busy += 1
+        self.server.handler.metrics.count_arbiter_request("connection", "busy")
         with contextlib.suppress(OSError):
             sock.setblocking(False)
-            sock.send(wire.reply(status))
+            sock.send(wire.reply(wire.BURST_BUSY))
         sock.close()
 
     def _pause(self) -> None:
@@ -222,7 +213,6 @@ class ContainerSockets:
         self.fairness = fairness
         self.backlog = backlog
         self.listeners: dict[str, Listener] = {}
-        self.refusals = RefusalLog()
         self._loop: asyncio.AbstractEventLoop | None = None  # the agent's, from open_all on
         self._closed = False
 
@@ -239,9 +229,7 @@ class ContainerSockets:
             if not os.path.isdir(os.path.dirname(path)):  # booked by an older agent
                 os.mkdir(os.path.dirname(path))
                 os.chmod(os.path.dirname(path), 0o755)  # container processes run as any uid
-            listener = Listener(
-                self._loop, self.server, self.fairness, alloc, path, self.backlog, self.refusals
-            )
+            listener = Listener(self._loop, self.server, self.fairness, alloc, path, self.backlog)
             self.listeners[alloc.key] = listener
         except OSError as e:
             log.error("arbiter: cannot listen on %s for %s: %s (its bursts are refused)", path, alloc.key, e)

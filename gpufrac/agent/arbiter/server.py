@@ -131,11 +131,10 @@ class SocketServer:
         directory = os.path.dirname(self.path) or "."
         if not os.path.isdir(directory):
             os.makedirs(directory, exist_ok=True)
-            # Containers mount this directory and run as any uid: whatever the umask, they
-            # must reach the socket in it.
+            # Containers an older agent admitted mount this directory and run as any uid:
+            # whatever the umask, they must reach the socket in it.
             os.chmod(directory, 0o755)
         loop = asyncio.get_running_loop()
-        self.handler.fairness.fit_fd_limit()  # before the first connection: the cap must fit the file limit
         # A previous agent's socket file is replaced: nobody listens on it.
         sock = listening_socket(self.path, self.backlog)
         self._server = await loop.create_unix_server(
@@ -150,9 +149,10 @@ class SocketServer:
             conn.abort()
 
     async def wait_closed(self) -> None:
-        if self._server is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 5)
+        if self._server is None:
+            return  # never bound: whatever is at its path is not its own
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._server.wait_closed(), 5)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 

@@ -128,12 +128,26 @@ class Arbiter:
 
     async def start(self) -> None:
         self.reconcile()
-        await self.server.start()
+        self.fairness.fit_fd_limit()  # before the first connection: the cap must fit the file limit
+        try:
+            await self.server.start()
+        except OSError as e:  # every container's own socket still serves it
+            log.error(
+                "arbiter: cannot listen on the node-wide socket %s: %s (the agent's tools and containers "
+                "admitted by an older agent cannot ask for bursts)",
+                self.socket_path,
+                e,
+            )
         self.sockets.open_all(self.ledger.containers(), self.ledger.attached)
         self.ledger.add_attach_listener(self.sockets.open)
         self.ledger.add_listener(self._on_ledger_change)
         self._tasks.append(asyncio.create_task(grant_sweep.sweep_forever(self.sweep), name="arbiter-reclaim"))
-        log.info("arbiter listening on %s (resolvers %s)", self.socket_path, self.chain.names)
+        log.info(
+            "arbiter listening on %d containers' sockets and %s (resolvers %s)",
+            len(self.sockets.listeners),
+            self.socket_path,
+            self.chain.names,
+        )
 
     async def stop(self) -> None:
         self.queue.close()  # a stopping agent grants nothing
