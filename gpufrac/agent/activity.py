@@ -381,8 +381,8 @@ class ActivityTracker:
         for t in claims:
             if cg is None:
                 refused[(t.key, host_pid)] = "in no kubelet container"
-            elif cg.pod_uid == t.pod_uid and not t.container_ids:
-                continue  # its pod's container IDs are not known yet: no credit, nothing to tell
+            elif not t.pod_uid or (cg.pod_uid == t.pod_uid and not t.container_ids):
+                continue  # its pod or its container IDs are not known yet: no credit, nothing to tell
             elif cg.pod_uid != t.pod_uid or cg.container_id not in t.container_ids:
                 refused[(t.key, host_pid)] = f"in pod {cg.pod_uid} container {cg.container_id[:12]}"
             else:
@@ -393,9 +393,6 @@ class ActivityTracker:
         """Fold a sample into the per-container state (on the loop)."""
         now = sample.mono
         current: dict[str, ContainerActivity] = {}
-        if self._refused_told:  # claims of containers gone are forgotten with them
-            keys = {t.key for t in tracked}
-            self._refused_told = {told for told in self._refused_told if told[0] in keys}
         for (key, pid), where in sample.refused.items():
             if (key, pid) not in self._refused_told:
                 self._refused_told.add((key, pid))

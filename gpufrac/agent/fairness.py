@@ -3,7 +3,8 @@
 Without limits one container could hold every connection the agent may open
 (slowloris), keep every request waiting, or keep the agent's loop busy answering it.
 Each connection is counted against a container: on a container's own socket, that
-container (only its pod's processes are taken there); on the node-wide socket, the
+container (a live process of another pod there is counted as on the node-wide socket);
+on the node-wide socket, the
 caller's container as the kernel names it (SO_PEERCRED -> /proc/<pid>/cgroup, as in
 gpufrac.agent.callers), never by its message:
 
@@ -241,20 +242,22 @@ class Fairness:
             self.refuse(heaviest, "node")
             # Counted out now, not when its close is seen (a later loop turn, or never for a
             # connection whose transport is not made yet): the next newcomer in this turn must
-            # find the node full again, not the same victim.
-            self._forget(heaviest, victim)
+            # find the node full again, not the same victim. No socket is woken for the place:
+            # the newcomer takes it.
+            self._forget(heaviest, victim, wake=False)
         acc.connections.append(conn)
         self.open += 1
         return acc, victim, over
 
     def _victim(self, acc: Account) -> tuple[Account, Conn | None]:
         """The connection to close to make room for one of `acc` at the node cap: the newest
-        not yet read of the container holding the most, if that is not `acc` and holds more."""
+        not yet read of the container holding the most, if that holds at least two more than
+        `acc` (one more, and the two would take the place from each other without end)."""
         heaviest = max(self.accounts.values(), key=lambda a: len(a.connections))
         # Looked for only when the newcomer is not the heaviest's, newest first: the
         # heaviest reconnecting at the cap must cost one comparison, not a walk over
         # its thousands of connections each time.
-        if heaviest is not acc and len(heaviest.connections) > len(acc.connections):
+        if heaviest is not acc and len(heaviest.connections) >= len(acc.connections) + 2:
             return heaviest, next((c for c in reversed(heaviest.connections) if c.op is None), None)
         return heaviest, None
 
@@ -275,11 +278,13 @@ class Fairness:
         """Whether a container holds as many connections as it may."""
         return len(acc.connections) >= self.max_connections
 
-    def pause(self, acc: Account, listener: Pausable, *, node: bool) -> None:
+    def pause(self, acc: Account, listener: Pausable, *, node: bool, count: bool = True) -> None:
         """A container's own socket stops accepting until it is under its connection limit
-        (node=False) or the node under its cap (node=True): counted and logged as a refusal."""
+        (node=False) or the node under its cap (node=True); `count`: counted and logged as a
+        refusal (not again when it was woken and found no room, having accepted nothing)."""
         (self.paused_at_node if node else self.paused)[acc.key] = listener
-        self.refuse(acc, "node" if node else "connections")
+        if count:
+            self.refuse(acc, "node" if node else "connections")
 
     def forget_socket(self, key: str) -> None:
         """A container's socket is closed: nothing is to resume it, or name its account."""
@@ -294,13 +299,15 @@ class Fairness:
         """A connection closed (its second report, after a victim's early one, is ignored)."""
         self._forget(acc, conn)
 
-    def _forget(self, acc: Account, conn: Conn) -> None:
+    def _forget(self, acc: Account, conn: Conn, *, wake: bool = True) -> None:
         # By identity (list.remove compares with ==): a second report must find nothing.
         at = next((i for i, c in enumerate(acc.connections) if c is conn), None)
         if at is None:
             return
         del acc.connections[at]
         self.open -= 1
+        if not wake:
+            return
         # Sockets waiting for room check it again before they accept (Listener._readable):
         # all are woken, one takes the place, the others pause again without accepting.
         if acc.key in self.paused and len(acc.connections) < self.max_connections:

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,10 +22,12 @@ from test_arbiter_flood import start_flood
 from gpufrac.agent.arbiter import Arbiter
 from gpufrac.agent.arbiter.listeners import socket_path
 from gpufrac.agent.arbiter.server import listening_socket
-from gpufrac.agent.fairness import Fairness
+from gpufrac.agent.fairness import OUTSIDE, Fairness
 from gpufrac.agent.metrics import Metrics
 from gpufrac.core.slices import MEMORY
+from gpufrac.deviceplugin.server import container_response
 from gpufrac.memguard import abi
+from gpufrac.simgpu.runtime import mounts_of
 from tests.fixtures.arbiter_harness import ArbiterNode, GiB
 from tests.fixtures.polling import listening
 
@@ -85,6 +90,79 @@ def test_the_node_cap_holds_across_containers_own_sockets(make_node: Callable[..
     for _ in range(3):
         assert b.workload.do(f"burst {GiB} {3 * GiB}") == "granted"
     assert fair.open <= cap
+
+
+def test_two_containers_at_the_node_cap_do_not_take_the_place_from_each_other(
+    make_node: Callable[..., ArbiterNode],
+) -> None:
+    """At an odd cap two silent floods end one connection apart: neither closes the other's
+    connections for its own (which would have them accept and close without end)."""
+    node = make_node(arbiterLimits={"connectionsPerContainer": 3, "maxConnections": 5})
+    floods = [node.add(f"f{i}", 1, "2Gi", start=False) for i in (1, 2)]
+    for f in floods:
+        start_flood(node, f, "idle", 50)
+    listeners = [node.arbiter.sockets.listeners[f.alloc.key] for f in floods]
+    node.until(lambda: all(lst.paused for lst in listeners), what="both floods held")
+    before = sum(lst.accepted for lst in listeners)
+    window = node.arbiter.read_timeout  # a window to count accepts in, not a deadline
+    time.sleep(window)
+    # The five places change hands only as silent connections time out: at most the cap's
+    # worth per read timeout, twice over; taken back and forth it would be thousands.
+    assert sum(lst.accepted for lst in listeners) - before <= 2 * 5 * 2
+    assert node.arbiter.fairness.open <= 5
+
+
+CONNECT_AND_EXIT = """
+import os, socket, sys, time
+from gpufrac.memguard import wire
+path = wire.socket_path(os.environ["GPUFRAC_CONTAINER_DIR"])
+pid = os.fork()
+if pid == 0:  # the connector: its connections outlive it, in the holder it forks
+    held = []
+    deadline = time.monotonic() + 30
+    while len(held) < int(sys.argv[1]) and time.monotonic() < deadline:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        try:
+            s.connect(path)
+            held.append(s)
+        except OSError:  # the queue full for a moment: again
+            s.close()
+            time.sleep(0.001)
+    if os.fork() == 0:
+        time.sleep(600)
+    os._exit(0)
+os.waitpid(pid, 0)  # reaped: nothing of the connector is left
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_connections_whose_connector_exited_count_against_the_socket_owner(
+    make_node: Callable[..., ArbiterNode],
+) -> None:
+    """A container cannot pass its own limit by connecting from processes that exit before
+    the agent accepts (handing the sockets on): those connections are still its own."""
+    node = make_node()
+    f = node.add("f", 1, "2Gi", start=False)
+    resp = container_response(f.alloc, node.cfg)
+    c = node.runtime.start(
+        f.uid,
+        "main",
+        [sys.executable, "-c", CONNECT_AND_EXIT, "45"],
+        envs={k: v for k, v in resp.envs.items() if k != "LD_PRELOAD"},
+        mounts=mounts_of(resp),
+        stdout=subprocess.PIPE,
+    )
+    node.set_container_id(f.pod, f.uid, c.runtime_id)
+    assert c.proc.stdout is not None and c.proc.stdout.readline().strip() == b"ready"
+    fair = node.arbiter.fairness
+    own = node.arbiter.sockets.listeners[f.alloc.key]
+    # 45 connections: its limit's worth taken at once, the rest queued. The first time out (they
+    # send nothing) and those queued behind them, whose connector is gone by then, are taken:
+    # still counted as its own, never as nobody's.
+    node.until(lambda: own.accepted > fair.max_connections, timeout=30, what="the queued connections taken")
+    assert not fair.account(OUTSIDE).connections
+    assert 0 < len(fair.account(f.alloc.key).connections) <= fair.max_connections
 
 
 def test_a_containers_socket_lives_as_long_as_its_booking(make_node: Callable[..., ArbiterNode]) -> None:

@@ -24,7 +24,7 @@ check again before they accept.
 The sockets follow the ledger: one is bound when a booking's directory is written
 (Ledger.attach, also after a restart: a directory mount shows the socket bound anew) and
 closed when the booking is released (its directory is deleted with the socket file in it).
-A socket is bound on the loop, inside Allocate: a unlink, a bind and a chmod, tens of
+A socket is bound on the loop, inside Allocate: an unlink, a bind and a chmod, tens of
 microseconds; a rollback to an agent without container sockets leaves such containers
 without an arbiter (their bursts refused) until they are recreated.
 """
@@ -93,6 +93,7 @@ class Listener:
         self.path = path
         self.accepted = 0  # connections taken (tests and the bench read it)
         self.paused = False
+        self._pause_counted = False  # no second refusal counted for a pause until one is accepted
         self._loop = loop
         self._retry: asyncio.TimerHandle | None = None
         self._closed = False
@@ -110,7 +111,8 @@ class Listener:
             acc = fair.account(self.key)
             if fair.at_limit(acc) or not fair.room_for(acc):
                 self._pause()
-                fair.pause(acc, self, node=not fair.at_limit(acc))
+                fair.pause(acc, self, node=not fair.at_limit(acc), count=not self._pause_counted)
+                self._pause_counted = True
                 return
             try:
                 conn_sock, _ = self.sock.accept()
@@ -131,9 +133,12 @@ class Listener:
                 victim.abort()
             if admitted is None:  # not after room_for; kept safe all the same
                 self._busy_at_once(conn_sock)
-                continue
+                self._pause()
+                fair.pause(acc, self, node=True)
+                return
             conn.account = admitted
             self.accepted += 1
+            self._pause_counted = False
             self._start(conn, conn_sock)
 
     def _from_its_pod(self, sock: socket.socket) -> bool:
@@ -148,7 +153,10 @@ class Listener:
         try:
             ident = self.fairness.known.identify(sock)
         except (PeerError, OSError):
-            return False  # its request is refused, and logged, when it is read
+            # Gone already (a connector that handed its socket on and exited): charged here,
+            # or a container could connect from short-lived processes past its own limit.
+            # Its request is refused when it is read.
+            return True
         return ident is not None and ident.pod_uid == pod
 
     def _start(self, conn: Connection, sock: socket.socket) -> None:

@@ -137,9 +137,17 @@ class SocketServer:
         loop = asyncio.get_running_loop()
         # A previous agent's socket file is replaced: nobody listens on it.
         sock = listening_socket(self.path, self.backlog)
-        self._server = await loop.create_unix_server(
-            lambda: Connection(self), sock=sock, backlog=self.backlog
-        )
+        try:
+            self._server = await loop.create_unix_server(
+                lambda: Connection(self), sock=sock, backlog=self.backlog
+            )
+        except BaseException:
+            sock.close()
+            raise
+
+    @property
+    def listening(self) -> bool:
+        return self._server is not None
 
     def close(self) -> None:
         """Stop accepting; drop every connection (a request in work is cancelled)."""

@@ -143,9 +143,9 @@ class Arbiter:
         self.ledger.add_listener(self._on_ledger_change)
         self._tasks.append(asyncio.create_task(grant_sweep.sweep_forever(self.sweep), name="arbiter-reclaim"))
         log.info(
-            "arbiter listening on %d containers' sockets and %s (resolvers %s)",
+            "arbiter listening on %d containers' sockets%s (resolvers %s)",
             len(self.sockets.listeners),
-            self.socket_path,
+            f" and {self.socket_path}" if self.server.listening else "",
             self.chain.names,
         )
 
