@@ -52,6 +52,21 @@ DEFAULT_CLASS = "batch"
 MAX_WAIT_TIMEOUT_S = MAX_MS_FIELD_S
 _INT32 = (-(2**31), 2**31 - 1)
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%?\s*$")
+# A pod may carry ~12,000 keys (256 KiB of annotations) and values of that size: what a
+# refusal says is bounded so that it is one Event and one log line of a readable length.
+SHOWN_KEYS = 3  # keys named in a problem that stands for many
+SHOWN_CHARS = 128  # of a value, or of a key, in a message
+# Problems one container's annotations can give: each known key gives at most one or two
+# and unknown keys fold into one (see _check_keys); the cap holds whatever is added later.
+MAX_PROBLEMS = 16
+
+
+def shown(text: str) -> str:
+    """`text` as a message quotes it: cut to SHOWN_CHARS, saying how long it was, and with
+    what does not print escaped (a newline in a value must not forge a line of the log)."""
+    cut = text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS]
+    cut = "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut)
+    return cut if len(text) <= SHOWN_CHARS else f"{cut}...({len(text)} characters)"
 
 
 @dataclass(frozen=True)
@@ -66,7 +81,7 @@ class AnnotationProblem:
     def message(self, container: str) -> str:
         """The text of the Warning Event: names key, value, reason and the default applied."""
         return (
-            f'annotation {self.key}="{self.value}" ignored for container {container}: '
+            f'annotation {shown(self.key)}="{shown(self.value)}" ignored for container {container}: '
             f"{self.reason}; applied the safe default {self.default}"
         )
 
@@ -241,7 +256,7 @@ def parse_policy(
         whole_gpu=whole_gpu,
         pod_known=True,
     )
-    return PolicyResult(policy, problems)
+    return PolicyResult(policy, problems[:MAX_PROBLEMS])
 
 
 def _class(text: str) -> str:
@@ -254,24 +269,42 @@ def _class(text: str) -> str:
 def _check_keys(
     ann: Mapping[str, str], containers: Collection[str] | None, problems: list[AnnotationProblem]
 ) -> None:
-    """Report gpufrac.dev/ keys nobody reads (typos) and overrides naming no container."""
-    for key, value in ann.items():
+    """Report gpufrac.dev/ keys nobody reads (typos) and overrides naming no container: one
+    problem for each kind, however many keys (a pod's thousands of keys are one Event)."""
+    unknown: list[str] = []
+    strangers: list[str] = []  # per-container overrides naming a container the pod lacks
+    for key in ann:
         if not key.startswith(PREFIX) or key in USER_KEYS or key in AGENT_OWNED:
             continue
         base, _, target = key.rpartition(".")
         if base in LIMIT_KEYS and target:
             if containers is not None and target not in containers:
-                problems.append(
-                    AnnotationProblem(
-                        key, value, f"the pod has no container named {target!r}", "no per-container override"
-                    )
-                )
+                strangers.append(key)
             continue
-        problems.append(
-            AnnotationProblem(
-                key, value, f"unknown gpufrac annotation (known: {', '.join(sorted(USER_KEYS))})", "ignored"
-            )
+        unknown.append(key)
+    if strangers:
+        reason = (
+            f"the pod has no container named {shown(strangers[0].rpartition('.')[2])!r}"
+            if len(strangers) == 1
+            else "the pod has no container of that name"
         )
+        problems.append(_folded(ann, strangers, reason, "no per-container override"))
+    if unknown:
+        reason = f"unknown gpufrac annotation (known: {', '.join(sorted(USER_KEYS))})"
+        problems.append(_folded(ann, unknown, reason, "ignored"))
+
+
+def _folded(ann: Mapping[str, str], keys: list[str], reason: str, default: str) -> AnnotationProblem:
+    """One problem for `keys`, all refused for `reason`: named by the first of them (sorted, so
+    the same keys give the same message whatever their order), with how many and a few more."""
+    keys = sorted(keys)
+    first = keys[0]
+    if len(keys) > 1:
+        more = ", ".join(shown(k) for k in keys[1:SHOWN_KEYS])
+        rest = len(keys) - min(len(keys), SHOWN_KEYS)
+        tail = f" and {rest} more" if rest else ""
+        reason = f"{reason}; {len(keys)} such keys in all, also {more}{tail}"
+    return AnnotationProblem(first, ann[first], reason, default)
 
 
 def _limit(

@@ -1,7 +1,13 @@
 """EventRecorder: core/v1 Events on pods, aggregated like client-go does (the same object +
 reason + message bumps count and lastTimestamp of the existing Event); and, in the same
 ordered queue, the DisruptionTarget condition on a pod whose processes were killed to
-reclaim GPU memory (pods/status, as Kubernetes marks its own disruptions)."""
+reclaim GPU memory (pods/status, as Kubernetes marks its own disruptions).
+
+The queue is shared fairly between the objects Events are about: each object has a queue
+of its own (in order), capped at its share, and the sender takes one item from each object
+in turn. So one pod whose annotations make the agent say a lot (a tenant controls them)
+neither pushes a neighbour's Events out of the queue nor holds them up behind its own;
+what is dropped is counted and logged at most once a minute."""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ import asyncio
 import datetime
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +27,7 @@ from gpufrac.agent.kube.podcache import PodInfo
 
 COMPONENT = "gpufrac-agent"
 MAX_MESSAGE = 1024  # the apiserver rejects longer Event messages
+DROP_LOG_EVERY = 60.0  # seconds between two log lines about dropped Events
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +83,14 @@ class _Condition:
     message: str
 
 
+_Item = _Pending | _Condition
+_Object = tuple[str, str, str]  # kind, namespace, name: whose share of the queue an item takes
+
+
+def _object(ref: ObjectRef) -> _Object:
+    return (ref.kind, ref.namespace, ref.name)
+
+
 # The pod condition Kubernetes sets on a pod a disruption is about to end (preemption,
 # the Eviction API, taint eviction); a Job's podFailurePolicy can match it (onPodConditions),
 # so a pod failed by a GPU-memory reclaim need not count as the application's failure.
@@ -87,6 +102,9 @@ class EventRecorder:
 
     record() is called on the agent's loop and only queues; one worker task sends
     (the HTTP call in a thread), so repeats of one Event are aggregated in order.
+    At most `max_pending` items wait, at most `per_object` of them about one object
+    (default: a 16th of the queue, at least 16); when the queue is full, the object
+    holding the most of it gives up its newest item to an object holding fewer.
     """
 
     def __init__(
@@ -96,6 +114,7 @@ class EventRecorder:
         *,
         component: str = COMPONENT,
         max_pending: int = 1024,
+        per_object: int | None = None,
         cache_size: int = 4096,
         request_timeout: float = 10.0,
         clock: Callable[[], float] = time.time,
@@ -104,12 +123,19 @@ class EventRecorder:
         self.node_name = node_name
         self.component = component
         self._max_pending = max_pending
+        self._per_object = per_object or min(max_pending, max(16, max_pending // 16))
         self._cache: OrderedDict[tuple[Any, ...], _Seen] = OrderedDict()
         self._cache_size = cache_size
         self._request_timeout = request_timeout
         self._clock = clock
-        self._queue: asyncio.Queue[_Pending | _Condition] | None = None
+        # Items waiting, by object, objects in the order the sender visits them.
+        self._pending: OrderedDict[_Object, deque[_Item]] = OrderedDict()
+        self._waiting = 0  # items in _pending
+        self._wake: asyncio.Event | None = None  # set when something is queued
+        self._idle: asyncio.Event | None = None  # set while nothing is queued or being sent
         self._worker: asyncio.Task[None] | None = None
+        self._untold = 0  # drops not logged yet
+        self._told_at = -DROP_LOG_EVERY  # time.monotonic() of the last drop log line
         self._last_ns = 0
         # Counters (read by metrics and tests).
         self.created = 0
@@ -132,16 +158,43 @@ class EventRecorder:
             message = message[: MAX_MESSAGE - 3] + "..."
         self._put(_Condition(ref, DISRUPTION_TARGET, reason, message))
 
-    def _put(self, item: _Pending | _Condition) -> None:
-        if self._queue is None:
-            self._queue = asyncio.Queue()
+    def _put(self, item: _Item) -> None:
+        if self._wake is None or self._idle is None:
+            self._wake, self._idle = asyncio.Event(), asyncio.Event()
             self._worker = asyncio.get_running_loop().create_task(self._work(), name="event-recorder")
-        if self._queue.qsize() >= self._max_pending:
-            self.dropped += 1
-            ref = item.ref
-            log.warning("event queue full; dropped %s on %s/%s", item.reason, ref.namespace, ref.name)
+        key = _object(item.ref)
+        mine = self._pending.get(key)
+        held = len(mine) if mine is not None else 0
+        if held >= self._per_object:
+            self._drop(item, "its share of the queue is full")
             return
-        self._queue.put_nowait(item)
+        if self._waiting >= self._max_pending:
+            # Full: the object holding the most gives up its newest item, unless that would
+            # leave it holding no more than this one does.
+            heaviest = max(self._pending.values(), key=len)
+            if len(heaviest) <= held + 1:
+                self._drop(item, "the queue is full")
+                return
+            self._waiting -= 1
+            self._drop(heaviest.pop(), "the queue is full and that object holds the most of it")
+        if mine is None:
+            mine = self._pending[key] = deque()
+        mine.append(item)
+        self._waiting += 1
+        self._idle.clear()
+        self._wake.set()
+
+    def _drop(self, item: _Item, why: str) -> None:
+        self.dropped += 1
+        self._untold += 1
+        now = time.monotonic()
+        if now - self._told_at >= DROP_LOG_EVERY:
+            ref = item.ref
+            log.warning(
+                "event queue: %d Event(s) dropped since the last report; the latest %s on %s/%s (%s)",
+                self._untold, item.reason, ref.namespace, ref.name, why,
+            )  # fmt: skip
+            self._told_at, self._untold = now, 0
 
     def warning(self, ref: ObjectRef, reason: str, message: str) -> None:
         self.record(ref, "Warning", reason, message)
@@ -151,10 +204,10 @@ class EventRecorder:
 
     async def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued Event was sent (or failed); False on timeout."""
-        if self._queue is None:
+        if self._idle is None:
             return True
         try:
-            await asyncio.wait_for(self._queue.join(), timeout)
+            await asyncio.wait_for(self._idle.wait(), timeout)
         except asyncio.TimeoutError:
             return False
         return True
@@ -164,12 +217,35 @@ class EventRecorder:
         if self._worker is not None:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
-            self._worker, self._queue = None, None
+            self._worker, self._wake, self._idle = None, None, None
+        if self._untold:
+            log.warning("event queue: %d Event(s) dropped since the last report", self._untold)
+            self._untold = 0
+        self._pending.clear()
+        self._waiting = 0
+
+    def _next(self) -> _Item | None:
+        """The next item to send: the oldest of the object whose turn it is."""
+        if not self._pending:
+            return None
+        key, items = next(iter(self._pending.items()))
+        item = items.popleft()
+        self._waiting -= 1
+        if items:
+            self._pending.move_to_end(key)  # its next item waits for every other object's turn
+        else:
+            del self._pending[key]
+        return item
 
     async def _work(self) -> None:
-        assert self._queue is not None
+        assert self._wake is not None and self._idle is not None
         while True:
-            item = await self._queue.get()
+            item = self._next()
+            if item is None:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
             try:
                 if isinstance(item, _Condition):
                     await self._set_condition(item)
@@ -185,8 +261,6 @@ class EventRecorder:
                     item.ref.name,
                     getattr(e, "reason", None) or e,
                 )
-            finally:
-                self._queue.task_done()
 
     async def _set_condition(self, item: _Condition) -> None:
         ref = item.ref
