@@ -26,6 +26,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Protocol, TypeVar
 
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -33,6 +34,9 @@ _KEYS = {"maxLimitRatio": "max_limit_ratio", "allowNonPreemptible": "allow_non_p
 _KEYS["allowUnswappable"] = "allow_unswappable"
 
 LIMIT, PREEMPTIBLE, SWAPPABLE = "limit", "preemptible", "swappable"
+# No cap above this ever binds: a request is at least a memory unit (1Mi or more) and a limit
+# at most a GPU's memory, so larger ratios say nothing and only invite overflow.
+MAX_LIMIT_RATIO = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -63,11 +67,13 @@ def _entry(path: str, raw: Any, base: NamespacePolicy) -> NamespacePolicy:
         if name is None:
             raise ValueError(f"{path}.{key}: unknown key (known: {', '.join(sorted(_KEYS))})")
         if name == "max_limit_ratio":
-            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-            if not ok or not (value == 0 or value >= 1):
+            # Compared as given, never through float(): a long integer would raise OverflowError,
+            # and NaN fails every comparison.
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if not number or not (value == 0 or 1 <= value <= MAX_LIMIT_RATIO):
                 raise ValueError(
-                    f"{path}.{key}: {value!r} must be 0 (no cap) or a number of at least 1 "
-                    "(a limit is never below the request)"
+                    f"{path}.{key}: {_shown(value)} must be 0 (no cap) or a number from 1 (a limit is "
+                    f"never below the request) to {MAX_LIMIT_RATIO}"
                 )
             values[name] = float(value)
         else:
@@ -75,6 +81,11 @@ def _entry(path: str, raw: Any, base: NamespacePolicy) -> NamespacePolicy:
                 raise ValueError(f"{path}.{key}: expected true or false, got {value!r}")
             values[name] = value
     return dataclasses.replace(base, **values)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 64 else f"{text[:64]}...({len(text)} characters)"
 
 
 def parse_config(path: str, raw: Any) -> PolicyConfig:
@@ -138,15 +149,18 @@ def enforce(
     caps: list[Cap] = []
     changes: dict[str, Any] = {}
     ratio = ns.max_limit_ratio
-    if ratio and not policy.whole_gpu and policy.limit_bytes > policy.request_bytes:
-        most = max(policy.request_bytes, math.floor(policy.request_bytes * ratio))
+    capped = bool(ratio) and math.isfinite(ratio)  # an infinite ratio caps nothing
+    if capped and not policy.whole_gpu and policy.limit_bytes > policy.request_bytes:
+        # Exact: a float product could overflow to inf (a PolicyConfig not made by parse_config).
+        most = max(policy.request_bytes, math.floor(Fraction(ratio) * policy.request_bytes))
         if policy.limit_bytes > most:
             changes["limit_bytes"] = most
+            times = Fraction(policy.limit_bytes, max(1, policy.request_bytes))
             caps.append(
                 Cap(
                     LIMIT,
                     f"container {container}: GPU memory limit {format_bytes(policy.limit_bytes)} "
-                    f"({policy.limit_key}) is {policy.limit_bytes / policy.request_bytes:.2f} x the request "
+                    f"({policy.limit_key}) is {float(times):.2f} x the request "
                     f"{format_bytes(policy.request_bytes)}; the node policy for {where} caps it at "
                     f"maxLimitRatio {_ratio(ratio)}: limit {format_bytes(most)} applied",
                 )

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpufrac.core import annotations as ann
+from gpufrac.core import policy as policy_mod
 from gpufrac.core.config import Config, ConfigError, load
 from gpufrac.core.units import format_bytes, parse_bytes, parse_duration
 from gpufrac.memguard import abi
@@ -69,7 +70,10 @@ def test_annotation_parsing_never_raises_and_never_loosens_a_limit(
         assert math.isfinite(v) and v >= 0
     for problem in result.problems:  # every refusal names its key and value, with a reason
         assert problem.key in values and problem.value == values[problem.key] and problem.reason
-        assert problem.key in problem.message("main") and problem.value in problem.message("main")
+        message = problem.message("main")
+        assert ann.shown(problem.key) in message and ann.shown(problem.value) in message
+        assert len(message) < 2048  # a value of any length is named in a line of readable length
+        assert "\n" not in message and "\r" not in message
 
 
 @settings(max_examples=600, deadline=None)
@@ -228,9 +232,102 @@ def test_an_annotation_of_1e400_gives_one_event_naming_the_key_and_keeps_limit_r
     assert not [r for r in caplog.records if r.exc_info]  # no traceback
 
 
+@pytest.mark.parametrize(
+    "value",
+    ["5Gi\n2026-01-01T00:00:00Z WARNING gpufrac.agent.watchdog: forged", "9" * 256 * 1024 + "Gi"],
+    ids=["newline", "256KiB"],
+)
+def test_a_refusal_names_a_value_in_one_line_of_readable_length(value: str) -> None:
+    """A value may hold anything the apiserver takes (newlines, 256 KiB): its refusal is still one
+    line the agent's log and the Event show whole, its start shown and its length said."""
+    result = ann.parse_policy(
+        {ann.MEMORY_LIMIT: value}, container="main", request_bytes=GiB, gpu_allocatable=8 * GiB, cfg=Config()
+    )
+    (problem,) = result.problems
+    assert problem.value == value  # the problem keeps the value; only its message shortens it
+    message = problem.message("main")
+    assert "\n" not in message and len(message) < 1024, message[:300]
+    assert ann.MEMORY_LIMIT in message and value[:3] in message
+    assert result.policy.limit_bytes == GiB
+
+
 def test_yaml_special_floats_in_config_are_refused() -> None:
     for key in ("waitTimeout", "memoryUnit"):
         for value in (".inf", ".nan", "1e400"):
             data = yaml.safe_load(f"{key}: {value}")
             with pytest.raises(ConfigError, match=key):
                 load(overrides={"nodeName": "n", **data})
+
+
+ratios = st.one_of(
+    yaml_values,
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(-(2**1100), 2**1100),
+    st.sampled_from([1e300, 1e308, 2**1024, 1_000_000, 1_000_001, 1, 0.5, 0]),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    ratio=ratios,
+    request=st.integers(1, 2**40),
+    limit=st.integers(1, 2**64 - 1),
+)
+def test_any_max_limit_ratio_gives_a_config_error_or_a_policy_that_caps_without_raising(
+    ratio: Any, request: int, limit: int
+) -> None:
+    """A ratio of 1e300 once overflowed to inf in the cap and raised OverflowError on every pod
+    of its namespace; a long integer raised it while the config was read."""
+    try:
+        cfg = load(overrides={"nodeName": "n", "policy": {"namespaces": {"team": {"maxLimitRatio": ratio}}}})
+    except ConfigError as e:
+        assert "policy.namespaces.team.maxLimitRatio" in str(e), str(e)
+        return
+    ns = cfg.policy.for_namespace("team")
+    assert ns.max_limit_ratio == 0 or 1 <= ns.max_limit_ratio <= policy_mod.MAX_LIMIT_RATIO
+    asked = ann.ContainerPolicy(request, max(request, limit), limit_key=ann.MEMORY_LIMIT)
+    policy, _ = policy_mod.enforce(asked, "team", cfg.policy, container="main", format_bytes=format_bytes)
+    assert request <= policy.limit_bytes <= asked.limit_bytes
+    if ns.max_limit_ratio:
+        assert policy.limit_bytes <= max(request, request * ns.max_limit_ratio)
+
+
+policy_entries = st.dictionaries(
+    st.sampled_from(["maxLimitRatio", "allowNonPreemptible", "allowUnswappable", "bogus"]), ratios, max_size=3
+)
+policy_sections = st.dictionaries(
+    st.sampled_from(["default", "namespaces", "bogus"]),
+    st.one_of(
+        yaml_values,
+        policy_entries,
+        st.dictionaries(st.one_of(st.sampled_from(["team", "Bad NS", ""]), st.integers()), policy_entries),
+    ),
+    max_size=3,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(yaml_values, policy_sections))
+def test_a_policy_section_of_any_shape_gives_a_config_or_a_config_error_naming_it(section: Any) -> None:
+    try:
+        cfg = load(overrides={"nodeName": "n", "policy": section})
+    except ConfigError as e:
+        assert str(e).startswith("policy"), str(e)
+        return
+    for ns in ("team", "other"):
+        asked = ann.ContainerPolicy(request_bytes=GiB, limit_bytes=4 * GiB, limit_key=ann.MEMORY_LIMIT)
+        policy, _ = policy_mod.enforce(asked, ns, cfg.policy, container="main", format_bytes=format_bytes)
+        assert GiB <= policy.limit_bytes <= 4 * GiB
+
+
+def test_a_max_limit_ratio_of_1e300_is_refused_naming_key_and_value_and_never_overflows() -> None:
+    with pytest.raises(ConfigError, match=r"policy\.default\.maxLimitRatio: 1e\+300 must be"):
+        load(overrides={"nodeName": "n", "policy": {"default": {"maxLimitRatio": 1e300}}})
+    # A policy made without the config's checks still caps without raising.
+    huge = policy_mod.PolicyConfig(policy_mod.NamespacePolicy(max_limit_ratio=1e300))
+    asked = ann.ContainerPolicy(request_bytes=GiB, limit_bytes=8 * GiB, limit_key=ann.MEMORY_LIMIT)
+    policy, caps = policy_mod.enforce(asked, "team", huge, container="main", format_bytes=format_bytes)
+    assert (policy.limit_bytes, caps) == (8 * GiB, [])
+    two = policy_mod.PolicyConfig(policy_mod.NamespacePolicy(max_limit_ratio=2))
+    policy, caps = policy_mod.enforce(asked, "team", two, container="main", format_bytes=format_bytes)
+    assert policy.limit_bytes == 2 * GiB and "8.00 x the request" in caps[0].message
