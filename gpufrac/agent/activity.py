@@ -22,7 +22,9 @@ the pod's status gives it: gpufrac.agent.callers); a slot naming any other proce
 process in no kubelet pod, a neighbour's, one of a container whose IDs are not known yet) is
 ignored and logged once. Stamping its own slots or claiming another's pid therefore buys a
 container nothing; without NVML's samples (no driver, MIG and boards that lack them) the
-file is all there is, and is used.
+file is all there is, and is used. A file that cannot be read (a broken magic, a short file)
+leaves only the driver's samples of the processes the kernel places in the container: its
+idle clock runs from when the tracker first met it (or its last good read), never stops.
 
 Idle = neither signal shows work. A container holding memory while its
 processes only use the CPU is idle from the GPU's point of view; WHEN that
@@ -349,10 +351,14 @@ class ActivityTracker:
                 owner.setdefault((s.pid, s.start_time), []).append(t)
         nvml = self.nvml
         if nvml is not None:
-            gpus = sorted({g for t in tracked if t.key in out.slots for g in t.gpus})
+            # A container whose file cannot be read has no slots to match the driver's samples
+            # by: its processes are those the kernel places in it (pod UID and container ID).
+            blind = [t for t in tracked if t.key in out.unreadable and t.pod_uid and t.container_ids]
+            gpus = sorted({g for t in tracked if t.key in out.slots or t in blind for g in t.gpus})
             for gpu in gpus:
-                for host_pid, (when, busy) in nvml.sampled_pids(gpu).items() if owner else ():
-                    for key in self._owners_of(host_pid, owner, out.refused):
+                for host_pid, (when, busy) in nvml.sampled_pids(gpu).items() if owner or blind else ():
+                    keys = self._owners_of(host_pid, owner, out.refused) if owner else []
+                    for key in keys + (self._placed_in(host_pid, blind) if blind else []):
                         out.driver_ran.add(key)
                         if busy:
                             out.nvml_active[key] = max(out.nvml_active.get(key, 0.0), when)
@@ -389,6 +395,34 @@ class ActivityTracker:
                 out.append(t.key)
         return out
 
+    def _placed_in(self, host_pid: int, blind: list[Tracked]) -> list[str]:
+        """The containers of `blind` in which the kernel places a host pid's process."""
+        try:
+            cg = read_cgroup(host_pid, self.proc)
+        except PeerError:  # gone since NVML sampled it
+            return []
+        if cg is None:
+            return []
+        return [t.key for t in blind if cg.pod_uid == t.pod_uid and cg.container_id in t.container_ids]
+
+    def _first_sight(self, t: Tracked, sample: _Sample) -> _State:
+        """A container met for the first time: nothing known before the later of its allocation
+        and our start (after an agent restart, activity before the restart is unknown: the
+        conservative answer is "active when we started")."""
+        now = sample.mono
+        since_alloc = now - max(0.0, sample.wall - t.created)
+        state = self._states[t.key] = _State(max(since_alloc, self.started), "start", {}, now)
+        return state
+
+    def _driver_work(self, state: _State, key: str, sample: _Sample) -> None:
+        """Move a container's last activity up to the newest work the driver sampled of it."""
+        wall_at = sample.nvml_active.get(key)
+        if wall_at is not None:
+            now = sample.mono
+            at = min(now, now - (sample.wall - wall_at))
+            if at > state.last_active:
+                state.last_active, state.why = at, "nvml"
+
     def apply(self, tracked: list[Tracked], sample: _Sample) -> dict[str, ContainerActivity]:
         """Fold a sample into the per-container state (on the loop)."""
         now = sample.mono
@@ -405,24 +439,34 @@ class ActivityTracker:
             if t.key in sample.unreadable:
                 if t.key not in self._warned:
                     self._warned.add(t.key)
-                    log.warning("activity of %s unknown: %s", t.key, sample.unreadable[t.key])
-                # The sample says nothing of this container: what the last good read showed
-                # stands (forgetting its launch counters would make them all look new next time).
+                    log.warning(
+                        "usage file of %s unreadable (%s): its activity is the driver's samples alone",
+                        t.key, sample.unreadable[t.key],
+                    )  # fmt: skip
+                # The file is the tenant's: breaking it, even before our first read, must not
+                # stop the idle clock (no activity would count as busy to the reaper). The clock
+                # runs from the first sight, or from what the last good read showed, and only
+                # the driver's samples of the container's processes move it; the launch counters
+                # are kept (forgotten, they would all look new once the file reads again).
+                if state is None:
+                    state = self._first_sight(t, sample)
+                self._driver_work(state, t.key, sample)
                 prev = self._current.get(t.key)
-                if prev is not None:
-                    current[t.key] = prev
+                current[t.key] = ContainerActivity(
+                    key=t.key,
+                    last_active=state.last_active,
+                    why=state.why,
+                    launches=prev.launches if prev else 0,
+                    processes=prev.processes if prev else 0,
+                    used_bytes=prev.used_bytes if prev else 0,
+                    polled=now,
+                )
                 continue
             self._warned.discard(t.key)
             slots = sample.slots.get(t.key, [])
+            first = state is None
             if state is None:
-                # First sight: nothing known before the later of its allocation and our start
-                # (after an agent restart, activity before the restart is unknown: the
-                # conservative answer is "active when we started").
-                since_alloc = now - max(0.0, sample.wall - t.created)
-                state = self._states[t.key] = _State(max(since_alloc, self.started), "start", {}, now)
-                first = True
-            else:
-                first = False
+                state = self._first_sight(t, sample)
             counts = {(s.pid, s.start_time): s.launches for s in slots}
             # The file's launches are the tenant's word: where the driver can be asked, they
             # count only when it sampled one of the container's processes in this window.
@@ -442,11 +486,7 @@ class ActivityTracker:
                 if at > state.last_active:
                     state.last_active, state.why = at, "launch" if s.launches else "start"
             state.counts, state.polled = counts, now
-            wall_at = sample.nvml_active.get(t.key)
-            if wall_at is not None:
-                at = min(now, now - (sample.wall - wall_at))
-                if at > state.last_active:
-                    state.last_active, state.why = at, "nvml"
+            self._driver_work(state, t.key, sample)
             current[t.key] = ContainerActivity(
                 key=t.key,
                 last_active=state.last_active,

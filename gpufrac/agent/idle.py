@@ -171,7 +171,7 @@ class IdleReaper:
             idles = []
             for a, _ in members:
                 act = self.tracker.get(a.key)
-                # Not polled yet (its usage file is unreadable): treat as busy.
+                # Booked since the last poll: not judged before the tracker has seen it.
                 idles.append(0.0 if act is None else act.idle_seconds(now))
             # One policy per pod (annotations are pod-level); on any mismatch the most lenient
             # idle-timeout and max-runtime win, each on its own, 0 (off) being the most lenient.
