@@ -13,6 +13,9 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+# The longest retry hint taken from the apiserver: "inf" would put an eviction off for ever.
+MAX_RETRY_AFTER = 3600.0
+
 
 class EvictResult(enum.Enum):
     EVICTED = "evicted"
@@ -48,8 +51,10 @@ def status_detail(e: ApiException) -> tuple[str, float | None]:
     raw = details.get("retryAfterSeconds") or (e.headers or {}).get("Retry-After")
     try:
         retry = float(raw) if raw else None
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an integer past a float
         retry = None
+    if retry is not None and not 0 <= retry <= MAX_RETRY_AFTER:  # NaN and infinity included
+        retry = None if not retry >= 0 else MAX_RETRY_AFTER
     return message, retry
 
 
