@@ -54,6 +54,10 @@ class DriverUsage:
     def bytes_of(self, key: str, gpu: str) -> int:
         return self.by_container.get((key, gpu), 0)
 
+    def pids_of(self, key: str) -> list[int]:
+        """The processes counted for a container, on any GPU."""
+        return sorted({p for (k, _), pids in self.pids.items() if k == key for p in pids})
+
 
 def attribute(seen: Iterable[Observed], lookup: Lookup) -> DriverUsage:
     """Sum NVML's processes per gpufrac container (their cgroup's container, through `lookup`);

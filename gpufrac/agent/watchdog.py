@@ -19,8 +19,8 @@ Modes (config.watchdog.mode):
              fits, in the scan that found it (within one interval); each kill is an
              Event naming usage and limit.
 
-GPU processes that belong to no gpufrac container (another device plugin's pod,
-a process on the host) are reported in the log and a metric, never killed.
+GPU processes that belong to no gpufrac container (another device plugin's pod, a process on
+the host, one whose cgroup cannot be found) are reported in the log and a metric, never killed.
 
 Blocking work (NVML, /proc reads, kill and wait) runs in worker threads; the
 decisions are made on the agent's loop, which owns the ledger.
@@ -48,7 +48,7 @@ from gpufrac.agent.events import (
 )
 from gpufrac.agent.gpu_processes import GpuProcess, Lookup, Observed, observe
 from gpufrac.agent.inventory import NvmlError
-from gpufrac.agent.kill import kill_if_same
+from gpufrac.agent.kill import KillFailed, kill_if_same
 from gpufrac.agent.kube import ObjectRef
 from gpufrac.agent.ledger import ContainerAlloc, Ledger
 from gpufrac.core.config import WatchdogConfig
@@ -202,7 +202,7 @@ class Watchdog:
         seen = await asyncio.to_thread(self._observe)
         owned: list[tuple[ContainerAlloc, GpuProcess]] = []
         idents: dict[int, CgroupIdentity] = {}
-        unowned: dict[int, GpuProcess] = {}
+        unowned: dict[int, Observed] = {}
         me = os.getpid()
         for o in seen:
             if o.proc.gpu not in self.ledger.geometry:
@@ -210,7 +210,7 @@ class Watchdog:
             alloc = self._owner(o.cgroup)
             if alloc is None:
                 if o.proc.pid != me:
-                    unowned[o.proc.pid] = o.proc
+                    unowned[o.proc.pid] = o
                 continue
             assert o.cgroup is not None
             idents[o.proc.pid] = o.cgroup
@@ -228,7 +228,7 @@ class Watchdog:
             log.info("watchdog: container %s is back within its limit on GPU %s", key[0], key[1])
         self._over = now_over
         self.scans += 1
-        self._metrics.set_watchdog_unowned(len(unowned), sum(p.used for p in unowned.values()))
+        self._metrics.set_watchdog_unowned(len(unowned), sum(o.proc.used for o in unowned.values()))
         return verdicts
 
     async def _check_files(self, owned: list[tuple[ContainerAlloc, GpuProcess]]) -> None:
@@ -265,17 +265,19 @@ class Watchdog:
         except PeerError:
             return None
 
-    def _report_unowned(self, unowned: dict[int, GpuProcess]) -> None:
-        for pid, p in unowned.items():
+    def _report_unowned(self, unowned: dict[int, Observed]) -> None:
+        for pid, o in unowned.items():
             if pid not in self.unowned:
+                why = f" ({o.unreadable})" if o.unreadable else ""
                 log.warning(
-                    "watchdog: GPU process %d uses %s on GPU %s and belongs to no gpufrac container "
+                    "watchdog: GPU process %d uses %s on GPU %s and belongs to no gpufrac container%s "
                     "(reported, never killed)",
                     pid,
-                    format_bytes(p.used),
-                    p.gpu,
+                    format_bytes(o.proc.used),
+                    o.proc.gpu,
+                    why,
                 )
-        self.unowned = unowned
+        self.unowned = {pid: o.proc for pid, o in unowned.items()}
 
     def _describe(self, v: Verdict) -> str:
         where = "" if v.limit or v.gpu in v.alloc.gpus else " (a GPU it was not given)"
@@ -299,7 +301,13 @@ class Watchdog:
 
     async def _enforce(self, v: Verdict, idents: dict[int, CgroupIdentity]) -> None:
         for p in v.kill:
-            killed = await asyncio.to_thread(self._kill, p.pid, idents[p.pid])
+            try:
+                killed = await asyncio.to_thread(self._kill, p.pid, idents[p.pid])
+            except KillFailed as e:
+                # Out of files, say: tried again next scan, the others still go now.
+                self.errors += 1
+                log.error("watchdog: %s: could not kill process %d: %s", v.alloc.who(), p.pid, e)
+                continue
             if not killed:
                 continue  # exited or changed container meanwhile
             self.kills += 1
