@@ -354,6 +354,41 @@ class Caller:
     alloc: ContainerAlloc
 
 
+@dataclass(frozen=True)
+class ContainerOwner:
+    """A kubelet container of a pod gpufrac serves, with every gpufrac allocation it holds:
+    one as a rule, two when it asked for both resources (the kubelet allocates each), none
+    for another container of such a pod (a sidecar that sees the GPUs without asking). The
+    watchdog and the driver's count judge it by GPU (gpufrac.agent.watchdog.plan,
+    gpufrac.agent.truth.attribute): on a GPU none of its allocations holds, its limit is 0."""
+
+    pod_uid: str
+    container: str  # its name in the pod
+    allocs: tuple[ContainerAlloc, ...]
+    namespace: str | None = None
+    pod: str | None = None
+
+    @property
+    def key(self) -> str:
+        """Its allocation's ledger key when it has exactly one (what the arbiter looks up);
+        else one of its own, which no allocation has."""
+        if len(self.allocs) == 1:
+            return self.allocs[0].key
+        return f"{self.pod_uid}/{self.container}"
+
+    def holding(self, gpu: str) -> tuple[ContainerAlloc, ...]:
+        """Its allocations on `gpu`."""
+        return tuple(a for a in self.allocs if gpu in a.gpus)
+
+    def whole_gpu(self) -> bool:
+        return any(a.whole_gpu for a in self.allocs)
+
+    def who(self) -> str:
+        if self.pod:
+            return f"pod {self.namespace}/{self.pod} container {self.container}"
+        return f"pod {self.pod_uid} container {self.container}"
+
+
 class PeerLookup:
     """Identifies callers against the ledger. Runs on the agent's loop (one small
     /proc read per connection)."""
@@ -379,6 +414,19 @@ class PeerLookup:
         if mine is None:
             raise PeerError(f"pod {pod_uid} container {name} holds no gpufrac allocation on this node")
         return mine
+
+    def owner(self, pod_uid: str, container_id: str) -> ContainerOwner | None:
+        """The container the pod's status names, with all its allocations (none for another
+        container of a pod that holds some); None when the pod holds no allocation here or
+        its status does not name the container (yet). Runs on the loop (the ledger's owner)."""
+        name = self.namer(pod_uid, container_id)
+        if name is None:
+            return None
+        pods = [a for a in self.ledger.containers() if a.pod_uid == pod_uid]
+        if not pods:
+            return None
+        mine = tuple(sorted((a for a in pods if a.container == name), key=lambda a: a.key))
+        return ContainerOwner(pod_uid, name, mine, pods[0].namespace, pods[0].pod)
 
     def owns(self, alloc: ContainerAlloc, ident: CgroupIdentity) -> bool:
         """Whether a process in the kubelet container `ident` names is the container of

@@ -17,9 +17,15 @@ from typing import Protocol
 
 import pynvml  # nvidia-ml-py ships no types
 
-from gpufrac.agent.callers import CgroupIdentity, PeerError, ProcessGone, cgroup_of, start_time
+from gpufrac.agent.callers import (
+    CgroupIdentity,
+    ContainerOwner,
+    PeerError,
+    ProcessGone,
+    cgroup_of,
+    start_time,
+)
 from gpufrac.agent.inventory import query_gpus
-from gpufrac.agent.ledger import ContainerAlloc
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +51,10 @@ class Observed:
 
 
 class Lookup(Protocol):
-    """Which gpufrac allocation a kubelet container holds (gpufrac.agent.callers.PeerLookup)."""
+    """Which gpufrac container a kubelet container is, with its allocations
+    (gpufrac.agent.callers.PeerLookup)."""
 
-    def allocation(self, pod_uid: str, container_id: str) -> ContainerAlloc: ...
+    def owner(self, pod_uid: str, container_id: str) -> ContainerOwner | None: ...
 
 
 def read_gpu_processes() -> list[GpuProcess]:
