@@ -20,7 +20,9 @@ ledger does not know, is refused.
 The blocking /proc helpers built on the same identity live here too, for the
 arbiter's eviction, the swap resolver and the watchdog: a container's host pids (a
 /proc scan) and whether a pid is still in a container. Killing is gpufrac.agent.kill.
-Callers run them in worker threads.
+Callers run them in worker threads. A process whose cgroup file cannot be read although
+it lives (a cgroup path past PATH_MAX, which a container with a writable cgroupfs can
+make below its own) is found by walking cgroupfs instead (gpufrac.agent.cgroup_walk).
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ import re
 import signal
 import socket
 import struct
-from collections.abc import Callable, Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from gpufrac.agent import cgroup_walk
 from gpufrac.agent.ledger import ContainerAlloc, Ledger
 
 log = logging.getLogger(__name__)
@@ -57,6 +62,26 @@ _CONTAINER = re.compile(r"^(?:(?:docker|cri-containerd|containerd|crio|cri-o)-)?
 
 class PeerError(Exception):
     """The caller cannot be identified as a container this agent serves."""
+
+
+class ProcessGone(PeerError):
+    """The process has exited (its /proc entry is gone)."""
+
+
+class CgroupUnreadable(PeerError):
+    """The process lives, but which cgroup it is in could not be found out (its cgroup file
+    refused, and no kubelet container holds it as far as a walk of cgroupfs sees)."""
+
+
+class AgentOutOfResources(PeerError):
+    """The agent itself lacked a file descriptor or memory to look: nothing is known about the
+    process (it is neither gone nor anyone's)."""
+
+
+# errnos that are the agent's own shortage, never the process's state.
+_SHORTAGE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+# errnos of getsockopt(SO_PEERPIDFD) that mean a kernel without it (before 6.5).
+_NO_PEERPIDFD = frozenset({errno.ENOPROTOOPT, errno.EINVAL, errno.EOPNOTSUPP})
 
 
 @dataclass(frozen=True)
@@ -89,6 +114,23 @@ def peer_credentials(sock: socket.socket) -> Credentials:
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
 
 
+def peer_pidfd(sock: socket.socket, pid: int) -> int | None:
+    """A pidfd of the process that connected (SO_PEERPIDFD), or None on a kernel without it.
+    Raises PeerError when the kernel says it exited, and when the pidfd cannot be had for
+    another reason (out of files): falling back to the bare pid then would let a reused pid
+    pass for the connector, so the request is refused instead."""
+    try:
+        return sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError as e:
+        if e.errno == errno.ESRCH:  # the kernel knows it exited
+            raise PeerError(f"process {pid} that connected has exited") from None
+        if e.errno in _NO_PEERPIDFD:
+            return None  # a kernel before 6.5: the pid alone
+        raise AgentOutOfResources(
+            f"cannot pin process {pid} that connected ({e.strerror or e}): request refused"
+        ) from None
+
+
 def peer_cgroup(sock: socket.socket, proc: str = "/proc") -> tuple[Credentials, CgroupIdentity | None]:
     """The connecting process and its kubelet container, read now.
 
@@ -99,14 +141,9 @@ def peer_cgroup(sock: socket.socket, proc: str = "/proc") -> tuple[Credentials, 
     (its pidfd): then the pid still names it. On a kernel without SO_PEERPIDFD, the pid
     alone, as before."""
     creds = peer_credentials(sock)
+    pidfd = peer_pidfd(sock, creds.pid)
     try:
-        pidfd: int | None = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
-    except OSError as e:
-        if e.errno == errno.ESRCH:  # the kernel knows it exited
-            raise PeerError(f"process {creds.pid} that connected has exited") from None
-        pidfd = None  # ENOPROTOOPT: a kernel before 6.5
-    try:
-        ident = read_cgroup(creds.pid, proc)
+        ident = cgroup_of(creds.pid, proc)
         if pidfd is not None:
             try:
                 signal.pidfd_send_signal(pidfd, 0)
@@ -168,6 +205,10 @@ def parse_cgroup(text: str) -> CgroupIdentity | None:
 
 
 def read_cgroup(pid: int, proc: str = "/proc") -> CgroupIdentity | None:
+    """The kubelet container /proc/<pid>/cgroup names (None: none). Raises ProcessGone when
+    the process has exited, AgentOutOfResources when the agent lacks a descriptor to look, and
+    CgroupUnreadable when the file exists but cannot be read: some kernels refuse it
+    (ENAMETOOLONG) once a cgroup path passes PATH_MAX. `cgroup_of` looks further then."""
     try:
         # os.open/os.read: this runs per arbiter request, and a text-mode file object
         # costs several times the read itself.
@@ -177,10 +218,78 @@ def read_cgroup(pid: int, proc: str = "/proc") -> CgroupIdentity | None:
         finally:
             os.close(fd)
     except (FileNotFoundError, ProcessLookupError):
-        raise PeerError(f"process {pid} is gone") from None
+        raise ProcessGone(f"process {pid} is gone") from None
     except OSError as e:
-        raise PeerError(f"cannot read /proc/{pid}/cgroup: {e.strerror}") from None
+        if e.errno in _SHORTAGE:
+            raise AgentOutOfResources(f"cannot read /proc/{pid}/cgroup: {e.strerror}") from None
+        raise CgroupUnreadable(f"cannot read /proc/{pid}/cgroup: {e.strerror}") from None
     return parse_cgroup(text)
+
+
+def start_time(pid: int, proc_root: str = "/proc") -> int:
+    """A process's start time (clock ticks after boot), 0 when it is gone."""
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # Field 22; the command name (field 2) may hold spaces and parentheses: split after it.
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+# What walks found, per process (pid, start time): a process cannot leave its container (the
+# outermost pod level names it), so a found container holds for its life; not finding one is
+# tried again after WALK_RETRY. Shared by the worker threads that read cgroups.
+WALK_RETRY = 5.0
+_WALKED_MAX = 1024
+_walked: dict[tuple[int, int], tuple[float, CgroupIdentity | None]] = {}
+_walked_lock = threading.Lock()
+
+
+def _identity_of_levels(levels: Sequence[str]) -> CgroupIdentity | None:
+    return parse_cgroup_path("/" + "/".join(levels))
+
+
+def cgroup_of(pid: int, proc: str = "/proc") -> CgroupIdentity | None:
+    """The kubelet container a process is in, read from /proc/<pid>/cgroup, or, where that
+    file refuses a path past PATH_MAX, found by walking cgroupfs (gpufrac.agent.cgroup_walk).
+    Raises ProcessGone, AgentOutOfResources, or CgroupUnreadable when the process lives but
+    no kubelet container can be found to hold it (it is not silently nobody's: the caller
+    reports it). Blocking."""
+    try:
+        return read_cgroup(pid, proc)
+    except CgroupUnreadable as e:
+        refused = str(e)
+    started = start_time(pid, proc)
+    if not started:
+        raise ProcessGone(f"process {pid} is gone")
+    now = time.monotonic()
+    with _walked_lock:
+        hit = _walked.get((pid, started))
+    if hit is None or (hit[1] is None and now - hit[0] > WALK_RETRY):
+        try:
+            found = cgroup_walk.locate(pid, cgroup_walk.roots(proc), _identity_of_levels)
+        except OSError as e:
+            if e.errno in _SHORTAGE:
+                raise AgentOutOfResources(f"cannot walk cgroupfs for process {pid}: {e.strerror}") from None
+            raise
+        if hit is None:
+            log.warning(
+                "process %d: %s; walking cgroupfs %s",
+                pid,
+                refused,
+                f"found it in pod {found.pod_uid} container {found.container_id[:12]}"
+                if found is not None
+                else "found it in no kubelet container",
+            )
+        hit = (now, found)
+        with _walked_lock:
+            if len(_walked) >= _WALKED_MAX:
+                _walked.pop(next(iter(_walked)))
+            _walked[(pid, started)] = hit
+    if hit[1] is None:
+        raise CgroupUnreadable(f"{refused}, and no kubelet container's cgroups hold process {pid}")
+    return hit[1]
 
 
 def scan_pids(match: Callable[[CgroupIdentity], bool], proc: str = "/proc") -> list[int]:
@@ -191,7 +300,7 @@ def scan_pids(match: Callable[[CgroupIdentity], bool], proc: str = "/proc") -> l
         if not name.isdigit():
             continue
         try:
-            ident = read_cgroup(int(name), proc)
+            ident = cgroup_of(int(name), proc)
         except PeerError:
             continue
         if ident is not None and match(ident):
@@ -199,16 +308,13 @@ def scan_pids(match: Callable[[CgroupIdentity], bool], proc: str = "/proc") -> l
     return out
 
 
-def container_pids(pod_uid: str, container_id: str, proc: str = "/proc") -> list[int]:
-    """Host pids of every process in a container (blocking: a scan of /proc)."""
-    return scan_pids(lambda c: (c.pod_uid, c.container_id) == (pod_uid, container_id), proc)
-
-
 def in_container(pid: int, ident: CgroupIdentity, proc: str = "/proc") -> bool:
-    """Whether `pid` is (still) a process of the container `ident` names (its cgroup now)."""
+    """Whether `pid` is (still) a process of the container `ident` names (its cgroup now).
+    Raises AgentOutOfResources when the agent cannot look (a killer must not take that for
+    "not ours")."""
     try:
-        now = read_cgroup(pid, proc)
-    except PeerError:
+        now = cgroup_of(pid, proc)
+    except (ProcessGone, CgroupUnreadable):
         return False
     return now is not None and (now.pod_uid, now.container_id) == (ident.pod_uid, ident.container_id)
 
@@ -248,6 +354,41 @@ class Caller:
     alloc: ContainerAlloc
 
 
+@dataclass(frozen=True)
+class ContainerOwner:
+    """A kubelet container of a pod gpufrac serves, with every gpufrac allocation it holds:
+    one as a rule, two when it asked for both resources (the kubelet allocates each), none
+    for another container of such a pod (a sidecar that sees the GPUs without asking). The
+    watchdog and the driver's count judge it by GPU (gpufrac.agent.watchdog.plan,
+    gpufrac.agent.truth.attribute): on a GPU none of its allocations holds, its limit is 0."""
+
+    pod_uid: str
+    container: str  # its name in the pod
+    allocs: tuple[ContainerAlloc, ...]
+    namespace: str | None = None
+    pod: str | None = None
+
+    @property
+    def key(self) -> str:
+        """Its allocation's ledger key when it has exactly one (what the arbiter looks up);
+        else one of its own, which no allocation has."""
+        if len(self.allocs) == 1:
+            return self.allocs[0].key
+        return f"{self.pod_uid}/{self.container}"
+
+    def holding(self, gpu: str) -> tuple[ContainerAlloc, ...]:
+        """Its allocations on `gpu`."""
+        return tuple(a for a in self.allocs if gpu in a.gpus)
+
+    def whole_gpu(self) -> bool:
+        return any(a.whole_gpu for a in self.allocs)
+
+    def who(self) -> str:
+        if self.pod:
+            return f"pod {self.namespace}/{self.pod} container {self.container}"
+        return f"pod {self.pod_uid} container {self.container}"
+
+
 class PeerLookup:
     """Identifies callers against the ledger. Runs on the agent's loop (one small
     /proc read per connection)."""
@@ -256,18 +397,16 @@ class PeerLookup:
         self.ledger = ledger
         self.namer = namer
         self.proc = proc
-        # Container ID -> cgroup identity seen for a ledger key (eviction finds pids from it).
-        self.seen: dict[str, CgroupIdentity] = {}
 
     def identify(self, sock: socket.socket) -> Caller:
         creds, ident = peer_cgroup(sock, self.proc)
         if ident is None:
             raise PeerError(f"process {creds.pid} is not in a kubelet container cgroup")
         alloc = self.allocation(ident.pod_uid, ident.container_id)
-        self.seen[alloc.key] = ident
         return Caller(creds, ident, alloc)
 
     def allocation(self, pod_uid: str, container_id: str) -> ContainerAlloc:
+        """The one allocation a caller's burst is for (the shim serves one config)."""
         name = self.namer(pod_uid, container_id)
         if name is None:
             raise PeerError(f"container {container_id[:12]} of pod {pod_uid} is not in the pod's status")
@@ -276,18 +415,37 @@ class PeerLookup:
             raise PeerError(f"pod {pod_uid} container {name} holds no gpufrac allocation on this node")
         return mine
 
-    def pids_of(self, alloc: ContainerAlloc) -> list[int]:
-        """Host pids of a container (blocking; run in a thread). Known from a caller's cgroup,
-        else found by scanning /proc for any container of the pod whose name matches."""
-        ident = self.seen.get(alloc.key)
-        if ident is not None:
-            return container_pids(ident.pod_uid, ident.container_id, self.proc)
-        if not alloc.pod_uid:
-            return []
-        return scan_pids(
-            lambda c: c.pod_uid == alloc.pod_uid and self.namer(c.pod_uid, c.container_id) == alloc.container,
-            self.proc,
+    def owner(self, pod_uid: str, container_id: str) -> ContainerOwner | None:
+        """The container the pod's status names, with all its allocations (none for another
+        container of a pod that holds some); None when the pod holds no allocation here or
+        its status does not name the container (yet). Runs on the loop (the ledger's owner)."""
+        name = self.namer(pod_uid, container_id)
+        if name is None:
+            return None
+        pods = [a for a in self.ledger.containers() if a.pod_uid == pod_uid]
+        if not pods:
+            return None
+        mine = tuple(sorted((a for a in pods if a.container == name), key=lambda a: a.key))
+        return ContainerOwner(pod_uid, name, mine, pods[0].namespace, pods[0].pod)
+
+    def owns(self, alloc: ContainerAlloc, ident: CgroupIdentity) -> bool:
+        """Whether a process in the kubelet container `ident` names is the container of
+        `alloc` NOW: its pod, and a container ID the pod's status gives that container's name
+        (a restarted container has a new ID; an ID seen before is not trusted for it)."""
+        return (
+            bool(alloc.pod_uid and alloc.container)
+            and ident.pod_uid == alloc.pod_uid
+            and self.namer(ident.pod_uid, ident.container_id) == alloc.container
         )
+
+    def pids_of(self, alloc: ContainerAlloc) -> list[int]:
+        """Host pids of a container (blocking; run in a thread): every process whose cgroup
+        names its pod and a container ID the pod's status now gives its name. Never from a
+        container ID seen before: a restarted container has a new one, and a released key
+        may be booked again by another pod."""
+        if not (alloc.pod_uid and alloc.container):
+            return []
+        return scan_pids(lambda c: self.owns(alloc, c), self.proc)
 
 
 def _pick(allocs: list[ContainerAlloc]) -> ContainerAlloc | None:

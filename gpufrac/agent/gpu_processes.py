@@ -17,9 +17,15 @@ from typing import Protocol
 
 import pynvml  # nvidia-ml-py ships no types
 
-from gpufrac.agent.callers import CgroupIdentity, PeerError, read_cgroup
+from gpufrac.agent.callers import (
+    CgroupIdentity,
+    ContainerOwner,
+    PeerError,
+    ProcessGone,
+    cgroup_of,
+    start_time,
+)
 from gpufrac.agent.inventory import query_gpus
-from gpufrac.agent.ledger import ContainerAlloc
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +42,19 @@ class GpuProcess:
 
 @dataclass(frozen=True)
 class Observed:
-    """A GPU process and the kubelet container its cgroup names (None: not in one)."""
+    """A GPU process and the kubelet container its cgroup names (None: not in one, or not
+    found: `unreadable` then says why)."""
 
     proc: GpuProcess
     cgroup: CgroupIdentity | None
+    unreadable: str = ""
 
 
 class Lookup(Protocol):
-    """Which gpufrac allocation a kubelet container holds (gpufrac.agent.callers.PeerLookup)."""
+    """Which gpufrac container a kubelet container is, with its allocations
+    (gpufrac.agent.callers.PeerLookup)."""
 
-    def allocation(self, pod_uid: str, container_id: str) -> ContainerAlloc: ...
+    def owner(self, pod_uid: str, container_id: str) -> ContainerOwner | None: ...
 
 
 def read_gpu_processes() -> list[GpuProcess]:
@@ -57,17 +66,6 @@ def read_gpu_processes() -> list[GpuProcess]:
             used = p.usedGpuMemory
             out.append(GpuProcess(int(p.pid), uuid, int(used) if isinstance(used, int) else 0))
     return out
-
-
-def start_time(pid: int, proc_root: str = "/proc") -> int:
-    """A process's start time (clock ticks after boot), 0 when it is gone."""
-    try:
-        with open(f"{proc_root}/{pid}/stat", "rb") as f:
-            stat = f.read()
-        # Field 22; the command name (field 2) may hold spaces and parentheses: split after it.
-        return int(stat[stat.rindex(b")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 @functools.cache
@@ -117,6 +115,10 @@ def observe(proc_root: str = "/proc") -> list[Observed]:
     time, so the cgroup read in (2) and L2's line are that one process's. What cannot be
     confirmed is left out of this reading (counted again in the next one), never attributed.
 
+    A process that lives but whose cgroup cannot be found (its cgroup file refused and no
+    kubelet container's cgroups hold it: gpufrac.agent.callers.cgroup_of) is not left out: it
+    counts with no container and the reason, for the watchdog to report.
+
     A pid reused between L1 and the pidfd_open right after it gives a pidfd of the new
     process: its own cgroup is read, and L2 (taken later) lists the pid with its own memory
     or not at all, so nothing is charged to the wrong container.
@@ -129,18 +131,21 @@ def observe(proc_root: str = "/proc") -> list[Observed]:
     the liveness check therefore comes after L2, never before."""
     first = read_gpu_processes()
     pinned: dict[int, int] = {}  # pid -> pidfd
-    read_at: dict[int, tuple[CgroupIdentity | None, int]] = {}
+    read_at: dict[int, tuple[CgroupIdentity | None, int, str]] = {}
     try:
         for pid in dict.fromkeys(p.pid for p in first):
             fd = _pidfd(pid)
             if fd is not None:
                 pinned[pid] = fd
         for pid in pinned:
+            why = ""
             try:
-                ident = read_cgroup(pid, proc_root)
-            except PeerError:
+                ident = cgroup_of(pid, proc_root)
+            except ProcessGone:
                 continue  # exited since NVML listed it
-            read_at[pid] = (ident, start_time(pid, proc_root))
+            except PeerError as e:
+                ident, why = None, str(e)  # alive, its container unknown: reported, not dropped
+            read_at[pid] = (ident, start_time(pid, proc_root), why)
         second = read_gpu_processes() if read_at else []
         confirmed = {pid for pid in read_at if _alive(pinned[pid])}
     finally:
@@ -150,6 +155,6 @@ def observe(proc_root: str = "/proc") -> list[Observed]:
     for p in second:
         if p.pid not in confirmed:
             continue  # not pinned in L1, or gone (its pid may be another process's now)
-        ident, start = read_at[p.pid]
-        out.append(Observed(GpuProcess(p.pid, p.gpu, p.used, start), ident))
+        ident, start, why = read_at[p.pid]
+        out.append(Observed(GpuProcess(p.pid, p.gpu, p.used, start), ident, why))
     return out

@@ -5,72 +5,172 @@ enforcement (one process over its container's limit). A pid is only a number the
 hand to a new process at any time, so every kill goes through a pidfd, and the process is
 checked to still be in the container it was chosen from once that pidfd pins it. All of it
 blocks (a /proc read per pid, waiting for exits): callers run it in a worker thread.
+
+A victim may have thousands of processes, more than the agent has file descriptors: each is
+signalled through a pidfd closed right after, and their exits are waited for BATCH at a time.
+Running out of descriptors is never taken for "already gone": such a process is reported as
+not killed (KillFailed), and an eviction whose victim's GPU processes live on has failed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import select
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from gpufrac.agent.callers import CgroupIdentity, PeerError, in_container, read_cgroup
+from gpufrac.agent.callers import (
+    AgentOutOfResources,
+    CgroupIdentity,
+    CgroupUnreadable,
+    ProcessGone,
+    cgroup_of,
+    in_container,
+)
 from gpufrac.agent.ledger import ContainerAlloc
 
 log = logging.getLogger(__name__)
 
 # How long killed processes get to exit after SIGKILL before the killer gives up waiting.
 KILL_WAIT = 10.0
+# Exits waited for at once (one pidfd each).
+BATCH = 64
+
+_SHORTAGE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
+class KillFailed(Exception):
+    """Some process could not be signalled (the agent out of files, a refusal), or a process
+    the driver counts for a victim is still alive in it after the kill. `signalled`: how
+    many were."""
+
+    def __init__(self, message: str, signalled: int = 0) -> None:
+        super().__init__(message)
+        self.signalled = signalled
+
+
+def _stat(pid: int) -> bytes | None:
+    """/proc/<pid>/stat after the command name, None when the process is gone. Raises OSError
+    when the agent cannot read it (out of files): that is not "gone"."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return stat[stat.rindex(b")") + 2 :]
+
+
+def _started(pid: int) -> int:
+    """A process's start time (clock ticks after boot), 0 when it is gone."""
+    stat = _stat(pid)
+    return int(stat.split()[19]) if stat else 0
+
+
+def _signal(pid: int, still_ours: Callable[[int], bool] | None) -> int | None:
+    """SIGKILL `pid` through a pidfd, if `still_ours` still says so once the pidfd pins it;
+    its start time when signalled, None when it is gone or not ours. Raises OSError when
+    the agent cannot (out of files: never "gone"), AgentOutOfResources from `still_ours`."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None  # gone
+    try:
+        started = _started(pid)  # the pidfd pins the pid: this is that process's
+        if not started or (still_ours is not None and not still_ours(pid)):
+            return None
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except ProcessLookupError:
+            return None  # exited between pidfd_open and the signal
+        return started
+    finally:
+        os.close(fd)
+
+
+def _wait_exits(signalled: Sequence[tuple[int, int]], deadline: float) -> int:
+    """Wait (pidfds, no polling) until the processes signalled are gone, BATCH at a time;
+    how many had not exited by the deadline (or could not be watched)."""
+    late, i = 0, 0
+    while i < len(signalled):
+        fds: list[int] = []
+        try:
+            while i < len(signalled) and len(fds) < BATCH:
+                pid, started = signalled[i]
+                try:
+                    fd = os.pidfd_open(pid)
+                except ProcessLookupError:
+                    i += 1
+                    continue  # exited and reaped
+                except OSError as e:
+                    if e.errno in _SHORTAGE and fds:
+                        break  # wait for these first: their descriptors come back
+                    late += 1  # cannot watch it; it was signalled all the same
+                    i += 1
+                    continue
+                i += 1
+                try:
+                    same = _started(pid) == started
+                except OSError:
+                    same = True  # cannot tell: watch it
+                if same:
+                    fds.append(fd)
+                else:
+                    os.close(fd)  # reaped, and its pid is another process's now
+            late += _poll_exits(fds, deadline)
+        finally:
+            for fd in fds:
+                os.close(fd)
+    return late
+
+
+def _poll_exits(fds: list[int], deadline: float) -> int:
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    pending = set(fds)
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        for fd, _ in poller.poll(left * 1000):
+            pending.discard(fd)
+            with contextlib.suppress(KeyError):
+                poller.unregister(fd)
+    return len(pending)
 
 
 def kill_and_wait(
     pids: Sequence[int], timeout: float = KILL_WAIT, still_ours: Callable[[int], bool] | None = None
 ) -> int:
-    """SIGKILL every pid and wait (pidfd, no polling) until they are gone. Blocking: run in
+    """SIGKILL every pid, then wait (pidfd, no polling) until they are gone. Blocking: run in
     a thread. `still_ours(pid)`, checked once the pidfd pins the process, skips a pid that
-    now names another process (reused). Returns how many were signalled."""
-    fds, killed = [], 0
-    for pid in pids:
+    now names another process (reused). Each pidfd is closed once its signal is sent, so any
+    number of processes costs one descriptor at a time (and BATCH while waiting). Returns how
+    many were signalled; raises KillFailed, after signalling all the others, when some could
+    not be (the agent out of files: never taken for "already gone")."""
+    signalled: list[tuple[int, int]] = []
+    failed: list[str] = []
+    for pid in dict.fromkeys(pids):
         try:
-            fd = os.pidfd_open(pid)
-        except OSError:
-            continue  # already gone
-        sent = False
-        try:
-            if still_ours is None or still_ours(pid):
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
-                sent = True
-        except OSError:
-            pass  # exited between pidfd_open and the signal
-        finally:
-            if sent:
-                killed += 1
-                fds.append(fd)
-            else:
-                os.close(fd)
-    try:
-        poller = select.poll()
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        deadline = time.monotonic() + timeout
-        pending = set(fds)
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                log.error("%d killed process(es) did not exit within %.0fs", len(pending), timeout)
-                break
-            for fd, _ in poller.poll(left * 1000):
-                pending.discard(fd)
-                with contextlib.suppress(KeyError):
-                    poller.unregister(fd)
-    finally:
-        for fd in fds:
-            os.close(fd)
-    return killed
+            started = _signal(pid, still_ours)
+        except (OSError, AgentOutOfResources) as e:
+            failed.append(f"{pid} ({e.strerror if isinstance(e, OSError) else e})")
+            continue
+        if started is not None:
+            signalled.append((pid, started))
+    late = _wait_exits(signalled, time.monotonic() + timeout)
+    if late:
+        log.error("%d killed process(es) did not exit within %.0fs", late, timeout)
+    if failed:
+        raise KillFailed(
+            f"{len(failed)} process(es) could not be signalled: {', '.join(failed[:8])}", len(signalled)
+        )
+    return len(signalled)
 
 
 def kill_if_same(
@@ -82,36 +182,56 @@ def kill_if_same(
 
 
 class ContainerPids(Protocol):
-    """Where a container's host pids come from (gpufrac.agent.callers.PeerLookup)."""
+    """Which processes are a container's now (gpufrac.agent.callers.PeerLookup)."""
 
     @property
     def proc(self) -> str: ...  # the /proc root
-    @property
-    def seen(self) -> Mapping[str, CgroupIdentity]: ...  # container key -> the cgroup a caller was in
 
     def pids_of(self, alloc: ContainerAlloc) -> list[int]: ...
+    def owns(self, alloc: ContainerAlloc, ident: CgroupIdentity) -> bool: ...
 
 
-def container_targets(pids: ContainerPids, alloc: ContainerAlloc) -> dict[int, CgroupIdentity]:
-    """The container's host pids, each with the container its cgroup names: the one a caller
-    of it was seen in, else each pid's as read now (still in the pod)."""
-    seen = pids.seen.get(alloc.key)
-    out: dict[int, CgroupIdentity] = {}
-    for pid in pids.pids_of(alloc):
-        ident: CgroupIdentity | None = seen
-        if ident is None:
-            try:
-                ident = read_cgroup(pid, pids.proc)
-            except PeerError:
-                continue  # exited
-            if ident is None or ident.pod_uid != alloc.pod_uid:
-                continue  # the pid was reused meanwhile
-        out[pid] = ident
-    return out
+def _ours(pids: ContainerPids, alloc: ContainerAlloc, pid: int) -> bool:
+    """Whether `pid` is a process of `alloc`'s container now (its cgroup, the pod's status).
+    Raises AgentOutOfResources when that cannot be looked at."""
+    try:
+        ident = cgroup_of(pid, pids.proc)
+    except (ProcessGone, CgroupUnreadable):
+        return False
+    return ident is not None and pids.owns(alloc, ident)
 
 
-def kill_container(pids: ContainerPids, alloc: ContainerAlloc) -> int:
-    """SIGKILL every process of the container, each only while it is still in that container;
-    all signalled, then waited for at once. Returns how many were signalled."""
-    targets = container_targets(pids, alloc)
-    return kill_and_wait(list(targets), still_ours=lambda p: in_container(p, targets[p], pids.proc))
+def kill_container(pids: ContainerPids, alloc: ContainerAlloc, driver_pids: Sequence[int] = ()) -> int:
+    """SIGKILL every process of the container, each only while it is still in that container
+    as the pod's status names it now (never a container ID seen before: a restarted container
+    has a new one); all signalled, then waited for. `driver_pids`, the processes the driver
+    counted for it, go first and are found whatever the /proc scan sees. Returns how many were
+    signalled; raises KillFailed when one of `driver_pids` still lives in the container
+    afterwards (its memory was not freed: the eviction failed), or when some process could
+    not be signalled and there is no driver's count to tell whether that mattered."""
+    targets = list(dict.fromkeys([*driver_pids, *pids.pids_of(alloc)]))
+    try:
+        killed = kill_and_wait(targets, still_ours=lambda p: _ours(pids, alloc, p))
+    except KillFailed as e:
+        if not driver_pids:
+            raise
+        log.error("killing %s: %s", alloc.who(), e)  # judged below by its GPU processes
+        killed = e.signalled
+    left = [p for p in driver_pids if _alive_and_ours(pids, alloc, p)]
+    if left:
+        raise KillFailed(
+            f"{len(left)} GPU process(es) of {alloc.who()} still alive after the kill: "
+            + ", ".join(map(str, left[:8])),
+            killed,
+        )
+    return killed
+
+
+def _alive_and_ours(pids: ContainerPids, alloc: ContainerAlloc, pid: int) -> bool:
+    """Whether `pid` has not exited (a killed process is a zombie until its parent reaps it)
+    and is in the container; True when the agent cannot tell (out of files)."""
+    try:
+        stat = _stat(pid)
+        return stat is not None and stat[:1] not in (b"Z", b"X") and _ours(pids, alloc, pid)
+    except (OSError, AgentOutOfResources):
+        return True

@@ -15,12 +15,11 @@ every request is still identified afresh before anything is decided for it
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import socket
 
-from gpufrac.agent.callers import SO_PEERPIDFD, CgroupIdentity, PeerError, peer_credentials, read_cgroup
+from gpufrac.agent.callers import CgroupIdentity, PeerError, cgroup_of, peer_credentials, peer_pidfd
 
 # Processes remembered at once: each holds one pidfd (within the agent's file reserve,
 # gpufrac.agent.fairness.FD_RESERVE). The oldest entry goes first.
@@ -48,14 +47,9 @@ class KnownCallers:
         """The connecting process's kubelet container (None: in none). Raises PeerError when
         the process that connected has exited (its pid may name another one), OSError."""
         pid = peer_credentials(sock).pid
-        try:
-            pidfd: int | None = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
-        except OSError as e:
-            if e.errno == errno.ESRCH:
-                raise PeerError(f"process {pid} that connected has exited") from None
-            pidfd = None  # a kernel before 6.5: the pid alone, read every time
-        if pidfd is None:
-            return read_cgroup(pid, self.proc)
+        pidfd = peer_pidfd(sock, pid)  # refused when it cannot be had on a kernel that has it
+        if pidfd is None:  # a kernel before 6.5: the pid alone, read every time
+            return cgroup_of(pid, self.proc)
         hit = self._known.get(pid)
         if hit is not None:
             # The connector's own pidfd first: its pid may since name a cached neighbour's
@@ -75,7 +69,7 @@ class KnownCallers:
             return self.identify(sock)  # cached one gone: read afresh (and cache) below
         self.misses += 1
         try:
-            ident = read_cgroup(pid, self.proc)
+            ident = cgroup_of(pid, self.proc)
             if not _alive(pidfd):
                 raise PeerError(f"process {pid} that connected has exited")
         except BaseException:

@@ -108,8 +108,7 @@ def processes_of(alloc: ContainerAlloc, peers: PeerLookup) -> list[int] | None:
     scan). Needs no pod cache, which a freshly started agent does not have yet: every
     process in the pod's cgroup that maps this container's usage file. None when the
     container's pod is not known, so that nothing can be concluded from finding nobody."""
-    seen = peers.seen.get(alloc.key)
-    uid = seen.pod_uid if seen is not None else alloc.pod_uid
+    uid = alloc.pod_uid
     if not uid:
         with contextlib.suppress(FormatError):
             uid = abi.read_config(alloc.directory).pod_uid  # the identity the agent published

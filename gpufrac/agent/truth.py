@@ -18,6 +18,12 @@ looks full. For those the arbiter counts
 so zeroing the counter, or allocating from a process that does not load the shim, hides
 nothing, and an inflated counter takes nothing from anyone.
 
+A process counts for its container by GPU (gpufrac.agent.callers.ContainerOwner): a container
+holding two allocations on one GPU (it asked for both resources) has its count there split
+between them, each its request in turn and the rest to the last, so its burst is seen once; a
+container of a gpufrac pod that holds none there is counted under a key of its own, never left
+out and never charged to a sibling.
+
 A container whose file and driver count disagree by more than the allowance for longer than
 DISAGREE_AFTER is flagged once per episode by the watchdog, which reads both every interval: a
 Warning Event on its pod (GpuUsageFileMismatch), a log line and the counter
@@ -31,8 +37,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from gpufrac.agent.callers import PeerError
-from gpufrac.agent.gpu_processes import Lookup, Observed
+from gpufrac.agent.callers import ContainerOwner
+from gpufrac.agent.gpu_processes import GpuProcess, Lookup, Observed
 from gpufrac.agent.ledger import ContainerAlloc
 from gpufrac.core.units import format_bytes
 from gpufrac.memguard import abi
@@ -54,27 +60,58 @@ class DriverUsage:
     def bytes_of(self, key: str, gpu: str) -> int:
         return self.by_container.get((key, gpu), 0)
 
+    def pids_of(self, key: str) -> list[int]:
+        """The processes counted for a container, on any GPU."""
+        return sorted({p for (k, _), pids in self.pids.items() if k == key for p in pids})
+
 
 def attribute(seen: Iterable[Observed], lookup: Lookup) -> DriverUsage:
-    """Sum NVML's processes per gpufrac container (their cgroup's container, through `lookup`);
-    processes of no gpufrac container are left out. Runs on the loop (the ledger's owner)."""
-    out = DriverUsage()
-    known: dict[tuple[str, str], str | None] = {}
+    """Sum NVML's processes per gpufrac container and GPU (their cgroup's container, through
+    `lookup`); processes of no gpufrac pod are left out. Runs on the loop (the ledger's owner)."""
+    known: dict[tuple[str, str], ContainerOwner | None] = {}
+    owned: list[tuple[ContainerOwner, GpuProcess]] = []
     for o in seen:
         if o.cgroup is None:
             continue
         ident = (o.cgroup.pod_uid, o.cgroup.container_id)
         if ident not in known:
-            try:
-                known[ident] = lookup.allocation(*ident).key
-            except PeerError:
-                known[ident] = None
-        key = known[ident]
-        if key is None:
-            continue
-        at = (key, o.proc.gpu)
-        out.by_container[at] = out.by_container.get(at, 0) + o.proc.used
-        out.pids.setdefault(at, []).append(o.proc.pid)
+            known[ident] = lookup.owner(*ident)
+        owner = known[ident]
+        if owner is not None:
+            owned.append((owner, o.proc))
+    return tally(owned)
+
+
+def tally(owned: Iterable[tuple[ContainerOwner, GpuProcess]]) -> DriverUsage:
+    """Processes already tied to their containers, summed per key and GPU (`split`)."""
+    per: dict[tuple[str, str], tuple[ContainerOwner, int, list[int]]] = {}  # (owner key, GPU) ->
+    for owner, proc in owned:
+        at = (owner.key, proc.gpu)
+        _, used, pids = per.get(at, (owner, 0, []))
+        pids.append(proc.pid)
+        per[at] = (owner, used + proc.used, pids)
+    out = DriverUsage()
+    for (_, gpu), (owner, used, pids) in per.items():
+        for key, share in split(owner, gpu, used):
+            out.by_container[(key, gpu)] = out.by_container.get((key, gpu), 0) + share
+            out.pids.setdefault((key, gpu), []).extend(pids)
+    return out
+
+
+def split(owner: ContainerOwner, gpu: str, used: int) -> list[tuple[str, int]]:
+    """A container's count on one GPU, per key it is looked up by: all of it under the
+    container's own key unless two or more of its allocations hold that GPU; then each of
+    those its request in turn (by key) and the rest to the last, so the container's burst
+    (all it holds past its requests there) is counted once."""
+    here = owner.holding(gpu)
+    if len(here) < 2:
+        return [(here[0].key if here else owner.key, used)]
+    out, left = [], used
+    for a in here[:-1]:
+        share = min(left, a.request_bytes)
+        out.append((a.key, share))
+        left -= share
+    out.append((here[-1].key, left))
     return out
 
 

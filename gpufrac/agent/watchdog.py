@@ -19,8 +19,14 @@ Modes (config.watchdog.mode):
              fits, in the scan that found it (within one interval); each kill is an
              Event naming usage and limit.
 
-GPU processes that belong to no gpufrac container (another device plugin's pod,
-a process on the host) are reported in the log and a metric, never killed.
+A container is judged per GPU by its pod's status and the ledger (gpufrac.agent.callers.
+ContainerOwner): its limit there is the sum of its allocations' on that GPU (two when it asked
+for both resources), and 0 where it holds none, a container of a gpufrac pod that was given no
+allocation (a sidecar that sees the GPUs) included. A limit of 0 waits while some booking on
+that GPU is not yet tied to its container: it may be this one's.
+
+GPU processes that belong to no gpufrac pod (another device plugin's pod, a process on the
+host, one whose cgroup cannot be found) are reported in the log and a metric, never killed.
 
 Blocking work (NVML, /proc reads, kill and wait) runs in worker threads; the
 decisions are made on the agent's loop, which owns the ledger.
@@ -32,25 +38,26 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from gpufrac.agent import truth
-from gpufrac.agent.callers import CgroupIdentity, PeerError
+from gpufrac.agent.callers import CgroupIdentity, ContainerOwner
 from gpufrac.agent.events import (
     REASON_LIMIT_ENFORCED,
     REASON_OVER_LIMIT,
     REASON_USAGE_MISMATCH,
     WARNING,
+    Booked,
     container_name,
     container_ref,
 )
 from gpufrac.agent.gpu_processes import GpuProcess, Lookup, Observed, observe
 from gpufrac.agent.inventory import NvmlError
-from gpufrac.agent.kill import kill_if_same
+from gpufrac.agent.kill import KillFailed, kill_if_same
 from gpufrac.agent.kube import ObjectRef
-from gpufrac.agent.ledger import ContainerAlloc, Ledger
+from gpufrac.agent.ledger import Ledger
 from gpufrac.core.config import WatchdogConfig
 from gpufrac.core.units import format_bytes
 from gpufrac.memguard.abi import FLAG_WHOLE_GPU
@@ -62,10 +69,10 @@ log = logging.getLogger(__name__)
 class Verdict:
     """A container over its limit on one GPU, and which of its processes must go."""
 
-    alloc: ContainerAlloc
+    owner: ContainerOwner
     gpu: str
     usage: int  # bytes NVML shows for the container on that GPU
-    limit: int  # the container's limit there (0 on a GPU it was not given)
+    limit: int  # the container's limit there: its allocations' there summed (0 where it has none)
     allowed: int  # limit + one allowance (the tolerance) for the container
     procs: list[GpuProcess]  # the container's processes on that GPU, newest first
     kill: list[GpuProcess] = field(default_factory=list)
@@ -88,31 +95,42 @@ class EventSink(Protocol):
 # -- the decision (pure) -------------------------------------------------------------------------
 
 
-def plan(owned: Iterable[tuple[ContainerAlloc, GpuProcess]], tolerance: int, enforce: bool) -> list[Verdict]:
+def plan(
+    owned: Iterable[tuple[ContainerOwner, GpuProcess]],
+    tolerance: int,
+    enforce: bool,
+    unsettled: Collection[str] = (),
+) -> list[Verdict]:
     """Containers over limit + tolerance on some GPU, and (when enforcing) the processes to
     kill: the newest first, until what is left fits. The tolerance is one allowance per
-    container, whatever its process count. Whole-GPU containers are accounted, never limited.
+    container, whatever its process count. A container's limit on a GPU is the sum of its
+    allocations' there, 0 where it holds none; but not judged at 0 on a GPU in `unsettled`
+    (a booking there is not yet tied to its container, and may be this one's). Whole-GPU
+    containers are accounted, never limited.
 
     Newest first: the process that pushed the container over is most likely a recent one, and
     the oldest is most likely the container's main work; idle processes started to gain headroom
     go before it."""
-    per: dict[tuple[str, str], tuple[ContainerAlloc, list[GpuProcess]]] = {}
-    for alloc, proc in owned:
-        if alloc.config.flags & FLAG_WHOLE_GPU or alloc.whole_gpu:
+    per: dict[tuple[str, str], tuple[ContainerOwner, list[GpuProcess]]] = {}
+    for owner, proc in owned:
+        if owner.whole_gpu() or any(a.config.flags & FLAG_WHOLE_GPU for a in owner.allocs):
             continue
-        per.setdefault((alloc.key, proc.gpu), (alloc, []))[1].append(proc)
+        per.setdefault((owner.key, proc.gpu), (owner, []))[1].append(proc)
     out = []
-    for (_, gpu), (alloc, procs) in per.items():
+    for (_, gpu), (owner, procs) in per.items():
+        here = owner.holding(gpu)
+        if not here and gpu in unsettled:
+            continue
         usage = sum(p.used for p in procs)
-        # On a GPU the container was not given, any memory is a breach.
-        limit = alloc.config.limit_bytes if gpu in alloc.gpus else 0
+        # On a GPU none of its allocations holds, any memory is a breach.
+        limit = sum(a.config.limit_bytes for a in here)
         # One allowance per container (measurement skew, lazily loaded modules): not
         # multiplied by the process count, which the container chooses.
         allowed = limit + tolerance
         if usage <= allowed:
             continue
         procs = sorted(procs, key=lambda p: (-p.start, -p.pid))
-        v = Verdict(alloc, gpu, usage, limit, allowed, procs)
+        v = Verdict(owner, gpu, usage, limit, allowed, procs)
         if enforce:
             left = usage
             for p in procs:
@@ -128,7 +146,7 @@ def plan(owned: Iterable[tuple[ContainerAlloc, GpuProcess]], tolerance: int, enf
 
 
 class Watchdog:
-    """Runs on the agent's loop. `lookup` maps a cgroup identity to its allocation
+    """Runs on the agent's loop. `lookup` maps a cgroup identity to its container and allocations
     (gpufrac.agent.callers.PeerLookup); `events` posts Kubernetes Events (None: log only)."""
 
     def __init__(
@@ -200,38 +218,41 @@ class Watchdog:
     async def scan(self) -> list[Verdict]:
         """One pass: observe, decide, act. Returns the verdicts (tests, status)."""
         seen = await asyncio.to_thread(self._observe)
-        owned: list[tuple[ContainerAlloc, GpuProcess]] = []
+        owned: list[tuple[ContainerOwner, GpuProcess]] = []
         idents: dict[int, CgroupIdentity] = {}
-        unowned: dict[int, GpuProcess] = {}
+        unowned: dict[int, Observed] = {}
+        known: dict[tuple[str, str], ContainerOwner | None] = {}
         me = os.getpid()
         for o in seen:
             if o.proc.gpu not in self.ledger.geometry:
                 continue  # a GPU gpufrac does not share (MIG mode): its processes are not ours to judge
-            alloc = self._owner(o.cgroup)
-            if alloc is None:
+            owner = self._owner(o.cgroup, known)
+            if owner is None:
                 if o.proc.pid != me:
-                    unowned[o.proc.pid] = o.proc
+                    unowned[o.proc.pid] = o
                 continue
             assert o.cgroup is not None
             idents[o.proc.pid] = o.cgroup
-            owned.append((alloc, o.proc))
+            owned.append((owner, o.proc))
         self._report_unowned(unowned)
-        await self._check_files(owned)
-        verdicts = plan(owned, self.config.tolerance, self.enforcing)
-        now_over = {(v.alloc.key, v.gpu) for v in verdicts}
+        await self._check_files(truth.tally(owned))
+        # GPUs with a booking not yet tied to its container: no one is held to 0 there.
+        unsettled = {g for a in self.ledger.containers() if not (a.pod_uid and a.container) for g in a.gpus}
+        verdicts = plan(owned, self.config.tolerance, self.enforcing, unsettled)
+        now_over = {(v.owner.key, v.gpu) for v in verdicts}
         for v in verdicts:
             if v.kill:
                 await self._enforce(v, idents)
-            elif (v.alloc.key, v.gpu) not in self._over:
+            elif (v.owner.key, v.gpu) not in self._over:
                 self._report(v)
         for key in self._over - now_over:
             log.info("watchdog: container %s is back within its limit on GPU %s", key[0], key[1])
         self._over = now_over
         self.scans += 1
-        self._metrics.set_watchdog_unowned(len(unowned), sum(p.used for p in unowned.values()))
+        self._metrics.set_watchdog_unowned(len(unowned), sum(o.proc.used for o in unowned.values()))
         return verdicts
 
-    async def _check_files(self, owned: list[tuple[ContainerAlloc, GpuProcess]]) -> None:
+    async def _check_files(self, driver: truth.DriverUsage) -> None:
         """Each container's usage file against NVML's count for it on its GPU: a disagreement
         beyond the allowance that lasts is flagged (Event, log, metric), once per episode."""
         allocs = [
@@ -243,44 +264,49 @@ class Watchdog:
         if not allocs:
             return
         files = await asyncio.to_thread(lambda: [truth.file_on_gpu(a.directory) for a in allocs])
-        driver: dict[str, int] = {}
-        for alloc, p in owned:
-            if p.gpu == alloc.gpus[0]:
-                driver[alloc.key] = driver.get(alloc.key, 0) + p.used
         for alloc, file_used in zip(allocs, files, strict=True):
             if file_used is None or self.ledger.get(alloc.key) is not alloc:
                 continue
-            msg = self.mismatch.check(alloc, file_used, driver.get(alloc.key, 0))
+            msg = self.mismatch.check(alloc, file_used, driver.bytes_of(alloc.key, alloc.gpus[0]))
             if msg is not None:
                 log.warning("watchdog: %s", msg)
                 self._event(alloc, REASON_USAGE_MISMATCH, msg)
                 self._metrics.count_usage_mismatch()
         self.mismatch.forget([k for k in self.mismatch.since if self.ledger.get(k) is None])
 
-    def _owner(self, ident: CgroupIdentity | None) -> ContainerAlloc | None:
+    def _owner(
+        self, ident: CgroupIdentity | None, known: dict[tuple[str, str], ContainerOwner | None]
+    ) -> ContainerOwner | None:
         if ident is None:
             return None
-        try:
-            return self.lookup.allocation(ident.pod_uid, ident.container_id)
-        except PeerError:
-            return None
+        at = (ident.pod_uid, ident.container_id)
+        if at not in known:
+            known[at] = self.lookup.owner(*at)
+        return known[at]
 
-    def _report_unowned(self, unowned: dict[int, GpuProcess]) -> None:
-        for pid, p in unowned.items():
+    def _report_unowned(self, unowned: dict[int, Observed]) -> None:
+        for pid, o in unowned.items():
             if pid not in self.unowned:
+                why = f" ({o.unreadable})" if o.unreadable else ""
                 log.warning(
-                    "watchdog: GPU process %d uses %s on GPU %s and belongs to no gpufrac container "
+                    "watchdog: GPU process %d uses %s on GPU %s and belongs to no gpufrac container%s "
                     "(reported, never killed)",
                     pid,
-                    format_bytes(p.used),
-                    p.gpu,
+                    format_bytes(o.proc.used),
+                    o.proc.gpu,
+                    why,
                 )
-        self.unowned = unowned
+        self.unowned = {pid: o.proc for pid, o in unowned.items()}
 
     def _describe(self, v: Verdict) -> str:
-        where = "" if v.limit or v.gpu in v.alloc.gpus else " (a GPU it was not given)"
+        if v.owner.holding(v.gpu):
+            where = ""
+        elif v.owner.allocs:
+            where = " (a GPU it was not given)"
+        else:
+            where = " (it holds no gpufrac allocation)"
         return (
-            f"container {container_name(v.alloc)} uses {format_bytes(v.usage)} of GPU memory on GPU "
+            f"container {container_name(v.owner)} uses {format_bytes(v.usage)} of GPU memory on GPU "
             f"{v.gpu}{where} as NVML counts it, over its limit {format_bytes(v.limit)} "
             f"(+{format_bytes(self.config.tolerance)} allowance for the container)"
         )
@@ -293,22 +319,28 @@ class Watchdog:
             + " bypass the memguard shim"
             + ("" if self.enforcing else "; watchdog in report mode, nothing killed")
         )
-        log.warning("watchdog: %s: %s", v.alloc.who(), msg)
-        self._event(v.alloc, REASON_OVER_LIMIT, msg)
+        log.warning("watchdog: %s: %s", v.owner.who(), msg)
+        self._event(v.owner, REASON_OVER_LIMIT, msg)
         self._metrics.count_watchdog("report")
 
     async def _enforce(self, v: Verdict, idents: dict[int, CgroupIdentity]) -> None:
         for p in v.kill:
-            killed = await asyncio.to_thread(self._kill, p.pid, idents[p.pid])
+            try:
+                killed = await asyncio.to_thread(self._kill, p.pid, idents[p.pid])
+            except KillFailed as e:
+                # Out of files, say: tried again next scan, the others still go now.
+                self.errors += 1
+                log.error("watchdog: %s: could not kill process %d: %s", v.owner.who(), p.pid, e)
+                continue
             if not killed:
                 continue  # exited or changed container meanwhile
             self.kills += 1
             msg = f"{self._describe(v)}: killed process {p.pid} using {format_bytes(p.used)}"
-            log.warning("watchdog: %s: %s", v.alloc.who(), msg)
-            self._event(v.alloc, REASON_LIMIT_ENFORCED, msg)
+            log.warning("watchdog: %s: %s", v.owner.who(), msg)
+            self._event(v.owner, REASON_LIMIT_ENFORCED, msg)
             self._metrics.count_watchdog("kill")
 
-    def _event(self, alloc: ContainerAlloc, reason: str, message: str) -> None:
-        ref = container_ref(alloc)
+    def _event(self, who: Booked, reason: str, message: str) -> None:
+        ref = container_ref(who)
         if self._events is not None and ref is not None:
             self._events.record(ref, WARNING, reason, message)

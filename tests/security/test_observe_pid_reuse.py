@@ -54,7 +54,7 @@ def test_a_pid_reused_between_the_listing_and_the_cgroup_read_is_not_charged_to_
     neighbour = runtime.start(pod, "neighbour", ["sleep", "60"])
     runtime.wait_entered(neighbour)
     shim = Shim(in_process_nvml.env, "release")
-    real_read = callers.read_cgroup
+    real_read = callers.cgroup_of
     for attempt in range(ATTEMPTS):
         heirs: list[int | None] = []
         with (
@@ -78,11 +78,11 @@ def test_a_pid_reused_between_the_listing_and_the_cgroup_read_is_not_charged_to_
                     heirs.append(spawn_with_pid(pid, neighbour.cgroup_dir / "cgroup.procs"))
                 return real_read(pid, proc)
 
-            monkeypatch.setattr(gpu_processes, "read_cgroup", racing_read)
+            monkeypatch.setattr(gpu_processes, "cgroup_of", racing_read)
             try:
                 seen = gpu_processes.observe()
             finally:
-                monkeypatch.setattr(gpu_processes, "read_cgroup", real_read)
+                monkeypatch.setattr(gpu_processes, "cgroup_of", real_read)
                 heir = heirs[0] if heirs else None
                 if heir is not None:
                     os.kill(heir, signal.SIGKILL)

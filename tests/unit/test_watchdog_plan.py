@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gpufrac.agent.callers import ContainerOwner
 from gpufrac.agent.gpu_processes import GpuProcess
 from gpufrac.agent.ledger import ContainerAlloc
 from gpufrac.agent.watchdog import plan
@@ -13,11 +14,16 @@ GPU0, GPU1 = "GPU-0", "GPU-1"
 TOL = 256 * MiB
 
 
-def alloc(key: str, limit: int, gpus: tuple[str, ...] = (GPU0,), flags: int = 0) -> ContainerAlloc:
+def booking(key: str, limit: int, gpus: tuple[str, ...] = (GPU0,), flags: int = 0) -> ContainerAlloc:
     cfg = ContainerConfig(gpu_uuid=gpus[0], request_bytes=min(limit, GiB), limit_bytes=limit, flags=flags)
     return ContainerAlloc(
         key, "r", (), gpus, cfg.request_bytes, f"/x/{key}", bool(flags & FLAG_WHOLE_GPU), cfg
     )
+
+
+def alloc(key: str, limit: int, gpus: tuple[str, ...] = (GPU0,), flags: int = 0) -> ContainerOwner:
+    """A container holding one allocation."""
+    return ContainerOwner(f"uid-{key}", key, (booking(key, limit, gpus, flags),))
 
 
 def test_within_limit_plus_tolerance_is_left_alone() -> None:
@@ -73,7 +79,7 @@ def test_containers_are_judged_separately() -> None:
     a, b = alloc("a", GiB), alloc("b", 4 * GiB)
     owned = [(a, GpuProcess(1, GPU0, 2 * GiB)), (b, GpuProcess(2, GPU0, 3 * GiB))]
     (v,) = plan(owned, TOL, enforce=True)
-    assert v.alloc is a and [p.pid for p in v.kill] == [1]
+    assert v.owner is a and [p.pid for p in v.kill] == [1]
 
 
 def test_memory_on_a_gpu_the_container_was_not_given_is_a_breach() -> None:
@@ -85,3 +91,23 @@ def test_memory_on_a_gpu_the_container_was_not_given_is_a_breach() -> None:
 def test_whole_gpu_containers_are_accounted_never_limited() -> None:
     w = alloc("w", GiB, gpus=(GPU0, GPU1), flags=FLAG_WHOLE_GPU)
     assert plan([(w, GpuProcess(1, GPU0, 70 * GiB)), (w, GpuProcess(1, GPU1, 70 * GiB))], TOL, True) == []
+
+
+def test_a_container_with_two_allocations_on_a_gpu_is_held_to_their_limits_summed() -> None:
+    """A container that asked for both resources holds two allocations: it is judged once per
+    GPU, against both limits, and killed past them."""
+    two = ContainerOwner("uid-t", "main", (booking("mem", GiB), booking("frac", 2 * GiB)))
+    assert two.key == "uid-t/main"
+    assert plan([(two, GpuProcess(1, GPU0, 3 * GiB))], TOL, enforce=True) == []
+    (v,) = plan([(two, GpuProcess(1, GPU0, 4 * GiB))], TOL, enforce=True)
+    assert (v.limit, v.allowed) == (3 * GiB, 3 * GiB + TOL) and [p.pid for p in v.kill] == [1]
+
+
+def test_a_container_of_a_gpufrac_pod_without_an_allocation_has_a_limit_of_0() -> None:
+    sidecar = ContainerOwner("uid-p", "sidecar", ())
+    (v,) = plan([(sidecar, GpuProcess(7, GPU0, TOL + 1))], TOL, enforce=True)
+    assert (v.limit, [p.pid for p in v.kill]) == (0, [7])
+    # Not while a booking on that GPU is not yet tied to its container: it may be this one's.
+    assert plan([(sidecar, GpuProcess(7, GPU0, GiB))], TOL, enforce=True, unsettled={GPU0}) == []
+    (v,) = plan([(sidecar, GpuProcess(7, GPU1, GiB))], TOL, enforce=True, unsettled={GPU0})
+    assert v.gpu == GPU1

@@ -570,7 +570,11 @@ class Arbiter:
         """SIGKILL every process of the container (gpufrac.agent.kill, in a worker thread);
         returns the count once they are gone. Their dead usage slots are reaped here, since no
         shim of that container may be left to do it."""
-        killed = await asyncio.to_thread(kill.kill_container, self.peers, alloc)
+        # The processes the driver counts for it go first (gpufrac.agent.kill: a victim
+        # whose GPU processes live on was not evicted).
+        driver = self.readings.driver
+        counted = driver.pids_of(alloc.key) if driver is not None else []
+        killed = await asyncio.to_thread(kill.kill_container, self.peers, alloc, counted)
         if not await asyncio.to_thread(self.peers.pids_of, alloc):
             self.files.reap_all(alloc)
         await self.readings.refresh()  # the victims' memory is free now: let the grant see it
