@@ -409,7 +409,7 @@ class SwapResolver:
         procs = await asyncio.to_thread(self._prepare, alloc)
         pids = [p for p, _ in procs]
         slots = [s for _, s in procs]
-        lock_ms = int(self.config.swap.lock_timeout * 1000)
+        lock_ms = max(1, round(self.config.swap.lock_timeout * 1000))  # config.validate bounds it
         t0 = time.monotonic()
         # Flag first: a launch from now on asks for swap-in (and waits for this swap-out).
         before = await asyncio.to_thread(set_swapped, alloc.directory, slots, 1)
