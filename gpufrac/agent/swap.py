@@ -39,7 +39,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
@@ -79,7 +79,7 @@ from gpufrac.core.annotations import SWAPPABLE
 from gpufrac.core.config import Config
 from gpufrac.core.units import format_bytes
 from gpufrac.memguard import abi, wire
-from gpufrac.memguard.abi import FLAG_SWAPPABLE, FLAG_WHOLE_GPU
+from gpufrac.memguard.abi import FLAG_SWAPPABLE, FLAG_WHOLE_GPU, FormatError
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ class SwapHost(Protocol):
     @property
     def metrics(self) -> SwapMetrics: ...
     def holdings(self, gpu: str) -> list[Holding]: ...
+    def usage_readable(self, alloc: ContainerAlloc) -> bool: ...
     def claim(self, need: Need) -> AbstractContextManager[None]: ...
     def revoke_burst(self, alloc: ContainerAlloc) -> None: ...
     def event(self, alloc: ContainerAlloc, type_: str, reason: str, message: str) -> None: ...
@@ -211,6 +212,11 @@ class SwapResolver:
                 continue
             if h.used <= 0 or h.idle_s < self.idle_threshold:
                 continue
+            if not self.ctx.usage_readable(a):
+                # Its shim cannot be told to ask for its memory back through a file it broke,
+                # and the file's "idle since ever" would put it first: never a victim (the
+                # arbiter counts it from the driver for evict and reclaim all the same).
+                continue
             out.append(h)
         return out
 
@@ -240,15 +246,27 @@ class SwapResolver:
                 f"{format_bytes(missing)} needed within the host RAM left ({format_bytes(self.ram_left())})"
             )
         freed, moved, n = 0, 0, 0
+        skipped: set[str] = set()
         # What the swap wins goes to the requester first, then to the waiters (ctx.claim).
         with self.ctx.claim(need):
-            for h in chosen:
-                if await self._swap_victim(h, need):
-                    freed += win(h, lend)
-                    moved += h.used
-                    n += 1
+            while chosen:
+                for h in chosen:
+                    if await self._swap_victim(h, need):
+                        freed += win(h, lend)
+                        moved += h.used
+                        n += 1
+                    else:
+                        skipped.add(h.alloc.key)
+                if freed >= missing:
+                    break
+                # A victim that could not be swapped (a process outside the shim, a usage file
+                # it broke, a lock that timed out) must not end the swap step: the others are
+                # picked from again, for what is still missing, before the chain moves on to
+                # evicting or denying. Each round swaps or skips someone, so this ends.
+                rest = [h for h in self.candidates(need) if h.alloc.key not in skipped]
+                chosen = pick(rest, missing - freed, self.ram_left(), lend)
             if not n:
-                return Outcome(detail="no victim could be swapped out")
+                return Outcome(detail=f"no victim could be swapped out ({len(skipped)} tried)")
             await self.ctx.refresh_memory()  # NVML now shows the victims' memory free
             satisfied = need.try_grant()
         return Outcome(
@@ -383,7 +401,12 @@ class SwapResolver:
         and under the shim: a process that cannot ask to be swapped back in is never
         swapped. Blocking: /proc scans and driver calls."""
         pids = self.ctx.peers.pids_of(alloc)
-        usage = abi.read_usage(alloc.directory)
+        try:
+            usage = abi.read_usage(alloc.directory)
+        except (FormatError, OSError) as e:  # the container's own file: it may break it
+            raise _Skip(
+                f"its usage file cannot be read ({e}): its shim could not be told to come back"
+            ) from None
         slots = {(int(s.pid), int(s.start_time)) for s in usage.slots if s.pid > 0}
         out = []
         for pid in pids:
@@ -412,22 +435,38 @@ class SwapResolver:
         lock_ms = max(1, round(self.config.swap.lock_timeout * 1000))  # config.validate bounds it
         t0 = time.monotonic()
         # Flag first: a launch from now on asks for swap-in (and waits for this swap-out).
-        before = await asyncio.to_thread(set_swapped, alloc.directory, slots, 1)
+        try:
+            before = await asyncio.to_thread(set_swapped, alloc.directory, slots, 1)
+        except (FormatError, OSError) as e:
+            await self._clear_flags(alloc, slots)  # those it may have set before the file broke
+            raise _Skip(f"its usage file cannot be written ({e})") from None
         try:
             await asyncio.to_thread(self.ckpt.swap_out, pids, lock_ms)
         except CheckpointError as e:
-            await asyncio.to_thread(set_swapped, alloc.directory, slots, 0)
+            await self._clear_flags(alloc, slots)
             raise _Skip(str(e)) from None
+        # From here its memory is in host RAM: whatever happens, it is restored or recorded.
         entry = Swapped(alloc, gpu, h.used, tuple(pids), tuple(slots), needed_by=needed_by)
-        await asyncio.to_thread(write_size, alloc.directory, h.used)
-        after = await asyncio.to_thread(launches_of, alloc.directory, slots)
-        if after != before:
+        try:
+            await asyncio.to_thread(write_size, alloc.directory, h.used)
+        except OSError as e:  # the agent's own record; a restarted agent falls back on the limit
+            log.warning("swap: cannot record the size of %s's swap-out: %s", alloc.who(), e)
+        changed = ""
+        try:
+            if await asyncio.to_thread(launches_of, alloc.directory, slots) != before:
+                changed = "it became active during the swap-out"
+        except (FormatError, OSError) as e:
+            # The tenant broke its file meanwhile: its flags may be gone with it, and then its
+            # shim would call into a locked driver with nobody to ask. Undo the swap-out.
+            changed = f"its usage file became unreadable during the swap-out ({e})"
+        if changed:
             # It launched work while being swapped; a launch that passed the flag check just
             # before it was set is blocked in the driver with nobody to ask for it: restore now
-            # (a swap-out undone, not a swap-in: neither counted nor announced as one).
+            # (a swap-out undone, not a swap-in: neither counted nor announced as one). If the
+            # restore fails it stays swapped out, recorded below like any other.
             self.stats.reverted += 1
             if await self._restore(entry, reverted=True):
-                raise _Skip("it became active during the swap-out")
+                raise _Skip(changed)
         self.swapped[alloc.key] = entry
         self.ctx.revoke_burst(alloc)  # the burst goes with it; it is arbitrated again on the way back
         self.stats.swapped_out += 1
@@ -538,6 +577,14 @@ class SwapResolver:
             return False
         return True
 
+    async def _clear_flags(self, alloc: ContainerAlloc, slots: Sequence[SlotId]) -> None:
+        """Clear the swapped flags of processes the driver runs again (or never locked). A
+        usage file its container broke has no flags to clear: said, never raised."""
+        try:
+            await asyncio.to_thread(set_swapped, alloc.directory, slots, 0)
+        except (FormatError, OSError) as e:
+            log.warning("swap: cannot clear the swapped flags of %s: %s", alloc.who(), e)
+
     async def _restore(self, entry: Swapped, *, reverted: bool = False) -> bool:
         """Restore + unlock the processes, clear the flags, forget the entry. `reverted`: the
         swap-out of it is being undone (it was never counted or announced as swapped out)."""
@@ -552,7 +599,7 @@ class SwapResolver:
             self.swapped[alloc.key] = entry
             return False
         self.swapped.pop(alloc.key, None)
-        await asyncio.to_thread(set_swapped, alloc.directory, entry.slots, 0)
+        await self._clear_flags(alloc, entry.slots)
         await asyncio.to_thread(drop_size, alloc.directory)
         await self.ctx.refresh_memory()
         secs = time.monotonic() - t0

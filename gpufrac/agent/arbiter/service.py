@@ -449,6 +449,11 @@ class Arbiter:
             )
         return out
 
+    def usage_readable(self, alloc: ContainerAlloc) -> bool:
+        """Whether the container's usage file can be read now (the swap resolver leaves a
+        container whose file is broken out of its victims: its shim could not be told back)."""
+        return self.files.file_used(alloc) is not None
+
     async def second_reading(self) -> None:
         """A new NVML reading, distinct from the last (gpufrac.agent.arbiter.readings)."""
         await self.readings.second_reading()
