@@ -33,6 +33,9 @@ SYMBOLS = (
 )
 CUDA_SUCCESS = 0
 MAX_LOCK_TIMEOUT_MS = 2**32 - 1  # CUcheckpointLockArgs.timeoutMs is an unsigned int
+# Seconds before an API found unavailable is looked for again, when the agent next needs it
+# (gpufrac.agent.swap: a driver still starting must not strand what an earlier agent swapped).
+DETECT_RETRY = 10.0
 CUDA_ERROR_NOT_PERMITTED = 800
 CUDA_ERROR_NOT_SUPPORTED = 801
 

@@ -237,10 +237,10 @@ class Agent:
             return
         self.arbiter = arbiter
         self._kick_identity()  # callers are identified through the pod cache: fill it now
-        if arbiter.swap is not None:
-            # Checkpoint API detection (blocking, in a thread) and takeover of containers a
-            # previous agent swapped out; bursts do not wait for it.
-            self._tasks.append(asyncio.create_task(arbiter.swap.start(), name="swap-start"))
+        # Checkpoint API detection (blocking, in a thread) and takeover of containers a
+        # previous agent swapped out, whether or not this agent's resolvers name swap (they
+        # must come back); bursts do not wait for it.
+        self._tasks.append(asyncio.create_task(arbiter.swap.start(), name="swap-start"))
 
     def _start_watchdog(self, ledger: Ledger, pod_cache: PodCache | None) -> None:
         """NVML's per-process memory against each container's limit (gpufrac.agent.watchdog).

@@ -49,6 +49,7 @@ import psutil
 from gpufrac.agent.activity import proc_identity
 from gpufrac.agent.callers import PeerLookup
 from gpufrac.agent.cuda_checkpoint import (
+    DETECT_RETRY,
     Checkpointer,
     CheckpointError,
     ProcessState,
@@ -68,13 +69,12 @@ from gpufrac.agent.swap_choice import pick, win
 from gpufrac.agent.swap_files import (
     SlotId,
     Swapped,
-    clear_all_flags,
     drop_size,
     launches_of,
     set_swapped,
     write_size,
 )
-from gpufrac.agent.swap_takeover import Takeover, Unknown
+from gpufrac.agent.swap_takeover import Takeover, Unavailable, Unknown
 from gpufrac.core.annotations import SWAPPABLE
 from gpufrac.core.config import Config
 from gpufrac.core.units import format_bytes
@@ -131,50 +131,82 @@ class _Skip(Exception):
 
 
 class SwapResolver:
+    """The swap resolver. The arbiter always has one: `in_chain` says whether the node's
+    `resolvers` name it (then it swaps victims out, for the chain and the idle reaper);
+    without, it only takes over and brings back containers an earlier agent swapped out,
+    which must come back whatever this agent's config says."""
+
     name = "swap"
 
-    def __init__(self, ctx: SwapHost, checkpointer: Checkpointer | None = None) -> None:
+    def __init__(
+        self, ctx: SwapHost, checkpointer: Checkpointer | None = None, *, in_chain: bool = True
+    ) -> None:
         self.ctx = ctx
         self.config: Config = ctx.config
         self.ckpt = checkpointer or Checkpointer()
+        self.in_chain = in_chain
         self.swapped: dict[str, Swapped] = {}
         self.stats = SwapStats()
         self._busy: dict[str, asyncio.Future[None]] = {}  # container key -> swap-out/in in progress
         self._inflight = 0  # bytes of swap-outs under way (host RAM they will take)
         self._detect: asyncio.Future[Support] | None = None
-        self._said = False
+        self._detected_at = 0.0  # time.monotonic() of the last detection started
+        self._said: bool | None = None  # the availability last said in the log
+        self._denied_said: set[str] = set()  # containers told "not yet" for want of the checkpoint API
         self._takeover = Takeover(self.ckpt, ctx.peers)
 
     # -- support --------------------------------------------------------------------------------
 
     async def detect(self) -> Support:
-        """Detect the checkpoint API once (in a thread) and say what was found, once."""
-        if self._detect is None:
+        """Detect the checkpoint API (in a thread) and say what was found, once per change.
+        Found, it stays found; not found, it is looked for again at most every DETECT_RETRY
+        seconds when asked (a driver still starting, a transient failure): a container an
+        earlier agent swapped out can come back only through it."""
+        now = time.monotonic()
+        if self._detect is None or (
+            self._detect.done()
+            and not self._support_of(self._detect).available
+            and now - self._detected_at >= DETECT_RETRY
+        ):
+            self._detected_at = now
             self._detect = asyncio.ensure_future(asyncio.to_thread(self.ckpt.detect))
-        support = await asyncio.shield(self._detect)
-        if not self._said:
-            self._said = True
+        await asyncio.wait([self._detect])  # a caller cancelled meanwhile leaves it running
+        support = self._support_of(self._detect)
+        if self._said != support.available:
             if support.available:
                 log.info("swap: driver checkpoint API available (driver API %d)", support.driver_version)
-            else:
+            elif self._said is None and self.in_chain:
                 log.warning(
                     "swap: unavailable on this node, the resolver chain goes on without it: %s",
                     support.reason,
                 )
+            elif self._said is None:
+                log.info(
+                    "swap: not in the resolvers; the driver checkpoint API is unavailable: %s", support.reason
+                )
+            self._said = support.available
         return support
 
+    @staticmethod
+    def _support_of(done: asyncio.Future[Support]) -> Support:
+        e = done.exception()
+        return (
+            Support(False, f"detection failed: {type(e).__name__}: {e}") if e is not None else done.result()
+        )
+
     async def start(self) -> None:
-        """At agent start: detect support; take over containers a previous agent swapped."""
-        if (await self.detect()).available:
-            for alloc in self.ctx.ledger.containers():
-                try:
-                    async with self._busy_with(alloc.key):
-                        if alloc.key not in self.swapped and self.ctx.ledger.get(alloc.key) is alloc:
-                            await self._rediscover(alloc)
-                except Unknown:
-                    pass  # its SWAP_IN takes it over once its pod is known
-                except Exception:
-                    log.exception("swap: cannot recover the swap state of %s", alloc.who())
+        """At agent start: detect support; take over containers a previous agent swapped
+        (whatever this agent's resolvers: they must come back)."""
+        await self.detect()
+        for alloc in self.ctx.ledger.containers():
+            try:
+                async with self._busy_with(alloc.key):
+                    if alloc.key not in self.swapped and self.ctx.ledger.get(alloc.key) is alloc:
+                        await self._rediscover(alloc)
+            except (Unknown, Unavailable):
+                pass  # its flags stay set; its SWAP_IN asks again (said in the log)
+            except Exception:
+                log.exception("swap: cannot recover the swap state of %s", alloc.who())
 
     # -- state the arbiter reads ----------------------------------------------------------------
 
@@ -229,6 +261,8 @@ class SwapResolver:
         return max(0, budget)
 
     async def resolve(self, need: Need) -> Outcome:
+        if not self.in_chain:
+            return Outcome(available=False, detail="swap is not in the node's resolvers")
         support = await self.detect()
         if not support.available:
             return Outcome(available=False, detail=support.reason)
@@ -305,6 +339,8 @@ class SwapResolver:
         is gone, has a whole GPU, does not allow swapping, is already swapped (or being
         swapped), holds no GPU memory, would pass the host-RAM budget, or has a CUDA
         process that is not under the shim or not running."""
+        if not self.in_chain:
+            return False, "swap to host RAM is not in the node's resolvers"
         support = await self.detect()
         if not support.available:
             return False, f"swap to host RAM is unavailable on this node: {support.reason}"
@@ -503,7 +539,14 @@ class SwapResolver:
                 try:
                     entry = await self._rediscover(alloc)
                 except Unknown:
-                    return False  # not yet: its shim asks again
+                    return False  # not yet: its flags stay set and its shim asks again
+                except Unavailable as e:
+                    if key not in self._denied_said:  # said once: its shim asks every second
+                        self._denied_said.add(key)
+                        log.warning(
+                            "swap: %s asks for its memory back; denied, it asks again: %s", alloc.who(), e
+                        )
+                    return False
                 if entry is None:
                     return True
             return await self._swap_in(entry)
@@ -627,14 +670,17 @@ def of(chain: Chain) -> SwapResolver | None:
     return next((r for r in chain.resolvers if isinstance(r, SwapResolver)), None)
 
 
-async def handle_swap_in(ctx: SwapHost, alloc: ContainerAlloc) -> int:
-    """The arbiter's handler of the shim's SWAP_IN op: the reply status."""
-    resolver = of(ctx.chain)
-    if resolver is None:
-        # No swap resolver here: nothing of ours can be swapped. Flags a container set on
-        # itself (its usage file is writable to it) are cleared so its shim goes on.
-        await asyncio.to_thread(clear_all_flags, alloc.directory)
-        return wire.BURST_GRANTED
+def restorer(chain: Chain, ctx: SwapHost) -> SwapResolver:
+    """The arbiter's swap resolver: the chain's, or one that only brings back what an
+    earlier agent swapped out (`in_chain` False) when the node's resolvers leave swap out."""
+    return of(chain) or SwapResolver(ctx, in_chain=False)
+
+
+async def handle_swap_in(resolver: SwapResolver, alloc: ContainerAlloc) -> int:
+    """The arbiter's handler of the shim's SWAP_IN op: the reply status. GRANTED only once
+    nothing of the container is held by the driver (restored, or found running); DENIED
+    otherwise, its flags left set: a flag cleared over a locked process sends it into a
+    driver call that never returns, while a denied shim asks again, backing off."""
     # Shielded: a shim that stops listening (its timeout) must not cut a restore in half;
     # it asks again and finds the work done.
     return wire.BURST_GRANTED if await asyncio.shield(resolver.swap_in(alloc)) else wire.BURST_DENIED
