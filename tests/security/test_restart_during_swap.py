@@ -11,7 +11,6 @@ over, and restores them on their next GPU call, bytes intact.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,39 +19,9 @@ import yaml
 
 from gpufrac.memguard import abi
 from gpufrac.simgpu.nodestate import NodeState
-from tests.fixtures.e2e import TIMEOUT, E2ENode, MiB, PodRun
+from tests.fixtures.e2e import TIMEOUT, E2ENode, MiB
 from tests.fixtures.polling import until
-
-
-def idle_for(pod: PodRun, seconds: float) -> bool:
-    """Whether the pod's processes launched nothing for `seconds` (their usage slots)."""
-    slots = [s for s in abi.read_usage(pod.host_dir).slots if s.pid > 0]
-    last = max((int(s.last_activity_ns) for s in slots), default=0)
-    return bool(slots) and (time.monotonic_ns() - last) / 1e9 >= seconds
-
-
-def swapped(pod: PodRun) -> bool:
-    slots = [s for s in abi.read_usage(pod.host_dir).slots if s.pid > 0]
-    return bool(slots) and all(s.swapped for s in slots)
-
-
-def swapped_out(node: E2ENode) -> tuple[PodRun, list[str], list[str]]:
-    """An idle, swappable victim holding 512 MiB (a guarantee and a burst) swapped out for a
-    requester's burst, which is then given back: the victim, its two buffers' ids."""
-    victim = node.run_pod("victim", 4, "640Mi", swappable=True)  # 256 MiB guaranteed
-    guarantee = victim.alloc(256 * MiB, 1111).split()
-    burst = victim.alloc(256 * MiB, 2222).split()
-    assert guarantee[0] == "ok" and burst[0] == "ok"
-    requester = node.run_pod("requester", 4, "640Mi")
-    mine = requester.alloc(256 * MiB, 3333).split()
-    assert mine[0] == "ok"
-    until(lambda: idle_for(victim, 1.5), timeout=TIMEOUT, what="the victim idle")
-    more = requester.alloc(320 * MiB, 4444).split()  # only the victim's burst moving out makes room
-    assert more[0] == "ok", f"requester burst: {more}; agent log:\n{node.sim.agent.log()[-3000:]}"
-    assert swapped(victim)
-    assert requester.app.do(f"free {more[1]}") == "ok"
-    assert requester.app.do(f"free {mine[1]}") == "ok"
-    return victim, guarantee, burst
+from tests.fixtures.swapping import idle_for, swapped, swapped_out
 
 
 def restart_with(node: E2ENode, **config: Any) -> None:
