@@ -16,13 +16,16 @@ longer counts as used on the GPU, its burst grant is taken back, and its
 guarantee stays reserved for it (lent to others only with lendUnusedRequests),
 so a guarantee is never lost by being swapped.
 
-Swap-in: the victim's next kernel launch or allocation sees the flag in the shim,
-which asks the arbiter (op SWAP_IN on its socket). The arbiter passes that to
+Swap-in: the victim's next GPU call (a launch, an allocation or free, a copy, a wait; the
+shim's swap-in gate) sees the flag in the shim, which asks the arbiter (op SWAP_IN on its
+socket). The arbiter passes that to
 `SwapResolver.swap_in`, which arbitrates it like any other request - the memory
 must be free (the chain may wait or evict others; the swap resolver never picks
 the requester itself) - then restores and unlocks the processes, clears the
 flags and answers. A victim whose swap-in cannot be arbitrated in time is told
-"denied"; its shim asks again (its process cannot run until restored anyway).
+"denied"; its shim asks again (its process cannot run until restored anyway). So is one
+whose processes nobody can tell about (the checkpoint API unusable): a flag is cleared only
+once the driver reports its process running.
 
 Everything here runs on the agent's loop; checkpoint calls, /proc scans and
 usage-file writes go to worker threads. Its parts: the choice of victims (swap_choice,
