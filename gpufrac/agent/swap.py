@@ -466,6 +466,11 @@ class SwapResolver:
             raise _Skip("no CUDA process found in its cgroup")
         return out
 
+    def _held_by_driver(self, pids: Sequence[int]) -> list[int]:
+        """The processes the driver reports locked or checkpointed (blocking: driver calls)."""
+        held = (ProcessState.LOCKED, ProcessState.CHECKPOINTED)
+        return [p for p in pids if process_state(p, self.ckpt) in held]
+
     async def _swap_out_locked(self, h: Holding, gpu: str, cause: str, needed_by: str) -> Swapped:
         alloc = h.alloc
         procs = await asyncio.to_thread(self._prepare, alloc)
@@ -482,8 +487,20 @@ class SwapResolver:
         try:
             await asyncio.to_thread(self.ckpt.swap_out, pids, lock_ms)
         except CheckpointError as e:
-            await self._clear_flags(alloc, slots)
-            raise _Skip(str(e)) from None
+            # The checkpointer undid what it had done; a flag is cleared only once the driver
+            # runs the process again. One it could not undo stays flagged and is kept as
+            # swapped out, so its next GPU call asks for it to be restored.
+            held = await asyncio.to_thread(self._held_by_driver, pids)
+            if not held:
+                await self._clear_flags(alloc, slots)
+                raise _Skip(str(e)) from None
+            log.error(
+                "swap: swapping %s out failed (%s) and could not be undone: process(es) %s stay held "
+                "by the driver; kept as swapped out, restored on its next GPU call",
+                alloc.who(),
+                e,
+                held,
+            )
         # From here its memory is in host RAM: whatever happens, it is restored or recorded.
         entry = Swapped(alloc, gpu, h.used, tuple(pids), tuple(slots), needed_by=needed_by)
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from test_swap import RESULT, gpu_pids, idle, node, node_file, sim_state, swappa
 
 from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.cuda_checkpoint import ProcessState, process_state
+from gpufrac.agent.swap_files import SlotId
 from gpufrac.memguard import abi
 from tests.fixtures.arbiter_harness import ArbiterNode, GiB
 from tests.fixtures.hostile_tenant import break_magic
@@ -39,9 +41,9 @@ def test_a_victim_that_breaks_its_usage_file_mid_swap_out_is_restored(
     assert swap is not None and node.on_loop(swap.detect).available
     real_launches_of = swap_mod.launches_of
 
-    def broken_meanwhile(directory: str, slots: object) -> int:
+    def broken_meanwhile(directory: str, slots: Iterable[SlotId]) -> int:
         break_magic(Path(directory))  # the tenant, right after its checkpoint
-        return real_launches_of(directory, slots)  # type: ignore[arg-type]
+        return real_launches_of(directory, slots)
 
     monkeypatch.setattr(swap_mod, "launches_of", broken_meanwhile)
     (h,) = [
