@@ -32,6 +32,10 @@ SYMBOLS = (
     "cuCheckpointProcessUnlock",
 )
 CUDA_SUCCESS = 0
+MAX_LOCK_TIMEOUT_MS = 2**32 - 1  # CUcheckpointLockArgs.timeoutMs is an unsigned int
+# Seconds before an API found unavailable is looked for again, when the agent next needs it
+# (gpufrac.agent.swap: a driver still starting must not strand what an earlier agent swapped).
+DETECT_RETRY = 10.0
 CUDA_ERROR_NOT_PERMITTED = 800
 CUDA_ERROR_NOT_SUPPORTED = 801
 
@@ -162,11 +166,18 @@ class Checkpointer:
         return ProcessState(int(raw))
 
     def lock(self, pid: int, timeout_ms: int) -> None:
-        """RUNNING -> LOCKED: the target's further CUDA calls block. On timeout it stays RUNNING."""
+        """RUNNING -> LOCKED: the target's further CUDA calls block. On timeout it stays RUNNING.
+        The driver's timeout is a u32 of milliseconds in which 0 means none: anything outside
+        1..2^32-1 is refused here (the node config refuses it first, config.validate)."""
+        if not 1 <= int(timeout_ms) <= MAX_LOCK_TIMEOUT_MS:
+            raise CheckpointError(
+                f"cuCheckpointProcessLock({pid}): lock timeout {timeout_ms} ms is outside "
+                f"1..{MAX_LOCK_TIMEOUT_MS}"
+            )
         d = self._driver
         args = d.CUcheckpointLockArgs() if d else None
         if args is not None:
-            args.timeoutMs = max(0, int(timeout_ms))
+            args.timeoutMs = int(timeout_ms)
         self._call("cuCheckpointProcessLock", pid, d.cuCheckpointProcessLock if d else None, args)
 
     def checkpoint(self, pid: int) -> None:

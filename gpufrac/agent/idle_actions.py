@@ -64,6 +64,8 @@ class SwapSupport(Protocol):
 class SwapOut(Protocol):
     """What the reaper needs of the swap resolver (gpufrac.agent.swap.SwapResolver)."""
 
+    @property
+    def in_chain(self) -> bool: ...
     async def detect(self) -> SwapSupport: ...
     async def swap_out(self, alloc: ContainerAlloc, reason: str) -> tuple[bool, str]: ...
 
@@ -235,7 +237,7 @@ async def swap_via(arbiter: SwapHost | None, alloc: ContainerAlloc, reason: str)
     if arbiter is None:
         raise SwapUnavailable("the burst arbiter is not running")
     resolver = arbiter.swap
-    if resolver is None:
+    if resolver is None or not resolver.in_chain:
         raise SwapUnavailable("the swap resolver is not in the resolvers list")
     support = await resolver.detect()
     if not support.available:

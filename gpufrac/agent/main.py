@@ -237,10 +237,10 @@ class Agent:
             return
         self.arbiter = arbiter
         self._kick_identity()  # callers are identified through the pod cache: fill it now
-        if arbiter.swap is not None:
-            # Checkpoint API detection (blocking, in a thread) and takeover of containers a
-            # previous agent swapped out; bursts do not wait for it.
-            self._tasks.append(asyncio.create_task(arbiter.swap.start(), name="swap-start"))
+        # Checkpoint API detection (blocking, in a thread) and takeover of containers a
+        # previous agent swapped out, whether or not this agent's resolvers name swap (they
+        # must come back); bursts do not wait for it.
+        self._tasks.append(asyncio.create_task(arbiter.swap.start(), name="swap-start"))
 
     def _start_watchdog(self, ledger: Ledger, pod_cache: PodCache | None) -> None:
         """NVML's per-process memory against each container's limit (gpufrac.agent.watchdog).
@@ -374,10 +374,11 @@ class Agent:
         restored = restore(ledger, entries or [])
         if restored:
             log.info("state: %d allocations restored from %s", len(restored), self.state.path)
-        if not await reconciler.reconcile(grace=0.0, materialize=False):
+        answered = await reconciler.reconcile(grace=0.0, materialize=False)
+        if not answered:
             log.warning(
-                "pod-resources (%s) not reachable at start: keeping %d persisted allocations until it "
-                "answers",
+                "pod-resources (%s) not reachable at start: keeping %d persisted allocations and every "
+                "container directory until it answers",
                 self.config.paths.pod_resources_socket,
                 len(ledger.containers()),
             )
@@ -385,7 +386,12 @@ class Agent:
         booked = [(a.key, a.directory, a.config.gpu_uuid, a.request_bytes) for a in ledger.containers()]
         adopt_grants(ledger, await asyncio.to_thread(published_grants, booked))
         await reconciler.materialize_all()
-        await reconciler.sweep_orphans()
+        if answered:
+            # Only what the kubelet's answer leaves unbooked is an orphan. Without an answer the
+            # ledger may lack live containers (a lost state file): their directories hold the
+            # files their shims have mapped, their arbiter sockets and swap records, and they are
+            # adopted from the first answer (the reconcile loop sweeps only after one, too).
+            await reconciler.sweep_orphans()
         await self.state.save(ledger)
 
     # -- change propagation -------------------------------------------------------------

@@ -16,13 +16,16 @@ longer counts as used on the GPU, its burst grant is taken back, and its
 guarantee stays reserved for it (lent to others only with lendUnusedRequests),
 so a guarantee is never lost by being swapped.
 
-Swap-in: the victim's next kernel launch or allocation sees the flag in the shim,
-which asks the arbiter (op SWAP_IN on its socket). The arbiter passes that to
+Swap-in: the victim's next GPU call (a launch, an allocation or free, a copy, a wait; the
+shim's swap-in gate) sees the flag in the shim, which asks the arbiter (op SWAP_IN on its
+socket). The arbiter passes that to
 `SwapResolver.swap_in`, which arbitrates it like any other request - the memory
 must be free (the chain may wait or evict others; the swap resolver never picks
 the requester itself) - then restores and unlocks the processes, clears the
 flags and answers. A victim whose swap-in cannot be arbitrated in time is told
-"denied"; its shim asks again (its process cannot run until restored anyway).
+"denied"; its shim asks again (its process cannot run until restored anyway). So is one
+whose processes nobody can tell about (the checkpoint API unusable): a flag is cleared only
+once the driver reports its process running.
 
 Everything here runs on the agent's loop; checkpoint calls, /proc scans and
 usage-file writes go to worker threads. Its parts: the choice of victims (swap_choice,
@@ -39,7 +42,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
@@ -49,6 +52,7 @@ import psutil
 from gpufrac.agent.activity import proc_identity
 from gpufrac.agent.callers import PeerLookup
 from gpufrac.agent.cuda_checkpoint import (
+    DETECT_RETRY,
     Checkpointer,
     CheckpointError,
     ProcessState,
@@ -68,18 +72,17 @@ from gpufrac.agent.swap_choice import pick, win
 from gpufrac.agent.swap_files import (
     SlotId,
     Swapped,
-    clear_all_flags,
     drop_size,
     launches_of,
     set_swapped,
     write_size,
 )
-from gpufrac.agent.swap_takeover import Takeover, Unknown
+from gpufrac.agent.swap_takeover import Takeover, Unavailable, Unknown
 from gpufrac.core.annotations import SWAPPABLE
 from gpufrac.core.config import Config
 from gpufrac.core.units import format_bytes
 from gpufrac.memguard import abi, wire
-from gpufrac.memguard.abi import FLAG_SWAPPABLE, FLAG_WHOLE_GPU
+from gpufrac.memguard.abi import FLAG_SWAPPABLE, FLAG_WHOLE_GPU, FormatError
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +104,7 @@ class SwapHost(Protocol):
     @property
     def metrics(self) -> SwapMetrics: ...
     def holdings(self, gpu: str) -> list[Holding]: ...
+    def usage_readable(self, alloc: ContainerAlloc) -> bool: ...
     def claim(self, need: Need) -> AbstractContextManager[None]: ...
     def revoke_burst(self, alloc: ContainerAlloc) -> None: ...
     def event(self, alloc: ContainerAlloc, type_: str, reason: str, message: str) -> None: ...
@@ -130,50 +134,82 @@ class _Skip(Exception):
 
 
 class SwapResolver:
+    """The swap resolver. The arbiter always has one: `in_chain` says whether the node's
+    `resolvers` name it (then it swaps victims out, for the chain and the idle reaper);
+    without, it only takes over and brings back containers an earlier agent swapped out,
+    which must come back whatever this agent's config says."""
+
     name = "swap"
 
-    def __init__(self, ctx: SwapHost, checkpointer: Checkpointer | None = None) -> None:
+    def __init__(
+        self, ctx: SwapHost, checkpointer: Checkpointer | None = None, *, in_chain: bool = True
+    ) -> None:
         self.ctx = ctx
         self.config: Config = ctx.config
         self.ckpt = checkpointer or Checkpointer()
+        self.in_chain = in_chain
         self.swapped: dict[str, Swapped] = {}
         self.stats = SwapStats()
         self._busy: dict[str, asyncio.Future[None]] = {}  # container key -> swap-out/in in progress
         self._inflight = 0  # bytes of swap-outs under way (host RAM they will take)
         self._detect: asyncio.Future[Support] | None = None
-        self._said = False
+        self._detected_at = 0.0  # time.monotonic() of the last detection started
+        self._said: bool | None = None  # the availability last said in the log
+        self._denied_said: set[str] = set()  # containers told "not yet" for want of the checkpoint API
         self._takeover = Takeover(self.ckpt, ctx.peers)
 
     # -- support --------------------------------------------------------------------------------
 
     async def detect(self) -> Support:
-        """Detect the checkpoint API once (in a thread) and say what was found, once."""
-        if self._detect is None:
+        """Detect the checkpoint API (in a thread) and say what was found, once per change.
+        Found, it stays found; not found, it is looked for again at most every DETECT_RETRY
+        seconds when asked (a driver still starting, a transient failure): a container an
+        earlier agent swapped out can come back only through it."""
+        now = time.monotonic()
+        if self._detect is None or (
+            self._detect.done()
+            and not self._support_of(self._detect).available
+            and now - self._detected_at >= DETECT_RETRY
+        ):
+            self._detected_at = now
             self._detect = asyncio.ensure_future(asyncio.to_thread(self.ckpt.detect))
-        support = await asyncio.shield(self._detect)
-        if not self._said:
-            self._said = True
+        await asyncio.wait([self._detect])  # a caller cancelled meanwhile leaves it running
+        support = self._support_of(self._detect)
+        if self._said != support.available:
             if support.available:
                 log.info("swap: driver checkpoint API available (driver API %d)", support.driver_version)
-            else:
+            elif self._said is None and self.in_chain:
                 log.warning(
                     "swap: unavailable on this node, the resolver chain goes on without it: %s",
                     support.reason,
                 )
+            elif self._said is None:
+                log.info(
+                    "swap: not in the resolvers; the driver checkpoint API is unavailable: %s", support.reason
+                )
+            self._said = support.available
         return support
 
+    @staticmethod
+    def _support_of(done: asyncio.Future[Support]) -> Support:
+        e = done.exception()
+        return (
+            Support(False, f"detection failed: {type(e).__name__}: {e}") if e is not None else done.result()
+        )
+
     async def start(self) -> None:
-        """At agent start: detect support; take over containers a previous agent swapped."""
-        if (await self.detect()).available:
-            for alloc in self.ctx.ledger.containers():
-                try:
-                    async with self._busy_with(alloc.key):
-                        if alloc.key not in self.swapped and self.ctx.ledger.get(alloc.key) is alloc:
-                            await self._rediscover(alloc)
-                except Unknown:
-                    pass  # its SWAP_IN takes it over once its pod is known
-                except Exception:
-                    log.exception("swap: cannot recover the swap state of %s", alloc.who())
+        """At agent start: detect support; take over containers a previous agent swapped
+        (whatever this agent's resolvers: they must come back)."""
+        await self.detect()
+        for alloc in self.ctx.ledger.containers():
+            try:
+                async with self._busy_with(alloc.key):
+                    if alloc.key not in self.swapped and self.ctx.ledger.get(alloc.key) is alloc:
+                        await self._rediscover(alloc)
+            except (Unknown, Unavailable):
+                pass  # its flags stay set; its SWAP_IN asks again (said in the log)
+            except Exception:
+                log.exception("swap: cannot recover the swap state of %s", alloc.who())
 
     # -- state the arbiter reads ----------------------------------------------------------------
 
@@ -211,6 +247,11 @@ class SwapResolver:
                 continue
             if h.used <= 0 or h.idle_s < self.idle_threshold:
                 continue
+            if not self.ctx.usage_readable(a):
+                # Its shim cannot be told to ask for its memory back through a file it broke,
+                # and the file's "idle since ever" would put it first: never a victim (the
+                # arbiter counts it from the driver for evict and reclaim all the same).
+                continue
             out.append(h)
         return out
 
@@ -223,6 +264,8 @@ class SwapResolver:
         return max(0, budget)
 
     async def resolve(self, need: Need) -> Outcome:
+        if not self.in_chain:
+            return Outcome(available=False, detail="swap is not in the node's resolvers")
         support = await self.detect()
         if not support.available:
             return Outcome(available=False, detail=support.reason)
@@ -240,15 +283,27 @@ class SwapResolver:
                 f"{format_bytes(missing)} needed within the host RAM left ({format_bytes(self.ram_left())})"
             )
         freed, moved, n = 0, 0, 0
+        skipped: set[str] = set()
         # What the swap wins goes to the requester first, then to the waiters (ctx.claim).
         with self.ctx.claim(need):
-            for h in chosen:
-                if await self._swap_victim(h, need):
-                    freed += win(h, lend)
-                    moved += h.used
-                    n += 1
+            while chosen:
+                for h in chosen:
+                    if await self._swap_victim(h, need):
+                        freed += win(h, lend)
+                        moved += h.used
+                        n += 1
+                    else:
+                        skipped.add(h.alloc.key)
+                if freed >= missing:
+                    break
+                # A victim that could not be swapped (a process outside the shim, a usage file
+                # it broke, a lock that timed out) must not end the swap step: the others are
+                # picked from again, for what is still missing, before the chain moves on to
+                # evicting or denying. Each round swaps or skips someone, so this ends.
+                rest = [h for h in self.candidates(need) if h.alloc.key not in skipped]
+                chosen = pick(rest, missing - freed, self.ram_left(), lend)
             if not n:
-                return Outcome(detail="no victim could be swapped out")
+                return Outcome(detail=f"no victim could be swapped out ({len(skipped)} tried)")
             await self.ctx.refresh_memory()  # NVML now shows the victims' memory free
             satisfied = need.try_grant()
         return Outcome(
@@ -287,6 +342,8 @@ class SwapResolver:
         is gone, has a whole GPU, does not allow swapping, is already swapped (or being
         swapped), holds no GPU memory, would pass the host-RAM budget, or has a CUDA
         process that is not under the shim or not running."""
+        if not self.in_chain:
+            return False, "swap to host RAM is not in the node's resolvers"
         support = await self.detect()
         if not support.available:
             return False, f"swap to host RAM is unavailable on this node: {support.reason}"
@@ -383,7 +440,12 @@ class SwapResolver:
         and under the shim: a process that cannot ask to be swapped back in is never
         swapped. Blocking: /proc scans and driver calls."""
         pids = self.ctx.peers.pids_of(alloc)
-        usage = abi.read_usage(alloc.directory)
+        try:
+            usage = abi.read_usage(alloc.directory)
+        except (FormatError, OSError) as e:  # the container's own file: it may break it
+            raise _Skip(
+                f"its usage file cannot be read ({e}): its shim could not be told to come back"
+            ) from None
         slots = {(int(s.pid), int(s.start_time)) for s in usage.slots if s.pid > 0}
         out = []
         for pid in pids:
@@ -404,30 +466,63 @@ class SwapResolver:
             raise _Skip("no CUDA process found in its cgroup")
         return out
 
+    def _held_by_driver(self, pids: Sequence[int]) -> list[int]:
+        """The processes the driver reports locked or checkpointed (blocking: driver calls)."""
+        held = (ProcessState.LOCKED, ProcessState.CHECKPOINTED)
+        return [p for p in pids if process_state(p, self.ckpt) in held]
+
     async def _swap_out_locked(self, h: Holding, gpu: str, cause: str, needed_by: str) -> Swapped:
         alloc = h.alloc
         procs = await asyncio.to_thread(self._prepare, alloc)
         pids = [p for p, _ in procs]
         slots = [s for _, s in procs]
-        lock_ms = int(self.config.swap.lock_timeout * 1000)
+        lock_ms = max(1, round(self.config.swap.lock_timeout * 1000))  # config.validate bounds it
         t0 = time.monotonic()
         # Flag first: a launch from now on asks for swap-in (and waits for this swap-out).
-        before = await asyncio.to_thread(set_swapped, alloc.directory, slots, 1)
+        try:
+            before = await asyncio.to_thread(set_swapped, alloc.directory, slots, 1)
+        except (FormatError, OSError) as e:
+            await self._clear_flags(alloc, slots)  # those it may have set before the file broke
+            raise _Skip(f"its usage file cannot be written ({e})") from None
         try:
             await asyncio.to_thread(self.ckpt.swap_out, pids, lock_ms)
         except CheckpointError as e:
-            await asyncio.to_thread(set_swapped, alloc.directory, slots, 0)
-            raise _Skip(str(e)) from None
+            # The checkpointer undid what it had done; a flag is cleared only once the driver
+            # runs the process again. One it could not undo stays flagged and is kept as
+            # swapped out, so its next GPU call asks for it to be restored.
+            held = await asyncio.to_thread(self._held_by_driver, pids)
+            if not held:
+                await self._clear_flags(alloc, slots)
+                raise _Skip(str(e)) from None
+            log.error(
+                "swap: swapping %s out failed (%s) and could not be undone: process(es) %s stay held "
+                "by the driver; kept as swapped out, restored on its next GPU call",
+                alloc.who(),
+                e,
+                held,
+            )
+        # From here its memory is in host RAM: whatever happens, it is restored or recorded.
         entry = Swapped(alloc, gpu, h.used, tuple(pids), tuple(slots), needed_by=needed_by)
-        await asyncio.to_thread(write_size, alloc.directory, h.used)
-        after = await asyncio.to_thread(launches_of, alloc.directory, slots)
-        if after != before:
+        try:
+            await asyncio.to_thread(write_size, alloc.directory, h.used)
+        except OSError as e:  # the agent's own record; a restarted agent falls back on the limit
+            log.warning("swap: cannot record the size of %s's swap-out: %s", alloc.who(), e)
+        changed = ""
+        try:
+            if await asyncio.to_thread(launches_of, alloc.directory, slots) != before:
+                changed = "it became active during the swap-out"
+        except (FormatError, OSError) as e:
+            # The tenant broke its file meanwhile: its flags may be gone with it, and then its
+            # shim would call into a locked driver with nobody to ask. Undo the swap-out.
+            changed = f"its usage file became unreadable during the swap-out ({e})"
+        if changed:
             # It launched work while being swapped; a launch that passed the flag check just
             # before it was set is blocked in the driver with nobody to ask for it: restore now
-            # (a swap-out undone, not a swap-in: neither counted nor announced as one).
+            # (a swap-out undone, not a swap-in: neither counted nor announced as one). If the
+            # restore fails it stays swapped out, recorded below like any other.
             self.stats.reverted += 1
             if await self._restore(entry, reverted=True):
-                raise _Skip("it became active during the swap-out")
+                raise _Skip(changed)
         self.swapped[alloc.key] = entry
         self.ctx.revoke_burst(alloc)  # the burst goes with it; it is arbitrated again on the way back
         self.stats.swapped_out += 1
@@ -464,7 +559,14 @@ class SwapResolver:
                 try:
                     entry = await self._rediscover(alloc)
                 except Unknown:
-                    return False  # not yet: its shim asks again
+                    return False  # not yet: its flags stay set and its shim asks again
+                except Unavailable as e:
+                    if key not in self._denied_said:  # said once: its shim asks every second
+                        self._denied_said.add(key)
+                        log.warning(
+                            "swap: %s asks for its memory back; denied, it asks again: %s", alloc.who(), e
+                        )
+                    return False
                 if entry is None:
                     return True
             return await self._swap_in(entry)
@@ -538,6 +640,14 @@ class SwapResolver:
             return False
         return True
 
+    async def _clear_flags(self, alloc: ContainerAlloc, slots: Sequence[SlotId]) -> None:
+        """Clear the swapped flags of processes the driver runs again (or never locked). A
+        usage file its container broke has no flags to clear: said, never raised."""
+        try:
+            await asyncio.to_thread(set_swapped, alloc.directory, slots, 0)
+        except (FormatError, OSError) as e:
+            log.warning("swap: cannot clear the swapped flags of %s: %s", alloc.who(), e)
+
     async def _restore(self, entry: Swapped, *, reverted: bool = False) -> bool:
         """Restore + unlock the processes, clear the flags, forget the entry. `reverted`: the
         swap-out of it is being undone (it was never counted or announced as swapped out)."""
@@ -552,7 +662,7 @@ class SwapResolver:
             self.swapped[alloc.key] = entry
             return False
         self.swapped.pop(alloc.key, None)
-        await asyncio.to_thread(set_swapped, alloc.directory, entry.slots, 0)
+        await self._clear_flags(alloc, entry.slots)
         await asyncio.to_thread(drop_size, alloc.directory)
         await self.ctx.refresh_memory()
         secs = time.monotonic() - t0
@@ -580,14 +690,17 @@ def of(chain: Chain) -> SwapResolver | None:
     return next((r for r in chain.resolvers if isinstance(r, SwapResolver)), None)
 
 
-async def handle_swap_in(ctx: SwapHost, alloc: ContainerAlloc) -> int:
-    """The arbiter's handler of the shim's SWAP_IN op: the reply status."""
-    resolver = of(ctx.chain)
-    if resolver is None:
-        # No swap resolver here: nothing of ours can be swapped. Flags a container set on
-        # itself (its usage file is writable to it) are cleared so its shim goes on.
-        await asyncio.to_thread(clear_all_flags, alloc.directory)
-        return wire.BURST_GRANTED
+def restorer(chain: Chain, ctx: SwapHost) -> SwapResolver:
+    """The arbiter's swap resolver: the chain's, or one that only brings back what an
+    earlier agent swapped out (`in_chain` False) when the node's resolvers leave swap out."""
+    return of(chain) or SwapResolver(ctx, in_chain=False)
+
+
+async def handle_swap_in(resolver: SwapResolver, alloc: ContainerAlloc) -> int:
+    """The arbiter's handler of the shim's SWAP_IN op: the reply status. GRANTED only once
+    nothing of the container is held by the driver (restored, or found running); DENIED
+    otherwise, its flags left set: a flag cleared over a locked process sends it into a
+    driver call that never returns, while a denied shim asks again, backing off."""
     # Shielded: a shim that stops listening (its timeout) must not cut a restore in half;
     # it asks again and finds the work done.
     return wire.BURST_GRANTED if await asyncio.shield(resolver.swap_in(alloc)) else wire.BURST_DENIED

@@ -50,17 +50,6 @@ def set_swapped(directory: str, slots: Iterable[SlotId], value: int) -> int:
     return launches
 
 
-def clear_all_flags(directory: str) -> int:
-    """Clear every slot's swapped flag (nothing of the container is swapped); returns how many."""
-    try:
-        usage = abi.read_usage(directory)
-        writes = [("swapped", i, 0) for i, s in enumerate(usage.slots) if s.swapped]
-        abi.write_usage_fields(directory, writes)
-    except FormatError:
-        return 0
-    return len(writes)
-
-
 # The agent's record of how much of a container's GPU memory it moved to host RAM, in the
 # container's host directory (never mounted into the container, unlike its usage file): an
 # agent started while the container is swapped out counts it from here, not from a usage

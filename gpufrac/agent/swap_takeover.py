@@ -13,12 +13,11 @@ import logging
 
 from gpufrac.agent.activity import proc_identity
 from gpufrac.agent.callers import PeerLookup
-from gpufrac.agent.cuda_checkpoint import Checkpointer, ProcessState, process_state
+from gpufrac.agent.cuda_checkpoint import DETECT_RETRY, Checkpointer, ProcessState, process_state
 from gpufrac.agent.ledger import ContainerAlloc
 from gpufrac.agent.swap_files import (
     SlotId,
     Swapped,
-    clear_all_flags,
     drop_size,
     processes_of,
     read_size,
@@ -36,50 +35,74 @@ class Unknown(Exception):
     concluded (its flags stay as they are)."""
 
 
+class Unavailable(Exception):
+    """A container is flagged swapped out, and the driver's checkpoint API cannot be used
+    here now, so nobody can tell whether its processes are locked: its flags stay set (a
+    flag cleared over a locked process sends it into a driver call that never returns)."""
+
+
 class Takeover:
     def __init__(self, ckpt: Checkpointer, peers: PeerLookup) -> None:
         self.ckpt = ckpt
         self._peers = peers
         self._unknown_said: set[str] = set()  # containers whose processes could not be told apart yet
+        self._unavailable_said: set[str] = set()  # flagged containers the driver could not be asked about
+        self._unfound_said: set[str] = set()  # flagged slots whose processes could not be found
 
     async def rediscover(self, alloc: ContainerAlloc) -> Swapped | None:
         """A container flagged swapped that this agent did not swap (a previous agent did):
-        its locked or checkpointed processes become a Swapped entry again. Its flags are
-        cleared only once its processes are known (by cgroup) and the driver reports none of
-        them locked or checkpointed: a flag cleared over a locked process leaves that process
+        its locked or checkpointed processes become a Swapped entry again. A flag is cleared
+        only once the process it names is found (by cgroup) and the driver reports it running
+        (or holding no CUDA state): a flag cleared over a locked process leaves that process
         blocked in the driver with nobody to ask for it. Unknown when its processes cannot
-        be found yet."""
+        be found yet; Unavailable when the driver cannot be asked."""
         try:
             usage = await asyncio.to_thread(abi.read_usage, alloc.directory)
-        except FormatError:
-            return None
+        except (FormatError, OSError):
+            return None  # no flags to read (the container's own file, broken): nothing to take over
         flagged = [s for s in usage.slots if s.pid > 0 and s.swapped]
         if not flagged:
+            self._unavailable_said.discard(alloc.key)
             return None
         if not self.ckpt.available:
-            # No checkpoint API: nothing here can have been checkpointed by us (flags a
-            # container set on itself, its usage file being writable to it).
-            n = await asyncio.to_thread(clear_all_flags, alloc.directory)
-            await asyncio.to_thread(drop_size, alloc.directory)
-            log.info("swap: cleared %d swapped flag(s) of %s (no checkpoint API here)", n, alloc.who())
-            return None
+            if alloc.key not in self._unavailable_said:
+                self._unavailable_said.add(alloc.key)  # said once: its shim asks again and again
+                log.error(
+                    "swap: %s is flagged swapped out but the driver's checkpoint API cannot be used here "
+                    "(%s): its flags stay set and its processes wait; they come back once the API is "
+                    "found again (looked for at most every %.0fs while they ask)",
+                    alloc.who(),
+                    self.ckpt.support.reason,
+                    DETECT_RETRY,
+                )
+            raise Unavailable(f"{alloc.who()}: checkpoint API unavailable: {self.ckpt.support.reason}")
+        if alloc.key in self._unavailable_said:
+            self._unavailable_said.discard(alloc.key)
+            log.warning("swap: the checkpoint API is available again: taking over %s", alloc.who())
 
-        def find() -> list[tuple[int, SlotId, ProcessState]] | None:
+        def find() -> tuple[list[tuple[int, SlotId, ProcessState]], set[SlotId]] | None:
+            """(processes the driver holds, slots of processes it runs), or None when that
+            cannot be told now."""
             pids = processes_of(alloc, self._peers)
             if pids is None:
                 return None
-            out: list[tuple[int, SlotId, ProcessState]] = []
+            held: list[tuple[int, SlotId, ProcessState]] = []
+            running: set[SlotId] = set()
             for pid in pids:
                 state = process_state(pid, self.ckpt)
                 ident = proc_identity(pid)
                 if state in (ProcessState.CHECKPOINTING, ProcessState.RESTORING):
                     return None  # the driver is still moving it: look again later
-                if ident is not None and state in (ProcessState.LOCKED, ProcessState.CHECKPOINTED):
-                    out.append((pid, ident, state))
-            return out
+                if ident is None:
+                    continue  # exited
+                if state in (ProcessState.LOCKED, ProcessState.CHECKPOINTED):
+                    held.append((pid, ident, state))
+                elif state in (ProcessState.RUNNING, None):  # None: the driver holds no CUDA state of it
+                    running.add(ident)
+            return held, running
 
-        procs = await asyncio.to_thread(find)
-        if procs is None:
+        found = await asyncio.to_thread(find)
+        if found is None:
             if alloc.key in self._unknown_said:
                 raise Unknown(f"the processes of {alloc.who()} cannot be found yet")
             self._unknown_said.add(alloc.key)  # said once: its shim asks again and again
@@ -90,11 +113,33 @@ class Takeover:
             )
             raise Unknown(f"the processes of {alloc.who()} cannot be found yet")
         self._unknown_said.discard(alloc.key)
+        procs, running = found
         if not procs:
-            n = await asyncio.to_thread(clear_all_flags, alloc.directory)
-            await asyncio.to_thread(drop_size, alloc.directory)
+            # Nothing of it is held by the driver: clear the flags of the processes it runs.
+            # A flagged slot whose process was not found keeps its flag (a dead process's slot
+            # is freed, flag and all, by the shim; a live one asks again).
+            want = {(int(s.pid), int(s.start_time)) for s in flagged}
+            clear = sorted(want & running)
+            if clear:
+                try:
+                    await asyncio.to_thread(set_swapped, alloc.directory, clear, 0)
+                except (FormatError, OSError) as e:  # broken meanwhile: its shim asks again
+                    log.warning("swap: cannot clear the swapped flags of %s: %s", alloc.who(), e)
+            unfound = want - running
+            if not unfound:
+                await asyncio.to_thread(drop_size, alloc.directory)
+            if unfound and alloc.key not in self._unfound_said:
+                self._unfound_said.add(alloc.key)
+                log.warning(
+                    "swap: %s: slot(s) %s flagged swapped out name no process found in its cgroup; "
+                    "their flags stay set",
+                    alloc.who(),
+                    sorted(unfound),
+                )
             log.info(
-                "swap: cleared %d stale swapped flag(s) of %s (no process of it is locked)", n, alloc.who()
+                "swap: cleared %d stale swapped flag(s) of %s (the driver runs its processes)",
+                len(clear),
+                alloc.who(),
             )
             return None
         want = {(int(s.pid), int(s.start_time)) for s in flagged}

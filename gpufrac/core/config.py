@@ -196,6 +196,13 @@ class Config:
                     f"{key}: {seconds:g}s is more than the shim's limit of {MAX_MS_FIELD_S:g}s "
                     "(a 32-bit count of milliseconds, about 49.7 days)"
                 )
+        # The driver's cuCheckpointProcessLock takes a u32 of milliseconds, and 0 means no timeout
+        # at all (a swap-out would wait on a busy victim for ever): at least 1 ms, at most the field.
+        if not 0.001 <= self.swap.lock_timeout <= MAX_MS_FIELD_S:
+            raise ConfigError(
+                f"swap.lockTimeout: {self.swap.lock_timeout:g}s must be between 1ms and {MAX_MS_FIELD_S:g}s "
+                "(the driver's 32-bit count of milliseconds, where 0 would mean no timeout)"
+            )
         lim = self.arbiter_limits
         for key, value, low in (
             ("connectionsPerContainer", lim.connections_per_container, 1),

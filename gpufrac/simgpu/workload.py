@@ -11,6 +11,8 @@ Commands, one per line; each answers exactly one line:
     free ID       cuMemFree buffer ID                      -> "ok"
     check ID      check_u32 kernel: do the buffer's bytes still hold their value?
                   -> "ok" or "corrupt <mismatches>"
+    read ID       cuMemcpyDtoH of the buffer's first u32, nothing launched -> "value <V>"
+    sync          cuCtxSynchronize alone                   -> "ok"
     busy US       launch the busy kernel for US microseconds and synchronize -> "ok"
     info          cuMemGetInfo as the app sees it          -> "free <bytes> total <bytes>"
     nvml          nvmlDeviceGetMemoryInfo of device 0 as the app sees it, v1 then v2
@@ -90,6 +92,14 @@ def _serve() -> int:
                 out = (ctypes.c_uint64 * 1)()
                 chk(cu.cuMemcpyDtoH(out, result, RESULT_BYTES))
                 print("ok" if out[0] == 0 else f"corrupt {out[0]}", flush=True)
+            elif cmd == "read":
+                ptr, _, _ = buffers[int(a[0])]
+                word = (ctypes.c_uint32 * 1)()
+                chk(cu.cuMemcpyDtoH(word, ptr, 4))
+                print(f"value {word[0]}", flush=True)
+            elif cmd == "sync":
+                chk(cu.cuCtxSynchronize())
+                print("ok", flush=True)
             elif cmd == "busy":
                 launch(busy, (int(a[0]), u64))
                 print("ok", flush=True)

@@ -139,6 +139,25 @@ PROC_CASES = [
     ("cuStreamSynchronize", 12000, 2, "cuStreamSynchronize_ptsz"),
     ("cuEventSynchronize", 12000, 0, "cuEventSynchronize"),
     ("cuCtxSynchronize", 12000, 0, "cuCtxSynchronize"),
+    # The swap-in gate alone (mg_copy.c): copies, memsets, stream and event queries.
+    ("cuMemcpy", 12000, 0, "cuMemcpy"),
+    ("cuMemcpy", 12000, 2, "cuMemcpy_ptds"),
+    ("cuMemcpyDtoH", 12000, 0, "cuMemcpyDtoH_v2"),
+    ("cuMemcpyDtoH", 12000, 2, "cuMemcpyDtoH_v2_ptds"),
+    ("cuMemcpyHtoD", 12000, 0, "cuMemcpyHtoD_v2"),
+    ("cuMemcpyDtoD", 12000, 2, "cuMemcpyDtoD_v2_ptds"),
+    ("cuMemcpyAsync", 12000, 2, "cuMemcpyAsync_ptsz"),
+    ("cuMemcpyDtoHAsync", 12000, 0, "cuMemcpyDtoHAsync_v2"),
+    ("cuMemcpyDtoHAsync", 12000, 2, "cuMemcpyDtoHAsync_v2_ptsz"),
+    ("cuMemsetD8", 12000, 0, "cuMemsetD8_v2"),
+    ("cuMemsetD32", 12000, 2, "cuMemsetD32_v2_ptds"),
+    ("cuMemsetD32Async", 12000, 2, "cuMemsetD32Async_ptsz"),
+    ("cuStreamQuery", 12000, 0, "cuStreamQuery"),
+    ("cuStreamQuery", 12000, 2, "cuStreamQuery_ptsz"),
+    ("cuStreamWaitEvent", 12000, 2, "cuStreamWaitEvent_ptsz"),
+    ("cuEventQuery", 12000, 0, "cuEventQuery"),
+    ("cuEventRecord", 12000, 0, "cuEventRecord"),
+    ("cuEventRecordWithFlags", 12000, 2, "cuEventRecordWithFlags_ptsz"),
 ]
 
 

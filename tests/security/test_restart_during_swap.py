@@ -11,26 +11,67 @@ over, and restores them on their next GPU call, bytes intact.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
+import yaml
 
 from gpufrac.memguard import abi
-from tests.fixtures.e2e import TIMEOUT, E2ENode, MiB, PodRun
+from gpufrac.simgpu.nodestate import NodeState
+from tests.fixtures.e2e import TIMEOUT, E2ENode, MiB
 from tests.fixtures.polling import until
+from tests.fixtures.swapping import idle_for, swapped, swapped_out
 
 
-def idle_for(pod: PodRun, seconds: float) -> bool:
-    """Whether the pod's processes launched nothing for `seconds` (their usage slots)."""
-    slots = [s for s in abi.read_usage(pod.host_dir).slots if s.pid > 0]
-    last = max((int(s.last_activity_ns) for s in slots), default=0)
-    return bool(slots) and (time.monotonic_ns() - last) / 1e9 >= seconds
+def restart_with(node: E2ENode, **config: Any) -> None:
+    """The agent killed (-9) and started again with `config` over its node config."""
+    agent = node.sim.agent
+    agent.kill()
+    cfg = yaml.safe_load(agent.config_path.read_text())
+    cfg.update(config)
+    agent.config_path.write_text(yaml.safe_dump(cfg))
+    node.sim.restart_agent()
 
 
-def swapped(pod: PodRun) -> bool:
-    slots = [s for s in abi.read_usage(pod.host_dir).slots if s.pid > 0]
-    return bool(slots) and all(s.swapped for s in slots)
+def test_a_container_swapped_out_comes_back_after_a_restart_without_swap_in_the_resolvers(
+    e2e_node: Callable[..., E2ENode],
+) -> None:
+    """The new agent's resolvers leave swap out: what the previous one swapped out is still
+    taken over and brought back (not its flags cleared over processes the driver holds)."""
+    node = e2e_node(resolvers=["swap", "wait"], swap={"idleThreshold": "1s"})
+    victim, guarantee, burst = swapped_out(node)
+    restart_with(node, resolvers=["evict", "wait"])
+    log = node.sim.agent.log
+    assert victim.app.do(f"check {guarantee[1]}", TIMEOUT) == "ok", log()[-3000:]
+    assert victim.app.do(f"check {burst[1]}", TIMEOUT) == "ok"
+    assert not any(s.swapped for s in abi.read_usage(victim.host_dir).slots)
+    assert "taken over" in log() and victim.alive()
+
+
+def test_a_swapped_container_waits_while_the_checkpoint_api_cannot_be_used_and_then_comes_back(
+    e2e_node: Callable[..., E2ENode],
+) -> None:
+    """The new agent cannot use the checkpoint API (detection fails): nobody can tell whether
+    the victim's processes are locked, so its flags stay set and its swap-ins are denied (its
+    shim asks again, backing off) rather than let it call into a locked driver for ever. Once
+    the API works again, it comes back with its bytes."""
+    node = e2e_node(resolvers=["swap", "wait"], swap={"idleThreshold": "1s"})
+    victim, guarantee, burst = swapped_out(node)
+    with NodeState(node.sim.node_state) as st:
+        st.node.checkpoint_supported = 0  # the new agent's detection finds no checkpoint API
+    restart_with(node)
+    log = node.sim.agent.log
+    victim.app.send(f"check {guarantee[1]}")  # its next GPU work asks for its memory back
+    until(lambda: "asks for its memory back; denied" in log(), what="the victim's swap-in denied")
+    assert "cannot be used here" in log()  # said loudly, at ERROR
+    assert swapped(victim)  # flags kept: its shim goes on asking instead of calling a locked driver
+    with NodeState(node.sim.node_state) as st:
+        st.node.checkpoint_supported = 1
+    assert victim.app.line(TIMEOUT) == "ok", log()[-3000:]  # the API found again: restored
+    assert victim.app.do(f"check {burst[1]}", TIMEOUT) == "ok"
+    assert not any(s.swapped for s in abi.read_usage(victim.host_dir).slots)
+    assert victim.alive()
 
 
 @pytest.mark.parametrize("run", range(3))  # the race lost 7 of 10 times: each run is a fresh try

@@ -111,8 +111,9 @@ class Arbiter:
         self.chain = resolvers if resolvers is not None else build_chain(config.resolvers, self)
         # A guarantee is reclaimed with an evict step even where `resolvers` leaves it out.
         self.guarantee_chain = guarantee_chain(self.chain, self)
-        # The swap resolver, if configured: its victims' memory is in host RAM, not on the GPU.
-        self.swap = swap_mod.of(self.chain)
+        # The swap resolver: the chain's when configured, else one that only brings back what
+        # an earlier agent swapped out. Its containers' memory is in host RAM, not on the GPU.
+        self.swap = swap_mod.restorer(self.chain, self)
         self.fairness = Fairness.from_config(config, peers.proc, metrics=metrics)
         self.server = SocketServer(self, socket_path, config.arbiter_limits.listen_backlog)
         # Each container's own socket (its connections share the server's bookkeeping).
@@ -376,7 +377,7 @@ class Arbiter:
         """What the container holds on its GPU (a swapped-out container: nothing): the larger
         of its usage file (clamped to what it was given) and the driver's count
         (gpufrac.agent.truth). None when the file cannot be read."""
-        if self.swap is not None and self.swap.is_swapped(alloc.key):
+        if self.swap.is_swapped(alloc.key):
             return 0
         used = self.files.file_used(alloc)
         if used is None:
@@ -449,6 +450,11 @@ class Arbiter:
             )
         return out
 
+    def usage_readable(self, alloc: ContainerAlloc) -> bool:
+        """Whether the container's usage file can be read now (the swap resolver leaves a
+        container whose file is broken out of its victims: its shim could not be told back)."""
+        return self.files.file_used(alloc) is not None
+
     async def second_reading(self) -> None:
         """A new NVML reading, distinct from the last (gpufrac.agent.arbiter.readings)."""
         await self.readings.second_reading()
@@ -471,7 +477,7 @@ class Arbiter:
         # make its guarantee look missing.
         file_used = self.files.file_used(alloc) or 0
         held = max(truth.clamp_file(alloc, file_used) - inflight, self.driver_used(alloc) or 0, 0)
-        if self.swap is not None and self.swap.is_swapped(alloc.key):
+        if self.swap.is_swapped(alloc.key):
             held = 0
         return grants.guarantee_shortfall(alloc.request_bytes, held, free, self.config.grant_margin, pending)
 
@@ -488,7 +494,7 @@ class Arbiter:
     # -- swap (gpufrac.agent.swap: the SWAP_IN op and what the swap resolver asks) ----------------
 
     async def _swap_in(self, caller: Caller) -> Result:
-        status = await swap_mod.handle_swap_in(self, caller.alloc)
+        status = await swap_mod.handle_swap_in(self.swap, caller.alloc)
         return status, self.files.generation(caller.alloc)
 
     # -- releases ----------------------------------------------------------------------------------

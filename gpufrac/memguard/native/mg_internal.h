@@ -23,6 +23,7 @@
  *   mg_view.c     memory queries: the container's total and free memory
  *   mg_nvml.c     NVML's process lists, utilisation and BAR1, the container's view
  *   mg_launch.c   kernel and graph launches: activity and the swap-in gate
+ *   mg_copy.c     copies, memsets, stream and event queries: the swap-in gate alone
  *   mg_ctx.c      contexts, modules, libraries and cuCtxSetLimit memory
  *   mg_measure.c  how much memory such a call took, measured around it
  *   mg_graph.c    CUDA graph memory and stream capture
@@ -239,6 +240,18 @@ MG_HIDDEN void mg_maybe_return_grant(void);
 MG_HIDDEN void mg_exit_return_grant(void);
 MG_HIDDEN MG_COLD void mg_swap_in(mg_proc_slot_t *s);
 
+/* The swap-in gate. While the agent holds this process swapped out (its slot's
+ * flag), the driver blocks every CUDA call of it until it is restored, and only the
+ * shim can ask for that: so every hook of an entry point that reaches the GPU
+ * (launches, allocations and frees, copies, memsets, stream, event and context
+ * waits and queries, memory queries) passes here first. Two loads when not swapped:
+ * the slot (none in a process that never counted anything, which nobody swaps) and
+ * its flag. mg_charge and the launches check the flag themselves. */
+static inline void mg_swap_gate(void) {
+    mg_proc_slot_t *s = atomic_load_explicit(&g_slot, memory_order_acquire);
+    if (MG_UNLIKELY(s != NULL && atomic_load_explicit(&s->swapped, memory_order_acquire))) mg_swap_in(s);
+}
+
 /* ------------------------------------------------------------------------ */
 /* What the hook sources offer each other.                                   */
 
@@ -302,6 +315,7 @@ MG_HIDDEN int mg_stream_capturing(CUstream s);
  * them) leave their block idle in the pool: see mg_pool_freed. */
 #define FREE_HOOK(sym, tab, key, in_order, params, ...)                 \
     HOOK CUresult mg_h_##sym params {                                   \
+        mg_swap_gate();                                                 \
         if (!mg_on()) return CALL_REAL(sym, __VA_ARGS__);               \
         uint64_t bytes = 0, aux = 0, slop = 0, key_ = (uint64_t)(key);  \
         int found = mg_tab_take_slop(&(tab), key_, &bytes, &aux, &slop); \

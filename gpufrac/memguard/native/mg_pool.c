@@ -552,6 +552,7 @@ HOOK CUresult mg_h_cuMemPoolDestroy(CUmemoryPool pool) {
 /* Synchronize points: where pools release memory above their threshold. */
 #define SYNC_HOOK(sym, params, ...)                   \
     HOOK CUresult mg_h_##sym params {                 \
+        mg_swap_gate();                               \
         mg_sync_begin();                              \
         CUresult rc = CALL_REAL(sym, __VA_ARGS__);    \
         if (mg_on()) mg_pools_synced();               \
@@ -563,6 +564,7 @@ SYNC_HOOK(cuStreamSynchronize, (CUstream hStream), hStream)
 SYNC_HOOK(cuStreamSynchronize_ptsz, (CUstream hStream), hStream)
 SYNC_HOOK(cuEventSynchronize, (CUevent hEvent), hEvent)
 HOOK CUresult mg_h_cuCtxSynchronize(void) {
+    mg_swap_gate();
     mg_sync_begin();
     CUresult rc = CALL_REAL(cuCtxSynchronize);
     if (mg_on()) mg_pools_synced();

@@ -122,6 +122,133 @@
     X(cuGraphLaunch, "cuGraphLaunch", 10000, LIB_CUDA, 0)                              \
     X(cuGraphLaunch_ptsz, "cuGraphLaunch", 10000, LIB_CUDA, 1)
 
+/* mg_copy.c: entry points that only gate, one list giving both their rows and their
+ * hooks: G(X, exported name, base name, cudaVersion, ptds, parameters, arguments). */
+#define MG_GATES(G, X)                                                                                       \
+    G(X, cuMemcpy, "cuMemcpy", 4000, 0, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n))                  \
+    G(X, cuMemcpy_ptds, "cuMemcpy", 7000, 1, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n))             \
+    G(X, cuMemcpyPeer, "cuMemcpyPeer", 4000, 0,                                                               \
+      (CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc, size_t n), (d, dc, s, sc, n))                \
+    G(X, cuMemcpyPeer_ptds, "cuMemcpyPeer", 7000, 1,                                                          \
+      (CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc, size_t n), (d, dc, s, sc, n))                \
+    G(X, cuMemcpyHtoD_v2, "cuMemcpyHtoD", 3020, 0, (CUdeviceptr d, const void *s, size_t n), (d, s, n))       \
+    G(X, cuMemcpyHtoD_v2_ptds, "cuMemcpyHtoD", 7000, 1, (CUdeviceptr d, const void *s, size_t n), (d, s, n))  \
+    G(X, cuMemcpyDtoH_v2, "cuMemcpyDtoH", 3020, 0, (void *d, CUdeviceptr s, size_t n), (d, s, n))             \
+    G(X, cuMemcpyDtoH_v2_ptds, "cuMemcpyDtoH", 7000, 1, (void *d, CUdeviceptr s, size_t n), (d, s, n))        \
+    G(X, cuMemcpyDtoD_v2, "cuMemcpyDtoD", 3020, 0, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n))       \
+    G(X, cuMemcpyDtoD_v2_ptds, "cuMemcpyDtoD", 7000, 1, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n))  \
+    G(X, cuMemcpyDtoA_v2, "cuMemcpyDtoA", 3020, 0, (CUarray d, size_t o, CUdeviceptr s, size_t n), (d, o, s, n)) \
+    G(X, cuMemcpyDtoA_v2_ptds, "cuMemcpyDtoA", 7000, 1, (CUarray d, size_t o, CUdeviceptr s, size_t n),      \
+      (d, o, s, n))                                                                                           \
+    G(X, cuMemcpyAtoD_v2, "cuMemcpyAtoD", 3020, 0, (CUdeviceptr d, CUarray s, size_t o, size_t n), (d, s, o, n)) \
+    G(X, cuMemcpyAtoD_v2_ptds, "cuMemcpyAtoD", 7000, 1, (CUdeviceptr d, CUarray s, size_t o, size_t n),      \
+      (d, s, o, n))                                                                                           \
+    G(X, cuMemcpyHtoA_v2, "cuMemcpyHtoA", 3020, 0, (CUarray d, size_t o, const void *s, size_t n), (d, o, s, n)) \
+    G(X, cuMemcpyHtoA_v2_ptds, "cuMemcpyHtoA", 7000, 1, (CUarray d, size_t o, const void *s, size_t n),      \
+      (d, o, s, n))                                                                                           \
+    G(X, cuMemcpyAtoH_v2, "cuMemcpyAtoH", 3020, 0, (void *d, CUarray s, size_t o, size_t n), (d, s, o, n))    \
+    G(X, cuMemcpyAtoH_v2_ptds, "cuMemcpyAtoH", 7000, 1, (void *d, CUarray s, size_t o, size_t n), (d, s, o, n)) \
+    G(X, cuMemcpyAtoA_v2, "cuMemcpyAtoA", 3020, 0, (CUarray d, size_t dox, CUarray s, size_t so, size_t n),   \
+      (d, dox, s, so, n))                                                                                     \
+    G(X, cuMemcpyAtoA_v2_ptds, "cuMemcpyAtoA", 7000, 1, (CUarray d, size_t dox, CUarray s, size_t so, size_t n), \
+      (d, dox, s, so, n))                                                                                     \
+    G(X, cuMemcpy2D_v2, "cuMemcpy2D", 3020, 0, (const void *p), (p))                                          \
+    G(X, cuMemcpy2D_v2_ptds, "cuMemcpy2D", 7000, 1, (const void *p), (p))                                     \
+    G(X, cuMemcpy2DUnaligned_v2, "cuMemcpy2DUnaligned", 3020, 0, (const void *p), (p))                        \
+    G(X, cuMemcpy2DUnaligned_v2_ptds, "cuMemcpy2DUnaligned", 7000, 1, (const void *p), (p))                   \
+    G(X, cuMemcpy3D_v2, "cuMemcpy3D", 3020, 0, (const void *p), (p))                                          \
+    G(X, cuMemcpy3D_v2_ptds, "cuMemcpy3D", 7000, 1, (const void *p), (p))                                     \
+    G(X, cuMemcpy3DPeer, "cuMemcpy3DPeer", 4000, 0, (const void *p), (p))                                     \
+    G(X, cuMemcpy3DPeer_ptds, "cuMemcpy3DPeer", 7000, 1, (const void *p), (p))                                \
+    G(X, cuMemcpyAsync, "cuMemcpyAsync", 4000, 0, (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream h), (d, s, n, h)) \
+    G(X, cuMemcpyAsync_ptsz, "cuMemcpyAsync", 7000, 1, (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream h),  \
+      (d, s, n, h))                                                                                           \
+    G(X, cuMemcpyPeerAsync, "cuMemcpyPeerAsync", 4000, 0,                                                     \
+      (CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc, size_t n, CUstream h), (d, dc, s, sc, n, h)) \
+    G(X, cuMemcpyPeerAsync_ptsz, "cuMemcpyPeerAsync", 7000, 1,                                                \
+      (CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc, size_t n, CUstream h), (d, dc, s, sc, n, h)) \
+    G(X, cuMemcpyHtoDAsync_v2, "cuMemcpyHtoDAsync", 3020, 0, (CUdeviceptr d, const void *s, size_t n, CUstream h), \
+      (d, s, n, h))                                                                                           \
+    G(X, cuMemcpyHtoDAsync_v2_ptsz, "cuMemcpyHtoDAsync", 7000, 1,                                             \
+      (CUdeviceptr d, const void *s, size_t n, CUstream h), (d, s, n, h))                                     \
+    G(X, cuMemcpyDtoHAsync_v2, "cuMemcpyDtoHAsync", 3020, 0, (void *d, CUdeviceptr s, size_t n, CUstream h),  \
+      (d, s, n, h))                                                                                           \
+    G(X, cuMemcpyDtoHAsync_v2_ptsz, "cuMemcpyDtoHAsync", 7000, 1, (void *d, CUdeviceptr s, size_t n, CUstream h), \
+      (d, s, n, h))                                                                                           \
+    G(X, cuMemcpyDtoDAsync_v2, "cuMemcpyDtoDAsync", 3020, 0, (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream h), \
+      (d, s, n, h))                                                                                           \
+    G(X, cuMemcpyDtoDAsync_v2_ptsz, "cuMemcpyDtoDAsync", 7000, 1,                                             \
+      (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream h), (d, s, n, h))                                     \
+    G(X, cuMemcpyHtoAAsync_v2, "cuMemcpyHtoAAsync", 3020, 0,                                                  \
+      (CUarray d, size_t o, const void *s, size_t n, CUstream h), (d, o, s, n, h))                            \
+    G(X, cuMemcpyHtoAAsync_v2_ptsz, "cuMemcpyHtoAAsync", 7000, 1,                                             \
+      (CUarray d, size_t o, const void *s, size_t n, CUstream h), (d, o, s, n, h))                            \
+    G(X, cuMemcpyAtoHAsync_v2, "cuMemcpyAtoHAsync", 3020, 0, (void *d, CUarray s, size_t o, size_t n, CUstream h), \
+      (d, s, o, n, h))                                                                                        \
+    G(X, cuMemcpyAtoHAsync_v2_ptsz, "cuMemcpyAtoHAsync", 7000, 1,                                             \
+      (void *d, CUarray s, size_t o, size_t n, CUstream h), (d, s, o, n, h))                                  \
+    G(X, cuMemcpy2DAsync_v2, "cuMemcpy2DAsync", 3020, 0, (const void *p, CUstream h), (p, h))                 \
+    G(X, cuMemcpy2DAsync_v2_ptsz, "cuMemcpy2DAsync", 7000, 1, (const void *p, CUstream h), (p, h))            \
+    G(X, cuMemcpy3DAsync_v2, "cuMemcpy3DAsync", 3020, 0, (const void *p, CUstream h), (p, h))                 \
+    G(X, cuMemcpy3DAsync_v2_ptsz, "cuMemcpy3DAsync", 7000, 1, (const void *p, CUstream h), (p, h))            \
+    G(X, cuMemcpy3DPeerAsync, "cuMemcpy3DPeerAsync", 4000, 0, (const void *p, CUstream h), (p, h))            \
+    G(X, cuMemcpy3DPeerAsync_ptsz, "cuMemcpy3DPeerAsync", 7000, 1, (const void *p, CUstream h), (p, h))       \
+    G(X, cuMemsetD8_v2, "cuMemsetD8", 3020, 0, (CUdeviceptr d, unsigned char v, size_t n), (d, v, n))         \
+    G(X, cuMemsetD8_v2_ptds, "cuMemsetD8", 7000, 1, (CUdeviceptr d, unsigned char v, size_t n), (d, v, n))    \
+    G(X, cuMemsetD16_v2, "cuMemsetD16", 3020, 0, (CUdeviceptr d, unsigned short v, size_t n), (d, v, n))      \
+    G(X, cuMemsetD16_v2_ptds, "cuMemsetD16", 7000, 1, (CUdeviceptr d, unsigned short v, size_t n), (d, v, n)) \
+    G(X, cuMemsetD32_v2, "cuMemsetD32", 3020, 0, (CUdeviceptr d, unsigned int v, size_t n), (d, v, n))        \
+    G(X, cuMemsetD32_v2_ptds, "cuMemsetD32", 7000, 1, (CUdeviceptr d, unsigned int v, size_t n), (d, v, n))   \
+    G(X, cuMemsetD2D8_v2, "cuMemsetD2D8", 3020, 0,                                                            \
+      (CUdeviceptr d, size_t p, unsigned char v, size_t w, size_t hgt), (d, p, v, w, hgt))                    \
+    G(X, cuMemsetD2D8_v2_ptds, "cuMemsetD2D8", 7000, 1,                                                       \
+      (CUdeviceptr d, size_t p, unsigned char v, size_t w, size_t hgt), (d, p, v, w, hgt))                    \
+    G(X, cuMemsetD2D16_v2, "cuMemsetD2D16", 3020, 0,                                                          \
+      (CUdeviceptr d, size_t p, unsigned short v, size_t w, size_t hgt), (d, p, v, w, hgt))                   \
+    G(X, cuMemsetD2D16_v2_ptds, "cuMemsetD2D16", 7000, 1,                                                     \
+      (CUdeviceptr d, size_t p, unsigned short v, size_t w, size_t hgt), (d, p, v, w, hgt))                   \
+    G(X, cuMemsetD2D32_v2, "cuMemsetD2D32", 3020, 0,                                                          \
+      (CUdeviceptr d, size_t p, unsigned int v, size_t w, size_t hgt), (d, p, v, w, hgt))                     \
+    G(X, cuMemsetD2D32_v2_ptds, "cuMemsetD2D32", 7000, 1,                                                     \
+      (CUdeviceptr d, size_t p, unsigned int v, size_t w, size_t hgt), (d, p, v, w, hgt))                     \
+    G(X, cuMemsetD8Async, "cuMemsetD8Async", 3020, 0, (CUdeviceptr d, unsigned char v, size_t n, CUstream h), \
+      (d, v, n, h))                                                                                           \
+    G(X, cuMemsetD8Async_ptsz, "cuMemsetD8Async", 7000, 1,                                                    \
+      (CUdeviceptr d, unsigned char v, size_t n, CUstream h), (d, v, n, h))                                   \
+    G(X, cuMemsetD16Async, "cuMemsetD16Async", 3020, 0, (CUdeviceptr d, unsigned short v, size_t n, CUstream h), \
+      (d, v, n, h))                                                                                           \
+    G(X, cuMemsetD16Async_ptsz, "cuMemsetD16Async", 7000, 1,                                                  \
+      (CUdeviceptr d, unsigned short v, size_t n, CUstream h), (d, v, n, h))                                  \
+    G(X, cuMemsetD32Async, "cuMemsetD32Async", 3020, 0, (CUdeviceptr d, unsigned int v, size_t n, CUstream h), \
+      (d, v, n, h))                                                                                           \
+    G(X, cuMemsetD32Async_ptsz, "cuMemsetD32Async", 7000, 1,                                                  \
+      (CUdeviceptr d, unsigned int v, size_t n, CUstream h), (d, v, n, h))                                    \
+    G(X, cuMemsetD2D8Async, "cuMemsetD2D8Async", 3020, 0,                                                     \
+      (CUdeviceptr d, size_t p, unsigned char v, size_t w, size_t hgt, CUstream h), (d, p, v, w, hgt, h))     \
+    G(X, cuMemsetD2D8Async_ptsz, "cuMemsetD2D8Async", 7000, 1,                                                \
+      (CUdeviceptr d, size_t p, unsigned char v, size_t w, size_t hgt, CUstream h), (d, p, v, w, hgt, h))     \
+    G(X, cuMemsetD2D16Async, "cuMemsetD2D16Async", 3020, 0,                                                   \
+      (CUdeviceptr d, size_t p, unsigned short v, size_t w, size_t hgt, CUstream h), (d, p, v, w, hgt, h))    \
+    G(X, cuMemsetD2D16Async_ptsz, "cuMemsetD2D16Async", 7000, 1,                                              \
+      (CUdeviceptr d, size_t p, unsigned short v, size_t w, size_t hgt, CUstream h), (d, p, v, w, hgt, h))    \
+    G(X, cuMemsetD2D32Async, "cuMemsetD2D32Async", 3020, 0,                                                   \
+      (CUdeviceptr d, size_t p, unsigned int v, size_t w, size_t hgt, CUstream h), (d, p, v, w, hgt, h))      \
+    G(X, cuMemsetD2D32Async_ptsz, "cuMemsetD2D32Async", 7000, 1,                                              \
+      (CUdeviceptr d, size_t p, unsigned int v, size_t w, size_t hgt, CUstream h), (d, p, v, w, hgt, h))      \
+    G(X, cuStreamQuery, "cuStreamQuery", 2000, 0, (CUstream h), (h))                                          \
+    G(X, cuStreamQuery_ptsz, "cuStreamQuery", 7000, 1, (CUstream h), (h))                                     \
+    G(X, cuStreamWaitEvent, "cuStreamWaitEvent", 3020, 0, (CUstream h, CUevent e, unsigned int f), (h, e, f)) \
+    G(X, cuStreamWaitEvent_ptsz, "cuStreamWaitEvent", 7000, 1, (CUstream h, CUevent e, unsigned int f), (h, e, f)) \
+    G(X, cuEventQuery, "cuEventQuery", 2000, 0, (CUevent e), (e))                                             \
+    G(X, cuEventRecord, "cuEventRecord", 2000, 0, (CUevent e, CUstream h), (e, h))                            \
+    G(X, cuEventRecord_ptsz, "cuEventRecord", 7000, 1, (CUevent e, CUstream h), (e, h))                       \
+    G(X, cuEventRecordWithFlags, "cuEventRecordWithFlags", 11010, 0, (CUevent e, CUstream h, unsigned int f), \
+      (e, h, f))                                                                                              \
+    G(X, cuEventRecordWithFlags_ptsz, "cuEventRecordWithFlags", 11010, 1, (CUevent e, CUstream h, unsigned int f), \
+      (e, h, f))
+#define MG_GATE_ROW(X, sym, base, ver, ptds, params, args) X(sym, base, ver, LIB_CUDA, ptds)
+#define MG_SYMBOLS_COPY(X) MG_GATES(MG_GATE_ROW, X)
+
 /* mg_nvml.c */
 #define MG_SYMBOLS_NVML(X)                                             \
     X(nvmlDeviceGetComputeRunningProcesses, "", 0, LIB_NVML, 0)        \
@@ -142,7 +269,8 @@
  * in the order cuGetProcAddress's match relies on (mg_proc_hook). */
 #define MG_SYMBOLS_ALL(X)                                                                          \
     MG_SYMBOLS_CTX(X) MG_SYMBOLS_GRAPH(X) MG_SYMBOLS_PROC(X) MG_SYMBOLS_ALLOC(X) MG_SYMBOLS_POOL(X) \
-    MG_SYMBOLS_VMM(X) MG_SYMBOLS_ARRAY(X) MG_SYMBOLS_VIEW(X) MG_SYMBOLS_LAUNCH(X) MG_SYMBOLS_NVML(X)
+    MG_SYMBOLS_VMM(X) MG_SYMBOLS_ARRAY(X) MG_SYMBOLS_VIEW(X) MG_SYMBOLS_LAUNCH(X) MG_SYMBOLS_COPY(X)   \
+    MG_SYMBOLS_NVML(X)
 
 /* ------------------------------------------------------------------------ */
 /* The hooks.                                                                */
@@ -276,6 +404,11 @@ MG_HIDDEN CUresult mg_h_cuLaunchCooperativeKernel MG_COOP_PARAMS;
 MG_HIDDEN CUresult mg_h_cuLaunchCooperativeKernel_ptsz MG_COOP_PARAMS;
 MG_HIDDEN CUresult mg_h_cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream);
 MG_HIDDEN CUresult mg_h_cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream);
+
+/* mg_copy.c */
+#define MG_GATE_PROTO(X, sym, base, ver, ptds, params, args) MG_HIDDEN CUresult mg_h_##sym params;
+MG_GATES(MG_GATE_PROTO, _)
+#undef MG_GATE_PROTO
 
 /* mg_nvml.c */
 MG_HIDDEN nvmlReturn_t mg_h_nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,

@@ -39,6 +39,7 @@ static int mg_view(uint64_t real_free, uint64_t real_total, uint64_t *vfree, uin
 static inline unsigned int mg_u32(uint64_t v) { return v > UINT_MAX ? UINT_MAX : (unsigned int)v; }
 
 HOOK CUresult mg_h_cuMemGetInfo_v2(size_t *free_, size_t *total) {
+    mg_swap_gate(); /* the driver answers a locked process's query only once it is restored */
     CUresult rc = CALL_REAL(cuMemGetInfo_v2, free_, total);
     uint64_t vf, vt;
     if (rc == CUDA_SUCCESS && free_ && total && mg_view(*free_, *total, &vf, &vt)) {
@@ -49,6 +50,7 @@ HOOK CUresult mg_h_cuMemGetInfo_v2(size_t *free_, size_t *total) {
 }
 
 HOOK CUresult mg_h_cuMemGetInfo(unsigned int *free_, unsigned int *total) {
+    mg_swap_gate();
     CUresult rc = CALL_REAL(cuMemGetInfo, free_, total);
     uint64_t vf, vt;
     if (rc == CUDA_SUCCESS && free_ && total && mg_view(*free_, *total, &vf, &vt)) {
