@@ -101,7 +101,9 @@ class Arbiter:
         self.activity = activity
         self.read_timeout = read_timeout if read_timeout is not None else config.arbiter_timeout
         self.stats = Stats()
-        self.queue = WaitQueue(self._refresh_soon, NVML_FRESH, self._wait_timed_out)
+        self.queue = WaitQueue(
+            self._refresh_soon, NVML_FRESH, self._wait_timed_out, config.head_of_line_bound
+        )
         # One context allowance per container (docs/watchdog.md), as the watchdog's.
         self.readings = DriverReadings(
             memory, processes, peers, config.watchdog.tolerance, self.queue.notify_all
@@ -319,12 +321,13 @@ class Arbiter:
 
     def _try_grant(self, need: Need, target: int) -> bool:
         """A need's grant, unless it asks for burst bytes while a request ranks ahead of it on
-        its GPU (it is granted once, whoever tries). No new bytes (a swap-in within its
-        guarantee) never queue: a guarantee never waits."""
+        its GPU and still holds it back (WaitQueue.ahead: a waiter, for at most the node's
+        headOfLineBound since the need came). It is granted once, whoever tries. No new bytes
+        (a swap-in within its guarantee) never queue: a guarantee never waits."""
         asks_more = target > need.requester.config.grant_bytes
         if (
             not need.granted
-            and not (asks_more and self.queue.ahead(need.gpu, need.order, need))
+            and not (asks_more and self.queue.ahead(need.gpu, need.order, need, need.arrived))
             and self._grant(need.requester, target)
         ):
             need.granted = True
