@@ -376,15 +376,27 @@ class Arbiter:
         return self.readings.driver_used(alloc)
 
     def _used(self, alloc: ContainerAlloc) -> int | None:
-        """What the container holds on its GPU (a swapped-out container: nothing): the larger
-        of its usage file (clamped to what it was given) and the driver's count
-        (gpufrac.agent.truth). None when the file cannot be read."""
-        if self.swap is not None and self.swap.is_swapped(alloc.key):
-            return 0
+        """What the container holds on its GPU: the larger of its usage file (clamped to what
+        it was given) and the driver's count (gpufrac.agent.truth). None when the file cannot
+        be read. A swapped-out container: the driver's count alone (`_swapped_used`)."""
+        swapped = self._swapped_used(alloc)
+        if swapped is not None:
+            return swapped
         used = self.files.file_used(alloc)
         if used is None:
             return None
         return max(truth.clamp_file(alloc, used), self.driver_used(alloc) or 0)
+
+    def _swapped_used(self, alloc: ContainerAlloc) -> int | None:
+        """For a swapped-out container, what NVML counts for its live processes (its
+        checkpointed ones hold nothing on the GPU, its file still counts what they had in
+        host RAM); None for one that is not swapped out. Never a flat 0: a process it starts
+        after the swap-out (without the shim: it asks the agent nothing) holds GPU memory
+        that must weigh as any other's, or it could take a neighbour's guarantee and be no
+        eviction victim for it."""
+        if self.swap is None or not self.swap.is_swapped(alloc.key):
+            return None
+        return self.driver_used(alloc) or 0
 
     def _held(self, alloc: ContainerAlloc) -> int:
         """`_used`, or, for a container whose usage file cannot be read (the tenant's to
@@ -474,8 +486,9 @@ class Arbiter:
         # make its guarantee look missing.
         file_used = self.files.file_used(alloc) or 0
         held = max(truth.clamp_file(alloc, file_used) - inflight, self.driver_used(alloc) or 0, 0)
-        if self.swap is not None and self.swap.is_swapped(alloc.key):
-            held = 0
+        swapped = self._swapped_used(alloc)
+        if swapped is not None:
+            held = swapped  # what is in host RAM is not on the GPU; what its live processes hold is
         return grants.guarantee_shortfall(alloc.request_bytes, held, free, self.config.grant_margin, pending)
 
     # -- NVML --------------------------------------------------------------------------------------
