@@ -56,6 +56,9 @@ from gpufrac.memguard.wire import BurstRequest
 
 log = logging.getLogger(__name__)
 
+# The readings one container's RECLAIMs force are at least this far apart (Arbiter._reclaim_reading_at).
+RECLAIM_SPACING = 0.1
+
 
 class EventSink(Protocol):
     """Where the arbiter's Kubernetes Events and pod conditions go
@@ -124,6 +127,7 @@ class Arbiter:
         self._tasks: list[asyncio.Task[None]] = []
         self._granted_at: dict[str, float] = {}  # container key -> time.monotonic() of its last grant
         self._settling: set[str] = set()  # keys whose lowered release waits out GRANT_SETTLE
+        self._reclaim_at: dict[str, float] = {}  # key -> when its last RECLAIM's reading is taken
         self._handles_generation = -1  # the ledger's capacity_generation at the last handle sweep
 
     # -- lifetime --------------------------------------------------------------------------------
@@ -285,7 +289,15 @@ class Arbiter:
             self.stats.denied += 1
             return wire.BURST_DENIED, 0
         deadline = asyncio.get_running_loop().time() + cfg.wait_timeout_ms / 1000.0
-        await self.readings.refresh()  # the driver just failed: a cached reading may predate the burst
+        # Refused on the caller's own word first (the message, its own file, clamped): that
+        # costs nothing and needs no reading.
+        file_used = self.files.file_used(alloc)
+        if file_used is None or max(truth.clamp_file(alloc, file_used), total_after) > alloc.request_bytes:
+            self.stats.denied += 1
+            return wire.BURST_DENIED, 0
+        # The driver just failed it: a reading taken before may predate the burst that holds
+        # its memory. One taken since, shared with every other request that needs one.
+        await self.readings.taken_since(self._reclaim_reading_at(alloc.key))
         used, driver = self._used(alloc), self.driver_used(alloc)
         if (
             used is None
@@ -316,6 +328,21 @@ class Arbiter:
             "no NVML memory reading" if left is None else f"{format_bytes(left)} missing",
         )
         return wire.BURST_DENIED, 0
+
+    def _reclaim_reading_at(self, key: str) -> float:
+        """When the reading a container's RECLAIM decides on must have been taken: after the
+        request came, and at least RECLAIM_SPACING after the one its previous RECLAIM needed
+        (or that same one, if it has not been taken yet). However many a container sends, the
+        readings they force are so at most 1/RECLAIM_SPACING a second; a neighbour's RECLAIM
+        is not held to it. A legitimate shim sends one after each allocation the driver refused."""
+        at = time.monotonic()
+        last = self._reclaim_at.get(key)
+        if last is not None and at <= last:
+            at = last
+        elif last is not None and at < last + RECLAIM_SPACING:
+            at = last + RECLAIM_SPACING
+        self._reclaim_at[key] = at
+        return at
 
     # -- grants ----------------------------------------------------------------------------------
 
@@ -569,6 +596,8 @@ class Arbiter:
             booked = self.ledger.get
             for key in [k for k in self._granted_at if booked(k) is None]:
                 del self._granted_at[key]
+            for key in [k for k in self._reclaim_at if booked(k) is None]:
+                del self._reclaim_at[key]
         self.queue.notify_all()
 
     # -- the grant sweep (gpufrac.agent.arbiter.sweep) -------------------------------------------
