@@ -78,6 +78,7 @@ class DriverReadings:
         # (time taken, reading) of the recent process readings, oldest first.
         self._past: deque[tuple[float, truth.DriverUsage]] = deque()
         self._task: asyncio.Task[None] | None = None  # the reading under way, if any
+        self._attributed: set[str] = set()  # GPUs where the reading gives a container memory
         self._confirm: asyncio.Task[None] | None = None  # second_reading's, shared
         self._error_logged = False
         self._driver_error_logged = False
@@ -133,6 +134,17 @@ class DriverReadings:
         if self.driver is None or time.monotonic() - self._landed > NVML_STALE:
             return None
         return max(0, self.driver.bytes_of(alloc.key, alloc.gpus[0]) - self.allowance)
+
+    def driver_total(self, alloc: ContainerAlloc) -> int | None:
+        """What NVML counts for the container's processes on its GPU, all of it (the most it
+        can be said to use: what taking back its unused grant is judged on). None without a
+        recent process reading, or while NVML gives no container's process on that GPU any
+        memory: where it cannot attribute memory to processes (it reports them, memory
+        unavailable, counted 0) a 0 says nothing, and a grant in use must not look unused."""
+        gpu = alloc.gpus[0]
+        if self.driver is None or time.monotonic() - self._landed > NVML_STALE or gpu not in self._attributed:
+            return None
+        return self.driver.bytes_of(alloc.key, gpu)
 
     def steady_used(self, alloc: ContainerAlloc) -> int | None:
         """What NVML counted for the container in BOTH the current process reading and the
@@ -207,6 +219,7 @@ class DriverReadings:
             return
         self._driver_error_logged = False
         self.driver = truth.attribute(procs, self._lookup)
+        self._attributed = {gpu for (_, gpu), n in self.driver.by_container.items() if n > 0}
         self._past.append((taken, self.driver))
         while self._past and taken - self._past[0][0] > CONFIRM_WINDOW:
             self._past.popleft()

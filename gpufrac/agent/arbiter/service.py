@@ -36,7 +36,7 @@ from gpufrac.agent.arbiter import sweep as grant_sweep
 from gpufrac.agent.arbiter.chain import build_chain
 from gpufrac.agent.arbiter.listeners import ContainerSockets
 from gpufrac.agent.arbiter.queue import LAST, WaitQueue
-from gpufrac.agent.arbiter.readings import NVML_FRESH, DriverReadings, ReadMemory, ReadProcesses
+from gpufrac.agent.arbiter.readings import NVML_FRESH, NVML_STALE, DriverReadings, ReadMemory, ReadProcesses
 from gpufrac.agent.arbiter.server import RefusalLog, RequestMetrics, Result, SocketServer, Stats
 from gpufrac.agent.arbiter.usage import ContainerFiles
 from gpufrac.agent.callers import Caller, PeerError, PeerLookup
@@ -147,7 +147,11 @@ class Arbiter:
         self.sockets.open_all(self.ledger.containers(), self.ledger.attached)
         self.ledger.add_attach_listener(self.sockets.open)
         self.ledger.add_listener(self._on_ledger_change)
-        self._tasks.append(asyncio.create_task(grant_sweep.sweep_forever(self.sweep), name="arbiter-reclaim"))
+        self._tasks.append(
+            asyncio.create_task(
+                grant_sweep.sweep_forever(self.sweep, self._sweep_reading), name="arbiter-reclaim"
+            )
+        )
         log.info(
             "arbiter listening on %d containers' sockets%s (resolvers %s)",
             len(self.sockets.listeners),
@@ -542,9 +546,10 @@ class Arbiter:
         self._release(alloc)
         self._refresh_soon()
 
-    def _release(self, alloc: ContainerAlloc) -> int:
-        """Take back the part of a container's grant it does not use; wakes waiters."""
-        used = self._used(alloc)
+    def _release(self, alloc: ContainerAlloc, used: int | None = None) -> int:
+        """Take back the part of a container's grant it does not use (`used`, or as `_used`
+        counts it); wakes waiters."""
+        used = self._used(alloc) if used is None else used
         g = alloc.config.grant_bytes
         if used is not None and g > 0:
             keep = grants.kept_on_release(used, alloc.request_bytes, g)
@@ -606,8 +611,22 @@ class Arbiter:
         """Take back returned grants at once and stale ones after GRANT_STALE_AFTER."""
         now = time.monotonic() if now is None else now
         grant_sweep.sweep(
-            self.ledger.containers(), self.files.usage_of, self.driver_used, self._release, self.sweeper, now
+            self.ledger.containers(),
+            self.files.usage_of,
+            self.readings.driver_total,
+            self._release,
+            self.sweeper,
+            now,
         )
+
+    async def _sweep_reading(self) -> None:
+        """Before a sweep, while any grant is out: a driver reading recent enough that the
+        sweep judges grants on the driver's count, not on their holders' files."""
+        if any(a.config.grant_bytes > 0 for a in self.ledger.containers()):
+            # Bounded: a driver that hangs must not stop the sweep (it then judges on the files).
+            with contextlib.suppress(asyncio.TimeoutError):
+                reading = self.readings.taken_since(time.monotonic() - grant_sweep.READING_AGE)
+                await asyncio.wait_for(reading, NVML_STALE)
 
     # -- eviction support ----------------------------------------------------------------------------
 
