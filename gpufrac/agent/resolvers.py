@@ -71,6 +71,9 @@ class Need:
     try_grant: Callable[[], bool]
     shortfall: Callable[[], int]
     seq: int = 0  # arrival order (FIFO among equal priorities)
+    # time.monotonic() when it came: how long it has been held back by requests ahead of it
+    # (gpufrac.agent.arbiter.queue, the head-of-line bound)
+    arrived: float = field(default_factory=time.monotonic)
     granted: bool = False
     notes: list[str] = field(default_factory=list)
 

@@ -23,6 +23,7 @@ from gpufrac.core.units import MAX_MS_FIELD_S, parse_bytes, parse_duration
 
 GiB = 1 << 30
 RESOLVERS = ("swap", "evict", "wait")
+MAX_HEAD_OF_LINE_S = 60.0  # headOfLineBound's ceiling (validate says why)
 
 
 class ConfigError(ValueError):
@@ -157,6 +158,10 @@ class Config:
     lend_unused_requests: bool = False
     resolvers: list[str] = field(default_factory=lambda: list(RESOLVERS))
     wait_timeout: float = _seconds(30.0)
+    # A burst that fits waits at most this long behind requests ahead of it on its GPU that
+    # cannot be served (strict order up to here, then it is granted past them), however long
+    # they may wait: docs/arbiter-protocol.md, "Order on a GPU".
+    head_of_line_bound: float = _seconds(1.0)
     arbiter_timeout: float = _seconds(2.0)
     # Burst grants stay this far below what NVML says is physically free.
     grant_margin: int = _bytes(256 << 20)
@@ -202,6 +207,12 @@ class Config:
             raise ConfigError(
                 f"swap.lockTimeout: {self.swap.lock_timeout:g}s must be between 1ms and {MAX_MS_FIELD_S:g}s "
                 "(the driver's 32-bit count of milliseconds, where 0 would mean no timeout)"
+            )
+        if self.head_of_line_bound > MAX_HEAD_OF_LINE_S:
+            # Past it, one container's request that cannot be served holds its neighbours'
+            # bursts for as long as it waits (its own wait timeout): the hole the bound closes.
+            raise ConfigError(
+                f"headOfLineBound: {self.head_of_line_bound:g}s is more than {MAX_HEAD_OF_LINE_S:g}s"
             )
         lim = self.arbiter_limits
         for key, value, low in (

@@ -174,11 +174,13 @@ def test_a_burst_that_fits_does_not_overtake_a_waiter_that_ranks_ahead(
     make_node: Make, waiter_priority: int
 ) -> None:
     # a waits for 8 GiB with 4 GiB free; b (same priority, later; or lower priority) asks for 2 GiB
-    # that are free. b queues behind a rather than being granted at once: a stream of small bursts
-    # must not starve a. Evict sees nothing to do for b (its burst fits) and kills nobody.
+    # that are free. Within the head-of-line bound (headOfLineBound, 1 s by default) b queues
+    # behind a rather than being granted at once: a stream of small bursts must not starve a.
+    # b gives up before its bound (wait timeout 0.5 s). Evict sees nothing to do for b (its
+    # burst fits) and kills nobody.
     node = make_node(resolvers=["evict", "wait"])
     a = node.add("a", 2, "20Gi", priority=waiter_priority, wait_timeout="120s")
-    b = node.add("b", 2, "20Gi", priority=0, wait_timeout="1s")
+    b = node.add("b", 2, "20Gi", priority=0, wait_timeout="500ms")
     filler = node.add("filler", 30, "78Gi", priority=1000, preemptible=False)
     guarantees(a, b)
     fill(node, filler, leave_gib=4)
@@ -186,7 +188,7 @@ def test_a_burst_that_fits_does_not_overtake_a_waiter_that_ranks_ahead(
     assert wa is not None and wb is not None
     wa.send(f"alloc {8 * GiB}")
     waiting(node, 1)
-    assert wb.do(f"alloc {2 * GiB}") == "denied"  # it waited its 1 s behind a
+    assert wb.do(f"alloc {2 * GiB}") == "denied"  # it waited its 0.5 s behind a
     assert b.config().grant_bytes == 0
     assert filler.workload is not None and filler.workload.do(f"free {5 * GiB}") == "granted"
     assert wa.line() == "granted"

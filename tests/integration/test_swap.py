@@ -324,7 +324,7 @@ def test_a_swap_in_queues_behind_a_waiter_for_burst_bytes_only(
     # a waits for 8 GiB with 4 GiB free when the swapped-out v asks to come back.
     filler = node.add("filler", 30, "78Gi", priority=1000, preemptible=False)
     a = node.add("a", 2, "20Gi", wait_timeout="120s")
-    v = node.add("v", slices, "8Gi", wait_timeout="1s")
+    v = node.add("v", slices, "8Gi", wait_timeout="500ms")  # within the head-of-line bound (1 s)
     for box in (filler, a, v):
         assert box.workload is not None and box.workload.do(f"alloc {box.alloc.request_bytes}") == "fast"
     free = node.on_loop(lambda: node.arbiter.grantable(filler.alloc))
@@ -338,7 +338,7 @@ def test_a_swap_in_queues_behind_a_waiter_for_burst_bytes_only(
     entry = Swapped(v.alloc, node.gpu, swapped, (v.container.proc.pid,), ())
     node.on_loop(lambda: swap.swapped.__setitem__(v.alloc.key, entry))
     try:
-        # Not restored: it waited its 1 s behind a, with no burst granted.
+        # Not restored: it waited its 0.5 s behind a, with no burst granted.
         assert node.on_loop(lambda: swap.swap_in(v.alloc)) is restored_at_once
         assert swap.is_swapped(v.alloc.key) is not restored_at_once
         assert restored_at_once or v.config().grant_bytes == 0

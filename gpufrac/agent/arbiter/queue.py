@@ -1,17 +1,23 @@
 """Who is served first on a GPU: the waiter queue and the claims.
 
-Per GPU, nobody is granted while a request ranks ahead of it: a waiter of higher priority,
-or of equal priority that came first (FIFO), or a request for which an eviction or a swap is
-freeing memory right now (a claim): memory a resolver wins goes to the requester that caused
-it first, then to the queue. Every release wakes the waiters of its GPU at once (notify); no
-polling period, except while someone waits on memory freed outside the agent (a process
-exiting, a kill), which only a new NVML reading shows.
+Per GPU, requests are served by priority, then arrival (FIFO). Nobody is granted while a
+request ranks ahead of it that is still to be served: a claim (a need an eviction or a swap is
+freeing memory for right now: memory a resolver wins goes to the requester that caused it
+first), a guarantee being reclaimed, or a waiter. A waiter holds back those behind it only
+for the first `bound` seconds of THEIR wait (the node's headOfLineBound): a request that
+cannot be served, however long it may wait itself, and however many of them are queued ahead
+(one container's, or many), costs a request that fits at most that long. Within it, memory
+freed goes to the head first: a big request is not overtaken by a stream of small ones the
+moment they come. Every release wakes the waiters of its GPU at once (notify); no polling
+period, except while someone waits on memory freed outside the agent (a process exiting, a
+kill), which only a new NVML reading shows, or for its bound to pass.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -33,28 +39,41 @@ class Waiter:
 class WaitQueue:
     """Waiters and claims per GPU. `refresh_soon` asks for a new NVML reading (it notifies
     when done); `poll` is how often one is asked for while anyone waits; `timed_out` is told
-    of each wait that ran out."""
+    of each wait that ran out; `bound`: how long a waiter ahead holds a request back."""
 
-    def __init__(self, refresh_soon: Callable[[], None], poll: float, timed_out: Callable[[], None]) -> None:
+    def __init__(
+        self, refresh_soon: Callable[[], None], poll: float, timed_out: Callable[[], None], bound: float
+    ) -> None:
         self._refresh_soon = refresh_soon
         self._poll = poll
         self._timed_out = timed_out
+        self._bound = bound
         self.waiters: dict[str, list[Waiter]] = {}
         self.claims: dict[str, list[Need]] = {}  # per GPU: needs a resolver is freeing memory for
         self._notifying = False
         self._renotify: set[str] = set()
 
-    def ahead(self, gpu: str, order: tuple[int, float], need: Need | None = None) -> bool:
+    def ahead(
+        self, gpu: str, order: tuple[int, float], need: Need | None = None, since: float | None = None
+    ) -> bool:
         """Whether another request is to be served on `gpu` before one of queue `order`
         (Need.order; a request not yet queued comes last among its priority): a claim (a
-        need a resolver is freeing memory for) or a waiter not yet served that ranks ahead.
-        A claim's own need ranks ahead of every waiter: what was won for it is its first."""
+        need a resolver is freeing memory for), a guarantee being reclaimed, or a waiter not
+        yet served that ranks ahead. A claim's own need ranks ahead of every waiter: what was
+        won for it is its first. `since`: when the asking request came (time.monotonic(),
+        None: now); once it has been held back `bound` seconds, waiters of bursts and swap-ins
+        ahead of it no longer count: they cannot be served, or they would have been (notify
+        tries them first)."""
         claims = self.claims.get(gpu, ())
         if any(c is need for c in claims):
             return any(c.order < order for c in claims if c is not need)
         if any(c.order < order for c in claims):
             return True
-        return any(w.order < order and not w.done.done() for w in self.waiters.get(gpu, ()))
+        held = since is None or time.monotonic() - since < self._bound
+        return any(
+            w.order < order and not w.done.done() and (held or w.need.kind == "reclaim")
+            for w in self.waiters.get(gpu, ())
+        )
 
     @contextlib.contextmanager
     def claim(self, need: Need) -> Iterator[None]:
@@ -72,7 +91,8 @@ class WaitQueue:
             self.notify(need.gpu)
 
     def notify(self, gpu: str) -> None:
-        """Something was freed on `gpu`: grant waiters in order while they fit."""
+        """Something was freed on `gpu`: grant waiters in order, each if it fits and nobody
+        ahead still holds it back (`ahead`, through its try_grant)."""
         if self._notifying:
             self._renotify.add(gpu)
             return
@@ -82,15 +102,13 @@ class WaitQueue:
             while pending:
                 g = pending.pop()
                 waiters = self.waiters.get(g)
-                while waiters:
-                    w = waiters[0]
-                    if w.done.done():
-                        waiters.pop(0)
-                        continue
-                    if not w.need.try_grant():
-                        break  # strict order: nobody overtakes the head (nor a claim)
-                    waiters.pop(0)
-                    w.done.set_result(True)
+                if waiters:
+                    # Not stopping at a head that does not fit: one behind it held back for
+                    # its bound goes past it (its try_grant asks `ahead`).
+                    for w in list(waiters):
+                        if not w.done.done() and w.need.try_grant():
+                            w.done.set_result(True)
+                    waiters[:] = [w for w in waiters if not w.done.done()]
                 pending |= self._renotify
                 self._renotify.clear()
         finally:
@@ -114,7 +132,8 @@ class WaitQueue:
         try:
             # Releases through the agent wake waiters at once (notify). Memory freed any other
             # way (a process exiting, a kill) shows only in NVML, which has no event to wait
-            # on: while anyone waits, take a new reading every `poll` seconds.
+            # on: while anyone waits, take a new reading every `poll` seconds (its notify also
+            # serves a waiter whose head-of-line bound has passed meanwhile).
             while not w.done.done():
                 left = need.deadline - loop.time()
                 if left <= 0:

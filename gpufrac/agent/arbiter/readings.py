@@ -4,6 +4,13 @@ Grants rest on what the driver reports, read in a worker thread and kept for a m
 reading younger than NVML_FRESH is used as is (the common burst takes no task); an older one
 starts a new reading; one older than NVML_STALE makes a request wait for the new one.
 
+One reading at a time is under way, and each records when it was taken (its read began):
+whoever needs a reading taken after some moment (`taken_since`: a RECLAIM after the driver
+failed it, a kill, a swap) shares the one under way if it began late enough, else the next,
+so a flood of such requests costs one reading per reading time, and an older sample never
+replaces a newer one. How long a reading is used (NVML_FRESH, NVML_STALE) counts from when it
+came in: a slow one must not be stale on arrival, or nothing could ever be decided on it.
+
 The last readings of each container's processes are kept for a while (CONFIRM_WINDOW): memory
 a container holds above its request without a grant makes it an eviction victim only if two
 distinct readings at least CONFIRM_SPACING apart both show it (`steady_used`: the smaller of
@@ -66,10 +73,12 @@ class DriverReadings:
         self._on_reading = on_reading
         self.memory: Mapping[str, MemoryReading] | None = None
         self.driver: truth.DriverUsage | None = None
-        self.at = -1e9
-        # (time.monotonic(), reading) of the recent process readings, oldest first.
+        self.at = -1e9  # time.monotonic() when the current reading was taken (its read began)
+        self._landed = -1e9  # ... and when it came in (how long it is used counts from here)
+        # (time taken, reading) of the recent process readings, oldest first.
         self._past: deque[tuple[float, truth.DriverUsage]] = deque()
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None] | None = None  # the reading under way, if any
+        self._attributed: set[str] = set()  # GPUs where the reading gives a container memory
         self._confirm: asyncio.Task[None] | None = None  # second_reading's, shared
         self._error_logged = False
         self._driver_error_logged = False
@@ -81,7 +90,7 @@ class DriverReadings:
 
     def ready(self) -> bool:
         """Whether the reading may be used now; starts a new one if it is getting old."""
-        age = time.monotonic() - self.at
+        age = time.monotonic() - self._landed
         if age <= NVML_FRESH:
             return True
         self.refresh_soon()
@@ -96,23 +105,53 @@ class DriverReadings:
     def refresh_soon(self) -> None:
         """Start a new reading now unless one is under way."""
         if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self.refresh())
+            self._begin()
+
+    def _begin(self) -> asyncio.Task[None]:
+        self._task = asyncio.create_task(self._reading(time.monotonic()))
+        return self._task
+
+    async def taken_since(self, t: float) -> None:
+        """Until the current reading was taken at `t` (time.monotonic()) or later: the
+        reading under way if it began by then, else the next one, shared with every caller
+        that waits meanwhile (a reading at a time)."""
+        while self.at < t:
+            wait = t - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)  # again if the loop's timer woke it a hair early
+                continue
+            task = self._task
+            if task is None or task.done():
+                task = self._begin()
+            # One that began before `t` is waited out (it may predate what the caller needs
+            # to see), and the next one begins after it.
+            await asyncio.shield(task)
 
     def driver_used(self, alloc: ContainerAlloc) -> int | None:
         """What NVML counts for the container's processes on its GPU, less one context
         allowance (gpufrac.agent.truth); None without a recent process reading (decisions take
         a fresh one first; a stale count must not hold a grant that was given back)."""
-        if self.driver is None or time.monotonic() - self.at > NVML_STALE:
+        if self.driver is None or time.monotonic() - self._landed > NVML_STALE:
             return None
-        raw = self.driver.bytes_of(alloc.key, alloc.gpus[0])
-        return max(0, raw - self.allowance)
+        return max(0, self.driver.bytes_of(alloc.key, alloc.gpus[0]) - self.allowance)
+
+    def driver_total(self, alloc: ContainerAlloc) -> int | None:
+        """What NVML counts for the container's processes on its GPU, all of it (the most it
+        can be said to use: what taking back its unused grant is judged on). None without a
+        recent process reading, or while NVML gives no container's process on that GPU any
+        memory: where it cannot attribute memory to processes (it reports them, memory
+        unavailable, counted 0) a 0 says nothing, and a grant in use must not look unused."""
+        gpu = alloc.gpus[0]
+        if self.driver is None or time.monotonic() - self._landed > NVML_STALE or gpu not in self._attributed:
+            return None
+        return self.driver.bytes_of(alloc.key, gpu)
 
     def steady_used(self, alloc: ContainerAlloc) -> int | None:
         """What NVML counted for the container in BOTH the current process reading and the
         newest one taken at least CONFIRM_SPACING before it (the smaller, less one context
         allowance); None without two such readings (gpufrac.agent.resolvers.EvictResolver
         then asks for a second one: `second_reading`)."""
-        if self.driver is None or not self._past or time.monotonic() - self.at > NVML_STALE:
+        if self.driver is None or not self._past or time.monotonic() - self._landed > NVML_STALE:
             return None
         at, now = self._past[-1]
         earlier = next((d for t, d in reversed(self._past) if t <= at - CONFIRM_SPACING), None)
@@ -130,10 +169,7 @@ class DriverReadings:
         await asyncio.shield(self._confirm)
 
     async def _confirm_reading(self) -> None:
-        wait = self.at + CONFIRM_SPACING - time.monotonic()
-        if wait > 0:
-            await asyncio.sleep(wait)
-        await self.refresh()  # its own: one under way may have started too soon to be distinct
+        await self.taken_since(self.at + CONFIRM_SPACING)
 
     def _read(self) -> tuple[Mapping[str, MemoryReading], list[Observed] | Exception]:
         """Blocking: NVML's memory per GPU, then its processes with their cgroups."""
@@ -145,24 +181,32 @@ class DriverReadings:
         return mem, procs
 
     async def refresh(self) -> None:
-        """A new reading now (in a worker thread)."""
+        """A reading taken from now on (shared with others who asked meanwhile)."""
+        await self.taken_since(time.monotonic())
+
+    async def _reading(self, taken: float) -> None:
+        """One reading in a worker thread, begun at `taken`."""
         try:
-            self.memory, procs = await asyncio.to_thread(self._read)
-            self.at = time.monotonic()
-            self._error_logged = False
+            memory, procs = await asyncio.to_thread(self._read)
         except Exception as e:
+            if taken < self.at:
+                return
             self.memory = None  # no reading, no grants
             self.driver = None
-            self.at = time.monotonic()
+            self.at, self._landed = taken, time.monotonic()
             if not self._error_logged:
                 self._error_logged = True
                 log.error("arbiter: NVML memory reading failed, bursts are refused until it works: %s", e)
         else:
-            self._take_processes(procs)
+            if taken < self.at:
+                return  # an older sample never replaces a newer one
+            self.memory, self.at, self._landed = memory, taken, time.monotonic()
+            self._error_logged = False
+            self._take_processes(procs, taken)
         self._on_reading()
 
-    def _take_processes(self, procs: list[Observed] | Exception) -> None:
-        """A new per-process reading: each container's driver count."""
+    def _take_processes(self, procs: list[Observed] | Exception, taken: float) -> None:
+        """A new per-process reading, taken at `taken`: each container's driver count."""
         if isinstance(procs, Exception):
             self.driver = None  # until it works: reclaims refused, other decisions use the files (clamped)
             if not self._driver_error_logged:
@@ -175,7 +219,7 @@ class DriverReadings:
             return
         self._driver_error_logged = False
         self.driver = truth.attribute(procs, self._lookup)
-        now = time.monotonic()
-        self._past.append((now, self.driver))
-        while self._past and now - self._past[0][0] > CONFIRM_WINDOW:
+        self._attributed = {gpu for (_, gpu), n in self.driver.by_container.items() if n > 0}
+        self._past.append((taken, self.driver))
+        while self._past and taken - self._past[0][0] > CONFIRM_WINDOW:
             self._past.popleft()

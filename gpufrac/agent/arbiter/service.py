@@ -36,7 +36,7 @@ from gpufrac.agent.arbiter import sweep as grant_sweep
 from gpufrac.agent.arbiter.chain import build_chain
 from gpufrac.agent.arbiter.listeners import ContainerSockets
 from gpufrac.agent.arbiter.queue import LAST, WaitQueue
-from gpufrac.agent.arbiter.readings import NVML_FRESH, DriverReadings, ReadMemory, ReadProcesses
+from gpufrac.agent.arbiter.readings import NVML_FRESH, NVML_STALE, DriverReadings, ReadMemory, ReadProcesses
 from gpufrac.agent.arbiter.server import RefusalLog, RequestMetrics, Result, SocketServer, Stats
 from gpufrac.agent.arbiter.usage import ContainerFiles
 from gpufrac.agent.callers import Caller, PeerError, PeerLookup
@@ -55,6 +55,9 @@ from gpufrac.memguard.abi import FLAG_DISABLED
 from gpufrac.memguard.wire import BurstRequest
 
 log = logging.getLogger(__name__)
+
+# The readings one container's RECLAIMs force are at least this far apart (Arbiter._reclaim_reading_at).
+RECLAIM_SPACING = 0.1
 
 
 class EventSink(Protocol):
@@ -101,7 +104,9 @@ class Arbiter:
         self.activity = activity
         self.read_timeout = read_timeout if read_timeout is not None else config.arbiter_timeout
         self.stats = Stats()
-        self.queue = WaitQueue(self._refresh_soon, NVML_FRESH, self._wait_timed_out)
+        self.queue = WaitQueue(
+            self._refresh_soon, NVML_FRESH, self._wait_timed_out, config.head_of_line_bound
+        )
         # One context allowance per container (docs/watchdog.md), as the watchdog's.
         self.readings = DriverReadings(
             memory, processes, peers, config.watchdog.tolerance, self.queue.notify_all
@@ -123,6 +128,7 @@ class Arbiter:
         self._tasks: list[asyncio.Task[None]] = []
         self._granted_at: dict[str, float] = {}  # container key -> time.monotonic() of its last grant
         self._settling: set[str] = set()  # keys whose lowered release waits out GRANT_SETTLE
+        self._reclaim_at: dict[str, float] = {}  # key -> when its last RECLAIM's reading is taken
         self._handles_generation = -1  # the ledger's capacity_generation at the last handle sweep
 
     # -- lifetime --------------------------------------------------------------------------------
@@ -142,7 +148,11 @@ class Arbiter:
         self.sockets.open_all(self.ledger.containers(), self.ledger.attached)
         self.ledger.add_attach_listener(self.sockets.open)
         self.ledger.add_listener(self._on_ledger_change)
-        self._tasks.append(asyncio.create_task(grant_sweep.sweep_forever(self.sweep), name="arbiter-reclaim"))
+        self._tasks.append(
+            asyncio.create_task(
+                grant_sweep.sweep_forever(self.sweep, self._sweep_reading), name="arbiter-reclaim"
+            )
+        )
         log.info(
             "arbiter listening on %d containers' sockets%s (resolvers %s)",
             len(self.sockets.listeners),
@@ -284,7 +294,15 @@ class Arbiter:
             self.stats.denied += 1
             return wire.BURST_DENIED, 0
         deadline = asyncio.get_running_loop().time() + cfg.wait_timeout_ms / 1000.0
-        await self.readings.refresh()  # the driver just failed: a cached reading may predate the burst
+        # Refused on the caller's own word first (the message, its own file, clamped): that
+        # costs nothing and needs no reading.
+        file_used = self.files.file_used(alloc)
+        if file_used is None or max(truth.clamp_file(alloc, file_used), total_after) > alloc.request_bytes:
+            self.stats.denied += 1
+            return wire.BURST_DENIED, 0
+        # The driver just failed it: a reading taken before may predate the burst that holds
+        # its memory. One taken since, shared with every other request that needs one.
+        await self.readings.taken_since(self._reclaim_reading_at(alloc.key))
         used, driver = self._used(alloc), self.driver_used(alloc)
         if (
             used is None
@@ -316,16 +334,32 @@ class Arbiter:
         )
         return wire.BURST_DENIED, 0
 
+    def _reclaim_reading_at(self, key: str) -> float:
+        """When the reading a container's RECLAIM decides on must have been taken: after the
+        request came, and at least RECLAIM_SPACING after the one its previous RECLAIM needed
+        (or that same one, if it has not been taken yet). However many a container sends, the
+        readings they force are so at most 1/RECLAIM_SPACING a second; a neighbour's RECLAIM
+        is not held to it. A legitimate shim sends one after each allocation the driver refused."""
+        at = time.monotonic()
+        last = self._reclaim_at.get(key)
+        if last is not None and at <= last:
+            at = last
+        elif last is not None and at < last + RECLAIM_SPACING:
+            at = last + RECLAIM_SPACING
+        self._reclaim_at[key] = at
+        return at
+
     # -- grants ----------------------------------------------------------------------------------
 
     def _try_grant(self, need: Need, target: int) -> bool:
         """A need's grant, unless it asks for burst bytes while a request ranks ahead of it on
-        its GPU (it is granted once, whoever tries). No new bytes (a swap-in within its
-        guarantee) never queue: a guarantee never waits."""
+        its GPU and still holds it back (WaitQueue.ahead: a waiter, for at most the node's
+        headOfLineBound since the need came). It is granted once, whoever tries. No new bytes
+        (a swap-in within its guarantee) never queue: a guarantee never waits."""
         asks_more = target > need.requester.config.grant_bytes
         if (
             not need.granted
-            and not (asks_more and self.queue.ahead(need.gpu, need.order, need))
+            and not (asks_more and self.queue.ahead(need.gpu, need.order, need, need.arrived))
             and self._grant(need.requester, target)
         ):
             need.granted = True
@@ -374,15 +408,27 @@ class Arbiter:
         return self.readings.driver_used(alloc)
 
     def _used(self, alloc: ContainerAlloc) -> int | None:
-        """What the container holds on its GPU (a swapped-out container: nothing): the larger
-        of its usage file (clamped to what it was given) and the driver's count
-        (gpufrac.agent.truth). None when the file cannot be read."""
-        if self.swap.is_swapped(alloc.key):
-            return 0
+        """What the container holds on its GPU: the larger of its usage file (clamped to what
+        it was given) and the driver's count (gpufrac.agent.truth). None when the file cannot
+        be read. A swapped-out container: the driver's count alone (`_swapped_used`)."""
+        swapped = self._swapped_used(alloc)
+        if swapped is not None:
+            return swapped
         used = self.files.file_used(alloc)
         if used is None:
             return None
         return max(truth.clamp_file(alloc, used), self.driver_used(alloc) or 0)
+
+    def _swapped_used(self, alloc: ContainerAlloc) -> int | None:
+        """For a swapped-out container, what NVML counts for its live processes (its
+        checkpointed ones hold nothing on the GPU, its file still counts what they had in
+        host RAM); None for one that is not swapped out. Never a flat 0: a process it starts
+        after the swap-out (without the shim: it asks the agent nothing) holds GPU memory
+        that must weigh as any other's, or it could take a neighbour's guarantee and be no
+        eviction victim for it."""
+        if not self.swap.is_swapped(alloc.key):
+            return None
+        return self.driver_used(alloc) or 0
 
     def _held(self, alloc: ContainerAlloc) -> int:
         """`_used`, or, for a container whose usage file cannot be read (the tenant's to
@@ -477,8 +523,9 @@ class Arbiter:
         # make its guarantee look missing.
         file_used = self.files.file_used(alloc) or 0
         held = max(truth.clamp_file(alloc, file_used) - inflight, self.driver_used(alloc) or 0, 0)
-        if self.swap.is_swapped(alloc.key):
-            held = 0
+        swapped = self._swapped_used(alloc)
+        if swapped is not None:
+            held = swapped  # what is in host RAM is not on the GPU; what its live processes hold is
         return grants.guarantee_shortfall(alloc.request_bytes, held, free, self.config.grant_margin, pending)
 
     # -- NVML --------------------------------------------------------------------------------------
@@ -505,9 +552,10 @@ class Arbiter:
         self._release(alloc)
         self._refresh_soon()
 
-    def _release(self, alloc: ContainerAlloc) -> int:
-        """Take back the part of a container's grant it does not use; wakes waiters."""
-        used = self._used(alloc)
+    def _release(self, alloc: ContainerAlloc, used: int | None = None) -> int:
+        """Take back the part of a container's grant it does not use (`used`, or as `_used`
+        counts it); wakes waiters."""
+        used = self._used(alloc) if used is None else used
         g = alloc.config.grant_bytes
         if used is not None and g > 0:
             keep = grants.kept_on_release(used, alloc.request_bytes, g)
@@ -559,6 +607,8 @@ class Arbiter:
             booked = self.ledger.get
             for key in [k for k in self._granted_at if booked(k) is None]:
                 del self._granted_at[key]
+            for key in [k for k in self._reclaim_at if booked(k) is None]:
+                del self._reclaim_at[key]
         self.queue.notify_all()
 
     # -- the grant sweep (gpufrac.agent.arbiter.sweep) -------------------------------------------
@@ -567,8 +617,22 @@ class Arbiter:
         """Take back returned grants at once and stale ones after GRANT_STALE_AFTER."""
         now = time.monotonic() if now is None else now
         grant_sweep.sweep(
-            self.ledger.containers(), self.files.usage_of, self.driver_used, self._release, self.sweeper, now
+            self.ledger.containers(),
+            self.files.usage_of,
+            self.readings.driver_total,
+            self._release,
+            self.sweeper,
+            now,
         )
+
+    async def _sweep_reading(self) -> None:
+        """Before a sweep, while any grant is out: a driver reading recent enough that the
+        sweep judges grants on the driver's count, not on their holders' files."""
+        if any(a.config.grant_bytes > 0 for a in self.ledger.containers()):
+            # Bounded: a driver that hangs must not stop the sweep (it then judges on the files).
+            with contextlib.suppress(asyncio.TimeoutError):
+                reading = self.readings.taken_since(time.monotonic() - grant_sweep.READING_AGE)
+                await asyncio.wait_for(reading, NVML_STALE)
 
     # -- eviction support ----------------------------------------------------------------------------
 

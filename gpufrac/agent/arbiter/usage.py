@@ -3,7 +3,9 @@ config's generation (what a reply names).
 
 A usage file belongs to the container, which can write, truncate or replace it: it is read
 by pread on a kept fd, never mapped (a truncated mapping is SIGBUS), validated, and a file
-that cannot be used is logged once and counted as unknown. The config file is the agent's
+that cannot be used is counted as unknown and logged once per container and kind of fault
+every USAGE_WARN_EVERY (a tenant flipping its header between good and bad must not write
+the agent's log for it). The config file is the agent's
 own: its generation is read from a kept read-only mapping (per request).
 """
 
@@ -14,7 +16,9 @@ import ctypes
 import logging
 import mmap
 import os
+import re
 import sys
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -25,6 +29,8 @@ from gpufrac.memguard.abi import FormatError
 log = logging.getLogger(__name__)
 
 _GEN_OFFSET = abi.ConfigStruct.generation.offset
+USAGE_WARN_EVERY = 3600.0  # seconds between two warnings of one container's same fault
+_NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+")
 
 
 class Booked(Protocol):
@@ -42,7 +48,9 @@ class ContainerFiles:
         self._ledger = ledger
         self._usage: dict[str, int] = {}  # container key -> an fd on its usage file (read by pread)
         self._config_maps: dict[str, mmap.mmap] = {}
-        self._bad_usage: dict[str, str] = {}  # key -> what was wrong with its usage file (logged once)
+        # key -> kind of fault of its usage file (the message, numbers left out: the tenant
+        # writes them) -> time.monotonic() of its last warning
+        self._warned: dict[str, dict[str, float]] = {}
 
     def _usage_fd(self, alloc: ContainerAlloc) -> int | None:
         fd = self._usage.get(alloc.key)
@@ -61,11 +69,17 @@ class ContainerFiles:
         return fd
 
     def _usage_bad(self, alloc: ContainerAlloc, why: str) -> None:
-        """A usage file the agent cannot use: logged once per container (until it reads well)."""
-        if alloc.key not in self._bad_usage:
-            self._bad_usage[alloc.key] = why
-            log.warning("usage file of %s is unusable (%s): its own bursts are refused until the shim "
-                        "rewrites it; others are not affected", alloc.who(), why)  # fmt: skip
+        """A usage file the agent cannot use: logged once per container and kind of fault per
+        USAGE_WARN_EVERY, whether or not it read well in between."""
+        kind = _NUMBERS.sub("N", why)
+        warned = self._warned.setdefault(alloc.key, {})
+        now = time.monotonic()
+        last = warned.get(kind)
+        if last is not None and now - last < USAGE_WARN_EVERY:
+            return
+        warned[kind] = now
+        log.warning("usage file of %s is unusable (%s): its own bursts are refused until the shim "
+                    "rewrites it; others are not affected (said once an hour)", alloc.who(), why)  # fmt: skip
 
     def usage_of(self, alloc: ContainerAlloc) -> abi.UsageStruct | None:
         """A validated copy of the container's usage file; None when unusable."""
@@ -77,7 +91,6 @@ class ContainerFiles:
         except (OSError, FormatError) as e:
             self._usage_bad(alloc, str(e.strerror if isinstance(e, OSError) else e))
             return None
-        self._bad_usage.pop(alloc.key, None)
         return out
 
     def file_used(self, alloc: ContainerAlloc) -> int | None:
@@ -132,8 +145,9 @@ class ContainerFiles:
             self._config_maps.pop(key).close()
         for key in [k for k in self._usage if booked(k) is None]:
             os.close(self._usage.pop(key))
-            self._bad_usage.pop(key, None)
             gone(key)
+        for key in [k for k in self._warned if booked(k) is None]:
+            del self._warned[key]
 
     def close(self) -> None:
         for fd in self._usage.values():
