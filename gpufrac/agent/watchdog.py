@@ -106,14 +106,15 @@ def plan(
     container, whatever its process count. A container's limit on a GPU is the sum of its
     allocations' there, 0 where it holds none; but not judged at 0 on a GPU in `unsettled`
     (a booking there is not yet tied to its container, and may be this one's). Whole-GPU
-    containers are accounted, never limited.
+    containers are accounted, never limited, on the GPUs they hold whole (on any other, as any
+    container: a whole-GPU pod that sees the node's GPUs must not use a shared one unlimited).
 
     Newest first: the process that pushed the container over is most likely a recent one, and
     the oldest is most likely the container's main work; idle processes started to gain headroom
     go before it."""
     per: dict[tuple[str, str], tuple[ContainerOwner, list[GpuProcess]]] = {}
     for owner, proc in owned:
-        if owner.whole_gpu() or any(a.config.flags & FLAG_WHOLE_GPU for a in owner.allocs):
+        if any(a.whole_gpu or a.config.flags & FLAG_WHOLE_GPU for a in owner.holding(proc.gpu)):
             continue
         per.setdefault((owner.key, proc.gpu), (owner, []))[1].append(proc)
     out = []

@@ -93,6 +93,14 @@ def test_whole_gpu_containers_are_accounted_never_limited() -> None:
     assert plan([(w, GpuProcess(1, GPU0, 70 * GiB)), (w, GpuProcess(1, GPU1, 70 * GiB))], TOL, True) == []
 
 
+def test_a_whole_gpu_container_is_limited_on_a_gpu_it_was_not_given() -> None:
+    """Whole GPUs are its own to fill; a shared GPU it can see (NVIDIA_VISIBLE_DEVICES=all)
+    is not: there its limit is 0, as any container's."""
+    w = alloc("w", GiB, gpus=(GPU0,), flags=FLAG_WHOLE_GPU)
+    (v,) = plan([(w, GpuProcess(1, GPU0, 70 * GiB)), (w, GpuProcess(2, GPU1, GiB))], TOL, enforce=True)
+    assert (v.gpu, v.limit) == (GPU1, 0) and [p.pid for p in v.kill] == [2]
+
+
 def test_a_container_with_two_allocations_on_a_gpu_is_held_to_their_limits_summed() -> None:
     """A container that asked for both resources holds two allocations: it is judged once per
     GPU, against both limits, and killed past them."""
