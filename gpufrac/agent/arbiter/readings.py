@@ -146,6 +146,16 @@ class DriverReadings:
             return None
         return self.driver.bytes_of(alloc.key, gpu)
 
+    def whole_count(self, alloc: ContainerAlloc) -> int | None:
+        """What NVML counts for the container's processes on its GPU, all of it, where what
+        the container holds lowers what is taken from others (a reclaim's requester; what a
+        neighbour may still charge within its request + grant). The allowance makes a holder
+        look smaller, conservative toward a victim; there it is the wrong side (a zeroed
+        counter would overstate the shortfall by as much). Where `driver_total` has no figure
+        (no recent reading: None; memory NVML cannot attribute: 0) this is `driver_used`'s."""
+        total = self.driver_total(alloc)
+        return total if total is not None else self.driver_used(alloc)
+
     def steady_used(self, alloc: ContainerAlloc) -> int | None:
         """What NVML counted for the container in BOTH the current process reading and the
         newest one taken at least CONFIRM_SPACING before it (the smaller, less one context

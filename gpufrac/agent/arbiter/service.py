@@ -303,6 +303,10 @@ class Arbiter:
         # The driver just failed it: a reading taken before may predate the burst that holds
         # its memory. One taken since, shared with every other request that needs one.
         await self.readings.taken_since(self._reclaim_reading_at(alloc.key))
+        # This only decides whether to look: its count here is less the allowance (what the
+        # driver counts and the shim cannot see: lazily loaded modules), so a container filling
+        # its request is not refused for them. What it may take is guarantee_shortfall's, on
+        # its whole count: never more than the part of its request that is really missing.
         used, driver = self._used(alloc), self.driver_used(alloc)
         if (
             used is None
@@ -509,7 +513,10 @@ class Arbiter:
         """Bytes of `alloc`'s request on `gpu` that are not physically there now: its request
         less what it uses (less `inflight`, counted but not given by the driver), beyond NVML free
         less the margin less what every other container may still charge within its request +
-        grant. None without an NVML reading (used by gpufrac.agent.admission.reclaim_guarantee)."""
+        grant. None without an NVML reading (used by gpufrac.agent.admission.reclaim_guarantee).
+        What each holds lowers what is taken here: it counts NVML's whole count for it, no
+        allowance (readings.DriverReadings.whole_count), or a zeroed counter would make the
+        shortfall look larger by as much."""
         free = self.readings.free(gpu)
         if free is None:
             return None
@@ -517,15 +524,16 @@ class Arbiter:
         for a in self._on_gpu(gpu):
             if a.key != alloc.key:
                 # Not started yet (nothing held): it may still charge all it was promised.
-                pending += grants.pending_of(a.request_bytes, a.config.grant_bytes, self._held(a))
+                held_by = max(self._held(a), self.readings.whole_count(a) or 0)
+                pending += grants.pending_of(a.request_bytes, a.config.grant_bytes, held_by)
         # What it holds now: the file less what it counted but the driver refused, or the
-        # driver's count, whichever is larger (gpufrac.agent.truth): a zeroed counter cannot
-        # make its guarantee look missing.
+        # driver's whole count, whichever is larger: a zeroed counter cannot make its
+        # guarantee look missing.
+        driver = self.readings.whole_count(alloc) or 0
         file_used = self.files.file_used(alloc) or 0
-        held = max(truth.clamp_file(alloc, file_used) - inflight, self.driver_used(alloc) or 0, 0)
-        swapped = self._swapped_used(alloc)
-        if swapped is not None:
-            held = swapped  # what is in host RAM is not on the GPU; what its live processes hold is
+        held = max(truth.clamp_file(alloc, file_used) - inflight, driver, 0)
+        if self.swap.is_swapped(alloc.key):
+            held = driver  # what is in host RAM is not on the GPU; what its live processes hold is
         return grants.guarantee_shortfall(alloc.request_bytes, held, free, self.config.grant_margin, pending)
 
     # -- NVML --------------------------------------------------------------------------------------
