@@ -12,10 +12,13 @@ looks full. For those the arbiter counts
              the agent itself published
     driver = NVML's per-process used memory (nvmlDeviceGetComputeRunningProcesses), summed
              over the processes whose cgroup names the container (gpufrac.agent.gpu_processes.observe,
-             gpufrac.agent.callers), less ONE context allowance per container (NVML also counts
-             each CUDA context, which the shim does not; docs/watchdog.md sizes it)
+             gpufrac.agent.callers), less ONE context allowance per container (measurement
+             skew and lazily loaded modules the shim cannot see; docs/watchdog.md sizes it)
 
-so zeroing the counter, or allocating from a process that does not load the shim, hides
+for a holder that may lose something (a victim looks no bigger than it is), and the driver's
+WHOLE count, no allowance, for the container a decision is made for (a requester's missing
+guarantee, what its neighbours may still charge: gpufrac.agent.arbiter.service
+Arbiter.guarantee_shortfall), so zeroing the counter, or allocating from a process that does not load the shim, hides
 nothing, and an inflated counter takes nothing from anyone.
 
 A process counts for its container by GPU (gpufrac.agent.callers.ContainerOwner): a container
