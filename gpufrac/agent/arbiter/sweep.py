@@ -7,6 +7,8 @@ to hold), not on the usage file, which is the tenant's to write: a counter kept 
 grant must not keep a grant nobody uses out of its neighbours' reach forever. Taking back a
 grant costs only its holder, so the larger-of rule of gpufrac.agent.truth (for decisions that
 cost others) does not apply here. The file is used only without a reading (NVML failing).
+Managed pages resident in host RAM are in the file, not in NVML's count: a grant only they
+hold is taken back too (docs/arbiter-protocol.md says why that is right).
 """
 
 from __future__ import annotations
