@@ -16,9 +16,9 @@ longer counts as used on the GPU, its burst grant is taken back, and its
 guarantee stays reserved for it (lent to others only with lendUnusedRequests),
 so a guarantee is never lost by being swapped.
 
-Swap-in: the victim's next GPU call (a launch, an allocation or free, a copy, a wait; the
-shim's swap-in gate) sees the flag in the shim, which asks the arbiter (op SWAP_IN on its
-socket). The arbiter passes that to
+Swap-in: the victim's next CUDA call (any the shim hooks: a launch, an allocation or free,
+a pool or VMM call, a copy, a wait; the shim's swap-in gate) sees the flag in the shim, which
+asks the arbiter (op SWAP_IN on its socket). The arbiter passes that to
 `SwapResolver.swap_in`, which arbitrates it like any other request - the memory
 must be free (the chain may wait or evict others; the swap resolver never picks
 the requester itself) - then restores and unlocks the processes, clears the

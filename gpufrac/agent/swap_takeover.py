@@ -4,12 +4,20 @@ SWAP_IN from a container this agent did not swap).
 Its usage slots say `swapped`, but that file is the container's to write: what is believed
 is the driver's checkpoint state of the processes found in its cgroup, and the size the
 previous agent recorded (gpufrac.agent.swap_files). Blocking reads go to worker threads.
+
+Finding a container's processes scans every process on the node and asks the driver about
+each of the container's: the scans of one container are at least RESCAN_SPACING apart. A
+container sets its own flags and may send the arbiter 200 SWAP_INs a second; the ones between
+two scans share the last scan's conclusion (see Takeover.rediscover).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
+import time
+from dataclasses import dataclass
 
 from gpufrac.agent.activity import proc_identity
 from gpufrac.agent.callers import PeerLookup
@@ -29,6 +37,11 @@ from gpufrac.memguard.abi import FormatError
 
 log = logging.getLogger("gpufrac.agent.swap")  # one logger for everything the swap resolver does
 
+# The scans for one container's processes begin at least this far apart (seconds): a
+# flood of SWAP_INs costs at most 1/RESCAN_SPACING scans a second per container, and a
+# container whose processes could not be told yet is looked at again within it.
+RESCAN_SPACING = 0.5
+
 
 class Unknown(Exception):
     """A container's processes cannot be found now: nothing about its swap state may be
@@ -41,10 +54,26 @@ class Unavailable(Exception):
     flag cleared over a locked process sends it into a driver call that never returns)."""
 
 
+class _Found(enum.Enum):
+    """What a scan of a container's processes concluded."""
+
+    NOTHING_HELD = "nothing held"  # the driver runs every process found (flags cleared)
+    UNKNOWN = "unknown"  # its processes could not be told yet
+    TAKEN = "taken over"  # it held processes: they became a Swapped entry (or the scan failed)
+
+
+@dataclass
+class _Scan:
+    alloc: ContainerAlloc  # the container it was for (a key is reused by the next one)
+    began: float  # time.monotonic()
+    found: _Found
+
+
 class Takeover:
     def __init__(self, ckpt: Checkpointer, peers: PeerLookup) -> None:
         self.ckpt = ckpt
         self._peers = peers
+        self._scans: dict[str, _Scan] = {}  # container key -> its last scan
         self._unknown_said: set[str] = set()  # containers whose processes could not be told apart yet
         self._unavailable_said: set[str] = set()  # flagged containers the driver could not be asked about
         self._unfound_said: set[str] = set()  # flagged slots whose processes could not be found
@@ -55,7 +84,15 @@ class Takeover:
         only once the process it names is found (by cgroup) and the driver reports it running
         (or holding no CUDA state): a flag cleared over a locked process leaves that process
         blocked in the driver with nobody to ask for it. Unknown when its processes cannot
-        be found yet; Unavailable when the driver cannot be asked."""
+        be found yet; Unavailable when the driver cannot be asked.
+
+        A scan of its processes begins at least RESCAN_SPACING after its previous one; one
+        asked for sooner shares that one's conclusion (Unknown again, or None: nothing held
+        then, and nothing can have been locked since but by this agent, whose own swap-outs
+        are never looked for here). One that took processes over is not shared (they are
+        restored and running by now): that call waits out the spacing and scans. Callers
+        hold the container to themselves (SwapResolver._busy_with), so a SWAP_IN that comes
+        while a scan is under way waits for it, then shares its conclusion."""
         try:
             usage = await asyncio.to_thread(abi.read_usage, alloc.directory)
         except (FormatError, OSError):
@@ -79,6 +116,17 @@ class Takeover:
         if alloc.key in self._unavailable_said:
             self._unavailable_said.discard(alloc.key)
             log.warning("swap: the checkpoint API is available again: taking over %s", alloc.who())
+        last = self._scans.get(alloc.key)
+        if last is not None and last.alloc is alloc:
+            wait = last.began + RESCAN_SPACING - time.monotonic()
+            if wait > 0 and last.found is _Found.UNKNOWN:
+                raise Unknown(f"the processes of {alloc.who()} cannot be found yet")
+            if wait > 0 and last.found is _Found.NOTHING_HELD:
+                return None
+            if wait > 0:
+                await asyncio.sleep(wait)
+        scan = _Scan(alloc, time.monotonic(), _Found.TAKEN)  # until it concludes otherwise
+        self._scans[alloc.key] = scan
 
         def find() -> tuple[list[tuple[int, SlotId, ProcessState]], set[SlotId]] | None:
             """(processes the driver holds, slots of processes it runs), or None when that
@@ -103,6 +151,7 @@ class Takeover:
 
         found = await asyncio.to_thread(find)
         if found is None:
+            scan.found = _Found.UNKNOWN
             if alloc.key in self._unknown_said:
                 raise Unknown(f"the processes of {alloc.who()} cannot be found yet")
             self._unknown_said.add(alloc.key)  # said once: its shim asks again and again
@@ -115,6 +164,7 @@ class Takeover:
         self._unknown_said.discard(alloc.key)
         procs, running = found
         if not procs:
+            scan.found = _Found.NOTHING_HELD
             # Nothing of it is held by the driver: clear the flags of the processes it runs.
             # A flagged slot whose process was not found keeps its flag (a dead process's slot
             # is freed, flag and all, by the shim; a live one asks again).

@@ -15,6 +15,14 @@ Commands, one per line; each answers exactly one line:
     sync          cuCtxSynchronize alone                   -> "ok"
     busy US       launch the busy kernel for US microseconds and synchronize -> "ok"
     info          cuMemGetInfo as the app sees it          -> "free <bytes> total <bytes>"
+    pool N        leave N bytes idle in the device's default memory pool: its release threshold
+                  raised to the maximum (as PyTorch's and RAPIDS' pools do), cuMemAllocAsync N,
+                  cuMemFreeAsync, cuStreamSynchronize      -> "ok"
+    palloc N      cuMemAllocAsync N bytes on the NULL stream, nothing else -> "ok <id>" or "oom"
+    vmm N         cuMemCreate N bytes, cuMemAddressReserve, cuMemMap, cuMemSetAccess (read-write)
+                  -> "ok <id>" or "oom"
+    vfree ID      cuMemUnmap then cuMemRelease (PyTorch expandable segments' order), then
+                  cuMemAddressFree of mapping ID            -> "ok"
     nvml          nvmlDeviceGetMemoryInfo of device 0 as the app sees it, v1 then v2
                   -> "total <b> free <b> used <b> v2 total <b> free <b> used <b> reserved <b>"
     exit          free everything and exit                 -> "bye"
@@ -59,6 +67,7 @@ def _serve() -> int:
     result = chk(cu.cuMemAlloc(RESULT_BYTES))
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
     buffers: dict[int, tuple[Any, int, int]] = {}  # id -> (device ptr, bytes, value)
+    mappings: dict[int, tuple[Any, int, Any]] = {}  # id -> (reserved address, bytes, VMM handle)
 
     def launch(func: Any, *args: Any) -> None:
         values = tuple(a for a, _ in args)
@@ -108,9 +117,35 @@ def _serve() -> int:
                 print(f"free {free} total {total}", flush=True)
             elif cmd == "nvml":
                 print(_nvml_memory(), flush=True)
+            elif cmd == "pool":
+                _leave_idle_in_pool(cu, chk, dev, int(a[0]))
+                print("ok", flush=True)
+            elif cmd == "palloc":
+                n = int(a[0])
+                err, ptr = cu.cuMemAllocAsync(n, 0)
+                if err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+                    print("oom", flush=True)
+                    continue
+                chk((err,))
+                next_id += 1
+                buffers[next_id] = (ptr, n, 0)
+                print(f"ok {next_id}", flush=True)
+            elif cmd == "vmm":
+                mapping = _vmm_map(cu, chk, int(dev), int(a[0]))
+                if mapping is None:
+                    print("oom", flush=True)
+                    continue
+                next_id += 1
+                mappings[next_id] = mapping
+                print(f"ok {next_id}", flush=True)
+            elif cmd == "vfree":
+                _vmm_unmap(cu, chk, *mappings.pop(int(a[0])))
+                print("ok", flush=True)
             elif cmd == "exit":
                 for ptr, _, _ in buffers.values():
                     chk(cu.cuMemFree(ptr))
+                for mapping in mappings.values():
+                    _vmm_unmap(cu, chk, *mapping)
                 print("bye", flush=True)
                 return 0
             else:
@@ -118,6 +153,43 @@ def _serve() -> int:
         except (RuntimeError, KeyError, IndexError, ValueError) as e:
             print(f"error {e}", flush=True)
     return 0
+
+
+def _leave_idle_in_pool(cu: Any, chk: Any, dev: Any, n: int) -> None:
+    """N bytes reserved and idle in the device's default pool, kept across synchronizes."""
+    pool = chk(cu.cuDeviceGetMemPool(dev))
+    never = cu.cuuint64_t(0xFFFFFFFFFFFFFFFF)
+    chk(cu.cuMemPoolSetAttribute(pool, cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, never))
+    ptr = chk(cu.cuMemAllocAsync(n, 0))
+    chk(cu.cuMemFreeAsync(ptr, 0))
+    chk(cu.cuStreamSynchronize(0))
+
+
+def _vmm_map(cu: Any, chk: Any, dev: int, n: int) -> tuple[Any, int, Any] | None:
+    """N bytes of physical memory (cuMemCreate) mapped read-write at a reserved address;
+    None if the allocation is refused for lack of memory."""
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = dev
+    err, handle = cu.cuMemCreate(n, prop, 0)
+    if err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+        return None
+    chk((err,))
+    addr = chk(cu.cuMemAddressReserve(n, 0, 0, 0))
+    chk(cu.cuMemMap(addr, n, 0, handle, 0))
+    access = cu.CUmemAccessDesc()
+    access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    access.location.id = dev
+    access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    chk(cu.cuMemSetAccess(addr, n, [access], 1))
+    return addr, n, handle
+
+
+def _vmm_unmap(cu: Any, chk: Any, addr: Any, n: int, handle: Any) -> None:
+    chk(cu.cuMemUnmap(addr, n))
+    chk(cu.cuMemRelease(handle))
+    chk(cu.cuMemAddressFree(addr, n))
 
 
 def _nvml_memory() -> str:

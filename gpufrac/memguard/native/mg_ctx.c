@@ -135,6 +135,7 @@ static void ov_warn_full(void) { mg_log("too many contexts and modules to record
 /* Contexts.                                                                 */
 
 CUresult mg_h_cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
+    mg_swap_gate();
     if (!mg_on()) return CALL_REAL(cuDevicePrimaryCtxRetain, pctx, dev);
     pthread_mutex_lock(&g_ov_mu);
     mg_ov_t *o = ov_find(OV_PRIMARY, 0, dev);
@@ -162,6 +163,7 @@ CUresult mg_h_cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
 }
 
 static CUresult primary_release(CUdevice dev, int v2, int reset) {
+    mg_swap_gate();
     if (!mg_on()) {
         if (reset) return v2 ? CALL_REAL(cuDevicePrimaryCtxReset_v2, dev) : CALL_REAL(cuDevicePrimaryCtxReset, dev);
         return v2 ? CALL_REAL(cuDevicePrimaryCtxRelease_v2, dev) : CALL_REAL(cuDevicePrimaryCtxRelease, dev);
@@ -209,10 +211,11 @@ CUresult mg_h_cuDevicePrimaryCtxReset_v2(CUdevice dev) { return primary_release(
 /* A new context (regular or green) of `dev`, made by `rc_expr`; `undo` destroys it. */
 #define CREATE_MEASURED(kind, dev, handle_ptr, rc_expr, undo)                  \
     do {                                                                       \
-        if (!mg_on()) return (rc_expr); \
+        mg_swap_gate();                                                        \
+        if (!mg_on()) return (rc_expr);                                        \
         pthread_mutex_lock(&g_ov_mu);                                          \
         mg_meas_t m_;                                                          \
-        mg_meas_begin(&m_, (dev));                                                \
+        mg_meas_begin(&m_, (dev));                                             \
         mg_meas_bound_ctx(&m_);                                                   \
         mg_meas_learn_begin(&m_);                                                 \
         CUresult rc_ = (rc_expr);                                              \
@@ -243,6 +246,7 @@ CUresult mg_h_cuGreenCtxCreate(CUgreenCtx *phCtx, CUdevResourceDesc desc, CUdevi
 }
 
 static CUresult ctx_destroy(CUcontext ctx, int v2) {
+    mg_swap_gate();
     if (!mg_on()) return v2 ? CALL_REAL(cuCtxDestroy_v2, ctx) : CALL_REAL(cuCtxDestroy, ctx);
     pthread_mutex_lock(&g_ov_mu);
     CUresult rc = v2 ? CALL_REAL(cuCtxDestroy_v2, ctx) : CALL_REAL(cuCtxDestroy, ctx);
@@ -256,6 +260,7 @@ CUresult mg_h_cuCtxDestroy(CUcontext ctx) { return ctx_destroy(ctx, 0); }
 CUresult mg_h_cuCtxDestroy_v2(CUcontext ctx) { return ctx_destroy(ctx, 1); }
 
 CUresult mg_h_cuGreenCtxDestroy(CUgreenCtx hCtx) {
+    mg_swap_gate();
     if (!mg_on()) return CALL_REAL(cuGreenCtxDestroy, hCtx);
     pthread_mutex_lock(&g_ov_mu);
     CUresult rc = CALL_REAL(cuGreenCtxDestroy, hCtx);
@@ -270,6 +275,7 @@ CUresult mg_h_cuGreenCtxDestroy(CUgreenCtx hCtx) {
 /* Limits: the value's memory, above what the context already took.         */
 
 CUresult mg_h_cuCtxSetLimit(int limit, size_t value) {
+    mg_swap_gate();
     if (!mg_on()) return CALL_REAL(cuCtxSetLimit, limit, value);
     pthread_mutex_lock(&g_ov_mu);
     cu_getlimit_fn getlimit = (cu_getlimit_fn)cu_fn("cuCtxGetLimit");
@@ -309,7 +315,8 @@ CUresult mg_h_cuCtxSetLimit(int limit, size_t value) {
 
 #define LOAD_MEASURED(kind, handle_ptr, rc_expr, undo)                         \
     do {                                                                       \
-        if (!mg_on()) return (rc_expr); \
+        mg_swap_gate();                                                        \
+        if (!mg_on()) return (rc_expr);                                        \
         pthread_mutex_lock(&g_ov_mu);                                          \
         uint64_t ctx_ = (uint64_t)(uintptr_t)mg_cur_ctx();                     \
         mg_meas_t m_;                                                          \
@@ -365,11 +372,13 @@ static CUresult unload(int kind, uint64_t key, CUresult rc) {
 }
 
 CUresult mg_h_cuModuleUnload(CUmodule hmod) {
+    mg_swap_gate();
     CUresult rc = CALL_REAL(cuModuleUnload, hmod);
     return mg_on() ? unload(OV_MODULE, (uint64_t)(uintptr_t)hmod, rc) : rc;
 }
 
 CUresult mg_h_cuLibraryUnload(CUlibrary library) {
+    mg_swap_gate();
     CUresult rc = CALL_REAL(cuLibraryUnload, library);
     return mg_on() ? unload(OV_LIBRARY, (uint64_t)(uintptr_t)library, rc) : rc;
 }

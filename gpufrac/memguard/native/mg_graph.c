@@ -200,18 +200,23 @@ static CUresult instantiated(CUresult rc, CUgraphExec *e, CUgraph g) {
 }
 
 CUresult mg_h_cuGraphInstantiate(CUgraphExec *e, CUgraph g, CUgraphNode *errNode, char *log, size_t n) {
+    mg_swap_gate();
     return instantiated(CALL_REAL(cuGraphInstantiate, e, g, errNode, log, n), e, g);
 }
 CUresult mg_h_cuGraphInstantiate_v2(CUgraphExec *e, CUgraph g, CUgraphNode *errNode, char *log, size_t n) {
+    mg_swap_gate();
     return instantiated(CALL_REAL(cuGraphInstantiate_v2, e, g, errNode, log, n), e, g);
 }
 CUresult mg_h_cuGraphInstantiateWithFlags(CUgraphExec *e, CUgraph g, unsigned long long flags) {
+    mg_swap_gate();
     return instantiated(CALL_REAL(cuGraphInstantiateWithFlags, e, g, flags), e, g);
 }
 CUresult mg_h_cuGraphInstantiateWithParams(CUgraphExec *e, CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *p) {
+    mg_swap_gate();
     return instantiated(CALL_REAL(cuGraphInstantiateWithParams, e, g, p), e, g);
 }
 CUresult mg_h_cuGraphInstantiateWithParams_ptsz(CUgraphExec *e, CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *p) {
+    mg_swap_gate();
     return instantiated(CALL_REAL(cuGraphInstantiateWithParams_ptsz, e, g, p), e, g);
 }
 
@@ -250,15 +255,18 @@ CUresult mg_graph_launch(void *real_launch, CUgraphExec e, CUstream s) {
 }
 
 CUresult mg_h_cuGraphUpload(CUgraphExec e, CUstream s) {
+    mg_swap_gate();
     if (!mg_on()) return CALL_REAL(cuGraphUpload, e, s);
     return mg_graph_launch(mg_real(S_cuGraphUpload), e, s);
 }
 CUresult mg_h_cuGraphUpload_ptsz(CUgraphExec e, CUstream s) {
+    mg_swap_gate();
     if (!mg_on()) return CALL_REAL(cuGraphUpload_ptsz, e, s);
     return mg_graph_launch(mg_real(S_cuGraphUpload_ptsz), e, s);
 }
 
 CUresult mg_h_cuGraphExecDestroy(CUgraphExec e) {
+    mg_swap_gate();
     CUresult rc = CALL_REAL(cuGraphExecDestroy, e);
     if (rc != CUDA_SUCCESS || !mg_on()) return rc;
     pthread_mutex_lock(&g_gr_mu);
@@ -279,6 +287,7 @@ CUresult mg_h_cuGraphExecDestroy(CUgraphExec e) {
  * pool lacks for it until the launch's reconcile corrects it: at worst a false
  * OUT_OF_MEMORY for a graph that was running while trimmed at the limit). */
 CUresult mg_h_cuDeviceGraphMemTrim(CUdevice dev) {
+    mg_swap_gate();
     CUresult rc = CALL_REAL(cuDeviceGraphMemTrim, dev);
     if (rc != CUDA_SUCCESS || !mg_on()) return rc;
     pthread_mutex_lock(&g_gr_mu);
@@ -310,37 +319,44 @@ static CUresult capture_ended(CUresult rc, int was, CUstream s) {
 }
 
 CUresult mg_h_cuStreamBeginCapture(CUstream s) {
+    mg_swap_gate();
     CUresult rc = CALL_REAL(cuStreamBeginCapture, s);
     capture_began(rc);
     return rc;
 }
 CUresult mg_h_cuStreamBeginCapture_v2(CUstream s, int mode) {
+    mg_swap_gate();
     CUresult rc = CALL_REAL(cuStreamBeginCapture_v2, s, mode);
     capture_began(rc);
     return rc;
 }
 CUresult mg_h_cuStreamBeginCapture_v2_ptsz(CUstream s, int mode) {
+    mg_swap_gate();
     CUresult rc = CALL_REAL(cuStreamBeginCapture_v2_ptsz, s, mode);
     capture_began(rc);
     return rc;
 }
 CUresult mg_h_cuStreamBeginCaptureToGraph(CUstream s, CUgraph g, const CUgraphNode *deps, const void *edgeData,
                                           size_t n, int mode) {
+    mg_swap_gate();
     CUresult rc = CALL_REAL(cuStreamBeginCaptureToGraph, s, g, deps, edgeData, n, mode);
     capture_began(rc);
     return rc;
 }
 CUresult mg_h_cuStreamBeginCaptureToGraph_ptsz(CUstream s, CUgraph g, const CUgraphNode *deps,
                                                const void *edgeData, size_t n, int mode) {
+    mg_swap_gate();
     CUresult rc = CALL_REAL(cuStreamBeginCaptureToGraph_ptsz, s, g, deps, edgeData, n, mode);
     capture_began(rc);
     return rc;
 }
 CUresult mg_h_cuStreamEndCapture(CUstream s, CUgraph *g) {
+    mg_swap_gate();
     int was = mg_stream_capturing(s);
     return capture_ended(CALL_REAL(cuStreamEndCapture, s, g), was, s);
 }
 CUresult mg_h_cuStreamEndCapture_ptsz(CUstream s, CUgraph *g) {
+    mg_swap_gate();
     int was = mg_stream_capturing(s);
     return capture_ended(CALL_REAL(cuStreamEndCapture_ptsz, s, g), was, s);
 }

@@ -242,11 +242,15 @@ MG_HIDDEN MG_COLD void mg_swap_in(mg_proc_slot_t *s);
 
 /* The swap-in gate. While the agent holds this process swapped out (its slot's
  * flag), the driver blocks every CUDA call of it until it is restored, and only the
- * shim can ask for that: so every hook of an entry point that reaches the GPU
- * (launches, allocations and frees, copies, memsets, stream, event and context
- * waits and queries, memory queries) passes here first. Two loads when not swapped:
- * the slot (none in a process that never counted anything, which nobody swaps) and
- * its flag. mg_charge and the launches check the flag themselves. */
+ * shim can ask for that: so every hook of a driver entry point passes here before
+ * its first driver call (the shim's own ones included, such as a pool's attributes).
+ * Two loads when not swapped: the slot (none in a process that never counted
+ * anything, which nobody swaps; none either while the shim is not ON) and its flag.
+ * mg_charge and the launches check the flag themselves: the allocation hooks that
+ * charge before any driver call (ALLOC_HOOK, the pitched ones) rely on it; every
+ * other hook (frees, pools, VMM map/unmap/release/retain, contexts, modules,
+ * graphs, copies, waits, queries, cuGetProcAddress) calls this. NVML is not the
+ * CUDA driver and a locked process's NVML calls go through: not gated. */
 static inline void mg_swap_gate(void) {
     mg_proc_slot_t *s = atomic_load_explicit(&g_slot, memory_order_acquire);
     if (MG_UNLIKELY(s != NULL && atomic_load_explicit(&s->swapped, memory_order_acquire))) mg_swap_in(s);

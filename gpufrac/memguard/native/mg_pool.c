@@ -303,6 +303,8 @@ static MG_COLD CUresult mg_pool_undo(int how, CUdeviceptr d, CUstream hs, uint64
  * is the one last read (the driver only grows a pool inside a hooked call made
  * under g_pool_mu; releases it misses can only make it high, never low). */
 static CUresult mg_pool_alloc(int how, CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream hs) {
+    /* Before any driver call: one served wholly from idle bytes never reaches mg_charge. */
+    mg_swap_gate();
     if (!mg_on()) return mg_refusing() ? CUDA_ERROR_OUT_OF_MEMORY : mg_pool_real_alloc(how, dptr, size, pool, hs);
     if (!dptr || size == 0) return mg_pool_real_alloc(how, dptr, size, pool, hs); /* refused, nothing to count */
     /* Captured into a graph: a memory node, counted when the graph gets its memory (mg_graph.c). */
@@ -496,6 +498,7 @@ void mg_pool_freed(CUresult rc, uint64_t key, uint64_t bytes, uint64_t pool, uin
 }
 
 HOOK CUresult mg_h_cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep) {
+    mg_swap_gate();
     mg_sync_begin();
     CUresult rc = CALL_REAL(cuMemPoolTrimTo, pool, minBytesToKeep);
     if (rc != CUDA_SUCCESS || !mg_on()) {
@@ -516,6 +519,7 @@ HOOK CUresult mg_h_cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep) {
  * counted until then (the driver's reservation cannot be read any more). */
 /* Pools on a host location are remembered so their allocations pass uncounted. */
 HOOK CUresult mg_h_cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props) {
+    mg_swap_gate();
     CUresult rc = CALL_REAL(cuMemPoolCreate, pool, props);
     if (rc == CUDA_SUCCESS && pool && mg_on() && mg_loc_host(props) &&
         mg_tab_put(&g_hostpools, (uint64_t)(uintptr_t)*pool, 0, 0) != 0)
@@ -524,6 +528,7 @@ HOOK CUresult mg_h_cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *pro
 }
 
 HOOK CUresult mg_h_cuMemPoolDestroy(CUmemoryPool pool) {
+    mg_swap_gate();
     if (!mg_on()) return CALL_REAL(cuMemPoolDestroy, pool);
     uint64_t none = 0;
     if (mg_tab_take(&g_hostpools, (uint64_t)(uintptr_t)pool, &none, NULL)) {

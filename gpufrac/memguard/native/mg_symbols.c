@@ -158,12 +158,14 @@ static void *mg_proc_hook(const char *symbol, void *p, int version, cuuint64_t f
 
 HOOK CUresult mg_h_cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
                                        CUdriverProcAddressQueryResult *symbolStatus) {
+    mg_swap_gate();
     CUresult rc = CALL_REAL(cuGetProcAddress_v2, symbol, pfn, cudaVersion, flags, symbolStatus);
     if (rc == CUDA_SUCCESS && symbol && pfn && *pfn) *pfn = mg_proc_hook(symbol, *pfn, cudaVersion, flags);
     return rc;
 }
 
 HOOK CUresult mg_h_cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags) {
+    mg_swap_gate();
     CUresult rc = CALL_REAL(cuGetProcAddress, symbol, pfn, cudaVersion, flags);
     if (rc == CUDA_SUCCESS && symbol && pfn && *pfn) *pfn = mg_proc_hook(symbol, *pfn, cudaVersion, flags);
     return rc;

@@ -61,6 +61,7 @@ HOOK CUresult mg_h_cuMemGetInfo(unsigned int *free_, unsigned int *total) {
 }
 
 HOOK CUresult mg_h_cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
+    mg_swap_gate();
     CUresult rc = CALL_REAL(cuDeviceTotalMem_v2, bytes, dev);
     uint64_t vf, vt;
     if (rc == CUDA_SUCCESS && bytes && mg_view(*bytes, *bytes, &vf, &vt)) *bytes = (size_t)vt;
@@ -68,6 +69,7 @@ HOOK CUresult mg_h_cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
 }
 
 HOOK CUresult mg_h_cuDeviceTotalMem(unsigned int *bytes, CUdevice dev) {
+    mg_swap_gate();
     CUresult rc = CALL_REAL(cuDeviceTotalMem, bytes, dev);
     uint64_t vf, vt;
     if (rc == CUDA_SUCCESS && bytes && mg_view(*bytes, *bytes, &vf, &vt)) *bytes = mg_u32(vt);

@@ -64,6 +64,7 @@ static void mg_vmm_freed(uint64_t bytes) {
 }
 
 HOOK CUresult mg_h_cuMemRelease(CUmemGenericAllocationHandle handle) {
+    mg_swap_gate();
     if (!mg_on()) return CALL_REAL(cuMemRelease, handle);
     uint64_t bytes = 0;
     int dropped = mg_href_drop(handle, &bytes);
@@ -74,6 +75,7 @@ HOOK CUresult mg_h_cuMemRelease(CUmemGenericAllocationHandle handle) {
 }
 
 HOOK CUresult mg_h_cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr) {
+    mg_swap_gate();
     CUresult rc = CALL_REAL(cuMemRetainAllocationHandle, handle, addr);
     if (rc == CUDA_SUCCESS && handle && mg_on()) mg_href_get(*handle);
     return rc;
@@ -81,6 +83,7 @@ HOOK CUresult mg_h_cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *han
 
 HOOK CUresult mg_h_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                             unsigned long long flags) {
+    mg_swap_gate();
     CUresult rc = CALL_REAL(cuMemMap, ptr, size, offset, handle, flags);
     /* The mapping holds the allocation: a reference, dropped at its unmap. One
      * that cannot be recorded is kept (counted until exit, never under). */
@@ -94,6 +97,7 @@ HOOK CUresult mg_h_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGe
 #define MG_UNMAP_BATCH 32
 
 HOOK CUresult mg_h_cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    mg_swap_gate();
     if (!mg_on()) return CALL_REAL(cuMemUnmap, ptr, size);
     struct {
         uint64_t base, size, handle, bytes;
