@@ -20,9 +20,14 @@ ledger does not know, is refused.
 The blocking /proc helpers built on the same identity live here too, for the
 arbiter's eviction, the swap resolver and the watchdog: a container's host pids (a
 /proc scan) and whether a pid is still in a container. Killing is gpufrac.agent.kill.
-Callers run them in worker threads. A process whose cgroup file cannot be read although
-it lives (a cgroup path past PATH_MAX, which a container with a writable cgroupfs can
-make below its own) is found by walking cgroupfs instead (gpufrac.agent.cgroup_walk).
+Callers run them in worker threads.
+
+A process whose cgroup file the kernel refuses although it lives (ENAMETOOLONG: a cgroup path
+past PATH_MAX, which only a container nesting cgroups below its own on purpose makes; kernels
+that cut the path instead still name the runtime's pod and container levels first) is no
+one's here: CgroupUnreadable, never searched for. A search of cgroupfs is the tenant's to make
+expensive (decoy cgroups, a budget it exhausts, fresh pids for each try); the arbiter refuses
+such a caller, and the watchdog treats such a GPU process as hidden (gpufrac.agent.watchdog).
 """
 
 from __future__ import annotations
@@ -35,13 +40,10 @@ import re
 import signal
 import socket
 import struct
-import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from gpufrac.agent import cgroup_walk
 from gpufrac.agent.ledger import ContainerAlloc, Ledger
 
 log = logging.getLogger(__name__)
@@ -69,8 +71,8 @@ class ProcessGone(PeerError):
 
 
 class CgroupUnreadable(PeerError):
-    """The process lives, but which cgroup it is in could not be found out (its cgroup file
-    refused, and no kubelet container holds it as far as a walk of cgroupfs sees)."""
+    """The process lives, but the kernel refuses its cgroup file (a path past PATH_MAX): it is
+    no container's as far as the agent can tell, and is never searched for."""
 
 
 class AgentOutOfResources(PeerError):
@@ -208,7 +210,8 @@ def read_cgroup(pid: int, proc: str = "/proc") -> CgroupIdentity | None:
     """The kubelet container /proc/<pid>/cgroup names (None: none). Raises ProcessGone when
     the process has exited, AgentOutOfResources when the agent lacks a descriptor to look, and
     CgroupUnreadable when the file exists but cannot be read: some kernels refuse it
-    (ENAMETOOLONG) once a cgroup path passes PATH_MAX. `cgroup_of` looks further then."""
+    (ENAMETOOLONG) once a cgroup path passes PATH_MAX. `cgroup_of` tells then whether the
+    process lives."""
     try:
         # os.open/os.read: this runs per arbiter request, and a text-mode file object
         # costs several times the read itself.
@@ -237,72 +240,67 @@ def start_time(pid: int, proc_root: str = "/proc") -> int:
         return 0
 
 
-# What walks found, per process (pid, start time): a process cannot leave its container (the
-# outermost pod level names it), so a found container holds for its life; not finding one is
-# tried again after WALK_RETRY. Shared by the worker threads that read cgroups.
-WALK_RETRY = 5.0
-_WALKED_MAX = 1024
-_walked: dict[tuple[int, int], tuple[float, CgroupIdentity | None]] = {}
-_walked_lock = threading.Lock()
-
-
-def _identity_of_levels(levels: Sequence[str]) -> CgroupIdentity | None:
-    return parse_cgroup_path("/" + "/".join(levels))
-
-
 def cgroup_of(pid: int, proc: str = "/proc") -> CgroupIdentity | None:
-    """The kubelet container a process is in, read from /proc/<pid>/cgroup, or, where that
-    file refuses a path past PATH_MAX, found by walking cgroupfs (gpufrac.agent.cgroup_walk).
+    """The kubelet container a process is in, read from /proc/<pid>/cgroup (None: in none).
     Raises ProcessGone, AgentOutOfResources, or CgroupUnreadable when the process lives but
-    no kubelet container can be found to hold it (it is not silently nobody's: the caller
-    reports it). Blocking."""
+    the kernel refuses its cgroup file: it is then no container's, and not searched for (the
+    module's doc says why). Blocking: two file operations at most."""
     try:
         return read_cgroup(pid, proc)
     except CgroupUnreadable as e:
         refused = str(e)
-    started = start_time(pid, proc)
-    if not started:
-        raise ProcessGone(f"process {pid} is gone")
-    now = time.monotonic()
-    with _walked_lock:
-        hit = _walked.get((pid, started))
-    if hit is None or (hit[1] is None and now - hit[0] > WALK_RETRY):
-        try:
-            found = cgroup_walk.locate(pid, cgroup_walk.roots(proc), _identity_of_levels)
-        except OSError as e:
-            if e.errno in _SHORTAGE:
-                raise AgentOutOfResources(f"cannot walk cgroupfs for process {pid}: {e.strerror}") from None
-            raise
-        if hit is None:
-            log.warning(
-                "process %d: %s; walking cgroupfs %s",
-                pid,
-                refused,
-                f"found it in pod {found.pod_uid} container {found.container_id[:12]}"
-                if found is not None
-                else "found it in no kubelet container",
-            )
-        hit = (now, found)
-        with _walked_lock:
-            if len(_walked) >= _WALKED_MAX:
-                _walked.pop(next(iter(_walked)))
-            _walked[(pid, started)] = hit
-    if hit[1] is None:
-        raise CgroupUnreadable(f"{refused}, and no kubelet container's cgroups hold process {pid}")
-    return hit[1]
+    # Gone, or alive with its file refused? A stat, which takes no descriptor: a shortage of
+    # files must not make a live process look gone.
+    try:
+        os.stat(f"{proc}/{pid}/stat")
+    except (FileNotFoundError, ProcessLookupError):
+        raise ProcessGone(f"process {pid} is gone") from None
+    except OSError as e:
+        if e.errno in _SHORTAGE:
+            raise AgentOutOfResources(f"cannot look at process {pid}: {e.strerror}") from None
+        raise CgroupUnreadable(f"{refused}; nor can /proc/{pid} be looked at ({e.strerror})") from None
+    raise CgroupUnreadable(
+        f"{refused}, although process {pid} lives (a cgroup path past PATH_MAX: cgroups nested "
+        "below its container); it is no container's"
+    )
+
+
+def cgroup_refused(pid: int, proc: str = "/proc") -> bool:
+    """Whether `pid` lives with its cgroup file refused by the kernel (what the watchdog kills
+    as hidden). False when it is gone or its cgroup reads; raises AgentOutOfResources."""
+    try:
+        cgroup_of(pid, proc)
+    except CgroupUnreadable:
+        return True
+    except AgentOutOfResources:
+        raise
+    except PeerError:
+        return False
+    return False
 
 
 def scan_pids(match: Callable[[CgroupIdentity], bool], proc: str = "/proc") -> list[int]:
     """Host pids of every process whose kubelet container `match` accepts (blocking: a scan
-    of /proc, one cgroup file per process)."""
+    of /proc, one cgroup file per process). A process whose cgroup file the kernel refuses is
+    simply not listed: it is no container's, and not searched for (the watchdog deals with
+    it). Raises AgentOutOfResources when the agent could not look at some process (or at
+    /proc) for want of files or memory: a caller must never take "not listed" for "gone"."""
+    try:
+        names = os.listdir(proc)
+    except OSError as e:
+        if e.errno in _SHORTAGE:
+            raise AgentOutOfResources(f"cannot list {proc}: {e.strerror}") from None
+        raise
     out = []
-    for name in os.listdir(proc):
+    for name in names:
         if not name.isdigit():
             continue
         try:
             ident = cgroup_of(int(name), proc)
+        except AgentOutOfResources:
+            raise
         except PeerError:
-            continue
+            continue  # gone, refused, or its hierarchies disagree: not one of the container's
         if ident is not None and match(ident):
             out.append(int(name))
     return out
@@ -314,7 +312,9 @@ def in_container(pid: int, ident: CgroupIdentity, proc: str = "/proc") -> bool:
     "not ours")."""
     try:
         now = cgroup_of(pid, proc)
-    except (ProcessGone, CgroupUnreadable):
+    except AgentOutOfResources:
+        raise
+    except PeerError:  # gone, its cgroup refused, its hierarchies disagree: not that container's
         return False
     return now is not None and (now.pod_uid, now.container_id) == (ident.pod_uid, ident.container_id)
 
@@ -442,7 +442,8 @@ class PeerLookup:
         """Host pids of a container (blocking; run in a thread): every process whose cgroup
         names its pod and a container ID the pod's status now gives its name. Never from a
         container ID seen before: a restarted container has a new one, and a released key
-        may be booked again by another pod."""
+        may be booked again by another pod. Raises AgentOutOfResources when some process could
+        not be looked at (scan_pids)."""
         if not (alloc.pod_uid and alloc.container):
             return []
         return scan_pids(lambda c: self.owns(alloc, c), self.proc)

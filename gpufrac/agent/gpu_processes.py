@@ -19,6 +19,7 @@ import pynvml  # nvidia-ml-py ships no types
 
 from gpufrac.agent.callers import (
     CgroupIdentity,
+    CgroupUnreadable,
     ContainerOwner,
     PeerError,
     ProcessGone,
@@ -43,11 +44,14 @@ class GpuProcess:
 @dataclass(frozen=True)
 class Observed:
     """A GPU process and the kubelet container its cgroup names (None: not in one, or not
-    found: `unreadable` then says why)."""
+    known: `unreadable` then says why). `hidden`: it lives, and the kernel refuses its cgroup
+    file (a path past PATH_MAX, made on purpose): no one's, and the watchdog's to kill
+    (gpufrac.agent.watchdog). Not hidden for a reason that is the agent's own (out of files)."""
 
     proc: GpuProcess
     cgroup: CgroupIdentity | None
     unreadable: str = ""
+    hidden: bool = False
 
 
 class Lookup(Protocol):
@@ -115,9 +119,10 @@ def observe(proc_root: str = "/proc") -> list[Observed]:
     time, so the cgroup read in (2) and L2's line are that one process's. What cannot be
     confirmed is left out of this reading (counted again in the next one), never attributed.
 
-    A process that lives but whose cgroup cannot be found (its cgroup file refused and no
-    kubelet container's cgroups hold it: gpufrac.agent.callers.cgroup_of) is not left out: it
-    counts with no container and the reason, for the watchdog to report.
+    A process that lives but whose cgroup file the kernel refuses (gpufrac.agent.callers
+    .cgroup_of) is not left out: it counts as hidden, with no container and the reason, for
+    the watchdog to kill or report; one the agent could not look at (out of files) counts with
+    no container and the reason, reported.
 
     A pid reused between L1 and the pidfd_open right after it gives a pidfd of the new
     process: its own cgroup is read, and L2 (taken later) lists the pid with its own memory
@@ -131,21 +136,23 @@ def observe(proc_root: str = "/proc") -> list[Observed]:
     the liveness check therefore comes after L2, never before."""
     first = read_gpu_processes()
     pinned: dict[int, int] = {}  # pid -> pidfd
-    read_at: dict[int, tuple[CgroupIdentity | None, int, str]] = {}
+    read_at: dict[int, tuple[CgroupIdentity | None, int, str, bool]] = {}
     try:
         for pid in dict.fromkeys(p.pid for p in first):
             fd = _pidfd(pid)
             if fd is not None:
                 pinned[pid] = fd
         for pid in pinned:
-            why = ""
+            why, hidden = "", False
             try:
                 ident = cgroup_of(pid, proc_root)
             except ProcessGone:
                 continue  # exited since NVML listed it
+            except CgroupUnreadable as e:
+                ident, why, hidden = None, str(e), True
             except PeerError as e:
                 ident, why = None, str(e)  # alive, its container unknown: reported, not dropped
-            read_at[pid] = (ident, start_time(pid, proc_root), why)
+            read_at[pid] = (ident, start_time(pid, proc_root), why, hidden)
         second = read_gpu_processes() if read_at else []
         confirmed = {pid for pid in read_at if _alive(pinned[pid])}
     finally:
@@ -155,6 +162,6 @@ def observe(proc_root: str = "/proc") -> list[Observed]:
     for p in second:
         if p.pid not in confirmed:
             continue  # not pinned in L1, or gone (its pid may be another process's now)
-        ident, start, why = read_at[p.pid]
-        out.append(Observed(GpuProcess(p.pid, p.gpu, p.used, start), ident, why))
+        ident, start, why, hidden = read_at[p.pid]
+        out.append(Observed(GpuProcess(p.pid, p.gpu, p.used, start), ident, why, hidden))
     return out

@@ -1,15 +1,18 @@
 """Killing a container's processes: the one place the agent sends SIGKILL.
 
 Used by the arbiter's eviction (every process of a victim container) and by the watchdog's
-enforcement (one process over its container's limit). A pid is only a number the kernel may
-hand to a new process at any time, so every kill goes through a pidfd, and the process is
-checked to still be in the container it was chosen from once that pidfd pins it. All of it
-blocks (a /proc read per pid, waiting for exits): callers run it in a worker thread.
+enforcement (one process over its container's limit, or a hidden one: its cgroup file
+refused). A pid is only a number the kernel may hand to a new process at any time, so every
+kill goes through a pidfd, and the process is checked to still be in the container it was
+chosen from once that pidfd pins it. All of it blocks (a /proc read per pid, waiting for
+exits): callers run it in a worker thread.
 
 A victim may have thousands of processes, more than the agent has file descriptors: each is
 signalled through a pidfd closed right after, and their exits are waited for BATCH at a time.
 Running out of descriptors is never taken for "already gone": such a process is reported as
-not killed (KillFailed), and an eviction whose victim's GPU processes live on has failed.
+not killed (KillFailed), and an eviction whose victim's GPU processes live on has not freed its
+memory. KillFailed says how many processes were signalled all the same: a victim whose
+processes were killed has been disrupted, and is announced as such (gpufrac.agent.resolvers).
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ from typing import Protocol
 from gpufrac.agent.callers import (
     AgentOutOfResources,
     CgroupIdentity,
-    CgroupUnreadable,
-    ProcessGone,
+    PeerError,
     cgroup_of,
+    cgroup_refused,
     in_container,
+    start_time,
 )
 from gpufrac.agent.ledger import ContainerAlloc
 
@@ -46,8 +50,9 @@ _SHORTAGE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
 class KillFailed(Exception):
     """Some process could not be signalled (the agent out of files, a refusal), or a process
-    the driver counts for a victim is still alive in it after the kill. `signalled`: how
-    many were."""
+    the driver counts for a victim is still alive in it after the kill (slow to exit, or the
+    agent unable to tell). `signalled`: how many were signalled all the same (more than 0:
+    the victim was disrupted, its memory not yet known to be free)."""
 
     def __init__(self, message: str, signalled: int = 0) -> None:
         super().__init__(message)
@@ -181,6 +186,17 @@ def kill_if_same(
     return kill_and_wait([pid], timeout, still_ours=lambda p: in_container(p, ident, proc_root)) == 1
 
 
+def kill_if_hidden(pid: int, started: int, proc_root: str = "/proc", timeout: float = KILL_WAIT) -> bool:
+    """SIGKILL `pid` only if, once a pidfd pins it, it is still the process seen (its start
+    time `started`) and the kernel still refuses its cgroup file: never a process whose cgroup
+    now reads as anyone's (it is judged as theirs then). Waits for it to exit."""
+
+    def still_hidden(p: int) -> bool:
+        return start_time(p, proc_root) == started and cgroup_refused(p, proc_root)
+
+    return kill_and_wait([pid], timeout, still_ours=still_hidden) == 1
+
+
 class ContainerPids(Protocol):
     """Which processes are a container's now (gpufrac.agent.callers.PeerLookup)."""
 
@@ -196,7 +212,9 @@ def _ours(pids: ContainerPids, alloc: ContainerAlloc, pid: int) -> bool:
     Raises AgentOutOfResources when that cannot be looked at."""
     try:
         ident = cgroup_of(pid, pids.proc)
-    except (ProcessGone, CgroupUnreadable):
+    except AgentOutOfResources:
+        raise
+    except PeerError:  # gone, its cgroup refused, its hierarchies disagree: not the container's
         return False
     return ident is not None and pids.owns(alloc, ident)
 
@@ -206,17 +224,27 @@ def kill_container(pids: ContainerPids, alloc: ContainerAlloc, driver_pids: Sequ
     as the pod's status names it now (never a container ID seen before: a restarted container
     has a new one); all signalled, then waited for. `driver_pids`, the processes the driver
     counted for it, go first and are found whatever the /proc scan sees. Returns how many were
-    signalled; raises KillFailed when one of `driver_pids` still lives in the container
-    afterwards (its memory was not freed: the eviction failed), or when some process could
-    not be signalled and there is no driver's count to tell whether that mattered."""
-    targets = list(dict.fromkeys([*driver_pids, *pids.pids_of(alloc)]))
+    signalled; raises KillFailed (with how many were signalled) when one of `driver_pids`
+    still lives in the container afterwards (its memory is not free yet), or when some process
+    could not be signalled or the container's processes could not all be listed, and there is
+    no driver's count to tell whether that mattered."""
+    short = ""
     try:
-        killed = kill_and_wait(targets, still_ours=lambda p: _ours(pids, alloc, p))
+        listed = pids.pids_of(alloc)
+    except AgentOutOfResources as e:
+        listed, short = [], str(e)  # its GPU processes still go; never "none left"
+    targets = list(dict.fromkeys([*driver_pids, *listed]))
+    try:
+        killed = kill_and_wait(targets, KILL_WAIT, still_ours=lambda p: _ours(pids, alloc, p))
     except KillFailed as e:
         if not driver_pids:
             raise
         log.error("killing %s: %s", alloc.who(), e)  # judged below by its GPU processes
         killed = e.signalled
+    if short:
+        if not driver_pids:
+            raise KillFailed(f"the processes of {alloc.who()} could not all be listed: {short}", killed)
+        log.error("killing %s: its processes could not all be listed: %s", alloc.who(), short)
     left = [p for p in driver_pids if _alive_and_ours(pids, alloc, p)]
     if left:
         raise KillFailed(

@@ -45,7 +45,9 @@ class KnownCallers:
 
     def identify(self, sock: socket.socket) -> CgroupIdentity | None:
         """The connecting process's kubelet container (None: in none). Raises PeerError when
-        the process that connected has exited (its pid may name another one), OSError."""
+        the process that connected has exited (its pid may name another one) or the kernel
+        refuses its cgroup file (CgroupUnreadable: not kept, and never searched for: one
+        failed read per connection), OSError."""
         pid = peer_credentials(sock).pid
         pidfd = peer_pidfd(sock, pid)  # refused when it cannot be had on a kernel that has it
         if pidfd is None:  # a kernel before 6.5: the pid alone, read every time

@@ -46,6 +46,7 @@ from gpufrac.agent.events import (
     WARNING,
     container_name,
 )
+from gpufrac.agent.kill import KillFailed
 from gpufrac.agent.ledger import ContainerAlloc
 from gpufrac.agent.ungranted import ungranted
 from gpufrac.core.units import format_bytes
@@ -141,6 +142,8 @@ class ResolverContext(Protocol):
     def claim(self, need: Need) -> AbstractContextManager[None]: ...
     async def wait_turn(self, need: Need) -> bool: ...
     async def second_reading(self) -> None: ...
+    # How many processes were killed; KillFailed (with how many were) when its memory is not
+    # known to be free (gpufrac.agent.kill.kill_container).
     async def kill_container(self, alloc: ContainerAlloc) -> int: ...
     def revoke_burst(self, alloc: ContainerAlloc) -> None: ...
     def event(self, alloc: ContainerAlloc, type_: str, reason: str, message: str) -> None: ...
@@ -265,7 +268,7 @@ class EvictResolver:
             # Killing cannot free enough: kill nobody (a partial eviction helps no one).
             return Outcome(detail=f"preemptible lower-priority bursts hold {format_bytes(won)} < "
                                   f"{format_bytes(missing)} needed")  # fmt: skip
-        freed, n = 0, 0
+        freed, n, unfreed = 0, 0, 0
         # Nobody else is granted on the GPU until the requester has tried (ctx.claim).
         with self.ctx.claim(need):
             for h in chosen:
@@ -274,24 +277,38 @@ class EvictResolver:
                 task = asyncio.ensure_future(self._evict(h, need))
                 self._evicting.add(task)
                 task.add_done_callback(self._evicting.discard)
-                if await asyncio.shield(task) is None:
-                    break
-                freed += h.burst
+                done = await asyncio.shield(task)
+                if done is None:
+                    break  # nobody was killed: nothing else to win from the others alone
                 n += 1
+                if done:
+                    freed += h.burst
+                else:
+                    unfreed += 1  # killed, its memory not free yet: the next victim still goes
             satisfied = need.try_grant()
         if not n:
             return Outcome(detail="no victim could be evicted")
-        return Outcome(freed=freed, satisfied=satisfied, detail=f"evicted {n} container(s)")
+        late = f", {unfreed} of them not yet gone (memory not free yet)" if unfreed else ""
+        return Outcome(freed=freed, satisfied=satisfied, detail=f"evicted {n} container(s){late}")
 
-    async def _evict(self, h: Holding, need: Need) -> int | None:
-        """Kill one victim, take its burst back, count and announce it: how many processes
-        were killed, None when it failed (logged)."""
+    async def _evict(self, h: Holding, need: Need) -> bool | None:
+        """Kill one victim, take its burst back, count and announce it: True once its memory is
+        free, False when processes were killed but some GPU process of it is not gone yet (slow
+        to exit, or the agent unable to tell: announced all the same, for it was disrupted),
+        None when nothing was killed (logged)."""
+        late = ""
         try:
             killed = await self.ctx.kill_container(h.alloc)
-            self.ctx.revoke_burst(h.alloc)
+        except KillFailed as e:
+            if not e.signalled:
+                log.error("evicting %s for %s failed: %s", h.alloc.who(), need.who(), e)
+                return None
+            killed, late = e.signalled, str(e)
+            log.error("evicting %s for %s: %s", h.alloc.who(), need.who(), e)
         except Exception:
             log.exception("evicting %s for %s failed", h.alloc.who(), need.who())
             return None
+        self.ctx.revoke_burst(h.alloc)
         self.ctx.metrics.count_eviction(h.alloc)
         if need.kind == "reclaim":
             why = "within its guarantee" + ("" if h.preemptible else ", which outranks any burst")
@@ -304,6 +321,8 @@ class EvictResolver:
             f"{format_bytes(h.burst)} of burst GPU memory on GPU {need.gpu}: {need.who()} needed "
             f"{format_bytes(need.bytes)} ({why})"
         )
+        if late:
+            message += f"; its memory is not free yet: {late}"
         self.ctx.event(h.alloc, WARNING, REASON_EVICTED, message)
         self.ctx.disrupted(h.alloc, CONDITION_GPU_MEMORY_RECLAIMED, message)
         self.ctx.event(
@@ -314,7 +333,7 @@ class EvictResolver:
             f"{h.alloc.who()} for {format_bytes(need.bytes)} needed by this container ({why})",
         )
         log.warning("evicted %s (burst %s) for %s", h.alloc.who(), format_bytes(h.burst), need.who())
-        return killed
+        return not late
 
 
 def _won(victims: Sequence[Holding]) -> int:

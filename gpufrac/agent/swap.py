@@ -50,7 +50,7 @@ from typing import Protocol
 import psutil
 
 from gpufrac.agent.activity import proc_identity
-from gpufrac.agent.callers import PeerLookup
+from gpufrac.agent.callers import AgentOutOfResources, PeerLookup
 from gpufrac.agent.cuda_checkpoint import (
     DETECT_RETRY,
     Checkpointer,
@@ -439,7 +439,10 @@ class SwapResolver:
         """The container's CUDA processes (host pid, usage slot). Every one must be RUNNING
         and under the shim: a process that cannot ask to be swapped back in is never
         swapped. Blocking: /proc scans and driver calls."""
-        pids = self.ctx.peers.pids_of(alloc)
+        try:
+            pids = self.ctx.peers.pids_of(alloc)
+        except AgentOutOfResources as e:  # a process not looked at would be left unswapped
+            raise _Skip(f"its processes cannot all be looked at now ({e})") from None
         try:
             usage = abi.read_usage(alloc.directory)
         except (FormatError, OSError) as e:  # the container's own file: it may break it

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from gpufrac.agent.callers import PeerLookup, scan_pids
+from gpufrac.agent.callers import AgentOutOfResources, PeerLookup, scan_pids
 from gpufrac.agent.ledger import ContainerAlloc
 from gpufrac.memguard import abi
 from gpufrac.memguard.abi import FormatError
@@ -96,7 +96,8 @@ def processes_of(alloc: ContainerAlloc, peers: PeerLookup) -> list[int] | None:
     """Host pids of a container's shim processes, found by cgroup alone (blocking: a /proc
     scan). Needs no pod cache, which a freshly started agent does not have yet: every
     process in the pod's cgroup that maps this container's usage file. None when the
-    container's pod is not known, so that nothing can be concluded from finding nobody."""
+    container's pod is not known or some process could not be looked at (the agent out of
+    files), so that nothing can be concluded from finding nobody."""
     uid = alloc.pod_uid
     if not uid:
         with contextlib.suppress(FormatError):
@@ -107,11 +108,11 @@ def processes_of(alloc: ContainerAlloc, peers: PeerLookup) -> list[int] | None:
         st = os.stat(os.path.join(alloc.directory, abi.USAGE_FILE))
     except OSError:
         return None
-    return [
-        pid
-        for pid in scan_pids(lambda c: c.pod_uid == uid, peers.proc)
-        if maps_file(pid, st.st_dev, st.st_ino, peers.proc)
-    ]
+    try:
+        found = scan_pids(lambda c: c.pod_uid == uid, peers.proc)
+    except AgentOutOfResources:
+        return None  # some process could not be looked at: nothing can be concluded now
+    return [pid for pid in found if maps_file(pid, st.st_dev, st.st_ino, peers.proc)]
 
 
 def launches_of(directory: str, slots: Iterable[SlotId]) -> int:

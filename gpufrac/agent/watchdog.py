@@ -26,7 +26,15 @@ allocation (a sidecar that sees the GPUs) included. A limit of 0 waits while som
 that GPU is not yet tied to its container: it may be this one's.
 
 GPU processes that belong to no gpufrac pod (another device plugin's pod, a process on the
-host, one whose cgroup cannot be found) are reported in the log and a metric, never killed.
+host, one the agent could not look at for want of files) are reported in the log and a metric,
+never killed.
+
+A hidden GPU process, one the kernel refuses to say the cgroup of (a cgroup path past PATH_MAX:
+cgroups nested on purpose, gpufrac.agent.callers), is nobody's and is never searched for (the
+tenant could make any search expensive or fail). In enforce mode it is killed in the scan that
+finds it, through a pidfd, only while it is the process seen and its cgroup file is still
+refused (gpufrac.agent.kill.kill_if_hidden); in report mode it is reported, once per process.
+Either is a log line naming pid and reason and a count (`hidden_kill`, `hidden_report`).
 
 Blocking work (NVML, /proc reads, kill and wait) runs in worker threads; the
 decisions are made on the agent's loop, which owns the ledger.
@@ -55,7 +63,7 @@ from gpufrac.agent.events import (
 )
 from gpufrac.agent.gpu_processes import GpuProcess, Lookup, Observed, observe
 from gpufrac.agent.inventory import NvmlError
-from gpufrac.agent.kill import KillFailed, kill_if_same
+from gpufrac.agent.kill import KillFailed, kill_if_hidden, kill_if_same
 from gpufrac.agent.kube import ObjectRef
 from gpufrac.agent.ledger import Ledger
 from gpufrac.core.config import WatchdogConfig
@@ -160,6 +168,7 @@ class Watchdog:
         metrics: WatchdogMetrics,
         observer: Callable[[], list[Observed]] = observe,
         killer: Callable[[int, CgroupIdentity], bool] = kill_if_same,
+        hidden_killer: Callable[[int, int], bool] = kill_if_hidden,
     ) -> None:
         self.config = config
         self.ledger = ledger
@@ -168,8 +177,10 @@ class Watchdog:
         self._metrics = metrics
         self._observe = observer
         self._kill = killer
+        self._kill_hidden = hidden_killer  # (pid, start time): whether it was killed
         self._over: set[tuple[str, str]] = set()  # (container key, GPU) over limit now: reported once
         self.unowned: dict[int, GpuProcess] = {}  # GPU processes of no gpufrac container, last scan
+        self.hidden: dict[int, GpuProcess] = {}  # hidden GPU processes left alive by the last scan
         # Counters (read by metrics and tests).
         self.scans = 0
         self.kills = 0
@@ -222,11 +233,16 @@ class Watchdog:
         owned: list[tuple[ContainerOwner, GpuProcess]] = []
         idents: dict[int, CgroupIdentity] = {}
         unowned: dict[int, Observed] = {}
+        hidden: dict[int, Observed] = {}
         known: dict[tuple[str, str], ContainerOwner | None] = {}
         me = os.getpid()
         for o in seen:
             if o.proc.gpu not in self.ledger.geometry:
                 continue  # a GPU gpufrac does not share (MIG mode): its processes are not ours to judge
+            if o.hidden:
+                if o.proc.pid != me:
+                    hidden[o.proc.pid] = o
+                continue
             owner = self._owner(o.cgroup, known)
             if owner is None:
                 if o.proc.pid != me:
@@ -236,6 +252,7 @@ class Watchdog:
             idents[o.proc.pid] = o.cgroup
             owned.append((owner, o.proc))
         self._report_unowned(unowned)
+        await self._act_on_hidden(hidden)
         await self._check_files(truth.tally(owned))
         # GPUs with a booking not yet tied to its container: no one is held to 0 there.
         unsettled = {g for a in self.ledger.containers() if not (a.pod_uid and a.container) for g in a.gpus}
@@ -250,7 +267,8 @@ class Watchdog:
             log.info("watchdog: container %s is back within its limit on GPU %s", key[0], key[1])
         self._over = now_over
         self.scans += 1
-        self._metrics.set_watchdog_unowned(len(unowned), sum(o.proc.used for o in unowned.values()))
+        left = [o.proc for o in unowned.values()] + list(self.hidden.values())
+        self._metrics.set_watchdog_unowned(len(left), sum(p.used for p in left))
         return verdicts
 
     async def _check_files(self, driver: truth.DriverUsage) -> None:
@@ -298,6 +316,38 @@ class Watchdog:
                     why,
                 )
         self.unowned = {pid: o.proc for pid, o in unowned.items()}
+
+    async def _act_on_hidden(self, hidden: dict[int, Observed]) -> None:
+        """Kill (enforce) or report (report, once per process) the GPU processes whose cgroup
+        file the kernel refuses; `self.hidden` keeps those left alive."""
+        alive: dict[int, GpuProcess] = {}
+        for pid, o in hidden.items():
+            what = (
+                f"GPU process {pid} uses {format_bytes(o.proc.used)} on GPU {o.proc.gpu} and is hidden "
+                f"({o.unreadable})"
+            )
+            if not self.enforcing:
+                if pid not in self.hidden:
+                    self.reports += 1
+                    log.warning("watchdog: %s; watchdog in report mode, not killed", what)
+                    self._metrics.count_watchdog("hidden_report")
+                alive[pid] = o.proc
+                continue
+            try:
+                killed = await asyncio.to_thread(self._kill_hidden, pid, o.proc.start)
+            except KillFailed as e:
+                self.errors += 1
+                log.error("watchdog: %s; could not kill it: %s", what, e)
+                alive[pid] = o.proc
+                continue
+            if not killed:
+                # Exited, or its cgroup reads now: then it is judged as that container's next scan.
+                log.info("watchdog: %s; not killed: it exited or its cgroup can be read now", what)
+                continue
+            self.kills += 1
+            log.warning("watchdog: %s; killed (a process no container can be found for)", what)
+            self._metrics.count_watchdog("hidden_kill")
+        self.hidden = alive
 
     def _describe(self, v: Verdict) -> str:
         if v.owner.holding(v.gpu):

@@ -1,24 +1,27 @@
-"""A process in a cgroup nested past PATH_MAX is still its container's.
+"""A process in a cgroup nested past PATH_MAX hides nothing.
 
 With a writable cgroupfs a container can nest cgroups below its own until a process's path
-passes PATH_MAX (4 KiB). Some kernels then refuse /proc/<pid>/cgroup (ENAMETOOLONG), others
-cut the path short. A cut path still names the container (its first levels are the ones the
-runtime made); a refused one names nothing, and a process the agent took for "gone" there
-would hold GPU memory unseen by the watchdog and by the driver's count. The agent tells a
-process that is gone (no /proc entry) from one that lives unreadable, finds the latter's
-container by walking cgroupfs with directory descriptors (gpufrac.agent.cgroup_walk), and
-reports one it cannot place, never dropping it (gpufrac.agent.callers.cgroup_of,
-gpufrac.agent.gpu_processes.observe).
+passes PATH_MAX (4 KiB). Some kernels then cut the path short, and a cut path still names the
+container (its first levels are the ones the runtime made: gpufrac.agent.callers
+.parse_cgroup_path). Others refuse /proc/<pid>/cgroup (ENAMETOOLONG): only someone nesting
+cgroups on purpose gets there, and a search of cgroupfs for such a process is the tenant's to
+make expensive or fail (decoy cgroups, the search's budget, fresh pids), so there is none. A
+process whose cgroup file is refused is no container's: the arbiter refuses it as a caller,
+and as a GPU process it is hidden, killed by the watchdog in enforce mode (only while its
+cgroup file is still refused), reported in report mode (gpufrac.agent.callers.cgroup_of,
+gpufrac.agent.gpu_processes.observe, gpufrac.agent.watchdog, gpufrac.agent.kill
+.kill_if_hidden).
 
 This machine's kernel cuts the path: the end-to-end test below runs the real kernel's answer
-through the real agent. The kernels that refuse are stood in for by a /proc in which that one
-process's cgroup file gives ENAMETOOLONG when opened (a symlink to a name past NAME_MAX):
+through the real agent. The kernels that refuse are stood in for by a /proc in which those
+processes' cgroup files give ENAMETOOLONG when opened (a symlink to a name past NAME_MAX):
 everything else there is the kernel's own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import time
@@ -28,14 +31,15 @@ from pathlib import Path
 import pytest
 
 from gpufrac.agent import truth
+from gpufrac.agent.callers import start_time
 from gpufrac.agent.events import REASON_EVICTED, REASON_LIMIT_ENFORCED
 from gpufrac.agent.gpu_processes import observe
-from gpufrac.agent.kill import kill_if_same
+from gpufrac.agent.kill import kill_if_hidden, kill_if_same
 from gpufrac.agent.watchdog import Watchdog
 from gpufrac.core import native
 from gpufrac.core.config import WatchdogConfig
 from gpufrac.simgpu.workload import WorkloadProcess
-from tests.fixtures.arbiter_harness import ArbiterNode, GiB, MiB
+from tests.fixtures.arbiter_harness import ArbiterNode, CudaApp, GiB, MiB
 from tests.fixtures.e2e import E2ENode, PodRun
 from tests.fixtures.hostile_tenant import agent_alive, agent_config, exec_in
 from tests.fixtures.polling import until
@@ -131,46 +135,120 @@ def refusing_proc(where: Path, pids: list[int]) -> str:
     return str(root)
 
 
-def test_a_process_whose_cgroup_file_is_refused_is_found_counted_and_killed(
-    make_node: Callable[..., ArbiterNode], tmp_path: Path
-) -> None:
-    node = make_node()
-    assert node.state_path is not None
-    a = node.add("a", 1, "1Gi", start=False)
-    hog = node.start_cuda(a, shim=False)
-    # A GPU process in no container at all, its cgroup file refused too.
+@contextlib.contextmanager
+def stray_gpu_process(node: ArbiterNode) -> Iterator[WorkloadProcess]:
+    """A GPU process in no container at all (a process on the host)."""
     env = dict(os.environ, SIMGPU_STATE=str(node.state_path), LD_LIBRARY_PATH=str(native.native_dir()))
     env.pop("LD_PRELOAD", None)
     stray = WorkloadProcess.spawn(env, "stray")
     try:
-        with deep_below(hog.c.cgroup_dir) as deep:
-            deep.enter(hog.pid)
-            assert hog.do(f"alloc {2 * GiB} 1") == "ok 1"  # past its 1 GiB limit
-            assert stray.do(f"alloc {GiB} 1") == "ok 1"
-            proc = refusing_proc(tmp_path, [hog.pid, stray.proc.pid])
-            with pytest.raises(OSError, match="File name too long"):
-                open(f"{proc}/{hog.pid}/cgroup").close()
-            # The driver's count: a's process is found and counted as a's.
-            seen = observe(proc)
-            usage = node.on_loop(lambda: truth.attribute(seen, node.arbiter.peers))
-            assert usage.bytes_of(a.alloc.key, node.gpu) >= 2 * GiB, seen  # and its context
-            # The watchdog kills it within its interval, and reports the stray one.
-            cfg = WatchdogConfig(mode="enforce", tolerance=256 * MiB, interval=0.05)
-            wd = Watchdog(
-                cfg,
-                node.ledger,
-                node.arbiter.peers,
-                node.identity.events,
-                metrics=node.metrics,
-                observer=lambda: observe(proc),
-                killer=lambda pid, ident: kill_if_same(pid, ident, proc),
-            )
-            node.on_loop(wd.start)
-            try:
-                until(lambda: hog.proc.poll() is not None, timeout=30, what="the kill of a's process")
-                until(lambda: stray.proc.pid in wd.unowned, timeout=30, what="the stray process reported")
-            finally:
-                node.on_loop(wd.stop)
-            assert wd.kills == 1 and stray.proc.poll() is None
+        yield stray
     finally:
         stray.close()
+
+
+def watchdog(node: ArbiterNode, mode: str, proc: str) -> Watchdog:
+    """The node's watchdog, scanning often, its readings and kills through `proc`."""
+    cfg = WatchdogConfig(mode=mode, tolerance=256 * MiB, interval=0.05)
+    return Watchdog(
+        cfg,
+        node.ledger,
+        node.arbiter.peers,
+        node.identity.events,
+        metrics=node.metrics,
+        observer=lambda: observe(proc),
+        killer=lambda pid, ident: kill_if_same(pid, ident, proc),
+        hidden_killer=lambda pid, started: kill_if_hidden(pid, started, proc),
+    )
+
+
+def hidden_count(node: ArbiterNode, action: str) -> float:
+    value = node.metrics.registry.get_sample_value("gpufrac_watchdog_actions_total", {"action": action})
+    return value or 0.0
+
+
+@pytest.mark.parametrize("mode", ["enforce", "report"])
+def test_a_gpu_process_whose_cgroup_file_is_refused_is_killed_or_reported(
+    make_node: Callable[..., ArbiterNode], tmp_path: Path, mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="gpufrac.agent.watchdog")
+    node = make_node()
+    a = node.add("a", 1, "1Gi", start=False)
+    hog = node.start_cuda(a, shim=False)
+    b = node.add("b", 1, "1Gi", start=False)
+    neighbour = node.start_cuda(b, shim=False)  # its cgroup reads: judged as b's
+    with stray_gpu_process(node) as stray, deep_below(hog.c.cgroup_dir) as deep:
+        deep.enter(hog.pid)
+        # Within a's limit: only hiding makes it a case (a search that found it let it be).
+        assert hog.do(f"alloc {512 * MiB} 1") == "ok 1"
+        assert neighbour.do(f"alloc {512 * MiB} 1") == "ok 1"
+        assert stray.do(f"alloc {256 * MiB} 1") == "ok 1"
+        proc = refusing_proc(tmp_path, [hog.pid, stray.proc.pid])
+        with pytest.raises(OSError, match="File name too long"):
+            open(f"{proc}/{hog.pid}/cgroup").close()
+        # The driver's count: the hidden process is nobody's, not a's.
+        seen = observe(proc)
+        assert {o.proc.pid for o in seen if o.hidden} == {hog.pid, stray.proc.pid}, seen
+        usage = node.on_loop(lambda: truth.attribute(seen, node.arbiter.peers))
+        assert usage.bytes_of(a.alloc.key, node.gpu) < 512 * MiB
+        wd = watchdog(node, mode, proc)
+        node.on_loop(wd.start)
+        try:
+            if mode == "enforce":
+                until(lambda: hog.proc.poll() is not None, timeout=30, what="the hidden process killed")
+                until(lambda: stray.proc.poll() is not None, timeout=30, what="the stray one killed")
+                assert hidden_count(node, "hidden_kill") == 2 and wd.kills == 2
+            else:
+                until(lambda: wd.scans >= 5, timeout=30, what="five scans")
+                assert hog.proc.poll() is None and stray.proc.poll() is None
+                assert set(wd.hidden) == {hog.pid, stray.proc.pid}
+                assert hidden_count(node, "hidden_report") == 2  # once each, not once a scan
+                said = [r.getMessage() for r in caplog.records if f"GPU process {hog.pid} " in r.getMessage()]
+                assert len(said) == 1 and "hidden" in said[0] and "File name too long" in said[0], said
+        finally:
+            node.on_loop(wd.stop)
+        assert neighbour.proc.poll() is None and neighbour.do("check 1") == "ok"
+
+
+def test_a_hidden_process_is_killed_only_while_its_cgroup_file_is_refused(
+    make_node: Callable[..., ArbiterNode], tmp_path: Path
+) -> None:
+    node = make_node()
+    a = node.add("a", 1, "1Gi", start=False)
+    app: CudaApp = node.start_cuda(a, shim=False)
+    started = start_time(app.pid)
+    proc = refusing_proc(tmp_path, [app.pid])
+    # Its cgroup reads (the kernel's /proc): it is a's, never killed as hidden.
+    assert not kill_if_hidden(app.pid, started, "/proc")
+    # Refused, but not the process seen (its pid given to another since): left alone.
+    assert not kill_if_hidden(app.pid, started + 1, proc)
+    assert app.proc.poll() is None and app.do("sync") == "ok"
+    assert kill_if_hidden(app.pid, started, proc)
+    assert app.proc.wait(10) == -9
+
+
+def test_an_arbiter_caller_whose_cgroup_file_is_refused_is_refused_and_a_neighbour_is_granted(
+    make_node: Callable[..., ArbiterNode],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="gpufrac.agent.arbiter.server")
+    node = make_node()
+    a = node.add("a", 1, "4Gi")
+    b = node.add("b", 1, "4Gi")
+    assert a.workload is not None and b.workload is not None and a.container is not None
+    with deep_below(a.container.cgroup_dir) as deep:
+        pid = a.container.proc.pid
+        deep.enter(pid)
+        proc = refusing_proc(tmp_path, [pid])
+        # The arbiter's identification (per request, and per connection for its limits)
+        # reads cgroups through that /proc.
+        monkeypatch.setattr(node.arbiter.peers, "proc", proc)
+        monkeypatch.setattr(node.arbiter.fairness.known, "proc", proc)
+        assert a.workload.do(f"burst {GiB} {2 * GiB}") == "refused"
+        assert b.workload.do(f"alloc {2 * GiB}") == "granted"
+        assert a.workload.do(f"burst {GiB} {2 * GiB}") == "refused"
+        assert a.config().grant_bytes == 0 and b.config().grant_bytes > 0
+    said = [r.getMessage() for r in caplog.records if "refused a request" in r.getMessage()]
+    assert any(f"process {pid} lives" in m and "PATH_MAX" in m for m in said), said

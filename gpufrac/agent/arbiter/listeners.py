@@ -153,9 +153,10 @@ class Listener:
         try:
             ident = self.fairness.known.identify(sock)
         except (PeerError, OSError):
-            # Gone already (a connector that handed its socket on and exited): charged here,
-            # or a container could connect from short-lived processes past its own limit.
-            # Its request is refused when it is read.
+            # Gone already (a connector that handed its socket on and exited), or its cgroup
+            # file refused (nested past PATH_MAX: never searched for, gpufrac.agent.callers):
+            # charged here, or a container could connect from such processes past its own
+            # limit. Its request is refused when it is read.
             return True
         return ident is not None and ident.pod_uid == pod
 

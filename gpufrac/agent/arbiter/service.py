@@ -39,7 +39,7 @@ from gpufrac.agent.arbiter.queue import LAST, WaitQueue
 from gpufrac.agent.arbiter.readings import NVML_FRESH, NVML_STALE, DriverReadings, ReadMemory, ReadProcesses
 from gpufrac.agent.arbiter.server import RefusalLog, RequestMetrics, Result, SocketServer, Stats
 from gpufrac.agent.arbiter.usage import ContainerFiles
-from gpufrac.agent.callers import Caller, PeerError, PeerLookup
+from gpufrac.agent.callers import AgentOutOfResources, Caller, PeerError, PeerLookup
 from gpufrac.agent.events import container_ref
 from gpufrac.agent.fairness import Fairness, LimitMetrics
 from gpufrac.agent.gpu_processes import observe
@@ -652,11 +652,22 @@ class Arbiter:
         # whose GPU processes live on was not evicted).
         driver = self.readings.driver
         counted = driver.pids_of(alloc.key) if driver is not None else []
-        killed = await asyncio.to_thread(kill.kill_container, self.peers, alloc, counted)
-        if not await asyncio.to_thread(self.peers.pids_of, alloc):
-            self.files.reap_all(alloc)
-        await self.readings.refresh()  # the victims' memory is free now: let the grant see it
+        try:
+            killed = await asyncio.to_thread(kill.kill_container, self.peers, alloc, counted)
+        finally:
+            # Also after a KillFailed: what was killed is reaped and read as free all the same.
+            await self._after_kill(alloc)
         return killed
+
+    async def _after_kill(self, alloc: ContainerAlloc) -> None:
+        try:
+            left = await asyncio.to_thread(self.peers.pids_of, alloc)
+        except AgentOutOfResources as e:
+            log.error("after killing %s: cannot tell if a process is left (%s): slots kept", alloc.who(), e)
+        else:
+            if not left:
+                self.files.reap_all(alloc)
+        await self.readings.refresh()  # the victims' memory is free now: let the grant see it
 
     def event(self, alloc: ContainerAlloc, type_: str, reason: str, message: str) -> None:
         ref = container_ref(alloc)

@@ -112,7 +112,8 @@ class Metrics:
             self._reaps.labels(action, "idle")
         self._watchdog = Counter(
             f"{NAMESPACE}_watchdog_actions",
-            "Containers the watchdog found over their limit per NVML: reported, or a process killed.",
+            "Containers the watchdog found over their limit per NVML, and hidden GPU processes: "
+            "reported, or killed.",
             ["action"],
             registry=counted,
         )
