@@ -13,6 +13,15 @@ Running out of descriptors is never taken for "already gone": such a process is 
 not killed (KillFailed), and an eviction whose victim's GPU processes live on has not freed its
 memory. KillFailed says how many processes were signalled all the same: a victim whose
 processes were killed has been disrupted, and is announced as such (gpufrac.agent.resolvers).
+
+A process killed while traced with PTRACE_O_TRACEEXIT stops at the start of its exit, keeping
+its memory and GPU contexts, for as long as its tracer lets it; a second SIGKILL does nothing.
+A tenant could so hold a process the watchdog kills (the tracer another process of its own,
+which the watchdog does not kill). So the tracer of each process killed is killed too (and
+its tracer, up to TRACER_DEPTH), unless it is a host process: its cgroup names no pod. A
+tracer inside a pod can only be the tenant's own: ptrace needs the tracee in its pid namespace
+(or the tracee's PTRACE_TRACEME to its parent, which forked it there), and no pod sees
+another's processes but through the host's.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from typing import Protocol
 from gpufrac.agent.callers import (
     AgentOutOfResources,
     CgroupIdentity,
+    CgroupUnreadable,
     PeerError,
     cgroup_of,
     cgroup_refused,
@@ -44,6 +54,8 @@ log = logging.getLogger(__name__)
 KILL_WAIT = 10.0
 # Exits waited for at once (one pidfd each).
 BATCH = 64
+# How many tracers above a killed process are killed in turn (a tracer held by its own tracer).
+TRACER_DEPTH = 8
 
 _SHORTAGE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
@@ -95,6 +107,57 @@ def _signal(pid: int, still_ours: Callable[[int], bool] | None) -> int | None:
         return started
     finally:
         os.close(fd)
+
+
+def _tracer(pid: int) -> int:
+    """The pid tracing `pid` (its TracerPid), 0 when none, gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"TracerPid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _in_a_pod(pid: int) -> bool:
+    """Whether `pid` is a pod's process (its cgroup names a pod, or is refused: nested below
+    one) rather than the host's. Raises AgentOutOfResources."""
+    try:
+        return cgroup_of(pid, "/proc") is not None
+    except CgroupUnreadable:
+        return True  # alive, in cgroups nested below some container
+    except AgentOutOfResources:
+        raise
+    except PeerError:
+        return False
+
+
+def _signal_tracers(signalled: Sequence[tuple[int, int]], failed: list[str]) -> list[tuple[int, int]]:
+    """Kill the tracers (in pods) of the processes signalled; those killed, with their start
+    times: a killed process held at its exit by its tracer would keep its memory for as long
+    as the tracer lives."""
+    out: list[tuple[int, int]] = []
+    seen = {pid for pid, _ in signalled}
+    level = list(seen)
+    for _ in range(TRACER_DEPTH):
+        tracers = {t for t in map(_tracer, level) if t and t not in seen and t != os.getpid()}
+        if not tracers:
+            break
+        level = []
+        for t in sorted(tracers):
+            seen.add(t)
+            try:
+                started = _signal(t, _in_a_pod)
+            except (OSError, AgentOutOfResources) as e:
+                failed.append(f"tracer {t} ({e.strerror if isinstance(e, OSError) else e})")
+                continue
+            if started is not None:
+                log.warning("killed process %d too: it traced a process being killed", t)
+                out.append((t, started))
+                level.append(t)
+    return out
 
 
 def _wait_exits(signalled: Sequence[tuple[int, int]], deadline: float) -> int:
@@ -155,8 +218,9 @@ def kill_and_wait(
     """SIGKILL every pid, then wait (pidfd, no polling) until they are gone. Blocking: run in
     a thread. `still_ours(pid)`, checked once the pidfd pins the process, skips a pid that
     now names another process (reused). Each pidfd is closed once its signal is sent, so any
-    number of processes costs one descriptor at a time (and BATCH while waiting). Returns how
-    many were signalled; raises KillFailed, after signalling all the others, when some could
+    number of processes costs one descriptor at a time (and BATCH while waiting). Their tracers
+    in pods are killed with them (the module's doc says why). Returns how many of `pids` were
+    signalled; raises KillFailed, after signalling all the others, when some could
     not be (the agent out of files: never taken for "already gone")."""
     signalled: list[tuple[int, int]] = []
     failed: list[str] = []
@@ -168,7 +232,8 @@ def kill_and_wait(
             continue
         if started is not None:
             signalled.append((pid, started))
-    late = _wait_exits(signalled, time.monotonic() + timeout)
+    tracers = _signal_tracers(signalled, failed)
+    late = _wait_exits([*signalled, *tracers], time.monotonic() + timeout)
     if late:
         log.error("%d killed process(es) did not exit within %.0fs", late, timeout)
     if failed:
