@@ -24,7 +24,9 @@ from tests.fixtures.polling import until
 MakeNode = Callable[..., E2ENode]
 
 
-def test_a_process_the_watchdog_kills_is_not_kept_alive_by_a_tracer_in_its_container(e2e_node: MakeNode) -> None:
+def test_a_process_the_watchdog_kills_is_not_kept_alive_by_a_tracer_in_its_container(
+    e2e_node: MakeNode,
+) -> None:
     node = e2e_node(**agent_config())
     a = node.run_pod("a", 4, "256Mi")  # request = limit = 256 MiB
     b = node.run_pod("b", 10, None, wait_timeout="30s")  # request 640 MiB
