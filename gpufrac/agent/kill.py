@@ -17,11 +17,10 @@ processes were killed has been disrupted, and is announced as such (gpufrac.agen
 A process killed while traced with PTRACE_O_TRACEEXIT stops at the start of its exit, keeping
 its memory and GPU contexts, for as long as its tracer lets it; a second SIGKILL does nothing.
 A tenant could so hold a process the watchdog kills (the tracer another process of its own,
-which the watchdog does not kill). So the tracer of each process killed is killed too (and
-its tracer, up to TRACER_DEPTH), unless it is a host process: its cgroup names no pod. A
-tracer inside a pod can only be the tenant's own: ptrace needs the tracee in its pid namespace
-(or the tracee's PTRACE_TRACEME to its parent, which forked it there), and no pod sees
-another's processes but through the host's.
+which the watchdog does not judge). So the tracers of each process killed are killed too, and
+theirs in turn, when they are the tenant's: in the tracee's pod (_tenants_tracer). A tracer
+can only be the tenant's or trace by its own choice: ptrace needs the tracee in its pid
+namespace (or the tracee's PTRACE_TRACEME to the parent that forked it there).
 """
 
 from __future__ import annotations
@@ -54,8 +53,6 @@ log = logging.getLogger(__name__)
 KILL_WAIT = 10.0
 # Exits waited for at once (one pidfd each).
 BATCH = 64
-# How many tracers above a killed process are killed in turn (a tracer held by its own tracer).
-TRACER_DEPTH = 8
 
 _SHORTAGE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
@@ -109,54 +106,99 @@ def _signal(pid: int, still_ours: Callable[[int], bool] | None) -> int | None:
         os.close(fd)
 
 
-def _tracer(pid: int) -> int:
-    """The pid tracing `pid` (its TracerPid), 0 when none, gone or unreadable."""
+def _status_field(pid: int, name: bytes) -> int:
+    """A number from /proc/<pid>/status (any thread id works), 0 when gone or unreadable."""
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
-                if line.startswith(b"TracerPid:"):
+                if line.startswith(name + b":"):
                     return int(line.split()[1])
     except (OSError, ValueError, IndexError):
         pass
     return 0
 
 
-def _in_a_pod(pid: int) -> bool:
-    """Whether `pid` is a pod's process (its cgroup names a pod, or is refused: nested below
-    one) rather than the host's. Raises AgentOutOfResources."""
+def _tracer(pid: int) -> int:
+    """The process tracing `pid`, 0 when none. TracerPid names the tracing thread, which may
+    be any thread of its process: the process is that thread's Tgid."""
+    tid = _status_field(pid, b"TracerPid")
+    return _status_field(tid, b"Tgid") if tid else 0
+
+
+def _pid_ns(pid: int) -> str | None:
     try:
-        return cgroup_of(pid, "/proc") is not None
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def _pod_of(pid: int) -> CgroupIdentity | bool | None:
+    """The container `pid` is in, None for a host process, True when its cgroup file is refused
+    (nested below some container: gpufrac.agent.callers.cgroup_of), False when it is gone.
+    Raises AgentOutOfResources."""
+    try:
+        return cgroup_of(pid, "/proc")
     except CgroupUnreadable:
-        return True  # alive, in cgroups nested below some container
+        return True
     except AgentOutOfResources:
         raise
     except PeerError:
         return False
 
 
+def _tenants_tracer(tracer: int, tracee: int) -> bool:
+    """Whether `tracer` is the tracee's tenant's own, to be killed with it: in the tracee's pod,
+    or in cgroups nested past PATH_MAX (only a tenant makes those); for a tracee so nested
+    (its pod unknown), one in the tracee's pid namespace that is not the agent's (the host's).
+    A host process is spared (a debugger the operator runs), and so is another pod's (a
+    profiler with the host's pids): it traces by its own choice."""
+    t = _pod_of(tracer)
+    if t is True:
+        return True
+    if not isinstance(t, CgroupIdentity):
+        return False
+    p = _pod_of(tracee)
+    if isinstance(p, CgroupIdentity):
+        return t.pod_uid == p.pod_uid
+    ns = _pid_ns(tracee)
+    return p is True and ns is not None and ns == _pid_ns(tracer) and ns != _pid_ns(os.getpid())
+
+
 def _signal_tracers(signalled: Sequence[tuple[int, int]], failed: list[str]) -> list[tuple[int, int]]:
-    """Kill the tracers (in pods) of the processes signalled; those killed, with their start
-    times: a killed process held at its exit by its tracer would keep its memory for as long
-    as the tracer lives."""
+    """Kill the tenant's tracers of the processes signalled, and theirs in turn (a tracer held
+    at its exit by its own tracer holds its tracee too); those killed, with their start times.
+    A killed process held at its exit keeps its memory for as long as its tracer lives. Each
+    tracer is killed only if, once its pidfd pins it, it still traces that very process."""
     out: list[tuple[int, int]] = []
     seen = {pid for pid, _ in signalled}
-    level = list(seen)
-    for _ in range(TRACER_DEPTH):
-        tracers = {t for t in map(_tracer, level) if t and t not in seen and t != os.getpid()}
-        if not tracers:
-            break
+    level = list(signalled)
+    while level:  # `seen` ends it: every process is looked at once
+        tracers: dict[int, tuple[int, int]] = {}
+        for tracee, tracee_started in level:
+            t = _tracer(tracee)
+            if t and t not in seen and t != os.getpid():
+                tracers.setdefault(t, (tracee, tracee_started))
         level = []
-        for t in sorted(tracers):
+        for t, (tracee, tracee_started) in sorted(tracers.items()):
             seen.add(t)
+
+            def still_its(pid: int, tracee: int = tracee, tracee_started: int = tracee_started) -> bool:
+                # The pid may be another process's by now: it must still trace that tracee.
+                return (
+                    _tracer(tracee) == pid
+                    and _started(tracee) == tracee_started
+                    and _tenants_tracer(pid, tracee)
+                )
+
             try:
-                started = _signal(t, _in_a_pod)
+                t_started = _signal(t, still_its)
             except (OSError, AgentOutOfResources) as e:
                 failed.append(f"tracer {t} ({e.strerror if isinstance(e, OSError) else e})")
                 continue
-            if started is not None:
-                log.warning("killed process %d too: it traced a process being killed", t)
-                out.append((t, started))
-                level.append(t)
+            if t_started is not None:
+                log.warning("killed process %d too: it traced process %d, being killed", t, tracee)
+                out.append((t, t_started))
+                level.append((t, t_started))
     return out
 
 
