@@ -12,7 +12,9 @@ To close it: unused grants are taken back at once, then the arbiter's guarantee 
 config leaves it out) runs a Need of kind "reclaim" whose priority is above every pod's, so
 evict admits any borrower, preemptible or not (preemptible ones first), and the newcomer is
 first in line among waiters. Resolvers only ever win burst bytes (memory above a
-container's request), so nobody's guarantee is touched.
+container's request), so nobody's guarantee is touched, and never for memory hidden processes
+hold on the GPU (Arbiter.coverable: no container's, the watchdog's to kill): for that part
+the newcomer waits.
 
 If it cannot free enough (memory held outside gpufrac), the container still starts (a pod
 start never fails for this): one log line, and a Warning Event on its pod naming who holds
@@ -64,6 +66,8 @@ class GrantView(Protocol):
 
     async def refresh_memory(self) -> None: ...
     def guarantee_shortfall(self, alloc: ContainerAlloc, gpu: str, inflight: int = 0) -> int | None: ...
+    def coverable(self, gpu: str, missing: int) -> int: ...
+    def hidden_bytes(self, gpu: str) -> int: ...
     def release_unused(self, alloc: ContainerAlloc) -> None: ...
     def holdings(self, gpu: str) -> list[Holding]: ...
     def next_seq(self) -> int: ...
@@ -149,6 +153,12 @@ class Admission:
             for h in (self.arbiter.holdings(gpu) if self.arbiter is not None else [])
             if h.alloc.key != alloc.key and h.used > h.request
         ]
+        hidden = self.arbiter.hidden_bytes(gpu) if self.arbiter is not None else 0
+        if hidden:
+            held.append(
+                f"hidden GPU processes (their cgroup file refused) hold {format_bytes(hidden)}, "
+                "the watchdog's to kill, never taken from others"
+            )
         return "; ".join(held) or "no container holds burst memory (memory used outside gpufrac?)"
 
     async def _warn(self, key: str, message: str) -> None:
@@ -187,7 +197,9 @@ async def reclaim_guarantee(
             arb.release_unused(a)  # a grant above what it uses: back at once
 
     def shortfall() -> int:
-        return arb.guarantee_shortfall(alloc, gpu, inflight) or 0
+        # What evicting or swapping may cover: not what hidden processes hold (try_grant still
+        # waits for all of it to be free).
+        return arb.coverable(gpu, arb.guarantee_shortfall(alloc, gpu, inflight) or 0)
 
     def try_grant() -> bool:
         # Nothing to publish: the request is the container's already; this only checks it is free.
@@ -213,4 +225,4 @@ async def reclaim_guarantee(
         ok = await asyncio.wait_for(arb.guarantee_chain.resolve(need), timeout)
     except asyncio.TimeoutError:
         ok = need.try_grant()
-    return 0 if ok else max(shortfall(), 1)
+    return 0 if ok else max(arb.guarantee_shortfall(alloc, gpu, inflight) or 0, 1)

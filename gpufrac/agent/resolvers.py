@@ -61,7 +61,9 @@ class Need:
 
     `try_grant()` re-checks free memory and, if it now suffices, publishes the grant
     and returns True (idempotent once granted). `shortfall()` is how many more bytes
-    must be freed on `gpu` for that to happen (0 when it would fit now)."""
+    resolvers may free on `gpu` by evicting or swapping others for that to happen (0 when
+    it would fit now): what is missing less what hidden processes hold there
+    (gpufrac.agent.arbiter.Arbiter.coverable), which only their death frees."""
 
     requester: ContainerAlloc
     gpu: str

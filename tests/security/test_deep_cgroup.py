@@ -10,7 +10,8 @@ process whose cgroup file is refused is no container's: the arbiter refuses it a
 and as a GPU process it is hidden, killed by the watchdog in enforce mode (only while its
 cgroup file is still refused), reported in report mode (gpufrac.agent.callers.cgroup_of,
 gpufrac.agent.gpu_processes.observe, gpufrac.agent.watchdog, gpufrac.agent.kill
-.kill_if_hidden).
+.kill_if_hidden). What it holds is nobody's, and nobody is evicted or swapped to cover it: a
+request that needs that memory waits for the kill (gpufrac.agent.arbiter.Arbiter.coverable).
 
 This machine's kernel cuts the path: the end-to-end test below runs the real kernel's answer
 through the real agent. The kernels that refuse are stood in for by a /proc in which those
@@ -24,6 +25,8 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,10 +41,12 @@ from gpufrac.agent.kill import kill_if_hidden, kill_if_same
 from gpufrac.agent.watchdog import Watchdog
 from gpufrac.core import native
 from gpufrac.core.config import WatchdogConfig
+from gpufrac.simgpu.runtime import _ENTER, Container
 from gpufrac.simgpu.workload import WorkloadProcess
 from tests.fixtures.arbiter_harness import ArbiterNode, CudaApp, GiB, MiB
 from tests.fixtures.e2e import E2ENode, PodRun
 from tests.fixtures.hostile_tenant import agent_alive, agent_config, exec_in
+from tests.fixtures.kube import KubeServer
 from tests.fixtures.polling import until
 
 MakeNode = Callable[..., E2ENode]
@@ -252,3 +257,82 @@ def test_an_arbiter_caller_whose_cgroup_file_is_refused_is_refused_and_a_neighbo
         assert a.config().grant_bytes == 0 and b.config().grant_bytes > 0
     said = [r.getMessage() for r in caplog.records if "refused a request" in r.getMessage()]
     assert any(f"process {pid} lives" in m and "PATH_MAX" in m for m in said), said
+
+
+def shimless_in(c: Container) -> WorkloadProcess:
+    """Another GPU process in container `c` (its cgroup, its environment), without the shim,
+    as the container may start one (tests/fixtures/hostile_tenant.exec_in on these nodes)."""
+    env = {k: v for k, v in c.env.items() if k != "LD_PRELOAD"}
+    proc = subprocess.Popen(
+        ["/bin/sh", "-c", _ENTER, "sh", *WorkloadProcess.argv()],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    threading.Thread(target=proc.wait, name="reap-hidden", daemon=True).start()
+    return WorkloadProcess(proc, "hidden", 120.0)
+
+
+@pytest.mark.parametrize("mode", ["enforce", "report"])
+def test_memory_a_hidden_process_holds_gets_no_neighbour_evicted_by_a_reclaim(
+    make_node: Callable[..., ArbiterNode],
+    kube_server: KubeServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    mode: str,
+) -> None:
+    """A's own hidden process takes the unused part of a's guarantee, then a allocates inside
+    its request: the driver refuses, a's shim sends RECLAIM. The driver's count of a leaves the
+    hidden process out, so the shortfall looked as large as what it holds, and b's burst (from
+    memory nobody requested, none of a's guarantee) was evicted for it. Memory hidden processes
+    hold is never covered by evicting or swapping anyone: a waits, and in enforce mode gets its
+    allocation once the watchdog has killed the hidden process; in report mode it is denied."""
+    # resolvers: [wait]; a guarantee's chain adds evict. The shim as the node installs it.
+    node = make_node(paths={"shimHostPath": str(native.library(native.SHIM))})
+    a = node.add("a", 8, None, wait_timeout="60s" if mode == "enforce" else "3s", start=False)
+    app_a = node.start_cuda(a)
+    b = node.add("b", 1, "78Gi", wait_timeout="10s", start=False)  # preemptible
+    app_b = node.start_cuda(b)
+    # b fills its request and bursts into all the GPU's unrequested memory the grant model gives.
+    room = b.alloc.request_bytes - b.used()
+    free = node.on_loop(lambda: node.arbiter.grantable(b.alloc))
+    assert app_b.do(f"alloc {room + free - 64 * MiB} 7") == "ok 1"
+    assert b.config().grant_bytes > 0
+    assert a.container is not None
+    with deep_below(a.container.cgroup_dir) as deep:
+        hog = shimless_in(a.container)
+        deep.enter(hog.proc.pid)
+        proc = refusing_proc(tmp_path, [hog.proc.pid])
+        monkeypatch.setattr(node.arbiter.readings, "read_processes", lambda: observe(proc))
+        node.on_loop(node.arbiter.refresh_memory)
+        left = node.arbiter.readings.free(node.gpu)
+        assert left is not None and left > 3 * GiB
+        # The hidden process takes all but 1 GiB of the GPU's free memory: a's unused guarantee.
+        assert hog.do(f"alloc {left - GiB} 1") == "ok 1"
+        # a allocates 2 GiB inside its request: the driver refuses, its shim sends RECLAIM.
+        app_a.send(f"alloc {2 * GiB} 3")
+
+        def waiting() -> bool:
+            queued = node.arbiter.queue.waiters.get(node.gpu, [])
+            return app_b.proc.poll() is not None or any(w.need.kind == "reclaim" for w in queued)
+
+        node.until(waiting, timeout=60, what="a's reclaim waiting (or b evicted)")
+        assert app_b.proc.poll() is None, "b was evicted for memory a hidden process holds"
+        wd = watchdog(node, mode, proc)
+        node.on_loop(wd.start)
+        try:
+            if mode == "enforce":
+                assert app_a.line(90) == "ok 1"  # once the hidden process is killed and its memory free
+                until(lambda: hog.proc.poll() is not None, what="the hidden process reaped")
+                assert wd.kills == 1
+                assert app_a.do("check 1") == "ok"
+            else:
+                assert app_a.line(90) == "oom"  # denied at its wait timeout: nobody pays for it
+                assert hog.proc.poll() is None and set(wd.hidden) == {hog.proc.pid}
+        finally:
+            node.on_loop(wd.stop)
+    assert app_b.proc.poll() is None and app_b.do("check 1") == "ok"
+    assert b.config().grant_bytes > 0
+    node.on_loop(lambda: node.identity.events.flush(30))  # type: ignore[union-attr]
+    evicted = [e for e in kube_server.events("default") if e.get("reason") == REASON_EVICTED]
+    assert evicted == [], evicted

@@ -17,6 +17,9 @@ as using all it may (request + grant).
 Grants come back: the shim's release (and its grant_returned counter) lowers a grant to what
 the container uses above its request, and a grant left unused for GRANT_STALE_AFTER seconds
 is lowered by the sweep (GrantSweep).
+
+What is missing for a request (a burst's or a guarantee's shortfall) is freed by evicting or
+swapping others only beyond what hidden processes hold on the GPU (`coverable`).
 """
 
 from __future__ import annotations
@@ -96,6 +99,15 @@ def guarantee_shortfall(request: int, held: int, nvml_free: int, margin: int, pe
     charge within their request + grant (`pending`)."""
     mine = min(request, request - held)
     return max(0, mine - (nvml_free - margin - pending))
+
+
+def coverable(missing: int, hidden: int) -> int:
+    """What of `missing` bytes on a GPU may be freed by evicting or swapping others: none of
+    what hidden processes hold there (`hidden`: processes whose cgroup the kernel will not
+    name, gpufrac.agent.gpu_processes.observe). That memory is nobody's, possibly the
+    requester's own: the requester waits for the watchdog to kill its holder (enforce mode)
+    rather than have a neighbour pay for it."""
+    return max(0, missing - hidden)
 
 
 def pending_of(request: int, grant: int, held: int) -> int:

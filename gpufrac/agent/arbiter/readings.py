@@ -16,6 +16,10 @@ a container holds above its request without a grant makes it an eviction victim 
 distinct readings at least CONFIRM_SPACING apart both show it (`steady_used`: the smaller of
 the two), so a moment's spike (a module loaded lazily, a scratch buffer) is not taken for
 ungranted memory, and a holder that stays above in both is caught whatever it does between.
+
+What hidden processes hold (a GPU process whose cgroup file the kernel refuses:
+gpufrac.agent.gpu_processes.Observed.hidden) is kept per GPU (`hidden_on`): that memory is no
+container's, and no shortfall that evicts or swaps anyone covers it (Arbiter.coverable).
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class DriverReadings:
         self._past: deque[tuple[float, truth.DriverUsage]] = deque()
         self._task: asyncio.Task[None] | None = None  # the reading under way, if any
         self._attributed: set[str] = set()  # GPUs where the reading gives a container memory
+        self._hidden: dict[str, int] = {}  # GPU -> what hidden processes hold there (last reading)
         self._confirm: asyncio.Task[None] | None = None  # second_reading's, shared
         self._error_logged = False
         self._driver_error_logged = False
@@ -87,6 +92,11 @@ class DriverReadings:
         """NVML's free memory on `gpu` in the last reading; None without one."""
         mem = (self.memory or {}).get(gpu)
         return None if mem is None else int(mem.free)
+
+    def hidden_on(self, gpu: str) -> int:
+        """What NVML counts for hidden processes on `gpu` in the last process reading (0
+        without one): memory that is nobody's, the watchdog's to kill (enforce mode) or report."""
+        return self._hidden.get(gpu, 0)
 
     def ready(self) -> bool:
         """Whether the reading may be used now; starts a new one if it is getting old."""
@@ -218,6 +228,7 @@ class DriverReadings:
     def _take_processes(self, procs: list[Observed] | Exception, taken: float) -> None:
         """A new per-process reading, taken at `taken`: each container's driver count."""
         if isinstance(procs, Exception):
+            self._hidden = {}
             self.driver = None  # until it works: reclaims refused, other decisions use the files (clamped)
             if not self._driver_error_logged:
                 self._driver_error_logged = True
@@ -230,6 +241,11 @@ class DriverReadings:
         self._driver_error_logged = False
         self.driver = truth.attribute(procs, self._lookup)
         self._attributed = {gpu for (_, gpu), n in self.driver.by_container.items() if n > 0}
+        hidden: dict[str, int] = {}
+        for o in procs:
+            if o.hidden:
+                hidden[o.proc.gpu] = hidden.get(o.proc.gpu, 0) + o.proc.used
+        self._hidden = hidden
         self._past.append((taken, self.driver))
         while self._past and taken - self._past[0][0] > CONFIRM_WINDOW:
             self._past.popleft()

@@ -261,7 +261,9 @@ class Arbiter:
             seq=self.next_seq(),
         )
         need.try_grant = lambda: self._try_grant(need, target)
-        need.shortfall = lambda: max(0, target - self._burst_held(alloc) - self._free_for(alloc))
+        need.shortfall = lambda: self.coverable(
+            need.gpu, target - self._burst_held(alloc) - self._free_for(alloc)
+        )
         return self._burst_resolve(need)
 
     async def _burst_resolve(self, need: Need) -> Result:
@@ -277,11 +279,12 @@ class Arbiter:
             return wire.BURST_GRANTED, self.files.generation(alloc)
         self.stats.denied += 1
         log.info(
-            "denied %s of burst to %s on GPU %s (%s)",
+            "denied %s of burst to %s on GPU %s (%s%s)",
             format_bytes(need.bytes),
             alloc.who(),
             need.gpu,
             "; ".join(need.notes) or "no resolver freed enough",
+            self._hidden_note(need.gpu),
         )
         return wire.BURST_DENIED, 0
 
@@ -334,7 +337,9 @@ class Arbiter:
             "could not reclaim the guarantee of %s on GPU %s (%s)",
             alloc.who(),
             alloc.gpus[0],
-            "no NVML memory reading" if left is None else f"{format_bytes(left)} missing",
+            "no NVML memory reading"
+            if left is None
+            else f"{format_bytes(left)} missing" + self._hidden_note(alloc.gpus[0]),
         )
         return wire.BURST_DENIED, 0
 
@@ -535,6 +540,23 @@ class Arbiter:
         if self.swap.is_swapped(alloc.key):
             held = driver  # what is in host RAM is not on the GPU; what its live processes hold is
         return grants.guarantee_shortfall(alloc.request_bytes, held, free, self.config.grant_margin, pending)
+
+    def coverable(self, gpu: str, missing: int) -> int:
+        """What of `missing` bytes on `gpu` evicting or swapping others may free (Need.shortfall):
+        none of what hidden processes hold there in the last reading (grants.coverable). The
+        requester waits instead: in enforce mode the watchdog kills them within an interval."""
+        return grants.coverable(missing, self.readings.hidden_on(gpu))
+
+    def hidden_bytes(self, gpu: str) -> int:
+        """What hidden processes hold on `gpu` in the last reading (readings.DriverReadings.hidden_on)."""
+        return self.readings.hidden_on(gpu)
+
+    def _hidden_note(self, gpu: str) -> str:
+        """For a denial's log line: what hidden processes hold on `gpu`, if anything."""
+        hidden = self.hidden_bytes(gpu)
+        if not hidden:
+            return ""
+        return f"; {format_bytes(hidden)} held by hidden GPU processes, never taken from others for it"
 
     # -- NVML --------------------------------------------------------------------------------------
 
