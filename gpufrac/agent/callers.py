@@ -265,18 +265,24 @@ def cgroup_of(pid: int, proc: str = "/proc") -> CgroupIdentity | None:
     )
 
 
-def cgroup_refused(pid: int, proc: str = "/proc") -> bool:
-    """Whether `pid` lives with its cgroup file refused by the kernel (what the watchdog kills
-    as hidden). False when it is gone or its cgroup reads; raises AgentOutOfResources."""
+def placement(pid: int, proc: str = "/proc") -> CgroupIdentity | bool | None:
+    """`cgroup_of` for callers that only sort its answers: the container, None for a process
+    in none (the host's), True when it lives with its cgroup file refused (hidden), False
+    when it is gone or its hierarchies disagree. Raises AgentOutOfResources."""
     try:
-        cgroup_of(pid, proc)
+        return cgroup_of(pid, proc)
     except CgroupUnreadable:
         return True
     except AgentOutOfResources:
         raise
     except PeerError:
         return False
-    return False
+
+
+def cgroup_refused(pid: int, proc: str = "/proc") -> bool:
+    """Whether `pid` lives with its cgroup file refused by the kernel (what the watchdog kills
+    as hidden). False when it is gone or its cgroup reads; raises AgentOutOfResources."""
+    return placement(pid, proc) is True
 
 
 def scan_pids(match: Callable[[CgroupIdentity], bool], proc: str = "/proc") -> list[int]:

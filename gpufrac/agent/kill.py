@@ -38,11 +38,11 @@ from typing import Protocol
 from gpufrac.agent.callers import (
     AgentOutOfResources,
     CgroupIdentity,
-    CgroupUnreadable,
     PeerError,
     cgroup_of,
     cgroup_refused,
     in_container,
+    placement,
     start_time,
 )
 from gpufrac.agent.ledger import ContainerAlloc
@@ -132,32 +132,18 @@ def _pid_ns(pid: int) -> str | None:
         return None
 
 
-def _pod_of(pid: int) -> CgroupIdentity | bool | None:
-    """The container `pid` is in, None for a host process, True when its cgroup file is refused
-    (nested below some container: gpufrac.agent.callers.cgroup_of), False when it is gone.
-    Raises AgentOutOfResources."""
-    try:
-        return cgroup_of(pid, "/proc")
-    except CgroupUnreadable:
-        return True
-    except AgentOutOfResources:
-        raise
-    except PeerError:
-        return False
-
-
 def _tenants_tracer(tracer: int, tracee: int) -> bool:
     """Whether `tracer` is the tracee's tenant's own, to be killed with it: in the tracee's pod,
     or in cgroups nested past PATH_MAX (only a tenant makes those); for a tracee so nested
     (its pod unknown), one in the tracee's pid namespace that is not the agent's (the host's).
     A host process is spared (a debugger the operator runs), and so is another pod's (a
     profiler with the host's pids): it traces by its own choice."""
-    t = _pod_of(tracer)
+    t = placement(tracer)
     if t is True:
         return True
     if not isinstance(t, CgroupIdentity):
         return False
-    p = _pod_of(tracee)
+    p = placement(tracee)
     if isinstance(p, CgroupIdentity):
         return t.pod_uid == p.pod_uid
     ns = _pid_ns(tracee)

@@ -13,28 +13,15 @@ the real agent, real shim, real workload processes (tests/fixtures/e2e.py).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import pytest
 
 from gpufrac.agent.events import REASON_EVICTED, REASON_SWAPPED_OUT
-from gpufrac.memguard import abi
-from tests.fixtures.e2e import TIMEOUT, E2ENode, MiB, PodRun
+from tests.fixtures.e2e import TIMEOUT, E2ENode, MiB
 from tests.fixtures.hostile_tenant import agent_alive, agent_config, break_magic, exec_in
 from tests.fixtures.polling import until
-
-
-def idle_for(pod: PodRun, seconds: float) -> bool:
-    """Whether the pod's shim processes launched nothing for `seconds` (their usage slots)."""
-    slots = [s for s in abi.read_usage(pod.host_dir).slots if s.pid > 0]
-    last = max((int(s.last_activity_ns) for s in slots), default=0)
-    return bool(slots) and (time.monotonic_ns() - last) / 1e9 >= seconds
-
-
-def swapped(pod: PodRun) -> bool:
-    slots = [s for s in abi.read_usage(pod.host_dir).slots if s.pid > 0]
-    return bool(slots) and all(s.swapped for s in slots)
+from tests.fixtures.swapping import idle_for, swapped
 
 
 @pytest.mark.parametrize("how", ["shimless-process", "broken-usage-file"])
