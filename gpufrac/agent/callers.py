@@ -386,9 +386,6 @@ class ContainerOwner:
         """Its allocations on `gpu`."""
         return tuple(a for a in self.allocs if gpu in a.gpus)
 
-    def whole_gpu(self) -> bool:
-        return any(a.whole_gpu for a in self.allocs)
-
     def who(self) -> str:
         if self.pod:
             return f"pod {self.namespace}/{self.pod} container {self.container}"

@@ -106,6 +106,17 @@ def _signal(pid: int, still_ours: Callable[[int], bool] | None) -> int | None:
         os.close(fd)
 
 
+def _try_signal(
+    pid: int, still_ours: Callable[[int], bool] | None, failed: list[str], what: str = ""
+) -> int | None:
+    """`_signal`, a failure to signal (the agent out of files) added to `failed` as None."""
+    try:
+        return _signal(pid, still_ours)
+    except (OSError, AgentOutOfResources) as e:
+        failed.append(f"{what}{pid} ({e.strerror if isinstance(e, OSError) else e})")
+        return None
+
+
 def _status_field(pid: int, name: bytes) -> int:
     """A number from /proc/<pid>/status (any thread id works), 0 when gone or unreadable."""
     try:
@@ -176,11 +187,7 @@ def _signal_tracers(signalled: Sequence[tuple[int, int]], failed: list[str]) -> 
                     and _tenants_tracer(pid, tracee)
                 )
 
-            try:
-                t_started = _signal(t, still_its)
-            except (OSError, AgentOutOfResources) as e:
-                failed.append(f"tracer {t} ({e.strerror if isinstance(e, OSError) else e})")
-                continue
+            t_started = _try_signal(t, still_its, failed, "tracer ")
             if t_started is not None:
                 log.warning("killed process %d too: it traced process %d, being killed", t, tracee)
                 out.append((t, t_started))
@@ -253,11 +260,7 @@ def kill_and_wait(
     signalled: list[tuple[int, int]] = []
     failed: list[str] = []
     for pid in dict.fromkeys(pids):
-        try:
-            started = _signal(pid, still_ours)
-        except (OSError, AgentOutOfResources) as e:
-            failed.append(f"{pid} ({e.strerror if isinstance(e, OSError) else e})")
-            continue
+        started = _try_signal(pid, still_ours, failed)
         if started is not None:
             signalled.append((pid, started))
     tracers = _signal_tracers(signalled, failed)

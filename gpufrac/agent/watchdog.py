@@ -323,8 +323,8 @@ class Watchdog:
         alive: dict[int, GpuProcess] = {}
         for pid, o in hidden.items():
             what = (
-                f"GPU process {pid} uses {format_bytes(o.proc.used)} on GPU {o.proc.gpu} and is hidden "
-                f"({o.unreadable})"
+                f"GPU process {pid} uses {format_bytes(o.proc.used)} on GPU {o.proc.gpu} and is hidden: the "
+                f"kernel will not say which container it is in ({o.unreadable})"
             )
             if not self.enforcing:
                 if pid not in self.hidden:
@@ -345,7 +345,7 @@ class Watchdog:
                 log.info("watchdog: %s; not killed: it exited or its cgroup can be read now", what)
                 continue
             self.kills += 1
-            log.warning("watchdog: %s; killed (a process no container can be found for)", what)
+            log.warning("watchdog: %s; killed: memory no container answers for is not kept", what)
             self._metrics.count_watchdog("hidden_kill")
         self.hidden = alive
 

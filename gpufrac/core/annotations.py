@@ -23,6 +23,7 @@ from gpufrac.core.flags import (
     FLAG_SWAPPABLE,
     FLAG_WHOLE_GPU,
 )
+from gpufrac.core.quote import shown
 from gpufrac.core.units import MAX_MS_FIELD_S, format_bytes, parse_bytes, parse_duration
 
 PREFIX = "gpufrac.dev/"
@@ -52,21 +53,12 @@ DEFAULT_CLASS = "batch"
 MAX_WAIT_TIMEOUT_S = MAX_MS_FIELD_S
 _INT32 = (-(2**31), 2**31 - 1)
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%?\s*$")
-# A pod may carry ~12,000 keys (256 KiB of annotations) and values of that size: what a
-# refusal says is bounded so that it is one Event and one log line of a readable length.
+# A pod may carry ~12,000 keys (256 KiB of annotations): a refusal that stands for many names
+# a few (gpufrac.core.quote bounds each).
 SHOWN_KEYS = 3  # keys named in a problem that stands for many
-SHOWN_CHARS = 128  # of a value, or of a key, in a message
 # Problems one container's annotations can give: each known key gives at most one or two
 # and unknown keys fold into one (see _check_keys); the cap holds whatever is added later.
 MAX_PROBLEMS = 16
-
-
-def shown(text: str) -> str:
-    """`text` as a message quotes it: cut to SHOWN_CHARS, saying how long it was, and with
-    what does not print escaped (a newline in a value must not forge a line of the log)."""
-    cut = text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS]
-    cut = "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut)
-    return cut if len(text) <= SHOWN_CHARS else f"{cut}...({len(text)} characters)"
 
 
 @dataclass(frozen=True)

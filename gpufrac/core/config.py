@@ -160,7 +160,7 @@ class Config:
     wait_timeout: float = _seconds(30.0)
     # A burst that fits waits at most this long behind requests ahead of it on its GPU that
     # cannot be served (strict order up to here, then it is granted past them), however long
-    # they may wait: docs/arbiter-protocol.md, "Order on a GPU".
+    # they may wait: docs/arbiter-protocol.md, Resolvers, "Order".
     head_of_line_bound: float = _seconds(1.0)
     arbiter_timeout: float = _seconds(2.0)
     # Burst grants stay this far below what NVML says is physically free.

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Protocol, TypeVar
 
+from gpufrac.core.quote import shown
+
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _KEYS = {"maxLimitRatio": "max_limit_ratio", "allowNonPreemptible": "allow_non_preemptible"}
 _KEYS["allowUnswappable"] = "allow_unswappable"
@@ -72,7 +74,7 @@ def _entry(path: str, raw: Any, base: NamespacePolicy) -> NamespacePolicy:
             number = isinstance(value, int | float) and not isinstance(value, bool)
             if not number or not (value == 0 or 1 <= value <= MAX_LIMIT_RATIO):
                 raise ValueError(
-                    f"{path}.{key}: {_shown(value)} must be 0 (no cap) or a number from 1 (a limit is "
+                    f"{path}.{key}: {shown(repr(value))} must be 0 (no cap) or a number from 1 (a limit is "
                     f"never below the request) to {MAX_LIMIT_RATIO}"
                 )
             values[name] = float(value)
@@ -81,11 +83,6 @@ def _entry(path: str, raw: Any, base: NamespacePolicy) -> NamespacePolicy:
                 raise ValueError(f"{path}.{key}: expected true or false, got {value!r}")
             values[name] = value
     return dataclasses.replace(base, **values)
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 64 else f"{text[:64]}...({len(text)} characters)"
 
 
 def parse_config(path: str, raw: Any) -> PolicyConfig:

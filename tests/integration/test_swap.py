@@ -111,19 +111,6 @@ def node(sim_state: Path, kube_server: KubeServer) -> Iterator[ArbiterNode]:
         n.close()
 
 
-def swappable(node: ArbiterNode, box: Box) -> None:
-    """The pod opts in (annotation), and the agent applies it to the container's config."""
-    node.v1.patch_namespaced_pod(
-        box.pod, "default", {"metadata": {"annotations": {"gpufrac.dev/swappable": "true"}}}
-    )
-    node.until(
-        lambda: bool(node.identity.pods.by_uid(box.uid).annotations.get("gpufrac.dev/swappable")),  # type: ignore[union-attr]
-        what="the annotation in the pod cache",
-    )
-    node.on_loop(lambda: node.identity.resolve(node.listing))
-    assert box.config().flags & abi.FLAG_SWAPPABLE
-
-
 def fill_gpu(node: ArbiterNode, sim_state: Path, leave_free: int) -> None:
     """Something outside gpufrac takes all but `leave_free` of GPU 0 (NVML shows it), and the
     arbiter has seen it: it trusts an NVML reading for up to a second (arbiter.NVML_STALE)."""
@@ -159,7 +146,7 @@ def swap_victim_out(node: ArbiterNode, sim_state: Path) -> tuple[Box, CudaApp, C
     filled from outside, for a requester's 4 GiB burst: the victim's box and app, the
     requester's app (holding buffers 1 and 2) and the swap resolver."""
     victim = node.add("victim", 2, "8Gi", start=False)
-    swappable(node, victim)
+    node.swappable(victim)
     v = node.start_cuda(victim, sim_state)
     assert v.do(f"alloc {2 * GiB} 1111") == "ok 1"
     assert v.do(f"alloc {4 * GiB} 2222") == "ok 2"
@@ -186,7 +173,7 @@ def test_swap_frees_the_victim_and_it_resumes_with_its_bytes(
     kube_server: KubeServer,
 ) -> None:
     victim = node.add("victim", 2, "8Gi", start=False)
-    swappable(node, victim)
+    node.swappable(victim)
     v = node.start_cuda(victim, sim_state)
     assert v.do(f"alloc {2 * GiB} 1111") == "ok 1"  # guarantee
     assert v.do(f"alloc {4 * GiB} 2222") == "ok 2"  # burst, granted: the GPU is empty
@@ -232,7 +219,7 @@ def test_swap_unavailable_is_said_once_and_the_chain_moves_on(
     with NodeState(sim_state) as st:
         st.node.checkpoint_supported = 0  # a driver without the checkpoint API
     victim = node.add("victim", 2, "8Gi", start=False)
-    swappable(node, victim)
+    node.swappable(victim)
     v = node.start_cuda(victim, sim_state)
     assert v.do(f"alloc {4 * GiB} 1") == "ok 1"
     requester = node.add("requester", 2, "8Gi", wait_timeout="1s", start=False)
@@ -255,7 +242,7 @@ def test_host_ram_budget_bounds_what_is_swapped(sim_state: Path, kube_server: Ku
     node = make_node(kube_server, swap={"idleThreshold": "1s", "hostRamBudget": "5Gi"})
     try:
         victim = node.add("victim", 2, "8Gi", start=False)
-        swappable(node, victim)
+        node.swappable(victim)
         v = node.start_cuda(victim, sim_state)
         assert v.do(f"alloc {6 * GiB} 1") == "ok 1"  # 6 GiB would not fit in the 5 GiB budget
         requester = node.add("requester", 2, "8Gi", wait_timeout="1s", start=False)

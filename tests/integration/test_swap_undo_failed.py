@@ -9,13 +9,15 @@ real driver's failed undo).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from test_swap import node, node_file, sim_state  # noqa: F401
 
 from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.cuda_checkpoint import CheckpointError, ProcessState, Support
 from gpufrac.memguard import abi
-from tests.fixtures.arbiter_harness import ArbiterNode, MiB
+from tests.fixtures.arbiter_harness import ArbiterNode, Box, MiB
 
 
 class StuckCheckpointer:
@@ -50,15 +52,16 @@ class UndoneCheckpointer(StuckCheckpointer):
         raise CheckpointError(f"cuCheckpointProcessLock(pid {pids[0]}): CUDA_ERROR_TIMEOUT")
 
 
-def test_a_failed_swap_out_that_leaves_the_process_locked_keeps_it_flagged(
+def swap_out_victim(
     node: ArbiterNode,  # noqa: F811
+    ckpt: StuckCheckpointer,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
+) -> tuple[swap_mod.SwapResolver, Box, int, Callable[[], object]]:
+    """A victim holding memory, the swap resolver on `ckpt`, and its swap-out to call."""
     box = node.add("victim", 2, "8Gi")
     assert box.workload is not None and box.workload.do(f"alloc {64 * MiB}") == "fast"
     assert box.container is not None
     swap = node.arbiter.swap
-    ckpt = StuckCheckpointer()
     swap.ckpt = ckpt  # type: ignore[assignment]
     pid = box.container.proc.pid
     (slot,) = [
@@ -66,8 +69,21 @@ def test_a_failed_swap_out_that_leaves_the_process_locked_keeps_it_flagged(
     ]
     monkeypatch.setattr(swap, "_prepare", lambda alloc: [(pid, slot)])
     (h,) = [h for h in node.on_loop(lambda: node.arbiter.holdings(node.gpu)) if h.alloc.key == box.alloc.key]
+    return (
+        swap,
+        box,
+        pid,
+        lambda: node.on_loop(lambda: swap._swap_out(h, node.gpu, "a test", needed_by="a test")),
+    )
 
-    node.on_loop(lambda: swap._swap_out(h, node.gpu, "a test", needed_by="a test"))
+
+def test_a_failed_swap_out_that_leaves_the_process_locked_keeps_it_flagged(
+    node: ArbiterNode,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ckpt = StuckCheckpointer()
+    swap, box, pid, swap_out = swap_out_victim(node, ckpt, monkeypatch)
+    swap_out()
     # Kept as swapped out, its flag set: its next GPU call asks for it back.
     assert swap.is_swapped(box.alloc.key)
     assert [s.swapped for s in abi.read_usage(box.alloc.directory).slots if s.pid > 0] == [1]
@@ -82,18 +98,8 @@ def test_a_failed_swap_out_that_was_undone_clears_the_flag(
     node: ArbiterNode,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    box = node.add("victim", 2, "8Gi")
-    assert box.workload is not None and box.workload.do(f"alloc {64 * MiB}") == "fast"
-    assert box.container is not None
-    swap = node.arbiter.swap
-    swap.ckpt = UndoneCheckpointer()  # type: ignore[assignment]
-    pid = box.container.proc.pid
-    (slot,) = [
-        (int(s.pid), int(s.start_time)) for s in abi.read_usage(box.alloc.directory).slots if s.pid > 0
-    ]
-    monkeypatch.setattr(swap, "_prepare", lambda alloc: [(pid, slot)])
-    (h,) = [h for h in node.on_loop(lambda: node.arbiter.holdings(node.gpu)) if h.alloc.key == box.alloc.key]
+    swap, box, _, swap_out = swap_out_victim(node, UndoneCheckpointer(), monkeypatch)
     with pytest.raises(swap_mod._Skip, match="CUDA_ERROR_TIMEOUT"):
-        node.on_loop(lambda: swap._swap_out(h, node.gpu, "a test", needed_by="a test"))
+        swap_out()
     assert not swap.is_swapped(box.alloc.key)
     assert [s.swapped for s in abi.read_usage(box.alloc.directory).slots if s.pid > 0] == [0]

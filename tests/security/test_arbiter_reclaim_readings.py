@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 
 from gpufrac.agent.arbiter.service import RECLAIM_SPACING
 from gpufrac.agent.gpu_processes import Observed
-from gpufrac.deviceplugin.server import container_response
-from gpufrac.simgpu.runtime import mounts_of
-from tests.fixtures.arbiter_harness import ArbiterNode, Box, MiB
+from tests.fixtures.arbiter_harness import ArbiterNode, Box, MiB, go
 
 Make = Callable[..., ArbiterNode]
 
@@ -68,26 +65,7 @@ print(json.dumps({"granted": granted, "statuses": statuses, "first": first[0]}),
 
 def reclaimer(node: ArbiterNode, box: Box, threads: int, seconds: float) -> subprocess.Popen[bytes]:
     """Start `box`'s container with the RECLAIM sender, ready to go (its container ID known)."""
-    resp = container_response(box.alloc, node.cfg)
-    c = node.runtime.start(
-        box.uid,
-        "main",
-        [sys.executable, "-c", RECLAIMS, str(threads), str(seconds), str(64 * MiB)],
-        envs={k: v for k, v in resp.envs.items() if k != "LD_PRELOAD"},  # no CUDA here
-        mounts=mounts_of(resp),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-    box.container = c
-    assert c.proc.stdout is not None and c.proc.stdout.readline() == b"ready\n"
-    node.set_container_id(box.pod, box.uid, c.runtime_id)
-    return c.proc
-
-
-def go(proc: subprocess.Popen[bytes]) -> None:
-    assert proc.stdin is not None
-    proc.stdin.write(b"go\n")
-    proc.stdin.flush()
+    return node.start_script(box, RECLAIMS, threads, seconds, 64 * MiB)
 
 
 def result(proc: subprocess.Popen[bytes]) -> dict[str, object]:

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from gpufrac.core import annotations as ann
 from gpufrac.core import policy as policy_mod
 from gpufrac.core.config import Config, ConfigError, load
+from gpufrac.core.quote import shown
 from gpufrac.core.units import format_bytes, parse_bytes, parse_duration
 from gpufrac.memguard import abi
 from tests.fixtures.arbiter_harness import ArbiterNode, GiB
@@ -71,7 +72,7 @@ def test_annotation_parsing_never_raises_and_never_loosens_a_limit(
     for problem in result.problems:  # every refusal names its key and value, with a reason
         assert problem.key in values and problem.value == values[problem.key] and problem.reason
         message = problem.message("main")
-        assert ann.shown(problem.key) in message and ann.shown(problem.value) in message
+        assert shown(problem.key) in message and shown(problem.value) in message
         assert len(message) < 2048  # a value of any length is named in a line of readable length
         assert "\n" not in message and "\r" not in message
 

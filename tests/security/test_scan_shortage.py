@@ -14,34 +14,14 @@ Real processes in real cgroups (gpufrac.simgpu.runtime), a real file limit.
 from __future__ import annotations
 
 import contextlib
-import os
-import resource
 import sys
 import uuid
-from collections.abc import Iterator
 
 import pytest
 
 from gpufrac.agent.callers import AgentOutOfResources, CgroupIdentity, scan_pids
 from gpufrac.simgpu.runtime import ContainerRuntime
-
-
-@contextlib.contextmanager
-def no_free_descriptor() -> Iterator[None]:
-    """Every descriptor this process may open is taken, until the block ends."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 16, hard))
-    fillers = []
-    try:
-        with contextlib.suppress(OSError):
-            while True:
-                fillers.append(os.open("/dev/null", os.O_RDONLY))
-        yield
-    finally:
-        for fd in fillers:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+from tests.fixtures.descriptors import no_free_descriptor
 
 
 def test_a_scan_that_runs_out_of_files_raises_instead_of_leaving_processes_out(

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -32,10 +30,8 @@ from gpufrac.agent.callers import PeerLookup
 from gpufrac.agent.ledger import ContainerAlloc
 from gpufrac.agent.swap_takeover import RESCAN_SPACING
 from gpufrac.core import native
-from gpufrac.deviceplugin.server import container_response
 from gpufrac.memguard import abi
-from gpufrac.simgpu.runtime import mounts_of
-from tests.fixtures.arbiter_harness import ArbiterNode, Box, GiB
+from tests.fixtures.arbiter_harness import ArbiterNode, GiB, go
 
 Make = Callable[..., ArbiterNode]
 TIMEOUT = 120.0
@@ -72,37 +68,6 @@ print(json.dumps({wire.STATUS_NAMES.get(s, str(s)): out.count(s) for s in set(ou
 """
 
 
-def flooder(node: ArbiterNode, box: Box, threads: int, seconds: float) -> subprocess.Popen[bytes]:
-    """Start `box`'s container with the SWAP_IN flood, ready to go (its container ID known)."""
-    resp = container_response(box.alloc, node.cfg)
-    c = node.runtime.start(
-        box.uid,
-        "main",
-        [sys.executable, "-c", FLOOD, str(threads), str(seconds)],
-        envs={k: v for k, v in resp.envs.items() if k != "LD_PRELOAD"},  # no CUDA here
-        mounts=mounts_of(resp),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-    box.container = c
-    assert c.proc.stdout is not None and c.proc.stdout.readline() == b"ready\n"
-    node.set_container_id(box.pod, box.uid, c.runtime_id)
-    return c.proc
-
-
-def swappable(node: ArbiterNode, box: Box) -> None:
-    """The pod opts in (annotation), and the agent applies it to the container's config."""
-    node.v1.patch_namespaced_pod(
-        box.pod, "default", {"metadata": {"annotations": {"gpufrac.dev/swappable": "true"}}}
-    )
-    node.until(
-        lambda: bool(node.identity.pods.by_uid(box.uid).annotations.get("gpufrac.dev/swappable")),  # type: ignore[union-attr]
-        what="the annotation in the pod cache",
-    )
-    node.on_loop(lambda: node.identity.resolve(node.listing))
-    assert box.config().flags & abi.FLAG_SWAPPABLE
-
-
 def test_a_swap_in_flood_forces_a_bounded_number_of_process_scans(
     make_node: Make, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -118,7 +83,7 @@ def test_a_swap_in_flood_forces_a_bounded_number_of_process_scans(
 
     # A neighbour swapped out, then the agent restarted: this one knows nothing of it.
     n = node.add("neighbour", 2, "8Gi", start=False)
-    swappable(node, n)
+    node.swappable(n)
     app = node.start_cuda(n, timeout=TIMEOUT)
     assert app.do(f"alloc {GiB} 1111", TIMEOUT) == "ok 1"
     ok, why = node.on_loop(lambda: swap.swap_out(n.alloc, "the test"))
@@ -135,10 +100,8 @@ def test_a_swap_in_flood_forces_a_bounded_number_of_process_scans(
     monkeypatch.setattr(swap_takeover, "processes_of", counted)
     flood_s = 4.0
     t = node.add("tenant", 2, "8Gi", start=False)
-    proc = flooder(node, t, threads=8, seconds=flood_s)
-    assert proc.stdin is not None
-    proc.stdin.write(b"go\n")
-    proc.stdin.flush()
+    proc = node.start_script(t, FLOOD, 8, flood_s)  # the SWAP_IN flood, ready to go
+    go(proc)
     node.until(lambda: len(scans) >= 2, timeout=TIMEOUT, what="the flood under way")
 
     # In the middle of the flood, the neighbour's next GPU work brings it back, promptly.

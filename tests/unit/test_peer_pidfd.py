@@ -8,34 +8,14 @@ file limit.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import resource
 import socket
-from collections.abc import Iterator
 
 import pytest
 
 from gpufrac.agent.callers import AgentOutOfResources, peer_pidfd
 from gpufrac.agent.knowncallers import KnownCallers
-
-
-@contextlib.contextmanager
-def no_free_descriptor() -> Iterator[None]:
-    """Every descriptor this process may open is taken, until the block ends."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 16, hard))
-    fillers = []
-    try:
-        with contextlib.suppress(OSError):
-            while True:
-                fillers.append(os.open("/dev/null", os.O_RDONLY))
-        yield
-    finally:
-        for fd in fillers:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+from tests.fixtures.descriptors import no_free_descriptor
 
 
 def test_a_pidfd_that_cannot_be_had_refuses_the_caller() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,8 +54,8 @@ def status_detail(e: ApiException) -> tuple[str, float | None]:
         retry = float(raw) if raw else None
     except (TypeError, ValueError, OverflowError):  # OverflowError: an integer past a float
         retry = None
-    if retry is not None and not 0 <= retry <= MAX_RETRY_AFTER:  # NaN and infinity included
-        retry = None if not retry >= 0 else MAX_RETRY_AFTER
+    if retry is not None:  # NaN or negative says nothing; infinity and the like wait the longest
+        retry = None if math.isnan(retry) or retry < 0 else min(retry, MAX_RETRY_AFTER)
     return message, retry
 
 
