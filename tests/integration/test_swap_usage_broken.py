@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
-from test_swap import RESULT, gpu_pids, idle, node, node_file, sim_state, swappable  # noqa: F401
+from test_swap import RESULT, gpu_pids, idle, node, node_file, sim_state  # noqa: F401
 
 from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.cuda_checkpoint import ProcessState, process_state
@@ -33,7 +33,7 @@ def test_a_victim_that_breaks_its_usage_file_mid_swap_out_is_restored(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     victim = node.add("victim", 2, "8Gi", start=False)
-    swappable(node, victim)
+    node.swappable(victim)
     v = node.start_cuda(victim, sim_state)
     assert v.do(f"alloc {3 * GiB} 1111") == "ok 1"
     idle(node, victim)
