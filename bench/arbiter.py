@@ -18,7 +18,7 @@ the measured path. Times are CLOCK_MONOTONIC, shared by all processes on the nod
   its floods (flood.<mode>: requests back to back from 4 processes; 1100 silent
   connections reopened as they are closed; half-sent requests; 4500 silent connections,
   past the node's connection cap). Target: within 2x of the
-  p99 at rest (flood_p99_ratio), the per-container limits (gpufrac.agent.fairness) at
+  p99 at rest (flood_p99_ratio), the per-container limits (gpufrac.agent.arbiter.fairness) at
   their defaults. The flooder's processes run in a CPU cgroup of their own with the
   weight a pod requesting FLOOD_CPU_REQUEST gets from the kubelet (cpu.shares 1024 per
   core requested, cgroup v1 here), as a tenant's pod does on a real node; the agent's loop
@@ -124,11 +124,12 @@ def run(
 ) -> dict[str, Any]:
     import pynvml
 
-    from gpufrac.agent.arbiter import GRANT_SETTLE, Arbiter
-    from gpufrac.agent.callers import PeerLookup
-    from gpufrac.agent.inventory import read_inventory
-    from gpufrac.agent.ledger import Ledger
-    from gpufrac.agent.metrics import Metrics
+    from gpufrac.agent.arbiter.grants import GRANT_SETTLE
+    from gpufrac.agent.arbiter.service import Arbiter
+    from gpufrac.agent.booking.ledger import Ledger
+    from gpufrac.agent.gpu.inventory import read_inventory
+    from gpufrac.agent.metrics.registry import Metrics
+    from gpufrac.agent.processes.callers import PeerLookup
     from gpufrac.core import native
     from gpufrac.core.config import arbiter_socket, load
     from gpufrac.core.slices import MEMORY, device_id

@@ -175,7 +175,7 @@ class SimNode:
     def gpufrac(self, *args: str) -> str:
         """A gpufrac CLI command on the simulated node, as a user would run it."""
         r = subprocess.run(
-            [sys.executable, "-m", "gpufrac.agent.cli", *args],
+            [sys.executable, "-m", "gpufrac.agent.cli.commands", *args],
             env=self.env,
             capture_output=True,
             text=True,
@@ -290,7 +290,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
-    from gpufrac.agent.status.cli import format_status
+    from gpufrac.agent.cli.status import format_status
 
     banner(f"A simulated GPU node: preset {args.preset}")
     say(f"node state {node.state}; fake NVML and CUDA driver libraries in {node.libdir}")

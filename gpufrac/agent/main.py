@@ -2,8 +2,8 @@
 
 One asyncio loop owns all agent state (docs/architecture.md): the ledger, the two
 device-plugin servers, the reconciler with the kubelet's pod-resources
-(gpufrac.agent.reconcile), the state file (gpufrac.agent.persist) and GPU health
-(gpufrac.agent.healthsync, whose blocking NVML wait runs in a worker thread).
+(gpufrac.agent.booking.reconcile), the state file (gpufrac.agent.booking.persist) and GPU health
+(gpufrac.agent.gpu.healthsync, whose blocking NVML wait runs in a worker thread).
 
 This module is the composition root: Agent.start() builds every part once, in dependency
 order, and hands each its collaborators (typed Protocols declared next to the code that
@@ -11,7 +11,7 @@ needs them); Agent.stop() stops them in order. Parts that may be missing on a no
 `X | None`, decided here: no apiserver (kube.connect fails) leaves the pod cache, the Event
 recorder, the evictor and the node labeler out; no arbiter socket leaves the arbiter out.
 No part reaches into the Agent or sets attributes on it. The device-plugin servers are
-the front end of the allocation service (gpufrac.agent.allocation_service).
+the front end of the allocation service (gpufrac.agent.booking.allocation_service).
 
 Run it with `gpufrac agent --config node.yaml` or `python -m gpufrac.agent.main`;
 tests, the bench and the demo may also run `Agent` in-process (gpufrac.agent.runner).
@@ -30,28 +30,34 @@ from typing import Any, Protocol
 
 from kubernetes.client import ApiClient
 
-from gpufrac.agent import idle, kube, nodelabels
-from gpufrac.agent import metrics as metrics_mod
-from gpufrac.agent.activity import ActivityTracker
-from gpufrac.agent.admission import Admission
-from gpufrac.agent.allocation_service import AllocationService
-from gpufrac.agent.arbiter import Arbiter, adopt_grants, published_grants
-from gpufrac.agent.callers import PeerLookup, namer_from_pods
-from gpufrac.agent.container_dirs import ContainerDirs
-from gpufrac.agent.health import HealthMonitor
-from gpufrac.agent.healthsync import HealthSource, HealthSync
-from gpufrac.agent.idle import IdleReaper
-from gpufrac.agent.idle_actions import swap_via
-from gpufrac.agent.inventory import NvmlError, read_inventory
-from gpufrac.agent.kube import EventRecorder, NodeLabeler, PodCache, PodEvictor
-from gpufrac.agent.ledger import Ledger
-from gpufrac.agent.ledger_store import StateStore, restore
-from gpufrac.agent.nodelabels import NodeLabels
-from gpufrac.agent.persist import Persister
-from gpufrac.agent.pods import PodIdentity
-from gpufrac.agent.reconcile import RECONCILE_INTERVAL, RELEASE_GRACE, ReconcileLoop, Reconciler
+from gpufrac.agent.arbiter.admission import Admission
+from gpufrac.agent.arbiter.recovery import adopt_grants, published_grants
+from gpufrac.agent.arbiter.service import Arbiter
+from gpufrac.agent.booking.allocation_service import AllocationService
+from gpufrac.agent.booking.container_dirs import ContainerDirs
+from gpufrac.agent.booking.ledger import Ledger
+from gpufrac.agent.booking.ledger_store import StateStore, restore
+from gpufrac.agent.booking.persist import Persister
+from gpufrac.agent.booking.pods import PodIdentity
+from gpufrac.agent.booking.reconcile import RECONCILE_INTERVAL, RELEASE_GRACE, ReconcileLoop, Reconciler
+from gpufrac.agent.gpu import nodelabels
+from gpufrac.agent.gpu.activity import ActivityTracker
+from gpufrac.agent.gpu.health import HealthMonitor
+from gpufrac.agent.gpu.healthsync import HealthSource, HealthSync
+from gpufrac.agent.gpu.inventory import NvmlError, read_inventory
+from gpufrac.agent.gpu.nodelabels import NodeLabels
+from gpufrac.agent.idle import reaper as idle
+from gpufrac.agent.idle.actions import swap_via
+from gpufrac.agent.idle.reaper import IdleReaper
+from gpufrac.agent.kube.client import KubeConfigError, connect
+from gpufrac.agent.kube.evict import PodEvictor
+from gpufrac.agent.kube.nodes import NodeLabeler
+from gpufrac.agent.kube.podcache import PodCache
+from gpufrac.agent.kube.recorder import EventRecorder
+from gpufrac.agent.metrics.registry import Metrics
+from gpufrac.agent.processes.callers import PeerLookup, namer_from_pods
 from gpufrac.agent.status import server as status_mod
-from gpufrac.agent.watchdog import Watchdog
+from gpufrac.agent.watchdog.service import Watchdog
 from gpufrac.core import config as config_mod
 from gpufrac.core import eventloop, logs, slices
 from gpufrac.core.config import Config, arbiter_socket
@@ -65,8 +71,8 @@ CONNECT_TIMEOUT = 30.0
 
 
 class AgentHealth(HealthSource, Protocol):
-    """GPU health as the agent holds it (gpufrac.agent.health.HealthMonitor): followed
-    (gpufrac.agent.healthsync), shown (XID counts, gpufrac status) and closed at stop."""
+    """GPU health as the agent holds it (gpufrac.agent.gpu.health.HealthMonitor): followed
+    (gpufrac.agent.gpu.healthsync), shown (XID counts, gpufrac status) and closed at stop."""
 
     def current(self) -> dict[str, GpuHealth]: ...
     def xid_counts(self) -> dict[tuple[str, int], int]: ...
@@ -75,7 +81,7 @@ class AgentHealth(HealthSource, Protocol):
 
 class Agent:
     """The agent. `inventory` and `health` may be injected (tests); by default they
-    come from NVML (gpufrac.agent.inventory / gpufrac.agent.health)."""
+    come from NVML (gpufrac.agent.gpu.inventory / gpufrac.agent.gpu.health)."""
 
     def __init__(
         self,
@@ -104,7 +110,7 @@ class Agent:
         # Any: the tasks' results, which nothing reads (stop() cancels and awaits them).
         self._tasks: list[asyncio.Task[Any]] = []
         # /metrics, /healthz, /readyz (gpufrac.agent.metrics) and the status socket (gpufrac.agent.status).
-        self.metrics = metrics_mod.Metrics()
+        self.metrics = Metrics()
         self.status_server: status_mod.StatusServer | None = None
         # The parts start() builds, in this order (None until then, or where the node lacks
         # what the part needs: the apiserver, the arbiter socket, NVML).
@@ -205,8 +211,8 @@ class Agent:
         Bounded: a kubeconfig's exec plugin that hangs must not keep the device plugins from
         registering (containers are then admitted with limit = request, as without one)."""
         try:
-            return await asyncio.wait_for(kube.connect(self.config.api_server), CONNECT_TIMEOUT), ""
-        except kube.KubeConfigError as e:
+            return await asyncio.wait_for(connect(self.config.api_server), CONNECT_TIMEOUT), ""
+        except KubeConfigError as e:
             return None, str(e)
         except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
             return (
@@ -243,7 +249,7 @@ class Agent:
         self._tasks.append(asyncio.create_task(arbiter.swap.start(), name="swap-start"))
 
     def _start_watchdog(self, ledger: Ledger, pod_cache: PodCache | None) -> None:
-        """NVML's per-process memory against each container's limit (gpufrac.agent.watchdog).
+        """NVML's per-process memory against each container's limit (gpufrac.agent.watchdog.service).
         Containers are told apart as the arbiter tells its callers apart."""
         peers = (
             self.arbiter.peers if self.arbiter is not None else PeerLookup(ledger, namer_from_pods(pod_cache))
@@ -291,7 +297,7 @@ class Agent:
         return self.reaper
 
     async def _idle_loop(self, reaper: IdleReaper) -> None:
-        """Activity tracking and idle reaping, every idle.interval (gpufrac.agent.idle)."""
+        """Activity tracking and idle reaping, every idle.interval (gpufrac.agent.idle.reaper)."""
         if self.config.idle.enabled:
             log.info("%s", idle.describe(self.config))
         try:
@@ -399,7 +405,7 @@ class Agent:
     def _on_change(self) -> None:
         assert self.ledger is not None
         # Only bookings and health change the device lists; identity, limits and grants
-        # change configs, which the state file follows (gpufrac.agent.persist) but
+        # change configs, which the state file follows (gpufrac.agent.booking.persist) but
         # ListAndWatch need not resend.
         if self.ledger.capacity_generation != self._notified_generation:
             self._notified_generation = self.ledger.capacity_generation
@@ -421,7 +427,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         print(f"gpufrac agent: {e}", file=sys.stderr)
         return 2
     logs.setup(cfg)
-    # `gpufrac agent` (gpufrac.agent.cli) does not define the timing knobs: defaults then.
+    # `gpufrac agent` (gpufrac.agent.cli.commands) does not define the timing knobs: defaults then.
     interval: float | None = getattr(args, "reconcile_interval", None)
     grace: float | None = getattr(args, "release_grace", None)
     agent = Agent(

@@ -34,7 +34,7 @@ SWAPPABLE = PREFIX + "swappable"
 WORKLOAD_CLASS = PREFIX + "workload-class"
 IDLE_TIMEOUT = PREFIX + "idle-timeout"
 MAX_RUNTIME = PREFIX + "max-runtime"
-IDLE_EXEMPT = PREFIX + "idle-exempt"  # "true": never reaped for idleness or runtime (gpufrac.agent.idle)
+IDLE_EXEMPT = PREFIX + "idle-exempt"  # "true": never reaped for idleness or runtime (agent/idle/)
 WAIT_TIMEOUT = PREFIX + "wait-timeout"
 
 LIMIT_KEYS = (MEMORY_LIMIT, FRACTION_LIMIT)

@@ -122,7 +122,7 @@ class IdleConfig:
 
 @dataclass
 class ArbiterLimitsConfig:
-    """Per-container limits on the arbiter socket (gpufrac.agent.fairness,
+    """Per-container limits on the arbiter socket (gpufrac.agent.arbiter.fairness,
     docs/arbiter-protocol.md): one container cannot starve the others' bursts."""
 
     # Connections one container may hold open at once (requests not yet sent included).

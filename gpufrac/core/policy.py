@@ -13,7 +13,7 @@ A pod sets its own burst limit (gpufrac.dev/gpu-memory-limit), `preemptible` and
 
 A namespace entry names only what differs from `default`. A pod asking beyond its
 namespace's policy gets the capped value (a limit of ratio x request, preemptible,
-swappable), and one Warning Event naming the cap (gpufrac.agent.pods posts it).
+swappable), and one Warning Event naming the cap (gpufrac.agent.booking.pods posts it).
 
 gpufrac.core.config imports this module, and the annotations' ContainerPolicy needs the
 config: so `enforce` asks only for the fields it caps (CappedPolicy), and imports neither.

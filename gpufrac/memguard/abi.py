@@ -361,7 +361,7 @@ USAGE_SIZE = ctypes.sizeof(UsageStruct)
 # No GPU holds this much (256 TiB): a byte counter above it is garbage (a tenant's write, or a
 # u64 the shim would have to have underflowed), and is read as this much, never as 0, so that
 # garbage cannot hide usage. What a counter may count against others is decided by its reader
-# (the arbiter caps it at what it granted, gpufrac.agent.truth).
+# (the arbiter caps it at what it granted, gpufrac.agent.gpu.truth).
 USAGE_MAX_BYTES = 1 << 48
 USAGE_HEADER = _struct.Struct("=QIIQQ")  # magic, abi_version, file_size, total_used, grant_returned
 assert USAGE_HEADER.size == UsageStruct.slots.offset

@@ -32,7 +32,7 @@ BURST_REFUSED, BURST_INVALID, BURST_UNAVAILABLE = 2, 3, 4
 # the agent takes burst memory back; GRANTED means retry once.
 BURST_OP_RECLAIM = 4
 # The caller's container is over its arbiter limits (connections, requests in flight,
-# request rate: gpufrac.agent.fairness); sent without any work done for the request.
+# request rate: gpufrac.agent.arbiter.fairness); sent without any work done for the request.
 BURST_BUSY = 5
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gpufrac.agent.gpu_commands import cpu_list
-from gpufrac.agent.inventory import parse_bus_id
+from gpufrac.agent.cli.gpus import cpu_list
+from gpufrac.agent.gpu.inventory import parse_bus_id
 
 pytestmark = pytest.mark.gpu
 
@@ -26,8 +26,8 @@ GPUFRAC = Path(sys.executable).with_name("gpufrac")
 _DUMP = """
 import dataclasses, json
 from gpufrac.core.config import HealthConfig
-from gpufrac.agent.health import HealthMonitor
-from gpufrac.agent.inventory import read_inventory, read_memory
+from gpufrac.agent.gpu.health import HealthMonitor
+from gpufrac.agent.gpu.inventory import read_inventory, read_memory
 inv = read_inventory()
 with HealthMonitor(HealthConfig(), inv.gpus) as m:
     m.poll(100)

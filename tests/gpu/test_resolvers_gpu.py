@@ -37,8 +37,8 @@ from gpu_support import (  # noqa: F401
     record,
 )
 
-from gpufrac.agent import swap as swap_mod
-from gpufrac.agent.resolvers import REASON_EVICTED
+from gpufrac.agent.arbiter.resolvers import REASON_EVICTED
+from gpufrac.agent.arbiter.swap import resolver as swap_mod
 from gpufrac.core.slices import MEMORY
 from gpufrac.deviceplugin.server import container_response
 from gpufrac.memguard import abi, build
@@ -56,12 +56,12 @@ LEAVE = 64 * MiB  # left free by a burst "into everything"
 Node = Any  # arbiter_harness.ArbiterNode (imported lazily, through gpu_support.arbiter_harness)
 Box = Any
 
-# Whether the driver has the checkpoint API (gpufrac.agent.cuda_checkpoint's own detection
+# Whether the driver has the checkpoint API (gpufrac.agent.arbiter.swap.checkpoint's own detection
 # criteria), asked in a fresh process of the real driver.
 _CKPT_PROBE = """
 import json, os
 from cuda.bindings import driver
-from gpufrac.agent import cuda_checkpoint as ck
+from gpufrac.agent.arbiter.swap import checkpoint as ck
 driver.cuInit(0)
 err, version = driver.cuDriverGetVersion()
 version = int(version)

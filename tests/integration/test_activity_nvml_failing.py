@@ -1,6 +1,6 @@
 """A GPU whose NVML per-process utilisation call fails does not make busy containers idle.
 
-Where NVML gives per-process samples, the activity tracker (gpufrac.agent.activity) counts a
+Where NVML gives per-process samples, the activity tracker (gpufrac.agent.gpu.activity) counts a
 container's launch counters only when the driver sampled one of its processes in the same
 window. When nvmlDeviceGetProcessUtilization fails with an error other than NOT_FOUND (no
 samples) or NOT_SUPPORTED (never any), no samples are no evidence of idleness: the container's
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pynvml
 
-from gpufrac.agent.activity import ActivityTracker, NvmlUtilisation, Tracked
+from gpufrac.agent.gpu.activity import ActivityTracker, NvmlUtilisation, Tracked
 from gpufrac.memguard import abi
 from gpufrac.simgpu import faults
 from tests.fixtures.simnode import SimNode

@@ -1,6 +1,6 @@
 """A process that exits in the middle of an activity poll fails only its own part of it.
 
-The activity tracker (gpufrac.agent.activity) asks NVML which processes ran, then reads each
+The activity tracker (gpufrac.agent.gpu.activity) asks NVML which processes ran, then reads each
 one's /proc identity and cgroup to learn its container. A process may exit between the two
 reads; its cgroup file is then gone. That must leave the process out of the poll, never fail
 the whole poll: every other container on the node keeps its figures (an idle reaper or the
@@ -25,7 +25,7 @@ from uuid import uuid4
 
 import pynvml
 
-from gpufrac.agent.activity import ActivityTracker, NvmlUtilisation, Tracked
+from gpufrac.agent.gpu.activity import ActivityTracker, NvmlUtilisation, Tracked
 from gpufrac.simgpu.runtime import cgroup_relpath
 from tests.fixtures.memguard import Shim, holding_workload, until_hold
 from tests.fixtures.simnode import SimNode

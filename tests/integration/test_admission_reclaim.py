@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from gpufrac.agent.events import REASON_EVICTED, REASON_GUARANTEE_AT_RISK, REASON_SWAPPED_OUT
+from gpufrac.agent.kube.events import REASON_EVICTED, REASON_GUARANTEE_AT_RISK, REASON_SWAPPED_OUT
 from gpufrac.memguard import abi
 from gpufrac.simgpu.workload import WorkloadProcess
 from tests.fixtures.e2e import E2ENode, MiB, PodRun

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpufrac.agent import arbiter as arbiter_mod
-from gpufrac.agent.callers import Caller, CgroupIdentity, Credentials
+from gpufrac.agent.processes.callers import Caller, CgroupIdentity, Credentials
 from gpufrac.memguard import abi, wire
 from gpufrac.simgpu.nodestate import NodeState
 from tests.fixtures.arbiter_harness import NODE, ArbiterNode, GiB, MiB

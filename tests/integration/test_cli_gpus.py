@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from gpufrac.agent.inventory import parse_bus_id
+from gpufrac.agent.gpu.inventory import parse_bus_id
 from gpufrac.simgpu import faults
 from gpufrac.simgpu.spec import TOPO_LEVEL_NAMES, NodeSpec, load_preset
 

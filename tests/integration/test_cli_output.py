@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 import gpufrac
-from gpufrac.agent.gpu_commands import cpu_list
+from gpufrac.agent.cli.gpus import cpu_list
 from gpufrac.simgpu.kubelet import Container, Pod
 from gpufrac.simgpu.spec import load_preset
 from tests.fixtures.kube import pod_manifest

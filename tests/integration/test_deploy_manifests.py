@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 import gpufrac
-from gpufrac.agent.cli import build_parser
+from gpufrac.agent.cli.commands import build_parser
 from gpufrac.core import annotations, config, slices
 from gpufrac.core.native import REPO_ROOT
 from gpufrac.core.units import parse_bytes

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpufrac.agent.events import CONDITION_GPU_MEMORY_RECLAIMED
-from gpufrac.agent.kube import DISRUPTION_TARGET
-from gpufrac.agent.resolvers import REASON_EVICTED
+from gpufrac.agent.arbiter.resolvers import REASON_EVICTED
+from gpufrac.agent.kube.events import CONDITION_GPU_MEMORY_RECLAIMED
+from gpufrac.agent.kube.recorder import DISRUPTION_TARGET
 from tests.fixtures.arbiter_harness import ArbiterNode, GiB
 from tests.fixtures.kube import KubeServer
 
@@ -57,7 +57,7 @@ def test_an_evicted_pod_gets_the_disruption_target_condition(
 def test_a_new_pod_of_the_same_name_is_not_marked(kube_server: KubeServer) -> None:
     import asyncio
 
-    from gpufrac.agent.kube import EventRecorder, ObjectRef
+    from gpufrac.agent.kube.recorder import EventRecorder, ObjectRef
     from tests.fixtures.kube import pod_manifest
 
     v1 = kube_server.core_v1()

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import psutil
 
-from gpufrac.agent.resolvers import REASON_EVICTED, REASON_PREEMPTED
+from gpufrac.agent.arbiter.resolvers import REASON_EVICTED, REASON_PREEMPTED
 from gpufrac.memguard import abi
 from gpufrac.simgpu import runtime as runtime_mod
 from gpufrac.simgpu.workload import RESULT_BYTES, WorkloadProcess

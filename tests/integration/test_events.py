@@ -6,7 +6,9 @@ import asyncio
 import datetime
 import json
 
-from gpufrac.agent.kube import EventRecorder, ObjectRef, PodInfo, make_api_client
+from gpufrac.agent.kube.client import make_api_client
+from gpufrac.agent.kube.podcache import PodInfo
+from gpufrac.agent.kube.recorder import EventRecorder, ObjectRef
 from tests.fixtures.kube import KubeServer, pod_manifest
 
 NODE = "node-a"

@@ -13,11 +13,13 @@ from typing import Any
 
 import pytest
 
-from gpufrac.agent.inventory import read_inventory
-from gpufrac.agent.kube import EventRecorder, PodCache, make_api_client
-from gpufrac.agent.ledger import ContainerAlloc, Ledger
-from gpufrac.agent.metrics import Metrics
-from gpufrac.agent.pods import REASON_APPLIED, REASON_INVALID, PodIdentity
+from gpufrac.agent.booking.ledger import ContainerAlloc, Ledger
+from gpufrac.agent.booking.pods import REASON_APPLIED, REASON_INVALID, PodIdentity
+from gpufrac.agent.gpu.inventory import read_inventory
+from gpufrac.agent.kube.client import make_api_client
+from gpufrac.agent.kube.podcache import PodCache
+from gpufrac.agent.kube.recorder import EventRecorder
+from gpufrac.agent.metrics.registry import Metrics
 from gpufrac.core.config import Config, load
 from gpufrac.core.slices import MEMORY, ContainerDevices, device_id
 from gpufrac.memguard.abi import (

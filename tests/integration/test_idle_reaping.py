@@ -29,13 +29,16 @@ from typing import Any
 import kmock
 import pytest
 
-from gpufrac.agent.activity import ActivityTracker, NvmlUtilisation
-from gpufrac.agent.idle import IdleReaper
-from gpufrac.agent.inventory import read_inventory
-from gpufrac.agent.kube import EventRecorder, PodCache, PodEvictor, make_api_client
-from gpufrac.agent.ledger import ContainerAlloc, Ledger
-from gpufrac.agent.metrics import Metrics
-from gpufrac.agent.pods import PodIdentity
+from gpufrac.agent.booking.ledger import ContainerAlloc, Ledger
+from gpufrac.agent.booking.pods import PodIdentity
+from gpufrac.agent.gpu.activity import ActivityTracker, NvmlUtilisation
+from gpufrac.agent.gpu.inventory import read_inventory
+from gpufrac.agent.idle.reaper import IdleReaper
+from gpufrac.agent.kube.client import make_api_client
+from gpufrac.agent.kube.evict import PodEvictor
+from gpufrac.agent.kube.podcache import PodCache
+from gpufrac.agent.kube.recorder import EventRecorder
+from gpufrac.agent.metrics.registry import Metrics
 from gpufrac.core import annotations
 from gpufrac.core.config import Config, load
 from gpufrac.core.slices import MEMORY, ContainerDevices, device_id
@@ -231,7 +234,7 @@ class Scenario:
         """Put process `pid` in the cgroup of `alloc`'s pod's container, as the kubelet's
         runtime places a container's processes, and name that container's ID in the pod's
         status: the driver's samples of a process count for a container only when the
-        kernel places it there (gpufrac.agent.activity)."""
+        kernel places it there (gpufrac.agent.gpu.activity)."""
         c = self.containers.get(alloc.key)
         namespace, name, uid = self.pods[alloc.key]
         if c is None:
@@ -470,7 +473,7 @@ def test_dry_run_reports_and_changes_nothing(make_scenario: Any, caplog: pytest.
         assert w.alive()
         assert abi.read_usage(nb.directory).total_used == HELD  # its GPU memory untouched
 
-    with caplog.at_level("WARNING", logger="gpufrac.agent.idle"):
+    with caplog.at_level("WARNING", logger="gpufrac.agent.idle.reaper"):
         s.run(body)
     assert "dry run: would evict the pod" in s.events("nb", "IdleDryRun")[0]["message"]
     assert s.events("nb", "IdleWarning")[0]["message"].startswith("dry run: ")

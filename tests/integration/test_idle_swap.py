@@ -32,11 +32,11 @@ from test_swap import (  # noqa: F401 (pytest fixtures node_file, sim_state)
     sim_state,
 )
 
-from gpufrac.agent import swap as swap_mod
-from gpufrac.agent.activity import ActivityTracker
-from gpufrac.agent.idle import IdleReaper
-from gpufrac.agent.idle_actions import swap_via
-from gpufrac.agent.ledger import ContainerAlloc
+from gpufrac.agent.arbiter.swap import resolver as swap_mod
+from gpufrac.agent.booking.ledger import ContainerAlloc
+from gpufrac.agent.gpu.activity import ActivityTracker
+from gpufrac.agent.idle.actions import swap_via
+from gpufrac.agent.idle.reaper import IdleReaper
 from gpufrac.core import annotations
 from gpufrac.core.slices import FRACTION, FRACTION_SLICES, device_id
 from gpufrac.memguard import abi

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from gpufrac.agent.health import HealthChange, HealthMonitor
-from gpufrac.agent.inventory import read_inventory
+from gpufrac.agent.gpu.health import HealthChange, HealthMonitor
+from gpufrac.agent.gpu.inventory import read_inventory
 from gpufrac.core.config import HealthConfig
 from gpufrac.simgpu import faults
 

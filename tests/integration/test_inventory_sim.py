@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from gpufrac.agent.inventory import parse_bus_id, read_inventory, read_memory
+from gpufrac.agent.gpu.inventory import parse_bus_id, read_inventory, read_memory
 from gpufrac.core.gpus import Inventory, PcieLink
 from gpufrac.simgpu import faults
 from gpufrac.simgpu.spec import TOPO_LEVEL_NAMES, NodeSpec, load_preset, preset_names

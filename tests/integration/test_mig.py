@@ -127,9 +127,9 @@ def test_the_agent_leaves_mig_gpus_to_the_mig_plugin(
 
 
 def test_the_log_names_each_mig_gpu(in_process_nvml: SimNode, caplog: pytest.LogCaptureFixture) -> None:
-    from gpufrac.agent.inventory import read_inventory
+    from gpufrac.agent.gpu.inventory import read_inventory
 
-    with caplog.at_level(logging.INFO, logger="gpufrac.agent.inventory"):
+    with caplog.at_level(logging.INFO, logger="gpufrac.agent.gpu.inventory"):
         inv = read_inventory()
     assert [g.index for g in inv.mig] == MIG
     for i in MIG:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from gpufrac.agent import nodelabels
+from gpufrac.agent.gpu import nodelabels
 from gpufrac.core import config as config_mod
 from gpufrac.core.gpus import Gpu, Inventory
 from gpufrac.simgpu import faults
@@ -162,7 +162,7 @@ def test_mixed_models_and_no_gpus() -> None:
 def test_the_labeler_removes_its_stale_labels_and_nothing_else(kube_server: KubeServer) -> None:
     import asyncio
 
-    from gpufrac.agent.kube import NodeLabeler
+    from gpufrac.agent.kube.nodes import NodeLabeler
 
     kube_server.core_v1().create_node({"metadata": {"name": NODE, "labels": dict(BEFORE)}})
 

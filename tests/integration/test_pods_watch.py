@@ -9,7 +9,8 @@ import pytest
 import yaml
 from kubernetes import client, watch
 
-from gpufrac.agent.kube import KubeConfigError, PodCache, PodInfo, make_api_client
+from gpufrac.agent.kube.client import KubeConfigError, make_api_client
+from gpufrac.agent.kube.podcache import PodCache, PodInfo
 from tests.fixtures.kube import PODS, KubeServer, pod_manifest
 from tests.fixtures.polling import until_async
 

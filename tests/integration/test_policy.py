@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from gpufrac.agent.events import REASON_POLICY_CAPPED
+from gpufrac.agent.kube.events import REASON_POLICY_CAPPED
 from gpufrac.memguard import abi
 from gpufrac.simgpu.kubelet import Container, Pod
 from tests.fixtures.kube import KubeServer, pod_manifest

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from gpufrac.agent import kill as kill_mod
-from gpufrac.agent.resolvers import REASON_EVICTED, REASON_PREEMPTED
+from gpufrac.agent.arbiter.resolvers import REASON_EVICTED, REASON_PREEMPTED
+from gpufrac.agent.processes import kill as kill_mod
 from gpufrac.core.units import format_bytes
 from tests.fixtures.arbiter_harness import ArbiterNode, Box, GiB
 from tests.fixtures.kube import KubeServer

@@ -27,7 +27,10 @@ from tests.fixtures.metrics import CTX, GiB, InprocNode, finish, read_line
 
 def gpufrac(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gpufrac.agent.cli", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "gpufrac.agent.cli.commands", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

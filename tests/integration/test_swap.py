@@ -17,11 +17,11 @@ from typing import Any
 import pynvml
 import pytest
 
-from gpufrac.agent import swap as swap_mod
-from gpufrac.agent.cuda_checkpoint import Support
-from gpufrac.agent.events import REASON_FREED_BY_SWAP
-from gpufrac.agent.swap import SwapResolver
-from gpufrac.agent.swap_files import Swapped
+from gpufrac.agent.arbiter.swap import resolver as swap_mod
+from gpufrac.agent.arbiter.swap.checkpoint import Support
+from gpufrac.agent.arbiter.swap.files import Swapped
+from gpufrac.agent.arbiter.swap.resolver import SwapResolver
+from gpufrac.agent.kube.events import REASON_FREED_BY_SWAP
 from gpufrac.core import native
 from gpufrac.memguard import abi
 from gpufrac.simgpu.nodestate import NodeState

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_swap import RESULT, gpu_pids, node, node_file, sim_state, swap_victim_out  # noqa: F401
 
-from gpufrac.agent import swap_files
+from gpufrac.agent.arbiter.swap import files as swap_files
 from gpufrac.memguard import abi
 from tests.fixtures.arbiter_harness import ArbiterNode, GiB
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import pytest
 from test_swap import node, node_file, sim_state  # noqa: F401
 
-from gpufrac.agent import swap as swap_mod
-from gpufrac.agent.cuda_checkpoint import CheckpointError, ProcessState, Support
+from gpufrac.agent.arbiter.swap import resolver as swap_mod
+from gpufrac.agent.arbiter.swap.checkpoint import CheckpointError, ProcessState, Support
 from gpufrac.memguard import abi
 from tests.fixtures.arbiter_harness import ArbiterNode, Box, MiB
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from test_swap import RESULT, gpu_pids, idle, node, node_file, sim_state  # noqa: F401
 
-from gpufrac.agent import swap as swap_mod
-from gpufrac.agent.cuda_checkpoint import ProcessState, process_state
-from gpufrac.agent.swap_files import SlotId
+from gpufrac.agent.arbiter.swap import resolver as swap_mod
+from gpufrac.agent.arbiter.swap.checkpoint import ProcessState, process_state
+from gpufrac.agent.arbiter.swap.files import SlotId
 from gpufrac.memguard import abi
 from tests.fixtures.arbiter_harness import ArbiterNode, GiB
 from tests.fixtures.hostile_tenant import break_magic

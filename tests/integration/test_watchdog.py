@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from gpufrac.agent.events import REASON_LIMIT_ENFORCED, REASON_OVER_LIMIT
-from gpufrac.agent.watchdog import Watchdog
+from gpufrac.agent.kube.events import REASON_LIMIT_ENFORCED, REASON_OVER_LIMIT
+from gpufrac.agent.watchdog.service import Watchdog
 from gpufrac.core.config import WatchdogConfig
 from tests.fixtures.arbiter_harness import ArbiterNode, Box, GiB, MiB
 from tests.fixtures.kube import KubeServer
@@ -28,7 +28,7 @@ from tests.fixtures.polling import until
 HOG = textwrap.dedent(
     """
     import os, subprocess, sys
-    from gpufrac.agent.activity import proc_identity
+    from gpufrac.agent.gpu.activity import proc_identity
     from gpufrac.simgpu.nodestate import NodeState
     if len(sys.argv) > 2:
         pipe = subprocess.PIPE

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from gpufrac.agent.events import REASON_LIMIT_ENFORCED, REASON_OVER_LIMIT
+from gpufrac.agent.kube.events import REASON_LIMIT_ENFORCED, REASON_OVER_LIMIT
 from gpufrac.core import native
 from gpufrac.core.units import format_bytes
 from gpufrac.simgpu.runtime import Container

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from test_arbiter_flood import start_flood
 
-from gpufrac.agent.fairness import FD_RESERVE, fit_fd_limit
+from gpufrac.agent.arbiter.fairness import FD_RESERVE, fit_fd_limit
 from tests.fixtures.arbiter_harness import ArbiterNode, GiB
 
 

@@ -2,7 +2,7 @@
 
 Real processes in real cgroups on the real socket (tests/fixtures/arbiter_harness.py): the
 flooder is gpufrac.simgpu.flood in its own container, the neighbour the stand-in
-workload in another. Limits: gpufrac.agent.fairness, docs/arbiter-protocol.md. A flood
+workload in another. Limits: gpufrac.agent.arbiter.fairness, docs/arbiter-protocol.md. A flood
 runs on the flooder's own socket (gpufrac.agent.arbiter.listeners), as the device plugin
 mounts it, or with shared=True on the node-wide socket, as a container admitted by an
 older agent has it.
@@ -23,8 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpufrac.agent.fairness import Fairness
-from gpufrac.agent.metrics import Metrics
+from gpufrac.agent.arbiter.fairness import Fairness
+from gpufrac.agent.metrics.registry import Metrics
 from gpufrac.core import native
 from gpufrac.core.config import arbiter_socket_dir
 from gpufrac.deviceplugin.server import container_response
@@ -89,7 +89,7 @@ def node(make_node: Callable[..., ArbiterNode]) -> ArbiterNode:
 def test_a_neighbour_bursts_while_a_container_holds_1100_connections(
     node: ArbiterNode, mode: str, shared: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="gpufrac.agent.fairness")
+    caplog.set_level(logging.WARNING, logger="gpufrac.agent.arbiter.fairness")
     flood = node.add("flood", 2, "4Gi", start=False)
     b = node.add("b", 2, "6Gi")
     assert b.workload is not None
@@ -117,7 +117,7 @@ def test_a_neighbour_bursts_while_a_container_holds_1100_connections(
 def test_a_neighbour_bursts_while_a_container_sends_requests_back_to_back(
     make_node: Callable[..., ArbiterNode], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="gpufrac.agent.fairness")
+    caplog.set_level(logging.WARNING, logger="gpufrac.agent.arbiter.fairness")
     node = make_node(arbiterLimits={"requestsPerSecond": 20, "requestBurst": 20})
     flood = node.add("flood", 2, "4Gi", start=False)
     b = node.add("b", 2, "6Gi")

@@ -6,13 +6,13 @@ fail to connect (EAGAIN) or wait in connect(), and the agent's loop does no work
 until one of the connections it holds closes (here: after the read timeout, sent nothing).
 
 On the node-wide socket (containers an older agent admitted) a connection past its
-container's connection limit is held and answered BUSY later (gpufrac.agent.fairness). Were
+container's connection limit is held and answered BUSY later (gpufrac.agent.arbiter.fairness). Were
 each answered REFUSE_DELAY after it came, a container holding 1,100 connections and reopening
 each as it is answered would have the agent's loop accept, identify, answer and close about
 a thousand connections a second for nothing. The delay grows with how far past its limit the
 container is (Fairness.refuse_delay, up to MAX_STRETCH times), so it gets a fraction of its
 connections answered per REFUSE_DELAY; and its processes' container is read from /proc once
-per process, not once per connection (gpufrac.agent.knowncallers).
+per process, not once per connection (gpufrac.agent.processes.knowncallers).
 
 Real processes in real cgroups on the real socket (tests/fixtures/arbiter_harness.py).
 """
@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from test_arbiter_flood import start_flood
 
-from gpufrac.agent.fairness import MAX_STRETCH, REFUSE_DELAY
+from gpufrac.agent.arbiter.fairness import MAX_STRETCH, REFUSE_DELAY
 from tests.fixtures.arbiter_harness import ArbiterNode, Box, GiB, Workload
 
 

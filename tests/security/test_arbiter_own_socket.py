@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 from test_arbiter_flood import start_flood
 
-from gpufrac.agent.arbiter import Arbiter
+from gpufrac.agent.arbiter.fairness import OUTSIDE, Fairness
 from gpufrac.agent.arbiter.listeners import socket_path
 from gpufrac.agent.arbiter.server import listening_socket
-from gpufrac.agent.fairness import OUTSIDE, Fairness
-from gpufrac.agent.metrics import Metrics
+from gpufrac.agent.arbiter.service import Arbiter
+from gpufrac.agent.metrics.registry import Metrics
 from gpufrac.core.slices import MEMORY
 from gpufrac.deviceplugin.server import container_response
 from gpufrac.memguard import abi

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from gpufrac.agent.arbiter.service import RECLAIM_SPACING
-from gpufrac.agent.gpu_processes import Observed
+from gpufrac.agent.gpu.processes import Observed
 from tests.fixtures.arbiter_harness import ArbiterNode, Box, MiB, go
 
 Make = Callable[..., ArbiterNode]

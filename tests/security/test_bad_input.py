@@ -235,7 +235,7 @@ def test_an_annotation_of_1e400_gives_one_event_naming_the_key_and_keeps_limit_r
 
 @pytest.mark.parametrize(
     "value",
-    ["5Gi\n2026-01-01T00:00:00Z WARNING gpufrac.agent.watchdog: forged", "9" * 256 * 1024 + "Gi"],
+    ["5Gi\n2026-01-01T00:00:00Z WARNING gpufrac.agent.watchdog.service: forged", "9" * 256 * 1024 + "Gi"],
     ids=["newline", "256KiB"],
 )
 def test_a_refusal_names_a_value_in_one_line_of_readable_length(value: str) -> None:

@@ -2,14 +2,14 @@
 
 With a writable cgroupfs a container can nest cgroups below its own until a process's path
 passes PATH_MAX (4 KiB). Some kernels then cut the path short, and a cut path still names the
-container (its first levels are the ones the runtime made: gpufrac.agent.callers
+container (its first levels are the ones the runtime made: gpufrac.agent.processes.callers
 .parse_cgroup_path). Others refuse /proc/<pid>/cgroup (ENAMETOOLONG): only someone nesting
 cgroups on purpose gets there, and a search of cgroupfs for such a process is the tenant's to
 make expensive or fail (decoy cgroups, the search's budget, fresh pids), so there is none. A
 process whose cgroup file is refused is no container's: the arbiter refuses it as a caller,
 and as a GPU process it is hidden, killed by the watchdog in enforce mode (only while its
-cgroup file is still refused), reported in report mode (gpufrac.agent.callers.cgroup_of,
-gpufrac.agent.gpu_processes.observe, gpufrac.agent.watchdog, gpufrac.agent.kill
+cgroup file is still refused), reported in report mode (gpufrac.agent.processes.callers.cgroup_of,
+gpufrac.agent.gpu.processes.observe, gpufrac.agent.watchdog.service, gpufrac.agent.processes.kill
 .kill_if_hidden). What it holds is nobody's, and nobody is evicted or swapped to cover it: a
 request that needs that memory waits for the kill (gpufrac.agent.arbiter.Arbiter.coverable).
 
@@ -33,12 +33,12 @@ from pathlib import Path
 
 import pytest
 
-from gpufrac.agent import truth
-from gpufrac.agent.callers import start_time
-from gpufrac.agent.events import REASON_EVICTED, REASON_LIMIT_ENFORCED
-from gpufrac.agent.gpu_processes import observe
-from gpufrac.agent.kill import kill_if_hidden, kill_if_same
-from gpufrac.agent.watchdog import Watchdog
+from gpufrac.agent.gpu import truth
+from gpufrac.agent.gpu.processes import observe
+from gpufrac.agent.kube.events import REASON_EVICTED, REASON_LIMIT_ENFORCED
+from gpufrac.agent.processes.callers import start_time
+from gpufrac.agent.processes.kill import kill_if_hidden, kill_if_same
+from gpufrac.agent.watchdog.service import Watchdog
 from gpufrac.core import native
 from gpufrac.core.config import WatchdogConfig
 from gpufrac.simgpu.runtime import _ENTER, Container
@@ -176,7 +176,7 @@ def hidden_count(node: ArbiterNode, action: str) -> float:
 def test_a_gpu_process_whose_cgroup_file_is_refused_is_killed_or_reported(
     make_node: Callable[..., ArbiterNode], tmp_path: Path, mode: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="gpufrac.agent.watchdog")
+    caplog.set_level(logging.WARNING, logger="gpufrac.agent.watchdog.service")
     node = make_node()
     a = node.add("a", 1, "1Gi", start=False)
     hog = node.start_cuda(a, shim=False)

@@ -4,7 +4,7 @@ A container can zero its usage counter, allocate from a process that does not lo
 or write any value into its usage file. Whenever the agent takes something from someone
 else (an eviction, a reclaimed guarantee, a burst denied because the GPU is full), it counts
 the larger of the file (clamped to what it granted) and NVML's per-process memory summed
-over the container's processes (gpufrac.agent.truth; Arbiter._used, Arbiter.driver_used).
+over the container's processes (gpufrac.agent.gpu.truth; Arbiter._used, Arbiter.driver_used).
 A file that disagrees with NVML is flagged (GpuUsageFileMismatch Event, metric).
 
 One 1 GiB GPU (992 MiB usable, 960 MiB allocatable, 64 MiB units, grant margin 16 MiB);
@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import pytest
 
-from gpufrac.agent.events import REASON_EVICTED, REASON_LIMIT_ENFORCED, REASON_USAGE_MISMATCH
-from gpufrac.agent.gpu_processes import start_time
+from gpufrac.agent.gpu.processes import start_time
+from gpufrac.agent.kube.events import REASON_EVICTED, REASON_LIMIT_ENFORCED, REASON_USAGE_MISMATCH
 from tests.fixtures.e2e import E2ENode, MiB, PodRun
 from tests.fixtures.hostile_tenant import agent_alive, agent_config, exec_in, write_total, zero_usage
 from tests.fixtures.polling import until
@@ -110,8 +110,8 @@ def test_start_time_orders_processes() -> None:
 
 
 def test_the_mismatch_flag_is_raised_once_per_lasting_episode() -> None:
-    from gpufrac.agent.ledger import ContainerAlloc
-    from gpufrac.agent.truth import DISAGREE_AFTER, MismatchTracker
+    from gpufrac.agent.booking.ledger import ContainerAlloc
+    from gpufrac.agent.gpu.truth import DISAGREE_AFTER, MismatchTracker
     from gpufrac.memguard.abi import ContainerConfig
 
     cfg = ContainerConfig(gpu_uuid="GPU-0", request_bytes=512 * MiB, limit_bytes=1024 * MiB, grant_bytes=0)

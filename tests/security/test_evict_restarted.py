@@ -2,7 +2,7 @@
 
 A container's processes are found for a kill from the pod's status as it is at the kill: its
 pod UID and the container IDs the status gives the container's name, and the processes the
-driver counted for it (gpufrac.agent.callers.PeerLookup.pids_of, gpufrac.agent.kill
+driver counted for it (gpufrac.agent.processes.callers.PeerLookup.pids_of, gpufrac.agent.processes.kill
 .kill_container). A restarted container has a new container ID under the same allocation key;
 had the agent kept the ID it saw when the container last asked the arbiter for something, the
 kill would look for processes of the old container, kill nobody, and the neighbour whose
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpufrac.agent.events import REASON_EVICTED, REASON_USAGE_MISMATCH
+from gpufrac.agent.kube.events import REASON_EVICTED, REASON_USAGE_MISMATCH
 from tests.fixtures.e2e import E2ENode, MiB
 from tests.fixtures.hostile_tenant import agent_alive, agent_config
 from tests.fixtures.pod_containers import restart

@@ -1,11 +1,11 @@
 """A victim whose GPU process is slow to exit is still announced, and the next victim still goes.
 
-An eviction signals every process of its victim, then waits (gpufrac.agent.kill.KILL_WAIT) for
+An eviction signals every process of its victim, then waits (gpufrac.agent.processes.kill.KILL_WAIT) for
 the ones the driver counts for it. One that has not exited by then (or that the agent, out of
 files, cannot tell about) leaves the victim's memory not free yet: KillFailed. Its processes
 were killed all the same, so the eviction is announced as any other (Evicted Event,
 DisruptionTarget condition, its burst revoked) and the next victim chosen is evicted; the
-requester gets its memory from those, or waits for the slow one (gpufrac.agent.resolvers
+requester gets its memory from those, or waits for the slow one (gpufrac.agent.arbiter.resolvers
 .EvictResolver). Before, the first such victim ended the eviction unannounced, and the
 others were never tried: the neighbour whose guarantee they held was refused.
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpufrac.agent.events import REASON_EVICTED
-from gpufrac.agent.kube import DISRUPTION_TARGET
+from gpufrac.agent.kube.events import REASON_EVICTED
+from gpufrac.agent.kube.recorder import DISRUPTION_TARGET
 from tests.fixtures.e2e import E2ENode, MiB, PodRun
 from tests.fixtures.hold_at_exit import held_at_exit
 from tests.fixtures.hostile_tenant import agent_alive, agent_config, exec_in

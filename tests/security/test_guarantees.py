@@ -5,8 +5,8 @@ neighbour's guarantee: a burst is borrowed memory. When a container's request is
 physically free (a newcomer admitted while bursts hold unrequested memory, or an owner
 taking back its lent guarantee) the agent reclaims it with an evict step that takes
 non-preemptible bursts too, after preemptible ones, and even where the node's `resolvers`
-leave evict out (gpufrac.agent.resolvers.EvictResolver.victims, guarantee_chain;
-gpufrac.agent.admission.reclaim_guarantee).
+leave evict out (gpufrac.agent.arbiter.resolvers.EvictResolver.victims, guarantee_chain;
+gpufrac.agent.arbiter.admission.reclaim_guarantee).
 
 One 1 GiB GPU (960 MiB allocatable, 64 MiB units, grant margin 16 MiB); the real agent,
 real shim, real workload processes (tests/fixtures/e2e.py). Node resolvers: wait only.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpufrac.agent.events import REASON_EVICTED, REASON_GUARANTEE_AT_RISK
+from gpufrac.agent.kube.events import REASON_EVICTED, REASON_GUARANTEE_AT_RISK
 from tests.fixtures.e2e import E2ENode, MiB, PodRun
 from tests.fixtures.hostile_tenant import agent_alive, agent_config
 from tests.fixtures.polling import until

@@ -3,7 +3,7 @@
 With a writable cgroupfs (privileged, or delegated cgroup v2) a container can make cgroups
 below its own, named as it likes: "pod<another pod's UID>/<its container ID>". The kubelet's
 runtime makes only the outermost pod level and the container level right below it, so the
-outermost pod component of the path names the caller (gpufrac.agent.callers.parse_cgroup_path),
+outermost pod component of the path names the caller (gpufrac.agent.processes.callers.parse_cgroup_path),
 for the arbiter and the watchdog alike.
 
 One 1 GiB GPU (64 MiB units); the real agent, real shim, real workload processes in real
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from gpufrac.agent.callers import parse_cgroup_path
-from gpufrac.agent.events import REASON_LIMIT_ENFORCED
+from gpufrac.agent.kube.events import REASON_LIMIT_ENFORCED
+from gpufrac.agent.processes.callers import parse_cgroup_path
 from gpufrac.simgpu.runtime import cgroup_relpath
 from gpufrac.simgpu.workload import WorkloadProcess
 from tests.fixtures.e2e import E2ENode, MiB, PodRun

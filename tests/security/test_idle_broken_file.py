@@ -1,6 +1,6 @@
 """Breaking its usage file from the start does not exempt a container from idle reaping.
 
-The activity tracker reads each container's usage file (gpufrac.agent.activity). A container
+The activity tracker reads each container's usage file (gpufrac.agent.gpu.activity). A container
 whose entrypoint overwrites the file's magic before the tracker's first read, and then holds
 GPU memory from a process without the shim, must still be judged idle on the driver's word:
 warned after its idle-timeout and acted on after the grace period, like any idle pod. A busy

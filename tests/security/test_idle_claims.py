@@ -1,7 +1,7 @@
 """A usage-file slot claiming a process outside the container earns it no GPU activity.
 
 The activity tracker credits a container with the driver's samples of the processes its
-usage slots name (gpufrac.agent.activity), and lets the file's own launches count once the
+usage slots name (gpufrac.agent.gpu.activity), and lets the file's own launches count once the
 driver has sampled one of them. The usage file is the tenant's to write: a slot naming a
 busy GPU process that is not the container's (here a host process in no kubelet pod) must
 not make an idle container look busy. The kernel decides: the process's cgroup must name
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufrac.agent.activity import proc_identity
+from gpufrac.agent.gpu.activity import proc_identity
 from gpufrac.simgpu.workload import WorkloadProcess
 from tests.fixtures.e2e import E2ENode, MiB
 from tests.fixtures.hostile_tenant import IDLE_FAST, Repeating, agent_alive, agent_config, stamp_slots

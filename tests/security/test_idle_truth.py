@@ -5,7 +5,7 @@ kernel launch, but the container can write those bytes too. Stamping its own slo
 stamp on every poll, or one far in the future) must not keep an idle container from being
 reaped, and a busy neighbour whose only sign of work is the driver's (one long kernel: its
 stamp ages) must not look idle to the arbiter when it picks victims. The agent takes both
-from its activity tracker (gpufrac.agent.activity: NVML's per-process samples, the file's
+from its activity tracker (gpufrac.agent.gpu.activity: NVML's per-process samples, the file's
 launches only when the driver sampled the container in the same window).
 
 One 1 GiB GPU (992 MiB usable, 960 MiB allocatable, 64 MiB units); the real agent, real shim,
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufrac.agent.events import REASON_EVICTED
+from gpufrac.agent.kube.events import REASON_EVICTED
 from tests.fixtures.e2e import E2ENode, MiB
 from tests.fixtures.hostile_tenant import IDLE_FAST, Repeating, agent_alive, agent_config, stamp_slots
 from tests.fixtures.polling import until

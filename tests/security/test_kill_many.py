@@ -1,6 +1,6 @@
 """A victim with more processes than the agent has file descriptors is still evicted.
 
-Every kill goes through a pidfd (gpufrac.agent.kill). Holding one per victim process until
+Every kill goes through a pidfd (gpufrac.agent.processes.kill). Holding one per victim process until
 all had exited, a container of a few hundred processes ran the agent out of descriptors, the
 processes past that point were taken for "already gone" and never signalled, and the last one
 started (the one holding GPU memory, as a tenant would arrange it) lived on while the eviction
@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gpufrac.agent.events import REASON_EVICTED
+from gpufrac.agent.kube.events import REASON_EVICTED
 from gpufrac.simgpu.runtime import _ENTER
 from tests.fixtures.e2e import E2ENode, MiB, PodRun
 from tests.fixtures.hostile_tenant import agent_alive, agent_config, exec_in

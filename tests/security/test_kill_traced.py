@@ -5,7 +5,7 @@ its memory for as long as its tracer lets it (tests/fixtures/hold_at_exit.py). T
 another process of the same container, which the watchdog does not judge (it holds no GPU
 memory): were it left alive, the container would stay over its limit, and its neighbour's
 allocation inside its guarantee would fail, for as long as it liked. The killer kills the
-tenant's tracers of the processes it kills, and theirs in turn (gpufrac.agent.kill): whether
+tenant's tracers of the processes it kills, and theirs in turn (gpufrac.agent.processes.kill): whether
 the tracer attached from its main thread or another, and however long the chain of tracers.
 A tracer outside every pod (the operator's debugger) is spared.
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gpufrac.agent.events import REASON_LIMIT_ENFORCED
+from gpufrac.agent.kube.events import REASON_LIMIT_ENFORCED
 from tests.fixtures.e2e import E2ENode, MiB
 from tests.fixtures.hold_at_exit import held_at_exit
 from tests.fixtures.hostile_tenant import agent_alive, agent_config, exec_in

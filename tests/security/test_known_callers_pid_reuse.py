@@ -1,7 +1,7 @@
 """A connection whose connector died is not charged to the live process now holding its pid.
 
-The arbiter's fairness account (gpufrac.agent.fairness) charges each new connection to its
-caller's container, and gpufrac.agent.knowncallers keeps the container found for a process
+The arbiter's fairness account (gpufrac.agent.arbiter.fairness) charges each new connection to its
+caller's container, and gpufrac.agent.processes.knowncallers keeps the container found for a process
 (with a pidfd of it) so a flood's connections need not each read /proc. A tenant can connect
 from a short-lived process and leave its connection in the backlog until a neighbour's
 process is given the same pid and has connected itself (so is in the cache): the tenant's
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from gpufrac.agent.callers import PeerError
-from gpufrac.agent.knowncallers import KnownCallers
+from gpufrac.agent.processes.callers import PeerError
+from gpufrac.agent.processes.knowncallers import KnownCallers
 from gpufrac.simgpu.runtime import ContainerRuntime
 from tests.fixtures.hostile_tenant import spawn_with_pid
 

@@ -1,7 +1,7 @@
 """A pid reused between NVML's listing and the /proc read is not charged to its new holder.
 
 The watchdog and the arbiter count each container's GPU memory from NVML's per-process list,
-attributed by each process's cgroup (gpufrac.agent.gpu_processes.observe). NVML names
+attributed by each process's cgroup (gpufrac.agent.gpu.processes.observe). NVML names
 processes by pid; a tenant's GPU process that exits right after NVML listed it, its pid
 handed to a neighbour's new process before the agent reads /proc/<pid>/cgroup, must not have
 its memory charged to the neighbour (which the watchdog could then kill, or the arbiter
@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from gpufrac.agent import callers, gpu_processes
-from gpufrac.agent.callers import CgroupIdentity
+from gpufrac.agent.gpu import processes as gpu_processes
+from gpufrac.agent.processes import callers
+from gpufrac.agent.processes.callers import CgroupIdentity
 from gpufrac.simgpu.runtime import ContainerRuntime
 from tests.fixtures.hostile_tenant import spawn_with_pid
 from tests.fixtures.memguard import Shim, holding_workload

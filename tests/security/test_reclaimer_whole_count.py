@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpufrac.agent.events import REASON_EVICTED
+from gpufrac.agent.kube.events import REASON_EVICTED
 from tests.fixtures.e2e import E2ENode, MiB
 from tests.fixtures.hostile_tenant import agent_alive, agent_config, zero_usage
 from tests.fixtures.polling import until

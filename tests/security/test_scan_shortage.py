@@ -1,10 +1,10 @@
 """A /proc scan the agent could not finish for want of files never passes for a complete one.
 
 A container's processes are found by a scan of /proc, one cgroup file per process
-(gpufrac.agent.callers.scan_pids), for a kill, a swap-out and a swap takeover. A process whose
+(gpufrac.agent.processes.callers.scan_pids), for a kill, a swap-out and a swap takeover. A process whose
 cgroup file the agent could not open (out of files, out of memory) is not "not the
 container's": leaving it out would let a kill count a victim done with a process of it left
-(gpufrac.agent.kill: never "already gone" for a shortage) and a swap miss one. So the scan
+(gpufrac.agent.processes.kill: never "already gone" for a shortage) and a swap miss one. So the scan
 raises AgentOutOfResources, and its callers say they cannot tell (kill: KillFailed; swap: not
 swapped; takeover: looked at again later).
 
@@ -19,7 +19,7 @@ import uuid
 
 import pytest
 
-from gpufrac.agent.callers import AgentOutOfResources, CgroupIdentity, scan_pids
+from gpufrac.agent.processes.callers import AgentOutOfResources, CgroupIdentity, scan_pids
 from gpufrac.simgpu.runtime import ContainerRuntime
 from tests.fixtures.descriptors import no_free_descriptor
 

@@ -3,7 +3,7 @@
 A container's `swapped` flags live in its own usage file. Flagged, a SWAP_IN from a container
 this agent did not swap out makes the agent look for the container's processes (a previous
 agent may have swapped them out): a scan of every process on the node by cgroup, and a driver
-call for each of the container's (gpufrac.agent.swap_takeover). Each SWAP_IN used to take a
+call for each of the container's (gpufrac.agent.arbiter.swap.takeover). Each SWAP_IN used to take a
 scan of its own, and the arbiter lets a container send 200 requests a second: one tenant kept
 a worker thread scanning /proc, on any node whose driver has the checkpoint API, swap in its
 resolvers or not. Now one container's scans begin at least RESCAN_SPACING apart and the
@@ -25,10 +25,10 @@ from collections.abc import Callable
 
 import pytest
 
-from gpufrac.agent import swap_takeover
-from gpufrac.agent.callers import PeerLookup
-from gpufrac.agent.ledger import ContainerAlloc
-from gpufrac.agent.swap_takeover import RESCAN_SPACING
+from gpufrac.agent.arbiter.swap import takeover as swap_takeover
+from gpufrac.agent.arbiter.swap.takeover import RESCAN_SPACING
+from gpufrac.agent.booking.ledger import ContainerAlloc
+from gpufrac.agent.processes.callers import PeerLookup
 from gpufrac.core import native
 from gpufrac.memguard import abi
 from tests.fixtures.arbiter_harness import ArbiterNode, GiB, go
@@ -42,7 +42,7 @@ TIMEOUT = 120.0
 # prints how many requests were answered, by status.
 FLOOD = r"""
 import json, os, sys, threading, time
-from gpufrac.agent.activity import proc_identity
+from gpufrac.agent.gpu.activity import proc_identity
 from gpufrac.memguard import abi, wire
 d = os.environ["GPUFRAC_CONTAINER_DIR"]
 path = wire.socket_path(d)

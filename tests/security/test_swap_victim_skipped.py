@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gpufrac.agent.events import REASON_EVICTED, REASON_SWAPPED_OUT
+from gpufrac.agent.kube.events import REASON_EVICTED, REASON_SWAPPED_OUT
 from tests.fixtures.e2e import TIMEOUT, E2ENode, MiB
 from tests.fixtures.hostile_tenant import agent_alive, agent_config, break_magic, exec_in
 from tests.fixtures.polling import until

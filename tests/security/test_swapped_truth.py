@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpufrac.agent.events import REASON_EVICTED, REASON_SWAPPED_OUT
+from gpufrac.agent.kube.events import REASON_EVICTED, REASON_SWAPPED_OUT
 from tests.fixtures.e2e import TIMEOUT, E2ENode, MiB
 from tests.fixtures.hostile_tenant import agent_alive, agent_config, exec_in
 from tests.fixtures.polling import until

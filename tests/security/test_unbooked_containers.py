@@ -1,7 +1,7 @@
 """A container is judged by what it holds on each GPU, however many allocations it has.
 
 The watchdog and the driver's count resolve a process to its pod and container, then to the
-allocations that container holds on that GPU (gpufrac.agent.callers.PeerLookup.owner): a
+allocations that container holds on that GPU (gpufrac.agent.processes.callers.PeerLookup.owner): a
 container that asked for both resources holds two (its limit there is theirs summed, its
 memory split between them), and another container of a gpufrac pod that asked for none (a
 sidecar that sees the GPUs) holds none: its limit there is 0, and its memory is its own.
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from gpufrac.agent.events import REASON_EVICTED, REASON_LIMIT_ENFORCED
+from gpufrac.agent.kube.events import REASON_EVICTED, REASON_LIMIT_ENFORCED
 from gpufrac.core import annotations as ann
 from gpufrac.core.slices import FRACTION, MEMORY
 from gpufrac.memguard import abi

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 
-from gpufrac.agent.admission import reclaim_guarantee
+from gpufrac.agent.arbiter.admission import reclaim_guarantee
 from gpufrac.agent.arbiter.readings import MemoryReading
 from gpufrac.simgpu.workload import WorkloadProcess
 from tests.fixtures.arbiter_harness import ArbiterNode, Box, GiB

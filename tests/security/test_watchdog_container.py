@@ -2,7 +2,7 @@
 
 NVML counts each CUDA context, which the shim does not, so the watchdog allows some memory
 above the limit. Were that allowance granted per process, a container could buy headroom by
-starting idle CUDA processes. It is one per container (gpufrac.agent.watchdog.plan), and in
+starting idle CUDA processes. It is one per container (gpufrac.agent.watchdog.service.plan), and in
 enforce mode (the default) the container's newest processes are killed until the rest fits,
 in the scan that finds it.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpufrac.agent.events import REASON_LIMIT_ENFORCED
+from gpufrac.agent.kube.events import REASON_LIMIT_ENFORCED
 from gpufrac.core.units import format_bytes
 from tests.fixtures.e2e import E2ENode, MiB
 from tests.fixtures.hostile_tenant import agent_alive, agent_config, exec_in

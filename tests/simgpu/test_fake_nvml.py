@@ -357,7 +357,7 @@ def test_xid_events_after_registration(sim: Sim) -> None:
         cmd = [
             sys.executable,
             "-m",
-            "gpufrac.agent.cli",
+            "gpufrac.agent.cli.commands",
             "sim",
             "xid",
             "--state",

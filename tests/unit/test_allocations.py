@@ -13,9 +13,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gpufrac.agent.container_dirs import retire_container_dir, write_container_dir
-from gpufrac.agent.ledger import Ledger
-from gpufrac.agent.ledger_store import StateStore, encode, restore
+from gpufrac.agent.booking.container_dirs import retire_container_dir, write_container_dir
+from gpufrac.agent.booking.ledger import Ledger
+from gpufrac.agent.booking.ledger_store import StateStore, encode, restore
 from gpufrac.core import slices
 from gpufrac.core.config import Config, GiB, PathsConfig
 from gpufrac.core.errors import AllocationError
@@ -279,7 +279,7 @@ def test_device_sections_are_the_device_list_and_follow_only_touched_gpus(ledger
 
 
 def test_container_dirs_spares_discard_and_sweep(tmp_path: Path) -> None:
-    from gpufrac.agent.container_dirs import ContainerDirs
+    from gpufrac.agent.booking.container_dirs import ContainerDirs
 
     state = tmp_path / "state"
     containers = state / "containers"
@@ -331,7 +331,7 @@ def test_container_dirs_spares_discard_and_sweep(tmp_path: Path) -> None:
 
 
 def test_the_slices_a_release_frees_are_preferred_last(ledger: Ledger) -> None:
-    from gpufrac.agent.placement import preferred
+    from gpufrac.agent.booking.placement import preferred
 
     def prefer(size: int) -> list[str]:
         free = [d for d, ok, _ in ledger.devices(MEMORY) if ok and ledger.owner(d) is None]
@@ -364,9 +364,9 @@ def test_a_rebooked_key_is_read_from_its_own_files_only(ledger: Ledger, tmp_path
     """Released and booked again under the same key: until the new directory is written, the
     old one may still be on disk (its deletion queued); the arbiter must not read it as the
     newcomer's usage, nor keep it mapped after."""
-    from gpufrac.agent.arbiter import Arbiter
-    from gpufrac.agent.callers import PeerLookup
-    from gpufrac.agent.metrics import Metrics
+    from gpufrac.agent.arbiter.service import Arbiter
+    from gpufrac.agent.metrics.registry import Metrics
+    from gpufrac.agent.processes.callers import PeerLookup
 
     arb = Arbiter(
         ledger.config,
@@ -392,7 +392,7 @@ def test_a_rebooked_key_is_read_from_its_own_files_only(ledger: Ledger, tmp_path
 def test_a_release_that_cannot_be_cleaned_up_does_not_stop_the_others(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from gpufrac.agent.container_dirs import ContainerDirs
+    from gpufrac.agent.booking.container_dirs import ContainerDirs
 
     state = tmp_path / "state"
     containers = state / "containers"

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpufrac.agent.callers import PeerError, parse_cgroup, parse_cgroup_path
+from gpufrac.agent.processes.callers import PeerError, parse_cgroup, parse_cgroup_path
 from gpufrac.simgpu.runtime import QOS_CLASSES, cgroup_relpath
 
 UID = "0f1e2d3c-4b5a-6978-8877-665544332211"

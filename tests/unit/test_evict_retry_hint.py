@@ -1,7 +1,7 @@
 """The apiserver's retry hint on a refused eviction is used only within sense.
 
 `retryAfterSeconds` (or a Retry-After header) puts the idle reaper's next try off
-(gpufrac.agent.idle_actions). A hint that is no number, negative, NaN, infinite or an
+(gpufrac.agent.idle.actions). A hint that is no number, negative, NaN, infinite or an
 integer too long for a float must neither raise (a traceback every reaper pass) nor put the
 eviction off for ever.
 """

@@ -18,13 +18,15 @@ from typing import Any
 
 import pytest
 
-from gpufrac.agent import activity
-from gpufrac.agent.activity import ActivityTracker, proc_identity
-from gpufrac.agent.idle import IdleReaper
-from gpufrac.agent.idle_view import action_reason
-from gpufrac.agent.kube import EvictOutcome, EvictResult, ObjectRef, PodInfo
-from gpufrac.agent.ledger import ContainerAlloc, Ledger
-from gpufrac.agent.metrics import Metrics
+from gpufrac.agent.booking.ledger import ContainerAlloc, Ledger
+from gpufrac.agent.gpu import activity
+from gpufrac.agent.gpu.activity import ActivityTracker, proc_identity
+from gpufrac.agent.idle.reaper import IdleReaper
+from gpufrac.agent.idle.view import action_reason
+from gpufrac.agent.kube.evict import EvictOutcome, EvictResult
+from gpufrac.agent.kube.podcache import PodInfo
+from gpufrac.agent.kube.recorder import ObjectRef
+from gpufrac.agent.metrics.registry import Metrics
 from gpufrac.core import annotations
 from gpufrac.core.annotations import ContainerPolicy
 from gpufrac.core.config import Config, ConfigError, GiB, load
@@ -78,7 +80,7 @@ class Pods:
 
 
 class Identity:
-    """The two lookups the reaper makes of gpufrac.agent.pods.PodIdentity."""
+    """The two lookups the reaper makes of gpufrac.agent.booking.pods.PodIdentity."""
 
     def __init__(self) -> None:
         self.pods = Pods()
@@ -457,7 +459,7 @@ def test_dry_run_reports_and_changes_nothing(make_node: Any, caplog: pytest.LogC
     ev = Evictor()
     n = make_node(ev, dryRun=True)
     n.pod("nb", {annotations.WORKLOAD_CLASS: "interactive"})
-    with caplog.at_level("WARNING", logger="gpufrac.agent.idle"):
+    with caplog.at_level("WARNING", logger="gpufrac.agent.idle.reaper"):
         n.run(30)
     assert ev.calls == []
     assert n.ident.events.reasons("nb") == ["IdleWarning", "IdleDryRun"]

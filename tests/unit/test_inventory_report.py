@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpufrac.agent import inventory
-from gpufrac.agent.gpu_commands import (
+from gpufrac.agent.cli.gpus import (
     cpu_list,
     cuda_version,
     format_gpus,
@@ -20,6 +19,7 @@ from gpufrac.agent.gpu_commands import (
     link_label,
     topo_to_dict,
 )
+from gpufrac.agent.gpu import inventory
 from gpufrac.core.gpus import Gpu, GpuHealth, Inventory, Link, PcieLink
 
 GiB = 1 << 30

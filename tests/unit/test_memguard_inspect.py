@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufrac.agent.cli import main
+from gpufrac.agent.cli.commands import main
 from gpufrac.memguard import abi
 from gpufrac.memguard.inspector import inspect_dir
 

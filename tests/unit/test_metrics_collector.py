@@ -18,9 +18,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import gpufrac
-from gpufrac.agent import events
-from gpufrac.agent.metrics import Metrics, Probes, annotation_label
-from gpufrac.agent.status.cli import format_status
+from gpufrac.agent.cli.status import format_status
+from gpufrac.agent.kube import events
+from gpufrac.agent.metrics.endpoint import Probes
+from gpufrac.agent.metrics.names import annotation_label
+from gpufrac.agent.metrics.registry import Metrics
 from gpufrac.agent.status.model import ContainerStatus, GpuStatus, NodeStatus
 from gpufrac.core import logs
 from gpufrac.core.slices import FRACTION, MEMORY

@@ -2,7 +2,7 @@
 
 Any other failure to get it (the agent out of files) refuses the request: answering on the
 bare pid then would let a process given a connector's pid after it exited pass for it
-(gpufrac.agent.callers.peer_pidfd, used by PeerLookup and KnownCallers). Real sockets, a real
+(gpufrac.agent.processes.callers.peer_pidfd, used by PeerLookup and KnownCallers). Real sockets, a real
 file limit.
 """
 
@@ -13,8 +13,8 @@ import socket
 
 import pytest
 
-from gpufrac.agent.callers import AgentOutOfResources, peer_pidfd
-from gpufrac.agent.knowncallers import KnownCallers
+from gpufrac.agent.processes.callers import AgentOutOfResources, peer_pidfd
+from gpufrac.agent.processes.knowncallers import KnownCallers
 from tests.fixtures.descriptors import no_free_descriptor
 
 

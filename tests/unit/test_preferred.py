@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpufrac.agent.placement import preferred
+from gpufrac.agent.booking.placement import preferred
 from gpufrac.core import slices
 from gpufrac.core.config import Config, GiB
 from gpufrac.core.gpus import Gpu, Inventory, Link, PcieLink

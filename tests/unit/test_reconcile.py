@@ -8,10 +8,10 @@ from pathlib import Path
 
 from test_allocations import ids, make_inventory
 
-from gpufrac.agent.container_dirs import ContainerDirs
-from gpufrac.agent.ledger import Ledger
-from gpufrac.agent.metrics import Metrics
-from gpufrac.agent.reconcile import Reconciler
+from gpufrac.agent.booking.container_dirs import ContainerDirs
+from gpufrac.agent.booking.ledger import Ledger
+from gpufrac.agent.booking.reconcile import Reconciler
+from gpufrac.agent.metrics.registry import Metrics
 from gpufrac.core.config import Config, PathsConfig
 from gpufrac.core.slices import MEMORY, ContainerDevices
 

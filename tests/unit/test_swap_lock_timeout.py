@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpufrac.agent.cuda_checkpoint import Checkpointer, CheckpointError
+from gpufrac.agent.arbiter.swap.checkpoint import Checkpointer, CheckpointError
 from gpufrac.core.config import ConfigError, load
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from gpufrac.agent.callers import ContainerOwner
-from gpufrac.agent.gpu_processes import GpuProcess
-from gpufrac.agent.ledger import ContainerAlloc
-from gpufrac.agent.watchdog import plan
+from gpufrac.agent.booking.ledger import ContainerAlloc
+from gpufrac.agent.gpu.processes import GpuProcess
+from gpufrac.agent.processes.callers import ContainerOwner
+from gpufrac.agent.watchdog.service import plan
 from gpufrac.memguard.abi import FLAG_WHOLE_GPU, ContainerConfig
 
 GiB = 1 << 30

@@ -1,6 +1,6 @@
 """The resolver chain the node config names, built over the arbiter.
 
-Here rather than in gpufrac.agent.resolvers: the swap resolver (gpufrac.agent.swap) is built
+Here rather than in arbiter.resolvers: the swap resolver (arbiter.swap.resolver) is built
 on the resolver interface, and the chain needs both.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from gpufrac.agent.resolvers import (
+from gpufrac.agent.arbiter.resolvers import (
     Chain,
     EvictResolver,
     Resolver,
@@ -17,7 +17,7 @@ from gpufrac.agent.resolvers import (
     ResolverMetrics,
     WaitResolver,
 )
-from gpufrac.agent.swap import SwapHost, SwapMetrics, SwapResolver
+from gpufrac.agent.arbiter.swap.resolver import SwapHost, SwapMetrics, SwapResolver
 
 
 class ChainMetrics(ResolverMetrics, SwapMetrics, Protocol):

@@ -104,7 +104,7 @@ def guarantee_shortfall(request: int, held: int, nvml_free: int, margin: int, pe
 def coverable(missing: int, hidden: int) -> int:
     """What of `missing` bytes on a GPU may be freed by evicting or swapping others: none of
     what hidden processes hold there (`hidden`: processes whose cgroup the kernel will not
-    name, gpufrac.agent.gpu_processes.observe). That memory is nobody's, possibly the
+    name, gpufrac.agent.gpu.processes.observe). That memory is nobody's, possibly the
     requester's own: the requester waits for the watchdog to kill its holder (enforce mode)
     rather than have a neighbour pay for it."""
     return max(0, missing - hidden)

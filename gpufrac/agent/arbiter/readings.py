@@ -18,7 +18,7 @@ the two), so a moment's spike (a module loaded lazily, a scratch buffer) is not 
 ungranted memory, and a holder that stays above in both is caught whatever it does between.
 
 What hidden processes hold (a GPU process whose cgroup file the kernel refuses:
-gpufrac.agent.gpu_processes.Observed.hidden) is kept per GPU (`hidden_on`): that memory is no
+gpufrac.agent.gpu.processes.Observed.hidden) is kept per GPU (`hidden_on`): that memory is no
 container's, and no shortfall that evicts or swaps anyone covers it (Arbiter.coverable).
 """
 
@@ -31,9 +31,9 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from gpufrac.agent import truth
-from gpufrac.agent.gpu_processes import Lookup, Observed
-from gpufrac.agent.ledger import ContainerAlloc
+from gpufrac.agent.booking.ledger import ContainerAlloc
+from gpufrac.agent.gpu import truth
+from gpufrac.agent.gpu.processes import Lookup, Observed
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ CONFIRM_WINDOW = 10.0
 
 
 class MemoryReading(Protocol):
-    """One GPU's memory as NVML reports it (gpufrac.agent.inventory.MemoryUsage)."""
+    """One GPU's memory as NVML reports it (gpufrac.agent.gpu.inventory.MemoryUsage)."""
 
     @property
     def free(self) -> int: ...
@@ -70,7 +70,7 @@ class DriverReadings:
         on_reading: Callable[[], None],
     ) -> None:
         self.read_memory = read_memory
-        # NVML's processes with their cgroups (gpufrac.agent.truth): what each container holds.
+        # NVML's processes with their cgroups (gpufrac.agent.gpu.truth): what each container holds.
         self.read_processes = read_processes
         self._lookup = lookup
         self.allowance = allowance
@@ -139,7 +139,7 @@ class DriverReadings:
 
     def driver_used(self, alloc: ContainerAlloc) -> int | None:
         """What NVML counts for the container's processes on its GPU, less one context
-        allowance (gpufrac.agent.truth); None without a recent process reading (decisions take
+        allowance (gpufrac.agent.gpu.truth); None without a recent process reading (decisions take
         a fresh one first; a stale count must not hold a grant that was given back)."""
         if self.driver is None or time.monotonic() - self._landed > NVML_STALE:
             return None
@@ -169,7 +169,7 @@ class DriverReadings:
     def steady_used(self, alloc: ContainerAlloc) -> int | None:
         """What NVML counted for the container in BOTH the current process reading and the
         newest one taken at least CONFIRM_SPACING before it (the smaller, less one context
-        allowance); None without two such readings (gpufrac.agent.resolvers.EvictResolver
+        allowance); None without two such readings (gpufrac.agent.arbiter.resolvers.EvictResolver
         then asks for a second one: `second_reading`)."""
         if self.driver is None or not self._past or time.monotonic() - self._landed > NVML_STALE:
             return None

@@ -1,7 +1,7 @@
 """The arbiter: burst grants for the memguard shim's slow path (docs/arbiter-protocol.md).
 
 A request acts only for the caller's own container, which comes from SO_PEERCRED -> cgroup ->
-pod (gpufrac.agent.callers), never from the message. This class decides; its parts each do
+pod (gpufrac.agent.processes.callers), never from the message. This class decides; its parts each do
 one job: the socket (server), the grant arithmetic (grants, pure), the order of requests on a
 GPU (queue), the NVML cache (readings), the containers' files (usage), the resolvers that free
 memory (chain), restarts (recovery). A burst is granted only if the grant model says the GPU
@@ -27,27 +27,28 @@ from collections.abc import Coroutine
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from gpufrac.agent import activity as activity_mod
-from gpufrac.agent import kill, truth
-from gpufrac.agent import swap as swap_mod
-from gpufrac.agent.admission import reclaim_guarantee
 from gpufrac.agent.arbiter import grants, recovery
 from gpufrac.agent.arbiter import sweep as grant_sweep
+from gpufrac.agent.arbiter.admission import reclaim_guarantee
 from gpufrac.agent.arbiter.chain import build_chain
+from gpufrac.agent.arbiter.fairness import Fairness, LimitMetrics
 from gpufrac.agent.arbiter.listeners import ContainerSockets
 from gpufrac.agent.arbiter.queue import LAST, WaitQueue
 from gpufrac.agent.arbiter.readings import NVML_FRESH, NVML_STALE, DriverReadings, ReadMemory, ReadProcesses
+from gpufrac.agent.arbiter.resolvers import Chain, Holding, Need, ResolverMetrics, guarantee_chain
 from gpufrac.agent.arbiter.server import RefusalLog, RequestMetrics, Result, SocketServer, Stats
+from gpufrac.agent.arbiter.swap import resolver as swap_mod
+from gpufrac.agent.arbiter.swap.resolver import SwapMetrics
 from gpufrac.agent.arbiter.usage import ContainerFiles
-from gpufrac.agent.callers import AgentOutOfResources, Caller, PeerError, PeerLookup
-from gpufrac.agent.events import container_ref
-from gpufrac.agent.fairness import Fairness, LimitMetrics
-from gpufrac.agent.gpu_processes import observe
-from gpufrac.agent.inventory import read_memory
-from gpufrac.agent.kube import ObjectRef
-from gpufrac.agent.ledger import ContainerAlloc, Ledger
-from gpufrac.agent.resolvers import Chain, Holding, Need, ResolverMetrics, guarantee_chain
-from gpufrac.agent.swap import SwapMetrics
+from gpufrac.agent.booking.ledger import ContainerAlloc, Ledger
+from gpufrac.agent.gpu import activity as activity_mod
+from gpufrac.agent.gpu import truth
+from gpufrac.agent.gpu.inventory import read_memory
+from gpufrac.agent.gpu.processes import observe
+from gpufrac.agent.kube.events import container_ref
+from gpufrac.agent.kube.recorder import ObjectRef
+from gpufrac.agent.processes import kill
+from gpufrac.agent.processes.callers import AgentOutOfResources, Caller, PeerError, PeerLookup
 from gpufrac.core.config import Config
 from gpufrac.core.units import format_bytes
 from gpufrac.memguard import wire
@@ -418,7 +419,7 @@ class Arbiter:
 
     def _used(self, alloc: ContainerAlloc) -> int | None:
         """What the container holds on its GPU: the larger of its usage file (clamped to what
-        it was given) and the driver's count (gpufrac.agent.truth). None when the file cannot
+        it was given) and the driver's count (gpufrac.agent.gpu.truth). None when the file cannot
         be read. A swapped-out container: the driver's count alone (`_swapped_used`)."""
         swapped = self._swapped_used(alloc)
         if swapped is not None:
@@ -518,7 +519,7 @@ class Arbiter:
         """Bytes of `alloc`'s request on `gpu` that are not physically there now: its request
         less what it uses (less `inflight`, counted but not given by the driver), beyond NVML free
         less the margin less what every other container may still charge within its request +
-        grant. None without an NVML reading (used by gpufrac.agent.admission.reclaim_guarantee).
+        grant. None without an NVML reading (used by gpufrac.agent.arbiter.admission.reclaim_guarantee).
         What each holds lowers what is taken here: it counts NVML's whole count for it, no
         allowance (readings.DriverReadings.whole_count), or a zeroed counter would make the
         shortfall look larger by as much."""
@@ -568,7 +569,7 @@ class Arbiter:
         """Start a new NVML reading now unless one is under way; it notifies waiters when done."""
         self.readings.refresh_soon()
 
-    # -- swap (gpufrac.agent.swap: the SWAP_IN op and what the swap resolver asks) ----------------
+    # -- swap (arbiter.swap.resolver: the SWAP_IN op and what the swap resolver asks) ------------------------
 
     async def _swap_in(self, caller: Caller) -> Result:
         status = await swap_mod.handle_swap_in(self.swap, caller.alloc)
@@ -667,10 +668,10 @@ class Arbiter:
     # -- eviction support ----------------------------------------------------------------------------
 
     async def kill_container(self, alloc: ContainerAlloc) -> int:
-        """SIGKILL every process of the container (gpufrac.agent.kill, in a worker thread);
+        """SIGKILL every process of the container (gpufrac.agent.processes.kill, in a worker thread);
         returns the count once they are gone. Their dead usage slots are reaped here, since no
         shim of that container may be left to do it."""
-        # The processes the driver counts for it go first (gpufrac.agent.kill: a victim
+        # The processes the driver counts for it go first (gpufrac.agent.processes.kill: a victim
         # whose GPU processes live on was not evicted).
         driver = self.readings.driver
         counted = driver.pids_of(alloc.key) if driver is not None else []

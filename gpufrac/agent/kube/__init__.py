@@ -12,27 +12,3 @@ it to each of these; no other module of the agent talks to the apiserver.
 An apiserver that is slow, down or refusing never stalls the loop or crashes the
 agent: blocking calls run in threads, errors are logged and counted.
 """
-
-from __future__ import annotations
-
-from gpufrac.agent.kube.client import KubeConfigError, connect, make_api_client
-from gpufrac.agent.kube.evict import EvictOutcome, EvictResult, PodEvictor
-from gpufrac.agent.kube.nodes import NodeLabeler
-from gpufrac.agent.kube.podcache import PodCache, PodInfo, PodListener
-from gpufrac.agent.kube.recorder import DISRUPTION_TARGET, EventRecorder, ObjectRef
-
-__all__ = [
-    "DISRUPTION_TARGET",
-    "EventRecorder",
-    "EvictOutcome",
-    "EvictResult",
-    "KubeConfigError",
-    "NodeLabeler",
-    "ObjectRef",
-    "PodCache",
-    "PodEvictor",
-    "PodInfo",
-    "PodListener",
-    "connect",
-    "make_api_client",
-]

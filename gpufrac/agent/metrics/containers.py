@@ -20,7 +20,7 @@ from gpufrac.agent.metrics.names import NAMESPACE, SWAP_DIRECTIONS, WAIT_BUCKETS
 
 
 class Keyed(Protocol):
-    """A container's allocation (gpufrac.agent.ledger.ContainerAlloc), or anything that
+    """A container's allocation (gpufrac.agent.booking.ledger.ContainerAlloc), or anything that
     names one by its container key."""
 
     @property

@@ -16,7 +16,7 @@ SWAP_DIRECTIONS = ("out", "in")
 # dry_run: what the reaper would have done in idle.dryRun; delete: idle.allowDelete without the Eviction API.
 REAP_ACTIONS = ("notify", "swap", "evict", "delete", "dry_run")
 REAP_REASONS = ("idle", "max_runtime")
-# hidden_*: a GPU process whose cgroup file the kernel refuses (gpufrac.agent.watchdog).
+# hidden_*: a GPU process whose cgroup file the kernel refuses (gpufrac.agent.watchdog.service).
 WATCHDOG_ACTIONS = ("report", "kill", "hidden_report", "hidden_kill")
 
 

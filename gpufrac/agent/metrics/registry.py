@@ -26,7 +26,6 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 import gpufrac
-from gpufrac.agent.httpd import Served, serve_tcp
 from gpufrac.agent.metrics.containers import Container, ContainerCounts, Counts
 from gpufrac.agent.metrics.endpoint import HEARTBEAT_INTERVAL, Probes, wsgi_app
 from gpufrac.agent.metrics.names import (
@@ -39,6 +38,7 @@ from gpufrac.agent.metrics.names import (
 )
 from gpufrac.agent.metrics.snapshot import NodeCollector, Source
 from gpufrac.agent.status.capture import Observed, capture_threadsafe, readiness
+from gpufrac.agent.status.httpd import Served, serve_tcp
 
 log = logging.getLogger(__name__)
 

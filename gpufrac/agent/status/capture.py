@@ -13,15 +13,14 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import gpufrac
-from gpufrac.agent.gpu_commands import mig_to_dict
 from gpufrac.agent.status.model import ContainerStatus, GpuStatus, NodeStatus
 from gpufrac.core import slices
 from gpufrac.memguard import abi
 
 if TYPE_CHECKING:
-    from gpufrac.agent.ledger import ContainerAlloc
+    from gpufrac.agent.booking.ledger import ContainerAlloc
     from gpufrac.core.config import Config
-    from gpufrac.core.gpus import GpuHealth, Inventory
+    from gpufrac.core.gpus import GpuHealth, Inventory, mig_to_dict
     from gpufrac.core.slices import GpuGeometry
 
 # How long a reader in another thread waits for the loop to take a snapshot.
@@ -45,7 +44,7 @@ class Registration(Protocol):
 
 
 class LedgerView(Protocol):
-    """The bookings, read-only (gpufrac.agent.ledger.Ledger)."""
+    """The bookings, read-only (gpufrac.agent.booking.ledger.Ledger)."""
 
     @property
     def geometry(self) -> Mapping[str, GpuGeometry]: ...
@@ -62,7 +61,7 @@ class LedgerView(Protocol):
 
 
 class HealthView(Protocol):
-    """The GPU health monitor's findings (gpufrac.agent.health.HealthMonitor)."""
+    """The GPU health monitor's findings (gpufrac.agent.gpu.health.HealthMonitor)."""
 
     def current(self) -> Mapping[str, GpuHealth]: ...
 
@@ -70,7 +69,7 @@ class HealthView(Protocol):
 
 
 class IdleClock(Protocol):
-    """Seconds since a container's last GPU work (gpufrac.agent.activity.ActivityTracker)."""
+    """Seconds since a container's last GPU work (gpufrac.agent.gpu.activity.ActivityTracker)."""
 
     def idle_seconds(self, key: str) -> float | None: ...
 

@@ -72,7 +72,7 @@ class NodeStatus:
     gpus: list[GpuStatus] = field(default_factory=list)
     containers: list[ContainerStatus] = field(default_factory=list)
     unreachable: dict[int, str] = field(default_factory=dict)
-    # GPUs in MIG mode, left to the MIG-aware plugin (gpufrac.agent.gpu_commands.mig_to_dict).
+    # GPUs in MIG mode, left to the MIG-aware plugin (gpufrac.core.gpus.mig_to_dict).
     mig: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:

@@ -194,7 +194,7 @@ void mg_exit_return_grant(void) {
     if (unused) atomic_fetch_add_explicit(&g_usage->grant_returned, unused, memory_order_relaxed);
 }
 
-/* Swap-in (gpufrac/agent/swap.py): the agent moved this process's GPU
+/* Swap-in (gpufrac/agent/arbiter/swap/resolver.py): the agent moved this process's GPU
  * memory to host RAM (slot->swapped) and its CUDA calls block in the driver
  * until it is restored. So before the next launch or allocation, ask the agent
  * to bring it back (op SWAP_IN, arbitrated like a burst); the agent restores,
