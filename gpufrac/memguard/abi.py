@@ -1,7 +1,7 @@
 """The memguard config and usage files (native/memguard_abi.h), for the agent.
 
 One definition: the C header is the source of truth, these ctypes structures
-mirror it, and tests/unit/test_abi.py proves they match offset for offset.
+mirror it, and tests/memguard/test_abi.py proves they match offset for offset.
 
 The agent is the only writer of `config` (the container mounts it read-only);
 it updates in place under the seqlock so the shim never sees a torn limit.

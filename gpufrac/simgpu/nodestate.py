@@ -1,7 +1,7 @@
 """Python mirror of the simgpu node-state file (native/nodestate.h).
 
 The layout is defined once, in C; this module mirrors it with ctypes and a test
-(`tests/unit/test_abi.py`) compiles a probe against the header and compares every
+(`tests/memguard/test_abi.py`) compiles a probe against the header and compares every
 offset. Tests and the CLI use it to create a node, read what the fake drivers
 recorded, and inject faults.
 """
