@@ -142,8 +142,7 @@ class Agent:
         if self.inventory is None:
             self.inventory = await asyncio.to_thread(read_inventory)
         inventory = self.inventory
-        ledger = self.ledger = Ledger(cfg, inventory)
-        ledger.retire = self.dirs.discard
+        ledger = self.ledger = Ledger(cfg, inventory, retire=self.dirs.discard)
         reconciler = self.reconciler = Reconciler(
             ledger, self.pod_resources, self.dirs, self.metrics, release_grace=self.release_grace
         )
@@ -265,7 +264,7 @@ class Agent:
         try:
             return await asyncio.to_thread(ActivityTracker.with_nvml)
         except Exception:
-            log.exception("idle reaper stopped")
+            log.exception("activity tracker unavailable: no idle reaping, victims judged by their files")
             return None
 
     def _open_reaper(

@@ -148,3 +148,15 @@ class GrantSweep:
     def forget(self, key: str) -> None:
         self.returned.pop(key, None)
         self.unused_since.pop(key, None)
+
+
+def ungranted(used: int, request: int, grant: int, limit: int) -> int:
+    """Bytes held above request + grant and within the limit: memory a process that skips the
+    shim (or calls the driver directly) took without asking the arbiter.
+
+    `used` is the larger of the driver's count and the clamped usage file (gpu/truth.py).
+    The resolvers count it as a burst like any other: a neighbour's guarantee takes it back, a
+    higher-priority burst may evict it. Above the limit is the watchdog's, not counted here;
+    within the limit it costs no one until someone needs it (docs/watchdog.md says why).
+    """
+    return max(0, min(used, limit) - request - grant)

@@ -38,7 +38,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gpufrac.agent.arbiter.ungranted import ungranted
+from gpufrac.agent.arbiter.grants import ungranted
 from gpufrac.agent.booking.ledger import ContainerAlloc
 from gpufrac.agent.kube.events import (
     CONDITION_GPU_MEMORY_RECLAIMED,
@@ -230,7 +230,7 @@ class EvictResolver:
             if h.alloc.key == need.requester.key or h.burst <= 0:
                 continue
             # No grant, yet above its request within its limit (the driver's count): memory
-            # taken without asking is a burst like any other (gpufrac.agent.arbiter.ungranted), once
+            # taken without asking is a burst like any other (arbiter.grants.ungranted), once
             # it has lasted two readings (a lazily loaded module spikes for a moment).
             held = h.used if latest else h.steady
             if h.grant <= 0 and ungranted(held, h.request, h.grant, h.alloc.config.limit_bytes) <= 0:

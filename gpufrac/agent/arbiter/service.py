@@ -45,7 +45,7 @@ from gpufrac.agent.gpu import activity as activity_mod
 from gpufrac.agent.gpu import truth
 from gpufrac.agent.gpu.inventory import read_memory
 from gpufrac.agent.gpu.processes import observe
-from gpufrac.agent.kube.events import container_ref
+from gpufrac.agent.kube.events import EventSink, container_ref
 from gpufrac.agent.kube.recorder import ObjectRef
 from gpufrac.agent.processes import kill
 from gpufrac.agent.processes.callers import AgentOutOfResources, Caller, PeerError, PeerLookup
@@ -61,11 +61,10 @@ log = logging.getLogger(__name__)
 RECLAIM_SPACING = 0.1
 
 
-class EventSink(Protocol):
+class ArbiterEvents(EventSink, Protocol):
     """Where the arbiter's Kubernetes Events and pod conditions go
-    (gpufrac.agent.kube.EventRecorder)."""
+    (gpufrac.agent.kube.recorder.EventRecorder)."""
 
-    def record(self, ref: ObjectRef, type_: str, reason: str, message: str) -> None: ...
     def disruption(self, ref: ObjectRef, reason: str, message: str) -> None: ...
 
 
@@ -85,7 +84,7 @@ class Arbiter:
         peers: PeerLookup,
         socket_path: str,
         *,
-        events: EventSink | None = None,
+        events: ArbiterEvents | None = None,
         metrics: ArbiterMetrics,
         memory: ReadMemory = read_memory,
         processes: ReadProcesses = observe,

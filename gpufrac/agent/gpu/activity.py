@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from gpufrac.agent.processes.callers import PeerError, read_cgroup
+from gpufrac.agent.processes.proc import proc_identity
 from gpufrac.memguard import abi
 
 log = logging.getLogger(__name__)
@@ -161,33 +162,6 @@ class _State:
     polled: float  # when these were seen
 
 
-def proc_identity(host_pid: int, proc: str = "/proc") -> tuple[int, int] | None:
-    """(pid in its innermost pid namespace, start time in ticks) of a host pid: how the
-    shim names the same process in its usage slot. None if the process is gone."""
-    try:
-        with open(f"{proc}/{host_pid}/status") as f:
-            status = f.read()
-        with open(f"{proc}/{host_pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    ns_pid = host_pid
-    for line in status.splitlines():
-        if line.startswith("NSpid:"):
-            parts = line.split()[1:]
-            if parts:
-                ns_pid = int(parts[-1])
-            break
-    # comm may hold spaces and parentheses: fields resume after the last ')';
-    # starttime is field 22, the 20th after it.
-    rest = stat[stat.rfind(")") + 2 :].split()
-    try:
-        start = int(rest[19])
-    except (IndexError, ValueError):
-        return None
-    return ns_pid, start
-
-
 class NvmlUtilisation:
     """Per-process GPU utilisation from NVML, remembering each GPU's last sample time
     so every call returns only what happened since the previous one."""
@@ -211,10 +185,6 @@ class NvmlUtilisation:
     def supported(self, gpu_uuid: str) -> bool:
         """Whether this GPU gives per-process samples (as far as known)."""
         return gpu_uuid not in self._unsupported and gpu_uuid not in self._failing
-
-    def busy_pids(self, gpu_uuid: str) -> dict[int, float]:
-        """Host pid -> wall time of its newest sample at or above the threshold."""
-        return {pid: t for pid, (t, busy) in self.sampled_pids(gpu_uuid).items() if busy}
 
     def sampled_pids(self, gpu_uuid: str) -> dict[int, tuple[float, bool]]:
         """Host pid -> (wall time of its newest sample, whether a sample reached the threshold),

@@ -25,8 +25,8 @@ from gpufrac.agent.processes.callers import (
     PeerError,
     ProcessGone,
     cgroup_of,
-    start_time,
 )
+from gpufrac.agent.processes.proc import start_time
 
 log = logging.getLogger(__name__)
 

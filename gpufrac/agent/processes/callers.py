@@ -229,17 +229,6 @@ def read_cgroup(pid: int, proc: str = "/proc") -> CgroupIdentity | None:
     return parse_cgroup(text)
 
 
-def start_time(pid: int, proc_root: str = "/proc") -> int:
-    """A process's start time (clock ticks after boot), 0 when it is gone."""
-    try:
-        with open(f"{proc_root}/{pid}/stat", "rb") as f:
-            stat = f.read()
-        # Field 22; the command name (field 2) may hold spaces and parentheses: split after it.
-        return int(stat[stat.rindex(b")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def cgroup_of(pid: int, proc: str = "/proc") -> CgroupIdentity | None:
     """The kubelet container a process is in, read from /proc/<pid>/cgroup (None: in none).
     Raises ProcessGone, AgentOutOfResources, or CgroupUnreadable when the process lives but

@@ -44,8 +44,8 @@ from gpufrac.agent.processes.callers import (
     cgroup_refused,
     in_container,
     placement,
-    start_time,
 )
+from gpufrac.agent.processes.proc import STARTTIME, start_time, stat_fields
 
 log = logging.getLogger(__name__)
 
@@ -68,21 +68,10 @@ class KillFailed(Exception):
         self.signalled = signalled
 
 
-def _stat(pid: int) -> bytes | None:
-    """/proc/<pid>/stat after the command name, None when the process is gone. Raises OSError
-    when the agent cannot read it (out of files): that is not "gone"."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return stat[stat.rindex(b")") + 2 :]
-
-
 def _started(pid: int) -> int:
     """A process's start time (clock ticks after boot), 0 when it is gone."""
-    stat = _stat(pid)
-    return int(stat.split()[19]) if stat else 0
+    fields = stat_fields(pid)
+    return int(fields[STARTTIME]) if fields else 0
 
 
 def _signal(pid: int, still_ours: Callable[[int], bool] | None) -> int | None:
@@ -355,7 +344,7 @@ def _alive_and_ours(pids: ContainerPids, alloc: ContainerAlloc, pid: int) -> boo
     """Whether `pid` has not exited (a killed process is a zombie until its parent reaps it)
     and is in the container; True when the agent cannot tell (out of files)."""
     try:
-        stat = _stat(pid)
-        return stat is not None and stat[:1] not in (b"Z", b"X") and _ours(pids, alloc, pid)
+        fields = stat_fields(pid)
+        return fields is not None and fields[0] not in (b"Z", b"X") and _ours(pids, alloc, pid)
     except (OSError, AgentOutOfResources):
         return True

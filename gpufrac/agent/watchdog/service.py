@@ -60,10 +60,10 @@ from gpufrac.agent.kube.events import (
     REASON_USAGE_MISMATCH,
     WARNING,
     Booked,
+    EventSink,
     container_name,
     container_ref,
 )
-from gpufrac.agent.kube.recorder import ObjectRef
 from gpufrac.agent.processes.callers import CgroupIdentity, ContainerOwner
 from gpufrac.agent.processes.kill import KillFailed, kill_if_hidden, kill_if_same
 from gpufrac.core.config import WatchdogConfig
@@ -92,12 +92,6 @@ class WatchdogMetrics(Protocol):
     def count_watchdog(self, action: str) -> None: ...
     def set_watchdog_unowned(self, processes: int, used_bytes: int) -> None: ...
     def count_usage_mismatch(self) -> None: ...
-
-
-class EventSink(Protocol):
-    """Where Kubernetes Events go (gpufrac.agent.kube.EventRecorder)."""
-
-    def record(self, ref: ObjectRef, type_: str, reason: str, message: str) -> None: ...
 
 
 # -- the decision (pure) -------------------------------------------------------------------------

@@ -39,10 +39,13 @@ def make_inventory(n: int = 2, numa: tuple[int, ...] | None = None) -> Inventory
     return Inventory(gpus=gpus, links=links)
 
 
+def make_config(tmp_path: Path) -> Config:
+    return Config(paths=PathsConfig(state_dir=str(tmp_path / "state"), kubelet_dir=str(tmp_path / "kubelet")))
+
+
 @pytest.fixture
 def ledger(tmp_path: Path) -> Ledger:
-    cfg = Config(paths=PathsConfig(state_dir=str(tmp_path / "state"), kubelet_dir=str(tmp_path / "kubelet")))
-    return Ledger(cfg, make_inventory())
+    return Ledger(make_config(tmp_path), make_inventory())
 
 
 def ids(ledger: Ledger, gpu: int, resource: str, numbers: range | list[int]) -> list[str]:
@@ -362,7 +365,7 @@ def test_the_slices_a_release_frees_are_preferred_last(ledger: Ledger) -> None:
     assert set(prefer(2)).isdisjoint(second.device_ids)  # the most recent release comes last
 
 
-def test_a_rebooked_key_is_read_from_its_own_files_only(ledger: Ledger, tmp_path: Path) -> None:
+def test_a_rebooked_key_is_read_from_its_own_files_only(tmp_path: Path) -> None:
     """Released and booked again under the same key: until the new directory is written, the
     old one may still be on disk (its deletion queued); the arbiter must not read it as the
     newcomer's usage, nor keep it mapped after."""
@@ -370,6 +373,9 @@ def test_a_rebooked_key_is_read_from_its_own_files_only(ledger: Ledger, tmp_path
     from gpufrac.agent.metrics.registry import Metrics
     from gpufrac.agent.processes.callers import PeerLookup
 
+    queued: list[tuple[str, object]] = []
+    # The agent's release queues the deletion (ContainerDirs.discard): here it is not run yet.
+    ledger = Ledger(make_config(tmp_path), make_inventory(), retire=lambda d, h: queued.append((d, h)))
     arb = Arbiter(
         ledger.config,
         ledger,
@@ -380,8 +386,6 @@ def test_a_rebooked_key_is_read_from_its_own_files_only(ledger: Ledger, tmp_path
     devs = ids(ledger, 0, MEMORY, range(2))
     old = ledger.allocate(MEMORY, devs)
     abi.UsageFile(old.directory).usage.total_used = 3 * GiB  # what the old container held
-    queued: list[tuple[str, object]] = []
-    ledger.retire = lambda directory, handle: queued.append((directory, handle))  # not run yet
     ledger.release(old.key)
     new = ledger.reserve(MEMORY, devs)
     assert new.key == old.key and abi.read_usage(new.directory).total_used == 3 * GiB  # still there

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufrac.agent.gpu.activity import proc_identity
+from gpufrac.agent.processes.proc import proc_identity
 from gpufrac.simgpu.workload import WorkloadProcess
 from tests.fixtures.e2e import E2ENode, MiB
 from tests.fixtures.hostile_tenant import IDLE_FAST, Repeating, agent_alive, agent_config, stamp_slots

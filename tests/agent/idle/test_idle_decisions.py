@@ -20,13 +20,14 @@ import pytest
 
 from gpufrac.agent.booking.ledger import ContainerAlloc, Ledger
 from gpufrac.agent.gpu import activity
-from gpufrac.agent.gpu.activity import ActivityTracker, proc_identity
+from gpufrac.agent.gpu.activity import ActivityTracker
 from gpufrac.agent.idle.reaper import IdleReaper
 from gpufrac.agent.idle.view import action_reason
 from gpufrac.agent.kube.evict import EvictOutcome, EvictResult
 from gpufrac.agent.kube.podcache import PodInfo
 from gpufrac.agent.kube.recorder import ObjectRef
 from gpufrac.agent.metrics.registry import Metrics
+from gpufrac.agent.processes.proc import proc_identity
 from gpufrac.core import annotations
 from gpufrac.core.annotations import ContainerPolicy
 from gpufrac.core.config import Config, ConfigError, GiB, load
@@ -263,15 +264,6 @@ def test_an_unreadable_usage_file_does_not_reset_the_idle_time(
     n.run(1)
     assert n.tracker.idle_seconds(a.key) == pytest.approx(5.5)
     assert n.tracker.get(a.key).launches == 1  # type: ignore[union-attr]
-
-
-def test_process_identity_matches_the_shims_naming() -> None:
-    pid = os.getpid()
-    ns_pid, start = proc_identity(pid)  # type: ignore[misc]
-    assert ns_pid == pid  # no pid namespace between this test and itself
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    assert start == int(stat[stat.rfind(")") + 2 :].split()[19])
-    assert proc_identity(2**22 + 12345) is None  # above pid_max: no such process
 
 
 # -- who is reaped ---------------------------------------------------------------------------------

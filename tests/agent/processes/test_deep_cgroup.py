@@ -36,8 +36,8 @@ import pytest
 from gpufrac.agent.gpu import truth
 from gpufrac.agent.gpu.processes import observe
 from gpufrac.agent.kube.events import REASON_EVICTED, REASON_LIMIT_ENFORCED
-from gpufrac.agent.processes.callers import start_time
 from gpufrac.agent.processes.kill import kill_if_hidden, kill_if_same
+from gpufrac.agent.processes.proc import start_time
 from gpufrac.agent.watchdog.service import Watchdog
 from gpufrac.core import native
 from gpufrac.core.config import WatchdogConfig

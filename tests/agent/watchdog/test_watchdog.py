@@ -28,7 +28,7 @@ from tests.fixtures.polling import until
 HOG = textwrap.dedent(
     """
     import os, subprocess, sys
-    from gpufrac.agent.gpu.activity import proc_identity
+    from gpufrac.agent.processes.proc import proc_identity
     from gpufrac.simgpu.nodestate import NodeState
     if len(sys.argv) > 2:
         pipe = subprocess.PIPE

@@ -69,7 +69,6 @@ from gpufrac.agent.arbiter.swap.files import (
 )
 from gpufrac.agent.arbiter.swap.takeover import Takeover, Unavailable, Unknown
 from gpufrac.agent.booking.ledger import ContainerAlloc, Ledger
-from gpufrac.agent.gpu.activity import proc_identity
 from gpufrac.agent.kube.events import (
     NORMAL,
     REASON_FREED_BY_SWAP,
@@ -78,6 +77,7 @@ from gpufrac.agent.kube.events import (
     container_name,
 )
 from gpufrac.agent.processes.callers import AgentOutOfResources, PeerLookup
+from gpufrac.agent.processes.proc import proc_identity
 from gpufrac.core.annotations import SWAPPABLE
 from gpufrac.core.config import Config
 from gpufrac.core.units import format_bytes

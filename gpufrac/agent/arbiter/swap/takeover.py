@@ -29,8 +29,8 @@ from gpufrac.agent.arbiter.swap.files import (
     set_swapped,
 )
 from gpufrac.agent.booking.ledger import ContainerAlloc
-from gpufrac.agent.gpu.activity import proc_identity
 from gpufrac.agent.processes.callers import PeerLookup
+from gpufrac.agent.processes.proc import proc_identity
 from gpufrac.core.units import format_bytes
 from gpufrac.memguard import abi
 from gpufrac.memguard.abi import FormatError

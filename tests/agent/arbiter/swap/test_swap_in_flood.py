@@ -44,7 +44,7 @@ TIMEOUT = 120.0
 # prints how many requests were answered, by status.
 FLOOD = r"""
 import json, os, sys, threading, time
-from gpufrac.agent.gpu.activity import proc_identity
+from gpufrac.agent.processes.proc import proc_identity
 from gpufrac.memguard import abi, wire
 d = os.environ["GPUFRAC_CONTAINER_DIR"]
 path = wire.socket_path(d)
