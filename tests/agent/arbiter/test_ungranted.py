@@ -2,7 +2,7 @@
 
 A process that does not load the shim can allocate up to its container's limit without
 asking the arbiter for a grant. That memory is weighed like any burst: a neighbour's
-guarantee takes it back (gpufrac.agent.arbiter.resolvers.EvictResolver, gpufrac.agent.arbiter.grants.ungranted).
+guarantee takes it back (arbiter/resolvers.py EvictResolver, arbiter/grants.py ungranted).
 
 One 1 GiB GPU (992 MiB usable, 960 MiB allocatable, 64 MiB units, grant margin 16 MiB);
 the real agent, real shim, real workload processes (tests/fixtures/e2e.py).
