@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpufrac.agent.metrics import names
 from gpufrac.core import native
 from gpufrac.core.units import format_bytes
 
@@ -36,10 +37,17 @@ FRACTION = "gpufrac.dev/gpu-fraction"
 MEMORY = "gpufrac.dev/gpu-memory"
 # Metric families the demo prints when non-zero (what the collisions left behind).
 COUNTERS_SHOWN = {
-    "gpufrac_container_evictions_total",
-    "gpufrac_container_swaps_total",
-    "gpufrac_container_wait_seconds_count",
-    "gpufrac_arbiter_requests_total",
+    names.CONTAINER_EVICTIONS,
+    names.CONTAINER_SWAPS,
+    names.CONTAINER_WAIT_SECONDS + "_count",
+    names.ARBITER_REQUESTS,
+}
+# The llm-server pod's memory series the demo prints.
+LLM_MEMORY_SHOWN = {
+    names.CONTAINER_MEMORY_REQUEST,
+    names.CONTAINER_MEMORY_LIMIT,
+    names.CONTAINER_MEMORY_USED,
+    names.CONTAINER_MEMORY_BURST_GRANTED,
 }
 
 
@@ -411,7 +419,7 @@ def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     for line in text.splitlines():
         name = line.split("{", 1)[0]
-        llm = 'pod="llm-server"' in line and name.startswith("gpufrac_container_memory_")
+        llm = 'pod="llm-server"' in line and name in LLM_MEMORY_SHOWN
         counted = name in COUNTERS_SHOWN and not line.endswith(" 0.0")
         if llm or counted:
             say("  " + line)

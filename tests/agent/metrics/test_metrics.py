@@ -12,13 +12,14 @@ import re
 import shutil
 import subprocess
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pynvml
 import pytest
 
+from gpufrac.agent.metrics import names
 from gpufrac.core import slices
+from gpufrac.core.native import REPO_ROOT
 from gpufrac.core.slices import FRACTION, MEMORY
 from gpufrac.simgpu import faults
 from gpufrac.simgpu.kubelet import Pod
@@ -35,7 +36,7 @@ from tests.fixtures.metrics import (
     start_node,
 )
 
-METRICS_MD = Path(__file__).resolve().parents[2] / "deploy" / "daemonset" / "METRICS.md"
+METRICS_MD = REPO_ROOT / "deploy" / "daemonset" / "METRICS.md"
 RESERVED = GiB  # the default reservedPerGpu
 
 
@@ -320,4 +321,8 @@ def check_documented(s: Scrape) -> None:
     assert {n: docs[n] for n in exposed} == exposed, "types differ from METRICS.md"
     assert set(docs) - optional <= set(exposed), (
         f"documented, not exposed: {sorted(set(docs) - set(exposed))}"
+    )
+    # ...and metrics/names.py, where the code takes every name from, holds exactly those.
+    assert set(docs) == names.EXPORTED, (
+        f"names.py and METRICS.md differ: {sorted(names.EXPORTED ^ set(docs))}"
     )
