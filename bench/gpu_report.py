@@ -176,7 +176,7 @@ def _goal(
         "what": what,
         "goal": goal,
         "measured": measured,
-        "shown": shown if ok is not None else why or "not recorded (its test did not finish)",
+        "shown": shown if ok is not None else why or "not recorded (its test skipped, failed or did not run)",
         "verdict": verdict,
     }
 
@@ -291,7 +291,7 @@ def build(
         for k in ("passed", "failed", "error", "skipped")
     }
     ran = counts["passed"] + counts["failed"] + counts["error"]
-    bad_groups = [g["name"] for g in groups if g["status"] not in ("passed", "not run")]
+    bad_groups = [g["name"] for g in groups if g["status"] not in ("passed", "skipped", "not run")]
     checks_ok = all(c["ok"] for c in selfchecks)
     ok = no_gpu is None and checks_ok and ran > 0 and not bad_groups
     verdict = "NO GPU" if no_gpu else "PASS" if ok else "FAIL"
@@ -307,7 +307,7 @@ def build(
         "tests": counts,
         "selfchecks": [dict(c) for c in selfchecks],
         "groups": [dict(g) for g in groups],
-        "rerun": [g["name"] for g in groups if g["status"] not in ("passed", "not run")],
+        "rerun": [g["name"] for g in groups if g["status"] not in ("passed", "skipped", "not run")],
         "first_failure": first_failure(selfchecks, groups),
         "measurements": {k: dict(v) for k, v in measurements.items()},
         "benches": dict(benches),

@@ -254,11 +254,12 @@ def busy(seconds: float, streams: int = 1) -> dict[str, Any]:
     """Kernels in flight when this answers: torch.cuda._sleep spins for a number of GPU
     clock cycles (`seconds` at the SM clock's maximum: at least that long)."""
     hz = sm_clock_hz()
+    inputs = [torch.full((1 << 20,), float(i + 1), device=DEV) for i in range(streams)]
+    torch.cuda.synchronize(DEV)  # before any kernel is launched: it would wait for them
     work = []
-    for i in range(streams):
+    for i, x in enumerate(inputs):
         s = torch.cuda.Stream(DEV)
-        x = torch.full((1 << 20,), float(i + 1), device=DEV)
-        torch.cuda.synchronize(DEV)
+        s.wait_stream(torch.cuda.current_stream(DEV))
         with torch.cuda.stream(s):
             torch.cuda._sleep(int(seconds * hz))
             y = x * 5 + 2
@@ -335,13 +336,13 @@ def stage(name: str) -> dict[str, Any]:
         import cupy
 
         with cupy.cuda.Device(0):
-            x = cupy.arange(1 << 20, dtype=cupy.float32)
-            square = cupy.ElementwiseKernel("float32 x", "float32 y", "y = x * x", "gpufrac_square")
+            x = cupy.arange(1 << 20, dtype=cupy.float64)
+            square = cupy.ElementwiseKernel("float64 x", "float64 y", "y = x * x", "gpufrac_square")
             total = float(square(x).sum())
             cupy.cuda.Device(0).synchronize()
         n = (1 << 20) - 1
         want = n * (n + 1) * (2 * n + 1) / 6
-        return {"check": abs(total - want) <= want * 1e-3, "cupy": cupy.__version__}
+        return {"check": abs(total - want) <= want * 1e-9, "cupy": cupy.__version__}
     raise ValueError(f"unknown stage {name!r}")
 
 
