@@ -12,7 +12,7 @@
 # It uses python3 as it is: no venv, no pip from a registry.
 #
 # On an ordinary GPU node with a registry: bash bench/gpu_suite.sh --setup (make setup: the
-# venv, the native build, the protos; PyTorch installed into the venv if missing).
+# venv, the native build, the protos; PyTorch, transformers and CuPy into the venv if missing).
 #
 # Interpreter: $GPUFRAC_PYTHON, else .venv/bin/python if there is one (--setup makes it),
 # else python3. Other arguments go to bench/gpu_suite.py (--help lists them).
@@ -37,6 +37,15 @@ if [ "$setup" = 1 ]; then
     printf '== gpu_suite: installing PyTorch into the venv\n' >&2
     .venv/bin/python -m pip install -q torch || die "PyTorch is missing and pip could not install it"
   fi
+  # transformers (the frameworks group) and CuPy for PyTorch's CUDA major version (context).
+  major=$(.venv/bin/python -c 'import torch; print((torch.version.cuda or "").split(".")[0])')
+  for pkg in transformers "cupy-cuda${major}x"; do
+    mod=${pkg%%-*}
+    if [ -n "$major" ] && ! .venv/bin/python -c "import $mod" >/dev/null 2>&1; then
+      printf '== gpu_suite: installing %s into the venv\n' "$pkg" >&2
+      .venv/bin/python -m pip install -q "$pkg" || die "pip could not install $pkg"
+    fi
+  done
 fi
 
 if [ -n "${GPUFRAC_PYTHON:-}" ]; then
