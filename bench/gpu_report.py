@@ -330,11 +330,11 @@ def _cell(s: Any) -> str:
 def _versions(env: Mapping[str, Any]) -> str:
     api = env.get("cuda_driver_api")
     parts = [f"CUDA driver API {api // 1000}.{api % 1000 // 10}" if api else "CUDA driver API: unknown"]
-    torch = env.get("torch")
-    parts.append(
-        f"PyTorch {torch or 'not installed'}"
-        + (f" (CUDA {env['torch_cuda']})" if env.get("torch_cuda") else "")
-    )
+    if "torch" in env:  # not read where no GPU was found
+        parts.append(
+            f"PyTorch {env['torch'] or 'not installed'}"
+            + (f" (CUDA {env['torch_cuda']})" if env.get("torch_cuda") else "")
+        )
     for dist in ("cuda-bindings", "nvidia-ml-py", "transformers", "cupy-cuda13x", "cupy-cuda12x"):
         if env.get(dist):
             parts.append(f"{dist} {env[dist]}")
