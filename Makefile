@@ -89,9 +89,9 @@ $(PROTO_STAMP): $(PROTOS) $(VENV)/.installed
 run: setup
 	$(VENV)/bin/gpufrac run
 
-# Command-line tools the tests use besides the venv: kubectl (tests/integration/
-# test_deploy_manifests.py runs `kubectl kustomize`), promtool (tests/integration/
-# test_metrics.py runs `promtool check metrics`) and helm (below). For kubectl and
+# Command-line tools the tests use besides the venv: kubectl (tests/packaging/
+# test_deploy_manifests.py runs `kubectl kustomize`), promtool (tests/agent/metrics/
+# test_metrics.py runs `promtool check metrics`) and helm (below); their tests are marked `tools`. For kubectl and
 # promtool an existing one is kept; otherwise its Debian package is installed when we
 # are root. $(call need_tool,COMMAND,PACKAGE)
 define need_tool

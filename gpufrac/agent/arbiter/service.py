@@ -46,7 +46,7 @@ from gpufrac.agent.gpu import truth
 from gpufrac.agent.gpu.inventory import read_memory
 from gpufrac.agent.gpu.processes import observe
 from gpufrac.agent.kube.events import EventSink, container_ref
-from gpufrac.agent.kube.recorder import ObjectRef
+from gpufrac.agent.kube.objref import ObjectRef
 from gpufrac.agent.processes import kill
 from gpufrac.agent.processes.callers import AgentOutOfResources, Caller, PeerError, PeerLookup
 from gpufrac.core.config import Config

@@ -31,8 +31,9 @@ import grpc
 
 from gpufrac.agent.booking.ledger import ContainerAlloc, Ledger, keyed
 from gpufrac.agent.kube import events
+from gpufrac.agent.kube.objref import ObjectRef
 from gpufrac.agent.kube.podcache import PodCache, PodInfo
-from gpufrac.agent.kube.recorder import EventRecorder, ObjectRef
+from gpufrac.agent.kube.recorder import EventRecorder
 from gpufrac.core import annotations as annotations_mod
 from gpufrac.core import policy as policy_mod
 from gpufrac.core import slices

@@ -27,7 +27,7 @@ from gpufrac.agent.idle.view import (
 )
 from gpufrac.agent.kube import events
 from gpufrac.agent.kube.evict import EvictOutcome, EvictResult
-from gpufrac.agent.kube.recorder import ObjectRef
+from gpufrac.agent.kube.objref import ObjectRef
 from gpufrac.core.config import Config
 from gpufrac.core.units import format_duration
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from gpufrac.agent.kube.recorder import ObjectRef
+from gpufrac.agent.kube.objref import ObjectRef
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from gpufrac.agent.gpu.activity import ActivityTracker
 from gpufrac.agent.idle.reaper import IdleReaper
 from gpufrac.agent.idle.view import action_reason
 from gpufrac.agent.kube.evict import EvictOutcome, EvictResult
+from gpufrac.agent.kube.objref import ObjectRef
 from gpufrac.agent.kube.podcache import PodInfo
-from gpufrac.agent.kube.recorder import ObjectRef
 from gpufrac.agent.metrics.registry import Metrics
 from gpufrac.agent.processes.proc import proc_identity
 from gpufrac.core import annotations

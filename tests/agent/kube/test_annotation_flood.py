@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 
 from gpufrac.agent.kube.client import make_api_client
+from gpufrac.agent.kube.objref import ObjectRef
 from gpufrac.agent.kube.podcache import PodInfo
-from gpufrac.agent.kube.recorder import EventRecorder, ObjectRef
+from gpufrac.agent.kube.recorder import EventRecorder
 from gpufrac.core import annotations as ann
 from tests.fixtures.arbiter_harness import ArbiterNode
 from tests.fixtures.kube import KubeServer, pod_manifest

@@ -57,7 +57,8 @@ def test_an_evicted_pod_gets_the_disruption_target_condition(
 def test_a_new_pod_of_the_same_name_is_not_marked(kube_server: KubeServer) -> None:
     import asyncio
 
-    from gpufrac.agent.kube.recorder import EventRecorder, ObjectRef
+    from gpufrac.agent.kube.objref import ObjectRef
+    from gpufrac.agent.kube.recorder import EventRecorder
     from tests.fixtures.kube import pod_manifest
 
     v1 = kube_server.core_v1()

@@ -7,8 +7,9 @@ import datetime
 import json
 
 from gpufrac.agent.kube.client import make_api_client
+from gpufrac.agent.kube.objref import ObjectRef
 from gpufrac.agent.kube.podcache import PodInfo
-from gpufrac.agent.kube.recorder import EventRecorder, ObjectRef
+from gpufrac.agent.kube.recorder import EventRecorder
 from tests.fixtures.kube import KubeServer, pod_manifest
 
 NODE = "node-a"
