@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Protocol
 import gpufrac
 from gpufrac.agent.status.model import ContainerStatus, GpuStatus, NodeStatus
 from gpufrac.core import slices
+from gpufrac.core.gpus import mig_to_dict
 from gpufrac.memguard import abi
 
 if TYPE_CHECKING:
     from gpufrac.agent.booking.ledger import ContainerAlloc
     from gpufrac.core.config import Config
-    from gpufrac.core.gpus import GpuHealth, Inventory, mig_to_dict
+    from gpufrac.core.gpus import GpuHealth, Inventory
     from gpufrac.core.slices import GpuGeometry
 
 # How long a reader in another thread waits for the loop to take a snapshot.
