@@ -184,7 +184,7 @@ class Agent:
         await self._start_arbiter(ledger, pod_cache, self.activity)  # before any container can ask
         self._start_watchdog(ledger, pod_cache)
         reaper = self._open_reaper(ledger, self.pods, self.activity, api, no_api)
-        self.admission = Admission(self.arbiter, ledger, self.events)
+        self.admission = Admission(self.arbiter.resolution if self.arbiter else None, ledger, self.events)
         if api is None:
             log.error("node labels unavailable: %s", no_api)
         labeler = NodeLabeler(api, cfg.node_name, nodelabels.OWNED) if api is not None else None

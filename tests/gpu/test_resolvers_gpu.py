@@ -241,7 +241,8 @@ def test_swap_moves_an_idle_container_to_host_ram_and_back_intact(
     threshold = node.cfg.swap.idle_threshold
     node.until(
         lambda: any(
-            h.alloc.key == victim.alloc.key and h.idle_s >= threshold for h in node.arbiter.holdings(node.gpu)
+            h.alloc.key == victim.alloc.key and h.idle_s >= threshold
+            for h in node.arbiter.resolution.holdings(node.gpu)
         ),
         timeout=60,
         what="the victim idle",

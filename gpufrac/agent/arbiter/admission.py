@@ -6,14 +6,15 @@ container (Allocate) the agent starts taking it back; PreStartContainer (the kub
 waits for it before starting the container) awaits that, bounded by PRESTART_WAIT.
 
 Per GPU of the newcomer: shortfall = its request - (NVML free - grantMargin - what the
-other containers may still charge within their request + grant) (Arbiter.guarantee_shortfall).
+other containers may still charge within their request + grant) (Resolution.guarantee_shortfall,
+arbiter/context.py).
 To close it: unused grants are taken back at once, then the arbiter's guarantee chain
-(Arbiter.guarantee_chain: the configured resolvers, with an evict step even where the node
+(Resolution.guarantee_chain: the configured resolvers, with an evict step even where the node
 config leaves it out) runs a Need of kind "reclaim" whose priority is above every pod's, so
 evict admits any borrower, preemptible or not (preemptible ones first), and the newcomer is
 first in line among waiters. Resolvers only ever win burst bytes (memory above a
 container's request), so nobody's guarantee is touched, and never for memory hidden processes
-hold on the GPU (Arbiter.coverable: no container's, the watchdog's to kill): for that part
+hold on the GPU (Resolution.coverable: no container's, the watchdog's to kill): for that part
 the newcomer waits.
 
 If it cannot free enough (memory held outside gpufrac), the container still starts (a pod
@@ -49,33 +50,29 @@ class Bookings(Protocol):
     def get(self, key: str) -> ContainerAlloc | None: ...
 
 
-class Resolving(Protocol):
-    """A resolver chain (gpufrac.agent.arbiter.resolvers.Chain)."""
-
-    async def resolve(self, need: Need) -> bool: ...
-
-
 class GrantView(Protocol):
-    """What reclaiming a guarantee needs of the burst arbiter (gpufrac.agent.arbiter.Arbiter):
-    the grants it lent out, NVML's free memory, and the chain that takes bursts back."""
+    """What reclaiming a guarantee needs of the arbiter's resolution context
+    (arbiter/context.py Resolution): the grants it lent out, NVML's free memory, and the chain
+    that takes bursts back."""
 
     @property
     def ledger(self) -> Bookings: ...
-    @property
-    def guarantee_chain(self) -> Resolving: ...
 
     async def refresh_memory(self) -> None: ...
     def guarantee_shortfall(self, alloc: ContainerAlloc, gpu: str, inflight: int = 0) -> int | None: ...
-    def coverable(self, gpu: str, missing: int) -> int: ...
     def hidden_bytes(self, gpu: str) -> int: ...
     def release_unused(self, alloc: ContainerAlloc) -> None: ...
     def holdings(self, gpu: str) -> list[Holding]: ...
-    def next_seq(self) -> int: ...
+    def reclaim_need(
+        self, alloc: ContainerAlloc, gpu: str, missing: int, priority: int, deadline: float, inflight: int = 0
+    ) -> Need: ...
+    async def resolve_until(self, need: Need) -> bool: ...
 
 
 class Admission:
     """Per-container reclaim tasks, started at Allocate and awaited at PreStartContainer.
-    Without an arbiter (`arbiter` None) no grants are lent, so there is nothing to take back.
+    `arbiter`: the arbiter's resolution context; without an arbiter (None) no grants are lent,
+    so there is nothing to take back.
     Warnings go to the pod through `events` (None without an apiserver: logged only)."""
 
     def __init__(self, arbiter: GrantView | None, ledger: Bookings, events: EventSink | None) -> None:
@@ -196,33 +193,6 @@ async def reclaim_guarantee(
         if gpu in a.gpus and a.key != alloc.key and a.config.grant_bytes > 0:
             arb.release_unused(a)  # a grant above what it uses: back at once
 
-    def shortfall() -> int:
-        # What evicting or swapping may cover: not what hidden processes hold (try_grant still
-        # waits for all of it to be free).
-        return arb.coverable(gpu, arb.guarantee_shortfall(alloc, gpu, inflight) or 0)
-
-    def try_grant() -> bool:
-        # Nothing to publish: the request is the container's already; this only checks it is free.
-        s = arb.guarantee_shortfall(alloc, gpu, inflight)
-        if s is not None and s <= 0:
-            need.granted = True
-        return need.granted
-
-    need = Need(
-        requester=alloc,
-        gpu=gpu,
-        bytes=missing,
-        priority=RECLAIM_PRIORITY,
-        deadline=deadline,
-        kind="reclaim",
-        try_grant=try_grant,
-        shortfall=shortfall,
-        seq=arb.next_seq(),
-    )
-    loop = asyncio.get_running_loop()
-    try:
-        timeout = max(0.0, deadline - loop.time()) + 0.05
-        ok = await asyncio.wait_for(arb.guarantee_chain.resolve(need), timeout)
-    except asyncio.TimeoutError:
-        ok = need.try_grant()
+    need = arb.reclaim_need(alloc, gpu, missing, RECLAIM_PRIORITY, deadline, inflight)
+    ok = await arb.resolve_until(need)
     return 0 if ok else max(arb.guarantee_shortfall(alloc, gpu, inflight) or 0, 1)

@@ -25,7 +25,7 @@ class ChainMetrics(ResolverMetrics, SwapMetrics, Protocol):
 
 
 class ChainHost(ResolverContext, SwapHost, Protocol):
-    """What the resolvers together need of the arbiter (gpufrac.agent.arbiter.Arbiter)."""
+    """What the resolvers together need of the arbiter (its resolution context, arbiter/context.py)."""
 
     @property
     def metrics(self) -> ChainMetrics: ...

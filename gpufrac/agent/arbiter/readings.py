@@ -19,7 +19,7 @@ ungranted memory, and a holder that stays above in both is caught whatever it do
 
 What hidden processes hold (a GPU process whose cgroup file the kernel refuses:
 gpufrac.agent.gpu.processes.Observed.hidden) is kept per GPU (`hidden_on`): that memory is no
-container's, and no shortfall that evicts or swaps anyone covers it (Arbiter.coverable).
+container's, and no shortfall that evicts or swaps anyone covers it (Resolution.coverable).
 """
 
 from __future__ import annotations

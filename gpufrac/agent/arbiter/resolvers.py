@@ -24,8 +24,9 @@ Outcome(available=False, ...) and the chain moves on; it should log that once,
 not per request. A resolver that waits must honour `need.deadline` (loop time)
 and give up by then.
 
-What resolvers may ask of the arbiter is `ResolverContext` below; the chain the node config
-names is built by gpufrac.agent.arbiter.chain.
+What resolvers may ask of the arbiter is `ResolverContext` below (the resolution context,
+arbiter/context.py, implements it and runs the chains until a need's deadline: `resolve_until`);
+the chain the node config names is built by gpufrac.agent.arbiter.chain.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -55,6 +56,14 @@ from gpufrac.memguard.abi import FLAG_PREEMPTIBLE
 log = logging.getLogger(__name__)
 
 
+class Terms(Protocol):
+    """How a kind of need is granted, and what others may be made to free for it
+    (arbiter/context.py has one for bursts, swap-ins and reclaims)."""
+
+    def try_grant(self, need: Need) -> bool: ...
+    def shortfall(self, need: Need) -> int: ...
+
+
 @dataclass
 class Need:
     """A request the arbiter could not satisfy from free memory.
@@ -63,7 +72,8 @@ class Need:
     and returns True (idempotent once granted). `shortfall()` is how many more bytes
     resolvers may free on `gpu` by evicting or swapping others for that to happen (0 when
     it would fit now): what is missing less what hidden processes hold there
-    (gpufrac.agent.arbiter.Arbiter.coverable), which only their death frees."""
+    (arbiter/context.py Resolution.coverable), which only their death frees. Both are its
+    `terms`', which the context's need_* builders choose by kind."""
 
     requester: ContainerAlloc
     gpu: str
@@ -71,14 +81,19 @@ class Need:
     priority: int
     deadline: float  # loop.time() by which the requester gets an answer
     kind: str  # "burst", "reclaim" (an owner taking its lent guarantee back) or "swap-in"
-    try_grant: Callable[[], bool]
-    shortfall: Callable[[], int]
+    terms: Terms
     seq: int = 0  # arrival order (FIFO among equal priorities)
     # time.monotonic() when it came: how long it has been held back by requests ahead of it
     # (gpufrac.agent.arbiter.queue, the head-of-line bound)
     arrived: float = field(default_factory=time.monotonic)
     granted: bool = False
     notes: list[str] = field(default_factory=list)
+
+    def try_grant(self) -> bool:
+        return self.terms.try_grant(self)
+
+    def shortfall(self) -> int:
+        return self.terms.shortfall(self)
 
     def who(self) -> str:
         return self.requester.who()
@@ -133,7 +148,7 @@ class ResolverMetrics(Protocol):
 
 
 class ResolverContext(Protocol):
-    """What the arbiter offers resolvers (gpufrac.agent.arbiter.Arbiter implements it)."""
+    """What the arbiter offers resolvers (its resolution context, arbiter/context.py Resolution)."""
 
     evict_idle_threshold: float
 

@@ -18,7 +18,7 @@ looks full. For those the arbiter counts
 for a holder that may lose something (a victim looks no bigger than it is), and the driver's
 WHOLE count, no allowance, for the container a decision is made for (a requester's missing
 guarantee, what its neighbours may still charge: gpufrac.agent.arbiter.service
-Arbiter.guarantee_shortfall), so zeroing the counter, or allocating from a process that does
+Resolution.guarantee_shortfall), so zeroing the counter, or allocating from a process that does
 not load the shim, hides nothing, and an inflated counter takes nothing from anyone.
 
 A process counts for its container by GPU (gpufrac.agent.processes.callers.ContainerOwner): a container

@@ -71,7 +71,7 @@ class SwapOut(Protocol):
     async def swap_out(self, alloc: ContainerAlloc, reason: str) -> tuple[bool, str]: ...
 
 
-class SwapHost(Protocol):
+class SwapProvider(Protocol):
     """The burst arbiter, as far as the reaper swaps through it: its swap resolver, if its
     resolvers list names one."""
 
@@ -232,7 +232,7 @@ class IdleActions:
 # -- swapping through the arbiter ------------------------------------------------------------------------
 
 
-async def swap_via(arbiter: SwapHost | None, alloc: ContainerAlloc, reason: str) -> tuple[bool, str]:
+async def swap_via(arbiter: SwapProvider | None, alloc: ContainerAlloc, reason: str) -> tuple[bool, str]:
     """Swap one container out through the arbiter's swap resolver (gpufrac.agent.arbiter.swap.resolver); the
     reaper's Swapper as the composition root wires it."""
     if arbiter is None:

@@ -182,9 +182,9 @@ def test_a_release_right_after_a_grant_leaves_it_to_the_shim_that_got_it(node: A
     assert a.workload is not None and a.workload.do(f"alloc {2 * GiB}") == "fast"
 
     async def grant_then_release() -> int:
-        await node.arbiter.refresh_memory()  # what a burst request reads first
-        assert node.arbiter._grant(a.alloc, 3 * GiB)  # the GRANTED reply is on its way
-        node.arbiter._release(a.alloc)  # another process frees before that shim charges
+        await node.arbiter.resolution.refresh_memory()  # what a burst request reads first
+        assert node.arbiter.resolution.grant(a.alloc, 3 * GiB)  # the GRANTED reply is on its way
+        node.arbiter.resolution.release(a.alloc)  # another process frees before that shim charges
         return a.alloc.config.grant_bytes
 
     assert node.on_loop(grant_then_release) == 3 * GiB

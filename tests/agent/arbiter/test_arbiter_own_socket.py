@@ -257,7 +257,9 @@ def test_an_arbiter_started_over_existing_bookings_binds_their_sockets_anew(
     assert b.workload.do(f"alloc {3 * GiB}") != "granted"  # nobody answers: the shim's no
 
     async def start() -> Arbiter:
-        arb = Arbiter(node.cfg, node.ledger, old.peers, node.socket, events=old.events, metrics=node.metrics)
+        arb = Arbiter(
+            node.cfg, node.ledger, old.peers, node.socket, events=old.resolution.events, metrics=node.metrics
+        )
         await arb.start()
         return arb
 
@@ -279,7 +281,9 @@ def test_containers_are_served_when_the_node_wide_socket_cannot_be_bound(
     async def restart() -> Arbiter:
         await old.stop()
         os.mkdir(node.socket)  # something in the way where the node-wide socket goes
-        arb = Arbiter(node.cfg, node.ledger, old.peers, node.socket, events=old.events, metrics=node.metrics)
+        arb = Arbiter(
+            node.cfg, node.ledger, old.peers, node.socket, events=old.resolution.events, metrics=node.metrics
+        )
         await arb.start()
         return arb
 

@@ -3,7 +3,7 @@
 The usage file is the tenant's to write. One it cannot read (a bad magic, a short file) must
 not take the container out of what the arbiter weighs when it reclaims memory for someone
 else: the agent then counts it from the driver (NVML's per-process memory), or as holding all
-it may, and as idle (gpufrac.agent.arbiter.Arbiter.holdings).
+it may, and as idle (arbiter/context.py Resolution.holdings).
 
 One 1 GiB GPU (960 MiB allocatable, 64 MiB units); the real agent, real shim, real workload
 processes (tests/fixtures/e2e.py). Node resolvers: wait only; lendUnusedRequests on.

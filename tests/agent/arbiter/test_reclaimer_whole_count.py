@@ -9,7 +9,7 @@ smaller, which is conservative toward it). Here it is the wrong side: a requeste
 neighbour, that zeroed its counter looked smaller by up to the allowance, the shortfall larger
 by as much, and the reclaim evicted a burst it did not need. Holdings there are now NVML's
 whole count (gpufrac.agent.arbiter.readings.DriverReadings.whole_count,
-Arbiter.guarantee_shortfall).
+Resolution.guarantee_shortfall).
 
 One 1 GiB GPU (992 MiB usable, 960 MiB allocatable, 64 MiB units, grant margin 16 MiB),
 unused guarantees lent out, the default context allowance (256 MiB); the real agent, real

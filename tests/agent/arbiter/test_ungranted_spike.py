@@ -50,9 +50,9 @@ def reclaim_with_spike(node: ArbiterNode, hog: WorkloadProcess, b: Box, *, spike
     async def reclaim() -> int:
         readings.read_memory = read_memory
         try:
-            await node.arbiter.refresh_memory()  # as admission does before it reclaims
+            await node.arbiter.resolution.refresh_memory()  # as admission does before it reclaims
             deadline = asyncio.get_running_loop().time() + 10
-            left = await reclaim_guarantee(node.arbiter, b.alloc, node.gpu, deadline)
+            left = await reclaim_guarantee(node.arbiter.resolution, b.alloc, node.gpu, deadline)
             return -1 if left is None else left
         finally:
             readings.read_memory = real

@@ -389,10 +389,10 @@ def test_a_rebooked_key_is_read_from_its_own_files_only(tmp_path: Path) -> None:
     ledger.release(old.key)
     new = ledger.reserve(MEMORY, devs)
     assert new.key == old.key and abi.read_usage(new.directory).total_used == 3 * GiB  # still there
-    assert arb._used(new) is None  # unknown (counted as all it may use), not the old 3 GiB
+    assert arb.resolution.used(new) is None  # unknown (counted as all it may use), not the old 3 GiB
     retire_container_dir(*queued.pop())  # type: ignore[arg-type]
     ledger.attach(new.key, write_container_dir(new.directory, new.config))
-    assert arb._used(new) == 0
+    assert arb.resolution.used(new) == 0
 
 
 def test_a_release_that_cannot_be_cleaned_up_does_not_stop_the_others(

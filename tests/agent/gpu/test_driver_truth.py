@@ -4,7 +4,7 @@ A container can zero its usage counter, allocate from a process that does not lo
 or write any value into its usage file. Whenever the agent takes something from someone
 else (an eviction, a reclaimed guarantee, a burst denied because the GPU is full), it counts
 the larger of the file (clamped to what it granted) and NVML's per-process memory summed
-over the container's processes (gpufrac.agent.gpu.truth; Arbiter._used, Arbiter.driver_used).
+over the container's processes (gpufrac.agent.gpu.truth; Resolution.used, Resolution.driver_used).
 A file that disagrees with NVML is flagged (GpuUsageFileMismatch Event, metric).
 
 One 1 GiB GPU (992 MiB usable, 960 MiB allocatable, 64 MiB units, grant margin 16 MiB);

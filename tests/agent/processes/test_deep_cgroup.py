@@ -11,7 +11,7 @@ and as a GPU process it is hidden, killed by the watchdog in enforce mode (only 
 cgroup file is still refused), reported in report mode (gpufrac.agent.processes.callers.cgroup_of,
 gpufrac.agent.gpu.processes.observe, gpufrac.agent.watchdog.service, gpufrac.agent.processes.kill
 .kill_if_hidden). What it holds is nobody's, and nobody is evicted or swapped to cover it: a
-request that needs that memory waits for the kill (gpufrac.agent.arbiter.Arbiter.coverable).
+request that needs that memory waits for the kill (arbiter/context.py Resolution.coverable).
 
 This machine's kernel cuts the path: the end-to-end test below runs the real kernel's answer
 through the real agent. The kernels that refuse are stood in for by a /proc in which those
@@ -306,7 +306,7 @@ def test_memory_a_hidden_process_holds_gets_no_neighbour_evicted_by_a_reclaim(
         deep.enter(hog.proc.pid)
         proc = refusing_proc(tmp_path, [hog.proc.pid])
         monkeypatch.setattr(node.arbiter.readings, "read_processes", lambda: observe(proc))
-        node.on_loop(node.arbiter.refresh_memory)
+        node.on_loop(node.arbiter.resolution.refresh_memory)
         left = node.arbiter.readings.free(node.gpu)
         assert left is not None and left > 3 * GiB
         # The hidden process takes all but 1 GiB of the GPU's free memory: a's unused guarantee.

@@ -94,12 +94,11 @@ class SwapMetrics(Protocol):
 
 
 class SwapHost(Protocol):
-    """What the swap resolver needs of the arbiter (gpufrac.agent.arbiter.Arbiter)."""
+    """What the swap resolver needs of the arbiter's resolution context (arbiter/context.py)."""
 
     config: Config
     ledger: Ledger
     peers: PeerLookup
-    chain: Chain
 
     @property
     def metrics(self) -> SwapMetrics: ...
@@ -108,11 +107,9 @@ class SwapHost(Protocol):
     def claim(self, need: Need) -> AbstractContextManager[None]: ...
     def revoke_burst(self, alloc: ContainerAlloc) -> None: ...
     def event(self, alloc: ContainerAlloc, type_: str, reason: str, message: str) -> None: ...
-    def free_for(self, alloc: ContainerAlloc) -> int: ...
-    def coverable(self, gpu: str, missing: int) -> int: ...
-    def try_grant(self, need: Need, target: int) -> bool: ...
+    def swap_in_need(self, alloc: ContainerAlloc, gpu: str, nbytes: int) -> Need: ...
+    async def resolve_until(self, need: Need) -> bool: ...
     async def refresh_memory(self) -> None: ...
-    def next_seq(self) -> int: ...
 
 
 @dataclass
@@ -583,53 +580,18 @@ class SwapResolver:
             self.swapped[alloc.key] = entry
         return entry
 
-    def _swap_in_need(self, entry: Swapped) -> Need:
-        """The request a swap-in makes of the chain: its burst part re-granted, and all of
-        its memory physically free (its guarantee part is already held for it, unless lent)."""
-        alloc = entry.alloc
-        cfg = alloc.config
-        target = max(0, entry.bytes - alloc.request_bytes)
-        lend = self.config.lend_unused_requests
-        needed = entry.bytes if lend else target
-        loop = asyncio.get_running_loop()
-        need = Need(
-            requester=alloc,
-            gpu=entry.gpu,
-            bytes=needed,
-            priority=cfg.priority,
-            deadline=loop.time() + cfg.wait_timeout_ms / 1000.0,
-            kind="swap-in",
-            try_grant=lambda: False,
-            shortfall=lambda: 0,
-            seq=self.ctx.next_seq(),
-        )
-
-        def try_grant() -> bool:
-            if need.granted:
-                return True
-            if lend and self.ctx.free_for(alloc) < needed:
-                return False
-            return self.ctx.try_grant(need, target)
-
-        need.try_grant = try_grant
-        # Never what hidden processes hold: nobody is evicted or swapped for that (Arbiter.coverable).
-        need.shortfall = lambda: self.ctx.coverable(entry.gpu, needed - self.ctx.free_for(alloc))
-        return need
-
     async def _swap_in(self, entry: Swapped) -> bool:
         alloc = entry.alloc
         if self.ctx.ledger.get(alloc.key) is not alloc:
             self.swapped.pop(alloc.key, None)
             return True
-        need = self._swap_in_need(entry)
+        # Its burst part re-granted, and all of its memory physically free (its guarantee part
+        # is held for it already, unless lent); never what hidden processes hold is taken from
+        # others for it (Resolution.coverable).
+        need = self.ctx.swap_in_need(alloc, entry.gpu, entry.bytes)
         await self.ctx.refresh_memory()
-        ok = need.try_grant()  # refused while a request ranks ahead: then the chain (or the queue)
-        if not ok:
-            left = need.deadline - asyncio.get_running_loop().time()
-            try:
-                ok = await asyncio.wait_for(self.ctx.chain.resolve(need), max(0.0, left) + 0.05)
-            except asyncio.TimeoutError:
-                ok = need.granted
+        # Refused while a request ranks ahead: then the chain (or the queue).
+        ok = need.try_grant() or await self.ctx.resolve_until(need)
         if not ok:
             self.stats.failed_in += 1
             log.info(

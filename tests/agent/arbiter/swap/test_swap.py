@@ -134,7 +134,8 @@ def idle(node: ArbiterNode, box: Box) -> None:
     threshold = node.cfg.swap.idle_threshold
     node.until(
         lambda: any(
-            h.alloc.key == box.alloc.key and h.idle_s >= threshold for h in node.arbiter.holdings(node.gpu)
+            h.alloc.key == box.alloc.key and h.idle_s >= threshold
+            for h in node.arbiter.resolution.holdings(node.gpu)
         ),
         timeout=TIMEOUT,
         what=f"{box.pod} idle for {threshold}s",
@@ -284,8 +285,14 @@ def test_a_swap_out_undone_is_not_counted_or_announced_as_a_swap_in(
     monkeypatch.setattr(swap, "_prepare", lambda alloc: [(pid, (1, 1))])
     monkeypatch.setattr(swap_mod, "launches_of", lambda directory, slots: 1)  # it launched meanwhile
     posted: list[str] = []
-    monkeypatch.setattr(node.arbiter, "event", lambda alloc, type_, reason, message: posted.append(reason))
-    (h,) = [h for h in node.on_loop(lambda: node.arbiter.holdings(node.gpu)) if h.alloc.key == box.alloc.key]
+    monkeypatch.setattr(
+        node.arbiter.resolution, "event", lambda alloc, type_, reason, message: posted.append(reason)
+    )
+    (h,) = [
+        h
+        for h in node.on_loop(lambda: node.arbiter.resolution.holdings(node.gpu))
+        if h.alloc.key == box.alloc.key
+    ]
     with pytest.raises(swap_mod._Skip, match="became active"):
         node.on_loop(lambda: swap._swap_out(h, node.gpu, "a test", needed_by="a test"))
     assert swap.stats.reverted == 1
@@ -347,7 +354,7 @@ def test_a_new_container_on_a_swapped_out_ones_slices_is_not_taken_for_it(node: 
     node.on_loop(lambda: swap.swapped.__setitem__(box.alloc.key, entry))
     try:
         assert not swap.is_swapped(box.alloc.key)
-        assert node.on_loop(lambda: node.arbiter._used(box.alloc)) == GiB
+        assert node.on_loop(lambda: node.arbiter.resolution.used(box.alloc)) == GiB
     finally:
         node.on_loop(lambda: swap.swapped.pop(box.alloc.key, None))
 

@@ -68,7 +68,11 @@ def swap_out_victim(
         (int(s.pid), int(s.start_time)) for s in abi.read_usage(box.alloc.directory).slots if s.pid > 0
     ]
     monkeypatch.setattr(swap, "_prepare", lambda alloc: [(pid, slot)])
-    (h,) = [h for h in node.on_loop(lambda: node.arbiter.holdings(node.gpu)) if h.alloc.key == box.alloc.key]
+    (h,) = [
+        h
+        for h in node.on_loop(lambda: node.arbiter.resolution.holdings(node.gpu))
+        if h.alloc.key == box.alloc.key
+    ]
     return (
         swap,
         box,

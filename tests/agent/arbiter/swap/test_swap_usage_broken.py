@@ -47,7 +47,9 @@ def test_a_victim_that_breaks_its_usage_file_mid_swap_out_is_restored(
 
     monkeypatch.setattr(swap_mod, "launches_of", broken_meanwhile)
     (h,) = [
-        h for h in node.on_loop(lambda: node.arbiter.holdings(node.gpu)) if h.alloc.key == victim.alloc.key
+        h
+        for h in node.on_loop(lambda: node.arbiter.resolution.holdings(node.gpu))
+        if h.alloc.key == victim.alloc.key
     ]
     with pytest.raises(swap_mod._Skip, match="usage file became unreadable"):
         node.on_loop(lambda: swap._swap_out(h, node.gpu, "a test", needed_by="a test"))

@@ -6,7 +6,7 @@ host RAM. But the container controls its processes: it can keep the checkpointed
 that allocates up to its limit. Counted as holding 0 because it is swapped out, that memory
 was nobody's burst: no eviction victim, no swap candidate, and a neighbour's allocation
 inside its guarantee failed. The arbiter now counts a swapped-out container by NVML's
-per-process memory over its live processes (gpufrac.agent.arbiter.Arbiter._swapped_used),
+per-process memory over its live processes (arbiter/context.py Resolution._swapped_used),
 so what it holds above its request is taken back for the neighbour's guarantee.
 
 One 1 GiB GPU (992 MiB usable, 960 MiB allocatable, 64 MiB units, grant margin 16 MiB); the
