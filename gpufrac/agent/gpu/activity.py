@@ -33,7 +33,8 @@ matters is the idle reaper's business (gpufrac.agent.idle.reaper), not this modu
 The tracker is shared: the idle reaper polls it every `idle.interval`, and the
 arbiter may read `idle_seconds(key)` when it picks victims. Reading usage files
 and NVML blocks, so `poll()` does that in a worker thread and applies the
-result on the agent's loop (docs/architecture.md).
+result on the agent's loop (docs/architecture.md). Over 500 lines: the two signals and the
+rules that keep a tenant's file from outweighing the driver are one judgement, read together.
 """
 
 from __future__ import annotations

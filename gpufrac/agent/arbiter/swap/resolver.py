@@ -28,9 +28,9 @@ whose processes nobody can tell about (the checkpoint API unusable): a flag is c
 once the driver reports its process running.
 
 Everything here runs on the agent's loop; checkpoint calls, /proc scans and
-usage-file writes go to worker threads. Its parts: the choice of victims (swap_choice,
-pure), the flags and records on disk (swap_files), the takeover of containers a previous
-agent swapped (swap_takeover). This module is the resolver itself, one class over 500
+usage-file writes go to worker threads. Its parts: the choice of victims (swap/choice.py,
+pure), the flags and records on disk (swap/files.py), the takeover of containers a previous
+agent swapped (swap/takeover.py). This module is the resolver itself, one class over 500
 lines: swap-out, swap-in and the takeover share the per-container busy marks that keep
 them from interleaving (_busy_with), and split apart each would have to reach into the
 others' state.
