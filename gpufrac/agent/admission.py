@@ -8,8 +8,9 @@ waits for it before starting the container) awaits that, bounded by PRESTART_WAI
 Per GPU of the newcomer: shortfall = its request - (NVML free - grantMargin - what the
 other containers may still charge within their request + grant) (Arbiter.guarantee_shortfall).
 To close it: unused grants are taken back at once, then the arbiter's guarantee chain
-(Arbiter.guarantee_chain: the configured resolvers, with an evict step even where the node
-config leaves it out) runs a Need of kind "reclaim" whose priority is above every pod's, so
+(Arbiter.guarantee_chain: first the memory of containers holding no allocation on the GPU,
+sidecars, gpufrac.agent.unbooked; then the configured resolvers, with an evict step even where
+the node config leaves it out) runs a Need of kind "reclaim" whose priority is above every pod's, so
 evict admits any borrower, preemptible or not (preemptible ones first), and the newcomer is
 first in line among waiters. Resolvers only ever win burst bytes (memory above a
 container's request), so nobody's guarantee is touched, and never for memory hidden processes

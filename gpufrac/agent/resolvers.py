@@ -44,6 +44,7 @@ from gpufrac.agent.events import (
     REASON_EVICTED,
     REASON_PREEMPTED,
     WARNING,
+    Booked,
     container_name,
 )
 from gpufrac.agent.kill import KillFailed
@@ -148,7 +149,7 @@ class ResolverContext(Protocol):
     # known to be free (gpufrac.agent.kill.kill_container).
     async def kill_container(self, alloc: ContainerAlloc) -> int: ...
     def revoke_burst(self, alloc: ContainerAlloc) -> None: ...
-    def event(self, alloc: ContainerAlloc, type_: str, reason: str, message: str) -> None: ...
+    def event(self, alloc: Booked, type_: str, reason: str, message: str) -> None: ...
     def disrupted(self, alloc: ContainerAlloc, reason: str, message: str) -> None: ...
 
 

@@ -33,20 +33,20 @@ from gpufrac.agent import swap as swap_mod
 from gpufrac.agent.admission import reclaim_guarantee
 from gpufrac.agent.arbiter import grants, recovery
 from gpufrac.agent.arbiter import sweep as grant_sweep
-from gpufrac.agent.arbiter.chain import build_chain
+from gpufrac.agent.arbiter.chain import build_chain, build_guarantee_chain
 from gpufrac.agent.arbiter.listeners import ContainerSockets
 from gpufrac.agent.arbiter.queue import LAST, WaitQueue
 from gpufrac.agent.arbiter.readings import NVML_FRESH, NVML_STALE, DriverReadings, ReadMemory, ReadProcesses
 from gpufrac.agent.arbiter.server import RefusalLog, RequestMetrics, Result, SocketServer, Stats
 from gpufrac.agent.arbiter.usage import ContainerFiles
 from gpufrac.agent.callers import AgentOutOfResources, Caller, PeerError, PeerLookup
-from gpufrac.agent.events import container_ref
+from gpufrac.agent.events import Booked, container_ref
 from gpufrac.agent.fairness import Fairness, LimitMetrics
 from gpufrac.agent.gpu_processes import observe
 from gpufrac.agent.inventory import read_memory
 from gpufrac.agent.kube import ObjectRef
 from gpufrac.agent.ledger import ContainerAlloc, Ledger
-from gpufrac.agent.resolvers import Chain, Holding, Need, ResolverMetrics, guarantee_chain
+from gpufrac.agent.resolvers import Chain, Holding, Need, ResolverMetrics
 from gpufrac.agent.swap import SwapMetrics
 from gpufrac.core.config import Config
 from gpufrac.core.units import format_bytes
@@ -107,15 +107,16 @@ class Arbiter:
         self.queue = WaitQueue(
             self._refresh_soon, NVML_FRESH, self._wait_timed_out, config.head_of_line_bound
         )
-        # One context allowance per container (docs/watchdog.md), as the watchdog's.
+        # One context allowance per pod and GPU (docs/watchdog.md), as the watchdog's.
         self.readings = DriverReadings(
             memory, processes, peers, config.watchdog.tolerance, self.queue.notify_all
         )
         self.files = ContainerFiles(ledger)
         self.sweeper = grants.GrantSweep()
         self.chain = resolvers if resolvers is not None else build_chain(config.resolvers, self)
-        # A guarantee is reclaimed with an evict step even where `resolvers` leaves it out.
-        self.guarantee_chain = guarantee_chain(self.chain, self)
+        # A guarantee is reclaimed with an evict step even where `resolvers` leaves it out, after
+        # the memory no allocation answers for (gpufrac.agent.unbooked).
+        self.guarantee_chain = build_guarantee_chain(self.chain, self)
         # The swap resolver: the chain's when configured, else one that only brings back what
         # an earlier agent swapped out. Its containers' memory is in host RAM, not on the GPU.
         self.swap = swap_mod.restorer(self.chain, self)
@@ -412,7 +413,7 @@ class Arbiter:
     # -- accounting ------------------------------------------------------------------------------
 
     def driver_used(self, alloc: ContainerAlloc) -> int | None:
-        """What NVML counts for the container's processes on its GPU, less one context
+        """What NVML counts for the container's processes on its GPU, less its part of its pod's
         allowance; None without a recent process reading (gpufrac.agent.arbiter.readings)."""
         return self.readings.driver_used(alloc)
 
@@ -546,6 +547,19 @@ class Arbiter:
         none of what hidden processes hold there in the last reading (grants.coverable). The
         requester waits instead: in enforce mode the watchdog kills them within an interval."""
         return grants.coverable(missing, self.readings.hidden_on(gpu))
+
+    def unbooked(self, gpu: str, requester: str) -> list[truth.Unbooked]:
+        """The processes on `gpu` of containers holding no allocation there (gpufrac.agent.unbooked),
+        none while a booking there other than `requester`'s is not yet tied to its container (the
+        memory may be that one's, as the watchdog also waits)."""
+        if any(not (a.pod_uid and a.container) and a.key != requester for a in self._on_gpu(gpu)):
+            return []
+        return self.readings.unbooked_on(gpu)
+
+    async def kill_unbooked(self, p: truth.Unbooked) -> bool:
+        """SIGKILL one such process while it is the one the driver listed, in that container
+        (gpufrac.agent.kill.kill_if_seen, in a worker thread); True once it is gone."""
+        return await asyncio.to_thread(kill.kill_if_seen, p.proc.pid, p.cgroup, p.proc.start, self.peers.proc)
 
     def hidden_bytes(self, gpu: str) -> int:
         """What hidden processes hold on `gpu` in the last reading (readings.DriverReadings.hidden_on)."""
@@ -691,7 +705,7 @@ class Arbiter:
                 self.files.reap_all(alloc)
         await self.readings.refresh()  # the victims' memory is free now: let the grant see it
 
-    def event(self, alloc: ContainerAlloc, type_: str, reason: str, message: str) -> None:
+    def event(self, alloc: Booked, type_: str, reason: str, message: str) -> None:
         ref = container_ref(alloc)
         if self.events is not None and ref is not None:
             self.events.record(ref, type_, reason, message)
