@@ -15,7 +15,10 @@ containers (sidecars). A container that holds no allocation on a GPU has none th
 Modes (config.watchdog.mode):
 * off      - not started;
 * report   - a container over its limit gets a Warning Event, a log line and a
-             metric, once per episode (until it is back under);
+             metric, once per episode (until it is back under); its memory stays until
+             a guarantee needs it: the reclaim then takes it (gpufrac.agent.resolvers,
+             gpufrac.agent.unbooked), as in every mode. Hidden processes are reported
+             only (below), and said so at start;
 * enforce  - the same, and its processes are killed, newest first, until the rest
              fits, in the scan that found it (within one interval); each kill is an
              Event naming usage and limit.
@@ -231,11 +234,18 @@ class Watchdog:
             log.info("watchdog off")
             return None
         log.info(
-            "watchdog in %s mode: every %.1fs, tolerance %s",
+            "watchdog in %s mode: every %.1fs, tolerance %s (one allowance per pod and GPU)",
             self.config.mode,
             self.config.interval,
             format_bytes(self.config.tolerance),
         )
+        if not self.enforcing:
+            log.warning(
+                "watchdog in report mode: a container past its limit is reported, not killed, until a "
+                "guarantee needs its memory (then evicted, as a burst); a hidden GPU process (its cgroup "
+                "file refused) is never killed, and an allocation within a guarantee that needs its "
+                "memory is refused at its wait timeout (docs/watchdog.md, Report mode)"
+            )
         self._task = asyncio.create_task(self._loop(), name="watchdog")
         return self._task
 
