@@ -17,12 +17,13 @@ the measured path. Times are CLOCK_MONOTONIC, shared by all processes on the nod
   container floods the arbiter (gpufrac.simgpu.flood, in its own cgroup): the worst of
   its floods (flood.<mode>: requests back to back from 4 processes; 1100 silent
   connections reopened as they are closed; half-sent requests; 4500 silent connections,
-  past the node's connection cap). Target: within 2x of the
-  p99 at rest (flood_p99_ratio), the per-container limits (gpufrac.agent.fairness) at
-  their defaults. The flooder's processes run in a CPU cgroup of their own with the
-  weight a pod requesting FLOOD_CPU_REQUEST gets from the kubelet (cpu.shares 1024 per
-  core requested, cgroup v1 here), as a tenant's pod does on a real node; the agent's loop
-  and the neighbour keep the default weight. On a machine of few cores the flood's own
+  past the node's connection cap; connect-and-close churn from 4 processes, never a
+  request). Target: p50 and p99 each within 2x of rest (flood_p50_ratio, flood_p99_ratio:
+  the worst flood's; per flood in flood.<mode>), the per-container limits
+  (gpufrac.agent.fairness) at their defaults. The flooder's processes run in a CPU cgroup
+  of their own with the weight a pod requesting FLOOD_CPU_REQUEST gets from the kubelet
+  (cpu.shares 1024 per core requested, cgroup v1 here), as a tenant's pod does on a real
+  node; the agent's loop and the neighbour keep the default weight. On a machine of few cores the flood's own
   processes compete with the agent for them: without that weight the figure measures the
   flooder's CPU as much as the agent's (`flood_cpu` in the result says which applied).
 * swap_roundtrip_ms_per_gib_sim is not measured here: bench/swap.py (the swap resolver's
@@ -84,6 +85,7 @@ FLOODS = (
     ("idle", "idle", 1100),
     ("slow", "slow", 1100),
     ("idle-past-cap", "idle", 4500),
+    ("churn", "churn", 4),
 )
 
 
@@ -138,6 +140,7 @@ def run(
 
     from .shim import build_driver
 
+    load_start = os.getloadavg()[0]
     root = Path(tempfile.mkdtemp(prefix="gfb", dir="/tmp"))
     create_node(load_preset("dgx-h100"), root / "node.state")
     ctypes.CDLL(str(native.library(native.FAKE_NVML)), mode=ctypes.RTLD_GLOBAL)
@@ -295,8 +298,10 @@ def run(
                 cpu = _cpu_weighted(c.pids(), f"{root.name}-{label}", flood_cpu_request)
             flood_cpu[label] = cpu is not None
             own = arb.sockets.listeners[flood_alloc.key]
-            busy, accepted = arb.stats.busy, own.accepted
-            return grants(alloc, w), arb.stats.busy - busy, own.accepted - accepted
+            busy, accepted, slowed = arb.stats.busy, own.accepted, own.slowed
+            samples = grants(alloc, w)
+            flood_slowed[label] = own.slowed - slowed
+            return samples, arb.stats.busy - busy, own.accepted - accepted
         finally:
             c.stop()
             _cpu_release(cpu)
@@ -310,6 +315,7 @@ def run(
         flood_busy: dict[str, int] = {}
         flood_accepted: dict[str, int] = {}
         flood_cpu: dict[str, bool] = {}
+        flood_slowed: dict[str, int] = {}
         for label, mode, n in FLOODS:
             flood_us[label], flood_busy[label], flood_accepted[label] = flooded(label, mode, n, a_alloc, a)
         shim_us, shim_granted = shim_bursts(bursts)
@@ -348,22 +354,28 @@ def run(
         pynvml.nvmlShutdown()
         shutil.rmtree(root, ignore_errors=True)
 
-    rest_p99 = _pct(grant_us, 99)
+    rest_p50, rest_p99 = statistics.median(grant_us), _pct(grant_us, 99)
+    flood_p50 = {mode: statistics.median(xs) for mode, xs in flood_us.items()}
     flood_p99 = {mode: _pct(xs, 99) for mode, xs in flood_us.items()}
     worst = max(flood_p99.values())
     out: dict[str, Any] = {
-        "burst_grant_p50_us": round(statistics.median(grant_us), 1),
+        "burst_grant_p50_us": round(rest_p50, 1),
         "burst_grant_p99_us": round(rest_p99, 1),
         # The same grants while another container floods the arbiter: the worst flood's p99.
         "grant_p99_us_under_flood": round(worst, 1),
         "flood_p99_ratio": round(worst / rest_p99, 2),
+        "flood_p50_ratio": round(max(flood_p50.values()) / rest_p50, 2),
         "flood": {
             label: {
                 "processes_or_connections": n,
-                "grant_p50_us": round(statistics.median(flood_us[label]), 1),
+                "grant_p50_us": round(flood_p50[label], 1),
                 "grant_p99_us": round(flood_p99[label], 1),
+                "p50_ratio": round(flood_p50[label] / rest_p50, 2),
+                "p99_ratio": round(flood_p99[label] / rest_p99, 2),
                 "refused_busy": flood_busy[label],
                 "connections_accepted": flood_accepted[label],
+                # Times its socket stopped accepting for its rate (connections charged at accept).
+                "slowed_at_accept": flood_slowed[label],
             }
             for label, _, n in FLOODS
         },
@@ -384,7 +396,8 @@ def run(
             "flood_bursts": {mode: len(xs) for mode, xs in flood_us.items()},
             "handoffs": len(handoff_ms),
         },
-        "machine": {"cpus": os.cpu_count(), "load_1m": os.getloadavg()[0]},
+        # The 1-minute load average at the start and the end of the run: how quiet it was.
+        "machine": {"cpus": os.cpu_count(), "load_1m_start": load_start, "load_1m": os.getloadavg()[0]},
         "event_loop": loop_kind,  # the agent's loop (gpufrac.core.eventloop): uvloop or asyncio
         "notes": [
             "client-side times from a Python client process speaking the shim's protocol "
