@@ -359,11 +359,14 @@ class Fairness:
         acc.tokens -= 1.0
         return True
 
-    def token_wait(self, acc: Account) -> float:
-        """Seconds until the container's bucket holds a token for its next connection (0: now).
-        A container's own socket is not accepted from meanwhile (Listener)."""
+    def token_wait(self, acc: Account, want: int = 1) -> float:
+        """0 when the container's bucket holds a token for its next connection; else seconds
+        until it holds `want` (at most a full bucket), for a container's own socket not to be
+        accepted from meanwhile (Listener): woken once for several, not once per token."""
         self._refill(acc)
-        return 0.0 if acc.tokens >= 1.0 else (1.0 - acc.tokens) / self.rate
+        if acc.tokens >= 1.0:
+            return 0.0
+        return (min(float(want), float(self.burst)) - acc.tokens) / self.rate
 
     def request(self, acc: Account) -> bool:
         """Whether a request that has just arrived may be served (the in-flight limit; its

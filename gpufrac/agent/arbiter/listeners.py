@@ -118,11 +118,12 @@ class Listener:
                 fair.pause(acc, self, node=not fair.at_limit(acc), count=not self._pause_counted)
                 self._pause_counted = True
                 return
-            wait = fair.token_wait(acc)
+            wait = fair.token_wait(acc, ACCEPT_BATCH)
             if wait > 0:
                 # Each connection is charged a token at its accept (Fairness.admit): past its rate
-                # a container's connections wait in the kernel until the next token, whether
-                # they would ask anything or not (connect-and-close churn costs it, not the loop).
+                # a container's connections wait in the kernel until its tokens come (a batch's
+                # worth: one wake-up for several), whether they would ask anything or not
+                # (connect-and-close churn costs it, not the loop).
                 self._pause()
                 if self._token is not None:
                     self._token.cancel()
