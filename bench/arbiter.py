@@ -19,13 +19,16 @@ the measured path. Times are CLOCK_MONOTONIC, shared by all processes on the nod
   connections reopened as they are closed; half-sent requests; 4500 silent connections,
   past the node's connection cap; connect-and-close churn from 4 processes, never a
   request). Target: p50 and p99 each within 2x of rest (flood_p50_ratio, flood_p99_ratio:
-  the worst flood's; per flood in flood.<mode>), the per-container limits
-  (gpufrac.agent.fairness) at their defaults. The flooder's processes run in a CPU cgroup
-  of their own with the weight a pod requesting FLOOD_CPU_REQUEST gets from the kubelet
-  (cpu.shares 1024 per core requested, cgroup v1 here), as a tenant's pod does on a real
-  node; the agent's loop and the neighbour keep the default weight. On a machine of few cores the flood's own
-  processes compete with the agent for them: without that weight the figure measures the
-  flooder's CPU as much as the agent's (`flood_cpu` in the result says which applied).
+  the worst flood's; per flood in flood.<mode>). Rest (burst_grant_p50_us, _p99_us) is
+  sampled at the start and again before each flood (a third as many each time), pooled: a
+  shared machine's load drifts over the minutes a run takes. The per-container limits
+  (gpufrac.agent.fairness) are at their defaults. The flooder's processes run in a CPU
+  cgroup of their own with the weight a pod requesting FLOOD_CPU_REQUEST gets from the
+  kubelet (cpu.shares 1024 per core requested, cgroup v1 here), as a tenant's pod does on a
+  real node; the agent's loop and the neighbour keep the default weight. On a machine of few
+  cores the flood's own processes compete with the agent for them: without that weight the
+  figure measures the flooder's CPU as much as the agent's (`flood_cpu` in the result says
+  which applied).
 * swap_roundtrip_ms_per_gib_sim is not measured here: bench/swap.py (the swap resolver's
   bench) reports it; `notes` says which applies.
 """
@@ -264,10 +267,10 @@ def run(
             raise RuntimeError(f"{w.name}: {cmd} -> {status}, expected {want}")
         return int(t0), int(t1)
 
-    def grants(alloc: Any, w: WorkloadDriver) -> list[float]:
-        """`bursts` burst grants of 1 GiB over the request, each given back before the next."""
+    def grants(alloc: Any, w: WorkloadDriver, count: int = bursts) -> list[float]:
+        """`count` burst grants of 1 GiB over the request, each given back before the next."""
         out = []
-        for _ in range(bursts):
+        for _ in range(count):
             t0, t1 = timed(w, f"alloc {GiB}")
             out.append((t1 - t0) / 1e3)
             timed(w, f"free {GiB}")
@@ -316,7 +319,12 @@ def run(
         flood_accepted: dict[str, int] = {}
         flood_cpu: dict[str, bool] = {}
         flood_slowed: dict[str, int] = {}
+        rest_before: dict[str, list[float]] = {}
         for label, mode, n in FLOODS:
+            # Rest again right before each flood, pooled with the first: the floods are compared
+            # with rest sampled across the same run (a shared machine's load drifts in minutes).
+            rest_before[label] = grants(a_alloc, a, max(1, bursts // 3))
+            grant_us += rest_before[label]
             flood_us[label], flood_busy[label], flood_accepted[label] = flooded(label, mode, n, a_alloc, a)
         shim_us, shim_granted = shim_bursts(bursts)
 
@@ -372,6 +380,8 @@ def run(
                 "grant_p99_us": round(flood_p99[label], 1),
                 "p50_ratio": round(flood_p50[label] / rest_p50, 2),
                 "p99_ratio": round(flood_p99[label] / rest_p99, 2),
+                # The rest sampled right before it (a third as many grants): its p50.
+                "rest_before_p50_us": round(statistics.median(rest_before[label]), 1),
                 "refused_busy": flood_busy[label],
                 "connections_accepted": flood_accepted[label],
                 # Times its socket stopped accepting for its rate (connections charged at accept).
@@ -390,7 +400,7 @@ def run(
         "wait_handoff_p50_ms": round(statistics.median(handoff_ms), 3),
         "wait_handoff_p99_ms": round(_pct(handoff_ms, 99), 3),
         "samples": {
-            "bursts": len(grant_us),
+            "bursts": len(grant_us),  # at rest, all segments
             "shim_bursts": len(shim_us),
             "shim_bursts_granted_by_arbiter": shim_granted,
             "flood_bursts": {mode: len(xs) for mode, xs in flood_us.items()},
