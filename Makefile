@@ -175,8 +175,9 @@ unit: $(VENV)/.installed proto
 test-fast: setup
 	$(PY) -m pytest -q -x -p no:cacheprovider tests -m 'not slow and not tools'
 
+# Every benchmark in bench/, or the ones named: make bench BENCH=arbiter (bench/results/arbiter.json).
 bench: setup
-	$(PY) -m bench
+	$(PY) -m bench $(BENCH)
 
 # The gates: ruff; mypy --strict over gpufrac/ (pyproject.toml [tool.mypy]); the layers
 # (pyproject.toml [tool.importlinter]: which package may import which); no import cycles

@@ -19,7 +19,7 @@ import yaml
 
 from gpufrac.core.flags import CLASS_NAMES
 from gpufrac.core.policy import PolicyConfig, parse_config
-from gpufrac.core.units import MAX_MS_FIELD_S, parse_bytes, parse_duration
+from gpufrac.core.units import MAX_MS_FIELD_S, MIN_ARBITER_TIMEOUT_MS, parse_bytes, parse_duration
 
 GiB = 1 << 30
 RESOLVERS = ("swap", "evict", "wait")
@@ -162,6 +162,8 @@ class Config:
     # cannot be served (strict order up to here, then it is granted past them), however long
     # they may wait: docs/arbiter-protocol.md, Resolvers, "Order".
     head_of_line_bound: float = _seconds(1.0)
+    # How long the shim waits to connect and send, and the agent to read a request (at least
+    # MIN_ARBITER_TIMEOUT_MS, validate); the reply may take it plus the wait timeout.
     arbiter_timeout: float = _seconds(2.0)
     # Burst grants stay this far below what NVML says is physically free.
     grant_margin: int = _bytes(256 << 20)
@@ -194,6 +196,14 @@ class Config:
             raise ConfigError(f"resolvers: {self.resolvers} names a resolver twice")
         if not 0 < self.metrics.port < 65536:
             raise ConfigError(f"metrics.port: {self.metrics.port} is not a TCP port")
+        if self.arbiter_timeout * 1000 < MIN_ARBITER_TIMEOUT_MS:  # NaN is refused by the parser
+            # The agent would drop every request not read by its loop's next turn, and the shim
+            # read 0 as 2 s: the two would not mean the same timeout (docs/arbiter-protocol.md).
+            raise ConfigError(
+                f"arbiterTimeout: {self.arbiter_timeout:g}s is less than the least the agent can honour, "
+                f"{MIN_ARBITER_TIMEOUT_MS}ms (a shim's request must reach the agent's loop within it on "
+                "a loaded node)"
+            )
         for key, seconds in (("arbiterTimeout", self.arbiter_timeout), ("waitTimeout", self.wait_timeout)):
             # The shim holds these in a u32 of milliseconds: refuse rather than wrap around.
             if seconds > MAX_MS_FIELD_S:

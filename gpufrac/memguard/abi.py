@@ -22,11 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpufrac.core import flags as _flags
+from gpufrac.core import units as _units
 
 CONFIG_MAGIC = 0x3147464347464D47
 USAGE_MAGIC = 0x3147534547464D47
 ABI_VERSION = 1
 MAX_PROCS = 256
+
+# The least arbiter_timeout_ms the agent writes (gpufrac.core.config refuses less); the shim
+# reads a smaller one as this (memguard_abi.h MG_MIN_ARBITER_TIMEOUT_MS).
+MIN_ARBITER_TIMEOUT_MS = _units.MIN_ARBITER_TIMEOUT_MS
 
 CONFIG_FILE = "config"
 USAGE_FILE = "usage"
@@ -204,7 +209,7 @@ _FIELD_RANGES = {
     "grant_bytes": (0, 2**64 - 1),
     "flags": (0, 2**32 - 1),
     "workload_class": (0, 2**32 - 1),
-    "arbiter_timeout_ms": (0, 2**32 - 1),
+    "arbiter_timeout_ms": (MIN_ARBITER_TIMEOUT_MS, 2**32 - 1),
     "wait_timeout_ms": (0, 2**32 - 1),
     "priority": (-(2**31), 2**31 - 1),
 }

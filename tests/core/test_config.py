@@ -43,6 +43,8 @@ def test_yaml_keys_units_and_overrides_reach_typed_fields(tmp_path: Path) -> Non
         ("reservedPerGpu: -1Gi\n", ["reservedPerGpu", "negative"]),
         ("waitTimeout: soon\n", ["waitTimeout", "'soon'", "duration"]),
         ("waitTimeout: .nan\n", ["waitTimeout", "nan", "finite"]),
+        ("arbiterTimeout: 0s\n", ["arbiterTimeout", "0s", "least the agent can honour, 100ms"]),
+        ("arbiterTimeout: 99ms\n", ["arbiterTimeout", "0.099s", "100ms"]),
         ("health:\n  xidRecovery: .inf\n", ["health.xidRecovery", "inf", "finite"]),
         ("idle:\n  interval: 0\n", ["idle.interval", "0", "more than 0"]),
         ("watchdog:\n  interval: 0s\n", ["watchdog.interval", "'0s'", "more than 0"]),

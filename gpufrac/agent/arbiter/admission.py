@@ -9,8 +9,9 @@ Per GPU of the newcomer: shortfall = its request - (NVML free - grantMargin - wh
 other containers may still charge within their request + grant) (Resolution.guarantee_shortfall,
 arbiter/context.py).
 To close it: unused grants are taken back at once, then the arbiter's guarantee chain
-(Resolution.guarantee_chain: the configured resolvers, with an evict step even where the node
-config leaves it out) runs a Need of kind "reclaim" whose priority is above every pod's, so
+(Resolution.guarantee_chain: first the memory of containers holding no allocation on the GPU,
+sidecars, gpufrac.agent.arbiter.unbooked; then the configured resolvers, with an evict step even where
+the node config leaves it out) runs a Need of kind "reclaim" whose priority is above every pod's, so
 evict admits any borrower, preemptible or not (preemptible ones first), and the newcomer is
 first in line among waiters. Resolvers only ever win burst bytes (memory above a
 container's request), so nobody's guarantee is touched, and never for memory hidden processes

@@ -16,15 +16,17 @@ from gpufrac.agent.arbiter.resolvers import (
     ResolverContext,
     ResolverMetrics,
     WaitResolver,
+    guarantee_chain,
 )
 from gpufrac.agent.arbiter.swap.resolver import SwapHost, SwapMetrics, SwapResolver
+from gpufrac.agent.arbiter.unbooked import UnbookedHost, UnbookedResolver
 
 
 class ChainMetrics(ResolverMetrics, SwapMetrics, Protocol):
     """What the resolvers together count."""
 
 
-class ChainHost(ResolverContext, SwapHost, Protocol):
+class ChainHost(ResolverContext, SwapHost, UnbookedHost, Protocol):
     """What the resolvers together need of the arbiter (its resolution context, arbiter/context.py)."""
 
     @property
@@ -44,3 +46,9 @@ def build_chain(names: Sequence[str], host: ChainHost) -> Chain:
         else:
             raise ValueError(f"resolvers: unknown resolver {name!r}")
     return Chain(out)
+
+
+def build_guarantee_chain(chain: Chain, host: ChainHost) -> Chain:
+    """The chain a guarantee is reclaimed with: first the memory no allocation answers for on
+    the GPU (gpufrac.agent.arbiter.unbooked), then `chain` with an evict step (resolvers.guarantee_chain)."""
+    return Chain([UnbookedResolver(host), *guarantee_chain(chain, host).resolvers])

@@ -25,17 +25,17 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gpufrac.agent.arbiter import grants
-from gpufrac.agent.arbiter.chain import ChainMetrics, build_chain
+from gpufrac.agent.arbiter.chain import ChainMetrics, build_chain, build_guarantee_chain
 from gpufrac.agent.arbiter.queue import WaitQueue
 from gpufrac.agent.arbiter.readings import DriverReadings
-from gpufrac.agent.arbiter.resolvers import Chain, Holding, Need, guarantee_chain
+from gpufrac.agent.arbiter.resolvers import Chain, Holding, Need
 from gpufrac.agent.arbiter.server import Stats
 from gpufrac.agent.arbiter.swap.resolver import restorer
 from gpufrac.agent.arbiter.usage import ContainerFiles
 from gpufrac.agent.booking.ledger import ContainerAlloc, Ledger
 from gpufrac.agent.gpu import activity as activity_mod
 from gpufrac.agent.gpu import truth
-from gpufrac.agent.kube.events import EventSink, container_ref
+from gpufrac.agent.kube.events import Booked, EventSink, container_ref
 from gpufrac.agent.kube.objref import ObjectRef
 from gpufrac.agent.processes import kill
 from gpufrac.agent.processes.callers import AgentOutOfResources, PeerLookup
@@ -165,8 +165,9 @@ class Resolution:
         self.granted_at: dict[str, float] = {}  # container key -> time.monotonic() of its last grant
         self._settling: set[str] = set()  # keys whose lowered release waits out GRANT_SETTLE
         self.chain = resolvers if resolvers is not None else build_chain(config.resolvers, self)
-        # A guarantee is reclaimed with an evict step even where `resolvers` leaves it out.
-        self.guarantee_chain = guarantee_chain(self.chain, self)
+        # A guarantee is reclaimed with an evict step even where `resolvers` leaves it out, after
+        # the memory no allocation answers for (arbiter/unbooked.py).
+        self.guarantee_chain = build_guarantee_chain(self.chain, self)
         # The swap resolver: the chain's when configured, else one that only brings back what
         # an earlier agent swapped out. Its containers' memory is in host RAM, not on the GPU.
         self.swap = restorer(self.chain, self)
@@ -329,7 +330,7 @@ class Resolution:
     # -- what each container holds -----------------------------------------------------------------
 
     def driver_used(self, alloc: ContainerAlloc) -> int | None:
-        """What NVML counts for the container's processes on its GPU, less one context
+        """What NVML counts for the container's processes on its GPU, less its part of its pod's
         allowance; None without a recent process reading (gpufrac.agent.arbiter.readings)."""
         return self.readings.driver_used(alloc)
 
@@ -451,6 +452,19 @@ class Resolution:
         requester waits instead: in enforce mode the watchdog kills them within an interval."""
         return grants.coverable(missing, self.readings.hidden_on(gpu))
 
+    def unbooked(self, gpu: str, requester: str) -> list[truth.Unbooked]:
+        """The processes on `gpu` of containers holding no allocation there (arbiter/unbooked.py),
+        none while a booking there other than `requester`'s is not yet tied to its container (the
+        memory may be that one's, as the watchdog also waits)."""
+        if any(not (a.pod_uid and a.container) and a.key != requester for a in self._on_gpu(gpu)):
+            return []
+        return self.readings.unbooked_on(gpu)
+
+    async def kill_unbooked(self, p: truth.Unbooked) -> bool:
+        """SIGKILL one such process while it is the one the driver listed, in that container
+        (processes/kill.py kill_if_seen, in a worker thread); True once it is gone."""
+        return await asyncio.to_thread(kill.kill_if_seen, p.proc.pid, p.cgroup, p.proc.start, self.peers.proc)
+
     def hidden_bytes(self, gpu: str) -> int:
         """What hidden processes hold on `gpu` in the last reading (readings.DriverReadings.hidden_on)."""
         return self.readings.hidden_on(gpu)
@@ -499,7 +513,7 @@ class Resolution:
                 self.files.reap_all(alloc)
         await self.readings.refresh()  # the victims' memory is free now: let the grant see it
 
-    def event(self, alloc: ContainerAlloc, type_: str, reason: str, message: str) -> None:
+    def event(self, alloc: Booked, type_: str, reason: str, message: str) -> None:
         ref = container_ref(alloc)
         if self.events is not None and ref is not None:
             self.events.record(ref, type_, reason, message)

@@ -12,18 +12,24 @@ gpufrac.agent.processes.callers), never by its message:
   not sent their request yet;
 * requests being decided at once (`inflightPerContainer`): waiting in a resolver,
   a swap-in, a reclaim;
-* requests per second (`requestsPerSecond`, a token bucket of `requestBurst`).
+* connections per second (`requestsPerSecond`, a token bucket of `requestBurst`), each
+  charged at its accept (`admit`), whether it ever sends a request or not: a connection
+  costs the agent an accept, an identity lookup and a task before any request is read, so
+  one that connects and closes at once (churn) is charged as one that asks. The request it
+  carries is not charged again (one request per connection).
 
 On a container's own socket (gpufrac.agent.arbiter.listeners) the agent stops accepting
-while the container holds its connection limit: its further connections wait in the kernel's
-listen queue, costing the agent's loop nothing, and are taken as its connections close. The
-rest of this applies there too, and to the node-wide socket that containers admitted by an
-older agent share.
+while the container holds its connection limit, and while its bucket is empty (until the
+next token, `token_wait`): its further connections wait in the kernel's listen queue, costing
+the agent's loop nothing, and are taken as its connections close or its tokens come. A
+container whose connections send nothing is so slowed at accept, never served faster than
+its rate. The rest of this applies there too, and to the node-wide socket that containers
+admitted by an older agent share, where every connection has to be accepted to be counted.
 
-A caller over a limit gets BURST_BUSY (the shim's "no") without any work done
-for it, REFUSE_DELAY later; its connection is held meanwhile and counts as its
-container's: a flood that reconnects as soon as it is answered is slowed down
-instead of keeping the agent busy refusing it. When the node-wide cap
+A caller over a limit there (and over the in-flight limit anywhere) gets BURST_BUSY (the
+shim's "no") without any work done for it, REFUSE_DELAY later; its connection is held
+meanwhile and counts as its container's: a flood that reconnects as soon as it is answered
+is slowed down instead of keeping the agent busy refusing it. When the node-wide cap
 (`maxConnections`, file descriptors) is reached, the newest connection still
 waiting for its request (or held) in the container that holds the most
 connections is closed to make room, unless the newcomer belongs to that
@@ -223,15 +229,19 @@ class Fairness:
         return acc
 
     def admit(self, conn: Conn, key: str) -> tuple[Account | None, Conn | None, bool]:
-        """Count a new connection of container `key`: (its account, or None when it is to be
-        refused at once; a connection of the heaviest container to close to make room, or
-        None; whether it is over its container's connection limit, to be answered BUSY after
-        REFUSE_DELAY). A held connection counts as its container's until it is closed."""
+        """Count a new connection of container `key`, and charge it a token of its rate: (its
+        account, or None when it is to be refused at once; a connection of the heaviest
+        container to close to make room, or None; whether it is over its container's
+        connection limit or rate, to be answered BUSY after REFUSE_DELAY). A held connection
+        counts as its container's until it is closed."""
         self._prune()
         acc = self.account(key)
         over = len(acc.connections) >= self.max_connections
         if over:
             self.refuse(acc, "connections")
+        elif not self._take_token(acc):
+            over = True
+            self.refuse(acc, "rate")
         victim = None
         if self.open >= self.node_connections:
             heaviest, victim = self._victim(acc)
@@ -336,18 +346,34 @@ class Fairness:
         ]:
             del self.accounts[key]
 
-    def request(self, acc: Account) -> bool:
-        """Whether a request that has just arrived may be served (rate and in-flight limits)."""
+    def _refill(self, acc: Account) -> None:
         now = time.monotonic()
         acc.tokens = min(float(self.burst), acc.tokens + (now - acc.refill_at) * self.rate)
         acc.refill_at = now
+
+    def _take_token(self, acc: Account) -> bool:
+        """Charge one connection to the container's rate: whether its bucket had a token."""
+        self._refill(acc)
         if acc.tokens < 1.0:
-            self.refuse(acc, "rate")
             return False
+        acc.tokens -= 1.0
+        return True
+
+    def token_wait(self, acc: Account, want: int = 1) -> float:
+        """0 when the container's bucket holds a token for its next connection; else seconds
+        until it holds `want` (at most a full bucket), for a container's own socket not to be
+        accepted from meanwhile (Listener): woken once for several, not once per token."""
+        self._refill(acc)
+        if acc.tokens >= 1.0:
+            return 0.0
+        return (min(float(want), float(self.burst)) - acc.tokens) / self.rate
+
+    def request(self, acc: Account) -> bool:
+        """Whether a request that has just arrived may be served (the in-flight limit; its
+        connection paid its rate at the accept)."""
         if acc.inflight >= self.max_inflight:
             self.refuse(acc, "inflight")
             return False
-        acc.tokens -= 1.0
         return True
 
     def refuse(self, acc: Account, limit: str) -> None:
@@ -371,6 +397,6 @@ class Fairness:
         return {
             "connections": f"{self.max_connections} open connections",
             "inflight": f"{self.max_inflight} requests being decided",
-            "rate": f"{self.rate:g} requests/s, bursts of {self.burst}",
+            "rate": f"{self.rate:g} connections/s, bursts of {self.burst}",
             "node": f"{self.node_connections} connections on the node, shared evenly",
         }[limit]

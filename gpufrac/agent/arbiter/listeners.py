@@ -6,7 +6,9 @@ container: the shim connects there, as it did to the node-wide socket. What a so
 container buys is that the agent may stop accepting one container alone. While a container
 holds its connection limit (gpufrac.agent.arbiter.fairness), its socket is taken off the loop: its
 further connections wait in the kernel's listen queue and then in connect() in its own
-processes, and cost the agent's loop nothing until one of its connections closes. On the
+processes, and cost the agent's loop nothing until one of its connections closes. Likewise
+while its rate has no token for another connection (each is charged one at its accept), until
+the next token comes: connections that send nothing are slowed at accept, not served. On the
 node-wide socket every such connection had to be accepted, identified and refused, one at a
 time, on the loop every neighbour's grant waits for.
 
@@ -92,10 +94,12 @@ class Listener:
         self.key = key
         self.path = path
         self.accepted = 0  # connections taken (tests and the bench read it)
+        self.slowed = 0  # times it stopped accepting for its container's rate (tests, the bench)
         self.paused = False
         self._pause_counted = False  # no second refusal counted for a pause until one is accepted
         self._loop = loop
         self._retry: asyncio.TimerHandle | None = None
+        self._token: asyncio.TimerHandle | None = None  # resumes it when its rate has a token again
         self._closed = False
         sock = listening_socket(path, backlog)
         sock.setblocking(False)
@@ -113,6 +117,21 @@ class Listener:
                 self._pause()
                 fair.pause(acc, self, node=not fair.at_limit(acc), count=not self._pause_counted)
                 self._pause_counted = True
+                return
+            wait = fair.token_wait(acc, ACCEPT_BATCH)
+            if wait > 0:
+                # Each connection is charged a token at its accept (Fairness.admit): past its rate
+                # a container's connections wait in the kernel until its tokens come (a batch's
+                # worth: one wake-up for several), whether they would ask anything or not
+                # (connect-and-close churn costs it, not the loop).
+                self._pause()
+                if self._token is not None:
+                    self._token.cancel()
+                self._token = self._loop.call_later(wait, self.resume)
+                if not self._pause_counted:
+                    fair.refuse(acc, "rate")
+                    self._pause_counted = True
+                self.slowed += 1
                 return
             try:
                 conn_sock, _ = self.sock.accept()
@@ -208,8 +227,9 @@ class Listener:
         if not self.paused:
             self._loop.remove_reader(self.sock.fileno())
         self._closed = True
-        if self._retry is not None:
-            self._retry.cancel()
+        for timer in (self._retry, self._token):
+            if timer is not None:
+                timer.cancel()
         self.fairness.forget_socket(self.key)
         self.sock.close()
 

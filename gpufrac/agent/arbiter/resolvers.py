@@ -47,6 +47,7 @@ from gpufrac.agent.kube.events import (
     REASON_EVICTED,
     REASON_PREEMPTED,
     WARNING,
+    Booked,
     container_name,
 )
 from gpufrac.agent.processes.kill import KillFailed
@@ -163,7 +164,7 @@ class ResolverContext(Protocol):
     # known to be free (gpufrac.agent.processes.kill.kill_container).
     async def kill_container(self, alloc: ContainerAlloc) -> int: ...
     def revoke_burst(self, alloc: ContainerAlloc) -> None: ...
-    def event(self, alloc: ContainerAlloc, type_: str, reason: str, message: str) -> None: ...
+    def event(self, alloc: Booked, type_: str, reason: str, message: str) -> None: ...
     def disrupted(self, alloc: ContainerAlloc, reason: str, message: str) -> None: ...
 
 
@@ -220,7 +221,8 @@ class EvictResolver:
     """Kills the processes of containers that hold burst memory on the GPU, are
     preemptible and rank below the requester (lower priority; or equal priority and
     idle longer than evictIdleThreshold). Guaranteed memory is never counted as won:
-    only the victims' burst bytes are.
+    only the victims' burst bytes are (for a reclaim, what a victim holds past its limit
+    too: the watchdog leaves it there in report mode).
 
     A guarantee outranks every burst, whatever its holder declared: for a reclaim (a
     container taking back memory within its request, kind "reclaim") a burst that is not
@@ -245,10 +247,14 @@ class EvictResolver:
             if h.alloc.key == need.requester.key or h.burst <= 0:
                 continue
             # No grant, yet above its request within its limit (the driver's count): memory
-            # taken without asking is a burst like any other (arbiter.grants.ungranted), once
-            # it has lasted two readings (a lazily loaded module spikes for a moment).
+            # taken without asking is a burst like any other (gpufrac.agent.arbiter.grants), once
+            # it has lasted two readings (a lazily loaded module spikes for a moment). Past its
+            # limit too, for a guarantee: in report mode the watchdog leaves such memory where
+            # it is, and a guarantee is kept in every mode (docs/watchdog.md, "Report mode").
             held = h.used if latest else h.steady
-            if h.grant <= 0 and ungranted(held, h.request, h.grant, h.alloc.config.limit_bytes) <= 0:
+            limit = h.alloc.config.limit_bytes
+            past_limit = guarantee and held > limit
+            if h.grant <= 0 and ungranted(held, h.request, h.grant, limit) <= 0 and not past_limit:
                 continue
             if not h.preemptible and not guarantee:
                 continue

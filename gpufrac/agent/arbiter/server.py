@@ -211,7 +211,8 @@ class Connection(asyncio.Protocol):
         self.server.connections.add(self)
         loop = asyncio.get_running_loop()
         if over:
-            # Past its container's connection limit: no, a little later (Fairness.refuse_delay);
+            # Past its container's connection limit or rate (node-wide socket: every connection
+            # must be accepted to be counted): no, a little later (Fairness.refuse_delay);
             # nothing it sends is read.
             self.held = True
             self.timer = loop.call_later(fair.refuse_delay(self.account), self._busy)
@@ -239,7 +240,7 @@ class Connection(asyncio.Protocol):
         req = BurstRequest.from_buffer_copy(self.buf[: wire.REQUEST_SIZE])
         self.op = req.op
         if not self.arb.fairness.request(self.account):
-            # Past its container's rate or in-flight limit: no, nothing decided, REFUSE_DELAY
+            # Past its container's in-flight limit: no, nothing decided, REFUSE_DELAY
             # later (its connection counts meanwhile: a flood is slowed, not served faster).
             self.arb.stats.busy += 1
             self.held = True

@@ -89,7 +89,7 @@ class Arbiter:
         self.queue = WaitQueue(
             self._refresh_soon, NVML_FRESH, self._wait_timed_out, config.head_of_line_bound
         )
-        # One context allowance per container (docs/watchdog.md), as the watchdog's.
+        # One context allowance per pod and GPU (docs/watchdog.md), as the watchdog's.
         self.readings = DriverReadings(
             memory, processes, peers, config.watchdog.tolerance, self.queue.notify_all
         )

@@ -12,8 +12,10 @@ looks full. For those the arbiter counts
              the agent itself published
     driver = NVML's per-process used memory (nvmlDeviceGetComputeRunningProcesses), summed
              over the processes whose cgroup names the container (gpufrac.agent.gpu.processes.observe,
-             gpufrac.agent.processes.callers), less ONE context allowance per container (measurement
-             skew and lazily loaded modules the shim cannot see; docs/watchdog.md sizes it)
+             gpufrac.agent.processes.callers), less its part of ONE context allowance per pod and GPU
+             (measurement skew and lazily loaded modules the shim cannot see; docs/watchdog.md
+             sizes it), shared by the pod's containers holding an allocation there
+             (DriverUsage.less_allowance): a pod does not buy allowances with containers
 
 for a holder that may lose something (a victim looks no bigger than it is), and the driver's
 WHOLE count, no allowance, for the container a decision is made for (a requester's missing
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 
 from gpufrac.agent.booking.ledger import ContainerAlloc
 from gpufrac.agent.gpu.processes import GpuProcess, Lookup, Observed
-from gpufrac.agent.processes.callers import ContainerOwner
+from gpufrac.agent.processes.callers import CgroupIdentity, ContainerOwner
 from gpufrac.core.units import format_bytes
 from gpufrac.memguard import abi
 
@@ -53,15 +55,46 @@ log = logging.getLogger(__name__)
 DISAGREE_AFTER = 2.0
 
 
+@dataclass(frozen=True)
+class Unbooked:
+    """A GPU process of a gpufrac pod's container that holds no allocation on that GPU (a
+    sidecar that sees the GPUs, a container on a GPU it was not given): its limit there is 0."""
+
+    owner: ContainerOwner
+    proc: GpuProcess
+    cgroup: CgroupIdentity
+
+
 @dataclass
 class DriverUsage:
     """NVML's per-process memory, summed per container and GPU (one reading)."""
 
     by_container: dict[tuple[str, str], int] = field(default_factory=dict)  # (key, GPU) -> bytes
     pids: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (key, GPU) -> pids
+    # (pod UID, GPU) -> the keys counted there for the pod's containers holding an allocation
+    # there: who shares the pod's one allowance on that GPU (`less_allowance`).
+    booked: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    # GPU -> the processes there of containers holding no allocation there (`attribute` only).
+    unbooked: dict[str, list[Unbooked]] = field(default_factory=dict)
+    _net: dict[int, dict[tuple[str, str], int]] = field(default_factory=dict)  # allowance -> net counts
 
     def bytes_of(self, key: str, gpu: str) -> int:
         return self.by_container.get((key, gpu), 0)
+
+    def less_allowance(self, key: str, gpu: str, allowance: int) -> int:
+        """What NVML counts for `key` on `gpu` less its part of ONE allowance per pod and GPU:
+        the pod's counts there that hold an allocation share it, the smallest first (each
+        covered whole while it lasts); a container holding no allocation there has none."""
+        net = self._net.get(allowance)
+        if net is None:
+            net = self._net[allowance] = dict(self.by_container)
+            for (_, g), keys in self.booked.items():
+                left = allowance
+                for k in sorted(keys, key=lambda k: (self.bytes_of(k, g), k)):
+                    take = min(left, self.bytes_of(k, g))
+                    net[(k, g)] -= take
+                    left -= take
+        return net.get((key, gpu), 0)
 
     def pids_of(self, key: str) -> list[int]:
         """The processes counted for a container, on any GPU."""
@@ -73,6 +106,7 @@ def attribute(seen: Iterable[Observed], lookup: Lookup) -> DriverUsage:
     `lookup`); processes of no gpufrac pod are left out. Runs on the loop (the ledger's owner)."""
     known: dict[tuple[str, str], ContainerOwner | None] = {}
     owned: list[tuple[ContainerOwner, GpuProcess]] = []
+    unbooked: dict[str, list[Unbooked]] = {}
     for o in seen:
         if o.cgroup is None:
             continue
@@ -82,7 +116,11 @@ def attribute(seen: Iterable[Observed], lookup: Lookup) -> DriverUsage:
         owner = known[ident]
         if owner is not None:
             owned.append((owner, o.proc))
-    return tally(owned)
+            if not owner.holding(o.proc.gpu):
+                unbooked.setdefault(o.proc.gpu, []).append(Unbooked(owner, o.proc, o.cgroup))
+    out = tally(owned)
+    out.unbooked = unbooked
+    return out
 
 
 def tally(owned: Iterable[tuple[ContainerOwner, GpuProcess]]) -> DriverUsage:
@@ -96,6 +134,8 @@ def tally(owned: Iterable[tuple[ContainerOwner, GpuProcess]]) -> DriverUsage:
     out = DriverUsage()
     for (_, gpu), (owner, used, pids) in per.items():
         for key, share in split(owner, gpu, used):
+            if (key, gpu) not in out.by_container and owner.holding(gpu):
+                out.booked.setdefault((owner.pod_uid, gpu), []).append(key)
             out.by_container[(key, gpu)] = out.by_container.get((key, gpu), 0) + share
             out.pids.setdefault((key, gpu), []).extend(pids)
     return out

@@ -271,6 +271,19 @@ def kill_if_same(
     return kill_and_wait([pid], timeout, still_ours=lambda p: in_container(p, ident, proc_root)) == 1
 
 
+def kill_if_seen(
+    pid: int, ident: CgroupIdentity, started: int, proc_root: str = "/proc", timeout: float = KILL_WAIT
+) -> bool:
+    """`kill_if_same`, and only while it is the process the driver listed (its start time
+    `started`; 0: not known, the container alone decides): a pid the container's next process
+    took holds none of the memory the kill was for. Waits for it to exit."""
+
+    def still_it(p: int) -> bool:
+        return (not started or start_time(p, proc_root) == started) and in_container(p, ident, proc_root)
+
+    return kill_and_wait([pid], timeout, still_ours=still_it) == 1
+
+
 def kill_if_hidden(pid: int, started: int, proc_root: str = "/proc", timeout: float = KILL_WAIT) -> bool:
     """SIGKILL `pid` only if, once a pidfd pins it, it is still the process seen (its start
     time `started`) and the kernel still refuses its cgroup file: never a process whose cgroup

@@ -5,16 +5,20 @@ program that bypasses it (a static binary, LD_PRELOAD unset, its own dlopen of
 the driver by path) is invisible to the shim but not to NVML: every interval the
 watchdog reads NVML's per-process used memory, maps each process to its
 container through /proc/<pid>/cgroup (gpufrac.agent.gpu.processes), sums per container
-and GPU, and compares with the container's limit plus ONE allowance per container (`tolerance`:
-the shim charges contexts and modules as measured around the call, which can be a little off,
-and lazily loaded modules take memory no hooked call sees; docs/watchdog.md sizes it). Per
-container, not per process: an allowance per process would let a container buy headroom by
-starting idle CUDA processes.
+and GPU, and compares with the container's limit plus its part of ONE allowance per pod and GPU
+(`tolerance`: the shim charges contexts and modules as measured around the call, which can be a
+little off, and lazily loaded modules take memory no hooked call sees; docs/watchdog.md sizes
+it). Per pod, not per process or container: an allowance per process would let a container buy
+headroom by starting idle CUDA processes, one per container would let a pod buy it with
+containers (sidecars). A container that holds no allocation on a GPU has none there.
 
 Modes (config.watchdog.mode):
 * off      - not started;
 * report   - a container over its limit gets a Warning Event, a log line and a
-             metric, once per episode (until it is back under);
+             metric, once per episode (until it is back under); its memory stays until
+             a guarantee needs it: the reclaim then takes it (gpufrac.agent.arbiter.resolvers,
+             gpufrac.agent.arbiter.unbooked), as in every mode. Hidden processes are reported
+             only (below), and said so at start;
 * enforce  - the same, and its processes are killed, newest first, until the rest
              fits, in the scan that found it (within one interval); each kill is an
              Event naming usage and limit.
@@ -81,7 +85,7 @@ class Verdict:
     gpu: str
     usage: int  # bytes NVML shows for the container on that GPU
     limit: int  # the container's limit there: its allocations' there summed (0 where it has none)
-    allowed: int  # limit + one allowance (the tolerance) for the container
+    allowed: int  # limit + its part of its pod's allowance there (none where it holds no allocation)
     procs: list[GpuProcess]  # the container's processes on that GPU, newest first
     kill: list[GpuProcess] = field(default_factory=list)
 
@@ -103,13 +107,18 @@ def plan(
     enforce: bool,
     unsettled: Collection[str] = (),
 ) -> list[Verdict]:
-    """Containers over limit + tolerance on some GPU, and (when enforcing) the processes to
-    kill: the newest first, until what is left fits. The tolerance is one allowance per
-    container, whatever its process count. A container's limit on a GPU is the sum of its
-    allocations' there, 0 where it holds none; but not judged at 0 on a GPU in `unsettled`
-    (a booking there is not yet tied to its container, and may be this one's). Whole-GPU
-    containers are accounted, never limited, on the GPUs they hold whole (on any other, as any
-    container: a whole-GPU pod that sees the node's GPUs must not use a shared one unlimited).
+    """Containers over limit + allowance on some GPU, and (when enforcing) the processes to
+    kill: the newest first, until what is left fits. A container's limit on a GPU is the sum
+    of its allocations' there, 0 where it holds none; but not judged at 0 on a GPU in
+    `unsettled` (a booking there is not yet tied to its container, and may be this one's).
+    Whole-GPU containers are accounted, never limited, on the GPUs they hold whole (on any
+    other, as any container: a whole-GPU pod that sees the node's GPUs must not use a shared
+    one unlimited).
+
+    The allowance (`tolerance`) is one per pod per GPU where the pod holds an allocation,
+    shared by its containers that hold one there (`_allowances`): not multiplied by the
+    processes or the containers a pod chooses to run. A container that holds no allocation
+    on the GPU (a sidecar that sees it) has none: its memory there is booked to nobody.
 
     Newest first: the process that pushed the container over is most likely a recent one, and
     the oldest is most likely the container's main work; idle processes started to gain headroom
@@ -119,17 +128,18 @@ def plan(
         if any(a.whole_gpu or a.config.flags & FLAG_WHOLE_GPU for a in owner.holding(proc.gpu)):
             continue
         per.setdefault((owner.key, proc.gpu), (owner, []))[1].append(proc)
+    judged = [
+        (owner, gpu, procs)
+        for (_, gpu), (owner, procs) in per.items()
+        if owner.holding(gpu) or gpu not in unsettled
+    ]
+    shares = _allowances([(o, g, sum(p.used for p in procs)) for o, g, procs in judged], tolerance)
     out = []
-    for (_, gpu), (owner, procs) in per.items():
-        here = owner.holding(gpu)
-        if not here and gpu in unsettled:
-            continue
+    for owner, gpu, procs in judged:
         usage = sum(p.used for p in procs)
         # On a GPU none of its allocations holds, any memory is a breach.
-        limit = sum(a.config.limit_bytes for a in here)
-        # One allowance per container (measurement skew, lazily loaded modules): not
-        # multiplied by the process count, which the container chooses.
-        allowed = limit + tolerance
+        limit = sum(a.config.limit_bytes for a in owner.holding(gpu))
+        allowed = limit + shares.get((owner.key, gpu), 0)
         if usage <= allowed:
             continue
         procs = sorted(procs, key=lambda p: (-p.start, -p.pid))
@@ -142,6 +152,31 @@ def plan(
                 v.kill.append(p)
                 left -= p.used
         out.append(v)
+    return out
+
+
+def _allowances(
+    usage: Iterable[tuple[ContainerOwner, str, int]], tolerance: int
+) -> dict[tuple[str, str], int]:
+    """Each container's part of its pod's allowance on each GPU, by (container key, GPU): one
+    `tolerance` per pod and GPU, shared by the pod's containers that hold an allocation there
+    and use more than their limit, the least over first (so it covers as many of them as it
+    can; what it cannot cover is judged). A container holding no allocation on the GPU gets
+    none. `usage`: (container, GPU, bytes NVML counts for it there)."""
+    over: dict[tuple[str, str], list[tuple[int, str]]] = {}  # (pod, GPU) -> (bytes over, key)
+    for owner, gpu, used in usage:
+        here = owner.holding(gpu)
+        if here:
+            past = used - sum(a.config.limit_bytes for a in here)
+            over.setdefault((owner.pod_uid, gpu), []).append((past, owner.key))
+    out: dict[tuple[str, str], int] = {}
+    for (_, gpu), containers in over.items():
+        left = tolerance
+        for past, key in sorted(containers):
+            # All it is over by, while the pod's allowance lasts; then what is left of it.
+            take = min(max(0, past), left)
+            left -= take
+            out[(key, gpu)] = take
     return out
 
 
@@ -193,11 +228,18 @@ class Watchdog:
             log.info("watchdog off")
             return None
         log.info(
-            "watchdog in %s mode: every %.1fs, tolerance %s",
+            "watchdog in %s mode: every %.1fs, tolerance %s (one allowance per pod and GPU)",
             self.config.mode,
             self.config.interval,
             format_bytes(self.config.tolerance),
         )
+        if not self.enforcing:
+            log.warning(
+                "watchdog in report mode: a container past its limit is reported, not killed, until a "
+                "guarantee needs its memory (then evicted, as a burst); a hidden GPU process (its cgroup "
+                "file refused) is never killed, and an allocation within a guarantee that needs its "
+                "memory is refused at its wait timeout (docs/watchdog.md, Report mode)"
+            )
         self._task = asyncio.create_task(self._loop(), name="watchdog")
         return self._task
 
@@ -350,10 +392,13 @@ class Watchdog:
             where = " (a GPU it was not given)"
         else:
             where = " (it holds no gpufrac allocation)"
+        if v.owner.holding(v.gpu):
+            allowance = f"+{format_bytes(v.allowed - v.limit)} of its pod's allowance there"
+        else:
+            allowance = "no allowance: no allocation of it is there"
         return (
             f"container {container_name(v.owner)} uses {format_bytes(v.usage)} of GPU memory on GPU "
-            f"{v.gpu}{where} as NVML counts it, over its limit {format_bytes(v.limit)} "
-            f"(+{format_bytes(self.config.tolerance)} allowance for the container)"
+            f"{v.gpu}{where} as NVML counts it, over its limit {format_bytes(v.limit)} ({allowance})"
         )
 
     def _report(self, v: Verdict) -> None:

@@ -46,6 +46,12 @@
 #define MG_FLAG_WHOLE_GPU (1u << 3)   /* whole GPU(s): account, never limit */
 #define MG_FLAG_DISABLED (1u << 4)    /* agent revoked the container: refuse all allocations */
 
+/* The least config.arbiter_timeout_ms the agent writes (its config refuses less: the agent must
+ * read a request within it, gpufrac/core/units.py); the shim reads a smaller value as this one.
+ * Both timeouts are otherwise read as written, the whole u32 range (the agent's read timeout and
+ * wait resolver use the same figures). */
+#define MG_MIN_ARBITER_TIMEOUT_MS 100u
+
 /* config.workload_class */
 #define MG_CLASS_BATCH 0
 #define MG_CLASS_INTERACTIVE 1

@@ -125,7 +125,9 @@ def test_a_neighbour_bursts_while_a_container_sends_requests_back_to_back(
     b = node.add("b", 2, "6Gi")
     assert b.workload is not None
     start_flood(node, flood, "rate", 4)
-    node.until(lambda: node.arbiter.stats.busy > 50, what="the flood to be throttled")
+    own = node.arbiter.sockets.listeners[flood.alloc.key]
+    # Past its rate its connections wait at the accept (Fairness.token_wait), each charged.
+    node.until(lambda: own.slowed > 20, what="the flood to be slowed at accept")
     assert b.workload.do(f"alloc {3 * GiB}") == "granted"
     for _ in range(5):  # under its own limit, whatever the flooder does
         assert b.workload.do(f"burst {GiB} {3 * GiB}") == "granted"
@@ -133,16 +135,25 @@ def test_a_neighbour_bursts_while_a_container_sends_requests_back_to_back(
     assert not limit_lines(caplog, b, "rate")
 
 
-def test_requests_over_the_rate_get_a_busy_reply_and_no_decision(
-    make_node: Callable[..., ArbiterNode],
-) -> None:
+@pytest.mark.parametrize("shared", [False, True])
+def test_requests_over_the_rate_are_not_decided(make_node: Callable[..., ArbiterNode], shared: bool) -> None:
+    """Three requests within the bucket are decided (granted). Past it, on the container's own
+    socket its next connection is not accepted until the bucket has a token (a thousand seconds
+    here): the request is never read, and the caller hears nothing by its timeout (the shim's
+    no). On the node-wide socket, where every connection is accepted to be counted, it is
+    answered BUSY without being read. Either way: no grant."""
     node = make_node(arbiterLimits={"requestsPerSecond": 0.001, "requestBurst": 3})
-    a = node.add("a", 2, "6Gi")
-    w = a.workload
-    assert w is not None
-    answers = [w.do(f"burst {GiB} {3 * GiB}") for _ in range(5)]
-    # Three within the burst are decided (granted), the rest refused before any work: no grant.
-    assert answers == ["granted"] * 3 + ["busy"] * 2
+    # No wait: the caller gives up arbiterTimeout (2 s) after its send.
+    a = node.add("a", 2, "6Gi", wait_timeout="0s", start=False)
+    w = node.start(a, arbiter_socket_dir(node.cfg) if shared else None)
+    answers = [w.do(f"burst {GiB} {3 * GiB}") for _ in range(3 if shared else 4)]
+    if shared:
+        answers += [w.do(f"burst {GiB} {3 * GiB}") for _ in range(2)]
+        assert answers == ["granted"] * 3 + ["busy"] * 2
+    else:
+        assert answers == ["granted"] * 3 + ["none"]
+        own = node.arbiter.sockets.listeners[a.alloc.key]
+        assert own.paused and own.slowed >= 1 and own.accepted == 3
     assert a.config().grant_bytes == GiB
     b = node.add("b", 2, "6Gi")
     assert b.workload is not None and b.workload.do(f"alloc {3 * GiB}") == "granted"
@@ -156,7 +167,9 @@ def test_the_shim_takes_busy_for_a_no(make_node: Callable[..., ArbiterNode]) -> 
         paths={"shimHostPath": str(native.library(native.SHIM))},
     )
     a = node.add("a", 2, "8Gi", start=False)
-    app = node.start_cuda(a)
+    # On the node-wide socket, where a connection past the rate is answered BUSY (on its own
+    # socket it would not be accepted until a token came, and the shim would give up).
+    app = node.start_cuda(a, socket_dir=arbiter_socket_dir(node.cfg))
     assert app.do(f"alloc {GiB} 1").startswith("ok ")  # within the request: no agent
     assert app.do(f"alloc {3 * GiB} 2").startswith("ok ")  # a burst: the one request of the bucket
     grant = a.config().grant_bytes
@@ -227,7 +240,7 @@ def ctypes_sizeof_reply() -> int:
 
 
 def test_at_the_node_cap_the_container_holding_the_most_connections_makes_room() -> None:
-    fair = Fairness(connections=5, inflight=1, rate=1.0, burst=1, node_connections=6, metrics=Metrics())
+    fair = Fairness(connections=5, inflight=1, rate=1000.0, burst=100, node_connections=6, metrics=Metrics())
     flood = [SimpleNamespace(op=None) for _ in range(5)]
     for c in flood:
         acc, victim, over = fair.admit(c, "flood")

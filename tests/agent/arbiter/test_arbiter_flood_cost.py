@@ -80,3 +80,31 @@ def test_a_container_holding_1100_connections_on_the_shared_socket_is_answered_a
     assert fair.known.hits > 10 * fair.known.misses, (fair.known.hits, fair.known.misses)
     # Its neighbour's burst is still granted, on a new connection.
     assert neighbour.do(f"alloc {3 * GiB}") == "granted"
+
+
+def test_connect_and_close_churn_is_charged_to_its_container_from_the_accept(
+    make_node: Callable[..., ArbiterNode],
+) -> None:
+    """Four processes connect and close as fast as the kernel lets them, never sending a request.
+    Each connection is charged a token of the container's rate at its accept: past it, its socket
+    is not accepted from until the next token, so the agent takes about `requestsPerSecond` of
+    them a second (each an accept, an identity lookup and a task), not every one it tries."""
+    rate = 50
+    node = make_node(arbiterLimits={"requestsPerSecond": rate, "requestBurst": rate})
+    flood = node.add("flood", 2, "4Gi", start=False)
+    b = node.add("b", 2, "6Gi")
+    assert b.workload is not None
+    start_flood(node, flood, "churn", 4)
+    own = node.arbiter.sockets.listeners[flood.alloc.key]
+    node.until(lambda: own.accepted > rate, what="the churn under way")
+    before = own.accepted
+    window = 2.0  # a window to count accepts in, not a deadline
+    time.sleep(window)
+    accepted = own.accepted - before
+    # About `rate` a second once its bucket is empty (100 here); without the charge, thousands.
+    assert accepted <= rate * (window + 1), accepted
+    assert own.slowed > 0
+    # Its neighbour's bursts are granted meanwhile, each on a new connection.
+    assert b.workload.do(f"alloc {3 * GiB}") == "granted"
+    for _ in range(3):
+        assert b.workload.do(f"burst {GiB} {3 * GiB}") == "granted"

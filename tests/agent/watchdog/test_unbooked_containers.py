@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufrac.agent.kube.events import REASON_EVICTED, REASON_LIMIT_ENFORCED
+from gpufrac.agent.kube.events import REASON_EVICTED, REASON_LIMIT_ENFORCED, REASON_OVER_LIMIT
 from gpufrac.core import annotations as ann
 from gpufrac.core.slices import FRACTION, MEMORY
 from gpufrac.memguard import abi
@@ -103,10 +103,67 @@ def test_a_sidecar_without_an_allocation_has_a_limit_of_0(e2e_node: MakeNode) ->
     assert b.alloc(480 * MiB) == "ok 1"
     assert b.app.do("check 1") == "ok"
     until(lambda: sidecar.proc.poll() is not None, what="the sidecar's process to be killed")
-    (ev,) = until(lambda: node.events(a, REASON_LIMIT_ENFORCED), what="the Event on a")
-    assert f"killed process {sidecar.proc.pid}" in str(ev["message"]), ev
+    # By b's reclaim at admission or by the watchdog, whichever came first: an Event on a.
+    (ev,) = until(lambda: killed_for_it(node, a), what="the Event on a")
+    assert f"process {sidecar.proc.pid}" in str(ev["message"]), ev
     assert "sidecar" in str(ev["message"]) and "no gpufrac allocation" in str(ev["message"]), ev
     # Its pod's main container, within its own limit, is not touched.
     assert a.alive() and a.alloc(64 * MiB) == "ok 1"
+    assert killed_for_it(node, b) == []
+    assert agent_alive(node)
+
+
+def sidecars_of(node: E2ENode, pod: PodRun, n: int) -> list[WorkloadProcess]:
+    """`n` more containers of `pod` that asked for no GPU memory (sidecars), without the shim."""
+    started = {"main": (pod.container, 0)}
+    apps = []
+    for i in range(n):
+        c, app = start_in_pod(node, pod.pod, f"sidecar{i}", shim=False)
+        started[f"sidecar{i}"] = (c, 0)
+        apps.append(app)
+    set_statuses(node, pod.pod, started)
+    return apps
+
+
+@pytest.mark.parametrize("mode", ["enforce", "report"])
+def test_three_sidecars_cannot_cost_a_neighbour_its_guarantee(e2e_node: MakeNode, mode: str) -> None:
+    """Three sidecars of a's pod hold 15 MiB each, each within what an allowance per container
+    gave (16 MiB here): 45 MiB booked to nobody, more than the GPU's 32 MiB nobody may book.
+    A sidecar has no allowance (none for a container holding no allocation on the GPU), and a
+    guarantee's reclaim takes such memory back first, whatever the watchdog's mode: b's
+    allocation of its whole request succeeds. In enforce mode the watchdog kills the sidecars;
+    in report mode it reports them, and b's reclaim kills as many as it needs, newest first."""
+    node = e2e_node(**agent_config(watchdog={"mode": mode}))
+    a = node.run_pod("a", 2, "256Mi")  # its main container: request 128 MiB, limit 256 MiB
+    b = node.run_pod("b", 13, None, wait_timeout="20s")  # request 832 MiB: the GPU's last unit
+    # Within its request (each workload process holds a few bytes of its own from its start).
+    assert a.alloc(127 * MiB) == "ok 1"
+    sidecars = sidecars_of(node, a, 3)
+    for s in sidecars:
+        assert s.do(f"alloc {15 * MiB} 1") in ("ok 1", "<exited>")
+    if mode == "report":
+        # The agent knows them for a's sidecars, each over its limit of 0: reported, not killed.
+        until(
+            lambda: len(node.events(a, REASON_OVER_LIMIT)) >= 3,
+            what="the three sidecars reported over their limit of 0",
+        )
+        assert all(s.proc.poll() is None for s in sidecars)
+    # 992 - 127 - 45 = 820 MiB free: b's 824 MiB, within its request, need 4 MiB of theirs
+    # (29 MiB with the grant margin and what a and b may still charge within their requests).
+    assert b.alloc(824 * MiB) == "ok 1"
+    assert b.app.do("check 1") == "ok"
+    if mode == "report":
+        # Killed as needed, newest first: two of them (30 MiB); the first is left alone.
+        until(
+            lambda: sidecars[2].proc.poll() is not None and sidecars[1].proc.poll() is not None,
+            what="the two newest sidecars killed",
+        )
+        assert sidecars[0].proc.poll() is None
+        evicted = until(lambda: node.events(a, REASON_EVICTED), what="the Event on a's pod")
+        assert any("no gpufrac allocation" in str(e["message"]) for e in evicted), evicted
+    else:
+        until(lambda: all(s.proc.poll() is not None for s in sidecars), what="the sidecars killed")
+    # a's main container, within its limit, is not touched, nor is b.
+    assert a.alive() and a.app.do("check 1") == "ok"
     assert killed_for_it(node, b) == []
     assert agent_alive(node)

@@ -1,8 +1,9 @@
-"""The watchdog judges a container, not its processes: one context allowance per container.
+"""The watchdog judges a container, not its processes: one context allowance per pod and GPU.
 
 NVML counts each CUDA context, which the shim does not, so the watchdog allows some memory
 above the limit. Were that allowance granted per process, a container could buy headroom by
-starting idle CUDA processes. It is one per container (gpufrac.agent.watchdog.service.plan), and in
+starting idle CUDA processes. It is one per pod and GPU (gpufrac.agent.watchdog.service.plan; a pod's
+containers share it, tests/unit/test_watchdog_plan.py), and in
 enforce mode (the default) the container's newest processes are killed until the rest fits,
 in the scan that finds it.
 

@@ -123,3 +123,43 @@ def test_a_container_of_a_gpufrac_pod_without_an_allocation_has_a_limit_of_0() -
     assert plan([(sidecar, GpuProcess(7, GPU0, GiB))], TOL, enforce=True, unsettled={GPU0}) == []
     (v,) = plan([(sidecar, GpuProcess(7, GPU1, GiB))], TOL, enforce=True, unsettled={GPU0})
     assert v.gpu == GPU1
+
+
+def test_a_container_holding_no_allocation_on_a_gpu_has_no_allowance_there() -> None:
+    """A sidecar that holds no allocation buys no allowance: three of them, each within what
+    an allowance per container gave, are each a breach (their memory is booked to nobody)."""
+    main = alloc("main", GiB)
+    sidecars = [ContainerOwner("uid-main", f"side{i}", ()) for i in range(3)]
+    owned = [(main, GpuProcess(1, GPU0, GiB))]
+    owned += [(s, GpuProcess(10 + i, GPU0, TOL - MiB, start=10 + i)) for i, s in enumerate(sidecars)]
+    verdicts = plan(owned, TOL, enforce=True)
+    assert sorted(v.owner.container for v in verdicts) == ["side0", "side1", "side2"]
+    assert all((v.limit, v.allowed) == (0, 0) and len(v.kill) == 1 for v in verdicts)
+    # A container with an allocation on GPU 0 has none on GPU 1 either.
+    (v,) = plan([(main, GpuProcess(1, GPU1, MiB))], TOL, enforce=True)
+    assert (v.gpu, v.allowed, [p.pid for p in v.kill]) == (GPU1, 0, [1])
+
+
+def test_one_allowance_per_pod_and_gpu_whatever_its_container_count() -> None:
+    """A pod's containers that hold allocations on a GPU share one allowance there: the least
+    over are covered first, and the one it cannot cover is held to what is left of it."""
+
+    def member(name: str, limit: int) -> ContainerOwner:
+        return ContainerOwner("uid-pod", name, (booking(f"pod-{name}", limit),))
+
+    a, b, c = member("a", GiB), member("b", GiB), member("c", GiB)
+    owned = [
+        (a, GpuProcess(1, GPU0, GiB + 100 * MiB, start=1)),
+        (b, GpuProcess(2, GPU0, GiB + 100 * MiB, start=2)),
+        (c, GpuProcess(3, GPU0, GiB + 40 * MiB, start=3)),
+    ]
+    # 240 MiB over in all, within one allowance of 256 MiB: nobody is judged.
+    assert plan(owned, TOL, enforce=True) == []
+    owned.append((b, GpuProcess(4, GPU0, 20 * MiB, start=4)))
+    # 260 MiB over: c (40) and a (100) are covered first, b holds the 116 MiB left.
+    (v,) = plan(owned, TOL, enforce=True)
+    assert (v.owner.container, v.allowed) == ("b", GiB + 116 * MiB)
+    assert [p.pid for p in v.kill] == [4]  # its newest process alone brings it back within
+    # Containers of different pods each have their pod's.
+    other = ContainerOwner("uid-other", "d", (booking("other-d", GiB),))
+    assert plan([*owned[:3], (other, GpuProcess(5, GPU0, GiB + 200 * MiB))], TOL, enforce=True) == []
