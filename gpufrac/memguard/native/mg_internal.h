@@ -11,6 +11,7 @@
  * declared here is hidden: only the hooks are exported, each by its own source
  * under the driver's name (MG_XALIAS). The sources, one job each:
  *   mg_symbols.c  the hook table, real-symbol resolution, dlsym and cuGetProcAddress
+ *   mg_gate.c     the swap-in gate of every entry point the shim does not hook (trampolines)
  *   mg_init.c     process state, the two files, init, fork and exit
  *   mg_slots.c    process slots in the usage file: claim, release, reap the dead
  *   mg_tab.c      lock-free handle -> counted size tables
@@ -249,12 +250,20 @@ MG_HIDDEN MG_COLD void mg_swap_in(mg_proc_slot_t *s);
  * mg_charge and the launches check the flag themselves: the allocation hooks that
  * charge before any driver call (ALLOC_HOOK, the pitched ones) rely on it; every
  * other hook (frees, pools, VMM map/unmap/release/retain, contexts, modules,
- * graphs, copies, waits, queries, cuGetProcAddress) calls this. NVML is not the
+ * graphs, copies, waits, queries, cuGetProcAddress) calls this, and so does every
+ * other driver entry point, through mg_gate.c's trampolines. NVML is not the
  * CUDA driver and a locked process's NVML calls go through: not gated. */
 static inline void mg_swap_gate(void) {
     mg_proc_slot_t *s = atomic_load_explicit(&g_slot, memory_order_acquire);
     if (MG_UNLIKELY(s != NULL && atomic_load_explicit(&s->swapped, memory_order_acquire))) mg_swap_in(s);
 }
+
+/* The gated trampolines of every other driver entry point (mg_gate.c): they test the
+ * flag of the slot mg_gate_follow names (none: a zero word), one load past its address. */
+MG_HIDDEN void mg_gate_follow(mg_proc_slot_t *s);
+MG_HIDDEN void *mg_gate_wrap(const char *name, void *p);   /* a trampoline for the driver's `p` */
+MG_HIDDEN int mg_gate_is_stub(const void *p);
+MG_HIDDEN void mg_gate_atfork_child(void);
 
 /* ------------------------------------------------------------------------ */
 /* What the hook sources offer each other.                                   */

@@ -143,9 +143,10 @@ MG_COLD mg_proc_slot_t *mg_claim_slot(void) {
         mg_reap(0);
         s = mg_try_claim(start);
         if (!s && mg_reap(1) > 0) s = mg_try_claim(start);
-        if (s)
+        if (s) {
             atomic_store_explicit(&g_slot, s, memory_order_release);
-        else
+            mg_gate_follow(s);
+        } else
             MG_WARN_ONCE(g_warned_slots, "%s/%s: all %d process slots are taken; refusing GPU allocations",
                          g_dir, MG_USAGE_FILE, MG_MAX_PROCS);
     }
