@@ -20,6 +20,7 @@ CUDA_ERROR_NOT_FOUND and the shim's dlsym does not hand it out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import re
 import sys
@@ -29,10 +30,18 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "gpufrac" / "memguard" / "native" / "mg_driver_names.h"
 WHEELS = ("nvidia-cuda-runtime-cu12", "nvidia-cuda-runtime")
 HEADERS = ("cuda.h", "cudaGL.h", "cudaEGL.h", "cudaVDPAU.h")
-TYPEDEFS = ("cudaTypedefs.h", "cudaGLTypedefs.h", "cudaEGLTypedefs.h", "cudaVDPAUTypedefs.h", "cudaProfilerTypedefs.h")
+TYPEDEFS = (
+    "cudaTypedefs.h",
+    "cudaGLTypedefs.h",
+    "cudaEGLTypedefs.h",
+    "cudaVDPAUTypedefs.h",
+    "cudaProfilerTypedefs.h",
+)
 
 DECLARED = re.compile(r"\bCUDAAPI\s+(cu\w+)\s*\(")
-MAPPED = re.compile(r"^\s*#\s*define\s+(cu\w+)\s+(?:(__CUDA_API_PT(DS|SZ))\(\s*(cu\w+)\s*\)|(cu\w+))\s*$", re.M)
+MAPPED = re.compile(
+    r"^\s*#\s*define\s+(cu\w+)\s+(?:(__CUDA_API_PT(DS|SZ))\(\s*(cu\w+)\s*\)|(cu\w+))\s*$", re.M
+)
 PFN = re.compile(r"\bPFN_(cu\w+?)_v\d+(?:_pt(?:ds|sz))?\b")
 
 
@@ -101,10 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sources = []
     for wheel in WHEELS:
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             sources.append(f"{wheel} {importlib.metadata.version(wheel)}")
-        except importlib.metadata.PackageNotFoundError:
-            pass
     text = render(collect(dirs), sources)
     if args.check:
         if not OUT.exists() or OUT.read_text() != text:
