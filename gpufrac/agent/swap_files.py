@@ -39,7 +39,7 @@ class Swapped:
         """Whether checkpointed process `pid` has exited: no process has its number, or another
         one does (a start time, or a pid in its own namespace, other than its slot's): a pid
         the kernel gave to someone else is never taken for it. Blocking: reads /proc."""
-        ident = dict(zip(self.pids, self.slots, strict=True)).get(pid)
+        ident = dict(zip(self.pids, self.slots, strict=False)).get(pid)  # no identity: gone
         return ident is None or proc_identity(pid) != ident
 
     def living(self) -> list[int]:

@@ -288,6 +288,13 @@ def _remove_cgroup(cgroup: Path, hierarchy: Path) -> None:
 # -- a stand-in workload that speaks the shim's protocol -----------------------------------------
 
 
+def _start_time(pid: int) -> int:
+    """/proc/<pid>/stat's starttime (field 22, the 20th after the comm's closing parenthesis)."""
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    return int(stat[stat.rfind(")") + 2 :].split()[19])
+
+
 class WorkloadDriver(WorkloadProcess):
     """Drives a container running `workload()` (started with stdin and stdout pipes)."""
 
@@ -318,6 +325,7 @@ def workload(stdin: Any = None, stdout: Any = None) -> int:
     cdir = os.environ.get(CONTAINER_DIR_ENV, abi.DEFAULT_DIR)
     usage = abi.UsageFile(cdir)
     slot = next(s for s in usage.usage.slots if s.pid == 0)
+    slot.start_time = _start_time(os.getpid())  # as the shim names a process: pid and start time
     slot.pid = os.getpid()
     span = [0, 0]  # CLOCK_MONOTONIC ns around the last request (the bench reads it)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import pynvml
 import pytest
 
 from gpufrac.agent import swap as swap_mod
+from gpufrac.agent.activity import proc_identity
 from gpufrac.agent.cuda_checkpoint import Support
 from gpufrac.agent.events import REASON_FREED_BY_SWAP
 from gpufrac.agent.swap import SwapResolver
@@ -267,8 +268,8 @@ class NoopCheckpointer:
     def swap_out(self, pids: list[int], lock_ms: int) -> None:
         pass
 
-    def swap_in(self, pids: list[int]) -> None:
-        pass
+    def swap_in(self, pids: list[int], gone: Callable[[int], bool] = lambda pid: False) -> list[int]:
+        return pids
 
 
 def test_a_swap_out_undone_is_not_counted_or_announced_as_a_swap_in(
@@ -322,7 +323,9 @@ def test_a_swap_in_queues_behind_a_waiter_for_burst_bytes_only(
     swap = node.arbiter.swap
     assert swap is not None
     swap.ckpt = NoopCheckpointer()  # type: ignore[assignment]
-    entry = Swapped(v.alloc, node.gpu, swapped, (v.container.proc.pid,), ())
+    ident = proc_identity(v.container.proc.pid)
+    assert ident is not None
+    entry = Swapped(v.alloc, node.gpu, swapped, (v.container.proc.pid,), (ident,))
     node.on_loop(lambda: swap.swapped.__setitem__(v.alloc.key, entry))
     try:
         # Not restored: it waited its 0.5 s behind a, with no burst granted.
