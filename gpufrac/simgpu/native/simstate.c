@@ -80,11 +80,50 @@ uint64_t sim_now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-/* /proc/<pid>/stat's state letter and starttime (ticks since boot); 0 / 0 if unreadable. */
+/* The host's /proc: $SIMGPU_HOST_PROC (a pod with a pid namespace of its own, whose /proc
+ * shows only its own processes), or NULL where /proc is it. */
+static const char *host_proc(void) {
+    const char *p = getenv("SIMGPU_HOST_PROC");
+    return p && *p ? p : NULL;
+}
+
+static _Atomic int32_t g_self_for, g_self_host; /* getpid() -> its host pid, found once per process */
+
+int32_t sim_self_pid(void) {
+    int32_t me = (int32_t)getpid();
+    if (atomic_load_explicit(&g_self_for, memory_order_acquire) == me)
+        return atomic_load_explicit(&g_self_host, memory_order_relaxed);
+    int32_t host = me;
+    const char *hp = host_proc();
+    if (hp) { /* the host's procfs names this process by its host pid in its "self" link */
+        char path[PATH_MAX], buf[32];
+        snprintf(path, sizeof path, "%s/self", hp);
+        ssize_t n = readlink(path, buf, sizeof buf - 1);
+        if (n > 0) {
+            buf[n] = 0;
+            host = (int32_t)strtol(buf, NULL, 10);
+        }
+    }
+    atomic_store_explicit(&g_self_host, host, memory_order_relaxed);
+    atomic_store_explicit(&g_self_for, me, memory_order_release);
+    return host;
+}
+
+int sim_pid_exists(int32_t pid) {
+    const char *hp = host_proc();
+    if (!hp) return kill(pid, 0) == 0 || errno == EPERM; /* kill() in a pid namespace names another */
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, "%s/%d", hp, (int)pid);
+    return access(path, F_OK) == 0;
+}
+
+/* /proc/<pid>/stat's state letter and starttime (ticks since boot), <pid> a host pid;
+ * 0 / 0 if unreadable. */
 static uint64_t proc_stat(pid_t pid, char *state) {
-    char path[64], buf[1024];
+    char path[PATH_MAX], buf[1024];
     *state = 0;
-    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    const char *hp = host_proc();
+    snprintf(path, sizeof path, "%s/%d/stat", hp ? hp : "/proc", (int)pid);
     FILE *f = fopen(path, "re");
     if (!f) return 0;
     size_t len = fread(buf, 1, sizeof buf - 1, f);
@@ -112,7 +151,7 @@ static __thread pid_t t_pid;
 static __thread simgpu_proc_t *t_slot[SIMGPU_MAX_GPUS];
 
 simgpu_proc_t *sim_my_slot(simgpu_node_t *n, uint32_t gpu) {
-    pid_t pid = getpid();
+    pid_t pid = sim_self_pid();
     if (t_pid != pid) { /* first call in this thread, or after fork */
         memset(t_slot, 0, sizeof t_slot);
         t_pid = pid;
@@ -150,7 +189,7 @@ simgpu_proc_t *sim_my_slot(simgpu_node_t *n, uint32_t gpu) {
 }
 
 static int pid_gone(const simgpu_proc_t *s, int32_t pid) {
-    if (kill(pid, 0) == 0 || errno == EPERM) {
+    if (sim_pid_exists(pid)) {
         /* A zombie's GPU memory is already gone on a real driver (freed as the process
          * exits, before its parent reaps it); a reused pid belongs to someone else. */
         char state;
@@ -158,7 +197,7 @@ static int pid_gone(const simgpu_proc_t *s, int32_t pid) {
         if (state == 'Z' || state == 'X') return 1;
         return st != 0 && s->start_time != 0 && st != s->start_time;
     }
-    return errno == ESRCH;
+    return host_proc() || errno == ESRCH;
 }
 
 uint64_t sim_reap_dead(simgpu_node_t *n) {
