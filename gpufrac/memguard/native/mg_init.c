@@ -173,6 +173,7 @@ static void mg_atfork_child(void) {
     g_start = 0;
     atomic_store(&g_slot, NULL);
     mg_gate_atfork_child();
+    mg_nvml_atfork_child();
     if (atomic_load(&g_mode) == MODE_ON) {
         mg_tab_reset(&g_ptrs);
         mg_tab_reset(&g_arrays);

@@ -232,6 +232,8 @@ MG_HIDDEN void mg_freed(mg_tab_t *t, CUresult rc, uint64_t key, int found, uint6
 MG_HIDDEN uint64_t mg_container_total(void);
 MG_HIDDEN uint64_t mg_process_counted(void); /* this process's slot: bytes counted for it */
 MG_HIDDEN unsigned mg_nvml_self_pid(void);   /* this process's pid as NVML reports it, or 0 if unknown */
+MG_HIDDEN void mg_nvml_learn_self(void);     /* ask the agent for it where NVML's pids are the host's */
+MG_HIDDEN void mg_nvml_atfork_child(void);
 MG_HIDDEN int mg_nvml_pids_foreign(void);    /* NVML's pids are the host's: this process's may be learnt */
 MG_HIDDEN const char *mg_container_dir(void); /* $GPUFRAC_CONTAINER_DIR as the shim uses it */
 
@@ -240,6 +242,7 @@ MG_HIDDEN MG_COLD int mg_ask_arbiter(uint16_t op, uint64_t bytes, uint64_t total
 MG_HIDDEN void mg_maybe_return_grant(void);
 MG_HIDDEN void mg_exit_return_grant(void);
 MG_HIDDEN MG_COLD void mg_swap_in(mg_proc_slot_t *s);
+MG_HIDDEN MG_COLD uint32_t mg_ask_host_pid(void);
 
 /* The swap-in gate. While the agent holds this process swapped out (its slot's
  * flag), the driver blocks every CUDA call of it until it is restored, and only the

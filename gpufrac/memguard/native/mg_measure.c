@@ -214,11 +214,14 @@ static int turn_take(CUdevice dev) {
  * measuring next must see them in the container's total before its window. */
 void mg_meas_begin(mg_meas_t *m, CUdevice dev) {
     m->dev = dev;
-    m->turn = turn_take(dev);
     m->lo = INT64_MIN, m->hi = INT64_MAX;
     m->l0 = NULL, m->n0 = 0;
+    mg_nvml_learn_self(); /* its host pid from the agent, in a pid namespace */
     m->mine0 = mg_process_counted();
     m->own_ok = mg_own_mem(dev, &m->own0) >= 0;
+    /* Exact per process: no turns. Only a device-wide reading needs the container's
+     * processes to take turns, so that they do not count each other's contexts. */
+    m->turn = m->own_ok ? 0 : turn_take(dev);
     m->total0 = mg_container_total();
     m->ok = mg_dev_mem(dev, &m->used0, &m->free0) == 0;
 }
