@@ -218,7 +218,14 @@ void mg_meas_begin(mg_meas_t *m, CUdevice dev) {
     m->l0 = NULL, m->n0 = 0;
     mg_nvml_learn_self(); /* its host pid from the agent, in a pid namespace */
     m->mine0 = mg_process_counted();
-    m->own_ok = mg_own_mem(dev, &m->own0) >= 0;
+    /* A process holding no context is listed nowhere: its figure is 0, and only whether
+     * NVML can name it is asked (its first context, in every process: one list the less). */
+    if (!mg_holds_context() && mg_nvml_dev(dev) && self_pid()) {
+        m->own0 = 0;
+        m->own_ok = 1;
+    } else {
+        m->own_ok = mg_own_mem(dev, &m->own0) >= 0;
+    }
     /* Exact per process: no turns. Only a device-wide reading needs the container's
      * processes to take turns, so that they do not count each other's contexts. */
     m->turn = m->own_ok ? 0 : turn_take(dev);

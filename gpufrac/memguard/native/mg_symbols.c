@@ -83,8 +83,7 @@ static inline MG_NOSAN dlsym_fn mg_real_dlsym(void) {
 static void *mg_lib(int lib) {
     void *h = atomic_load_explicit(&g_lib_handle[lib], memory_order_acquire);
     if (h) return h;
-    h = dlopen(g_lib_names[lib], RTLD_LAZY | RTLD_NOLOAD);
-    if (!h) h = dlopen(g_lib_names[lib], RTLD_LAZY); /* direct call before the app loaded it */
+    h = dlopen(g_lib_names[lib], RTLD_LAZY); /* the one loaded already, or loaded now (a direct call first) */
     if (!h) return NULL;
     void *expected = NULL;
     if (!atomic_compare_exchange_strong(&g_lib_handle[lib], &expected, h)) dlclose(h);
