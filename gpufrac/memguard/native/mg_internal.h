@@ -36,8 +36,9 @@
  * also count what a pool keeps reserved after frees (mg_pool.c): those calls
  * take a process-local mutex (never one in a shared file) and read the pool's
  * attributes through the driver. Context and graph calls take process-local
- * mutexes of their own (mg_ctx.c, mg_graph.c); measuring a context also takes
- * turns by a lock the kernel drops when its holder dies (mg_measure.c). The
+ * mutexes of their own (mg_ctx.c, mg_graph.c); measuring a context device-wide
+ * (no per-process figure) also takes turns by a lock the kernel drops when its
+ * holder dies (mg_measure.c). The
  * fast path's helpers (mg_mode, mg_slot, mg_real) are inline here so it stays
  * one load each across sources.
  *

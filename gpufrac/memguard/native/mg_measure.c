@@ -16,8 +16,11 @@
  * per-process used memory of this process (nvmlDeviceGetComputeRunningProcesses),
  * before and after, less what this process's other threads had counted
  * meanwhile: exact, whatever other processes on the GPU take or free during the
- * call. NVML names it when its pids are this pid namespace's (mg_nvml_self_pid),
- * or once it is learnt: NVML's pids are the host's (a container), but a process
+ * call, and with no turns to take. A process holding no context is listed
+ * nowhere, so its figure before is 0 without a list. NVML names it when its pids
+ * are this pid namespace's (mg_nvml_self_pid), or by the host pid the agent told
+ * it (op IDENTIFY, asked at the first measured call: mg_nvml_learn_self), or,
+ * with no agent to ask, once it is learnt: NVML's pids are the host's (a container), but a process
  * holding no context is not listed, so at its first context creation every
  * process listed before is another; if exactly one process is listed new after
  * it and its figure accounts for the device's whole change beyond the others'
@@ -28,7 +31,8 @@
  * after which NVML does not list this process, or gives no figure, falls back
  * to the device-wide reading below.
  *
- * Device-wide, bounded. Otherwise the reading is the device's used memory, and
+ * Device-wide, bounded. Otherwise (no per-process figure at the call's start) the
+ * reading is the device's used memory, and
  * memory other processes take or give back during the call would land on this
  * object (a neighbour allocating GiBs during a victim's context creation would
  * give the victim a false OOM). What bounds it:
