@@ -60,6 +60,7 @@ __attribute__((destructor)) static void release_slots_at_exit(void) {
         uint64_t used = atomic_exchange(&s->used_bytes, 0);
         if (used && s->gpu < n->gpu_count) sim_mem_give(n, s->gpu, used);
         atomic_store(&s->swapped_bytes, 0);
+        sim_slot_unlock(n, s);
         atomic_store(&s->pid, SIMGPU_PID_FREE);
     }
 }

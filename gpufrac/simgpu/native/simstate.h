@@ -32,6 +32,9 @@ SIM_HIDDEN int sim_pid_exists(int32_t pid);
 /* This process's slot on `gpu`, claimed on first use. NULL if the table is full. */
 SIM_HIDDEN simgpu_proc_t *sim_my_slot(simgpu_node_t *n, uint32_t gpu);
 
+/* A slot given back by its own process: its liveness lock released (see simstate.c). */
+SIM_HIDDEN void sim_slot_unlock(simgpu_node_t *n, const simgpu_proc_t *s);
+
 /* Reap slots of processes that no longer exist; returns bytes given back. */
 SIM_HIDDEN uint64_t sim_reap_dead(simgpu_node_t *n);
 
