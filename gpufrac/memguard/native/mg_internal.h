@@ -234,6 +234,7 @@ MG_HIDDEN uint64_t mg_container_total(void);
 MG_HIDDEN uint64_t mg_process_counted(void); /* this process's slot: bytes counted for it */
 MG_HIDDEN unsigned mg_nvml_self_pid(void);   /* this process's pid as NVML reports it, or 0 if unknown */
 MG_HIDDEN void mg_nvml_learn_self(void);     /* ask the agent for it where NVML's pids are the host's */
+MG_HIDDEN void mg_nvml_unlearn_self(void);   /* NVML does not list it under that pid: forget it */
 MG_HIDDEN void mg_nvml_atfork_child(void);
 MG_HIDDEN int mg_nvml_pids_foreign(void);    /* NVML's pids are the host's: this process's may be learnt */
 MG_HIDDEN const char *mg_container_dir(void); /* $GPUFRAC_CONTAINER_DIR as the shim uses it */

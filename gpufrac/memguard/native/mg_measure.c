@@ -324,10 +324,14 @@ int64_t mg_meas_end(mg_meas_t *m, CUresult rc) {
     uint64_t used1 = 0, free1, own1 = 0;
     if (rc != CUDA_SUCCESS) return 0;
     /* Per process: exact (see top). */
-    if (m->own_ok && mg_own_mem(m->dev, &own1) > 0) {
+    int listed_self = m->own_ok ? mg_own_mem(m->dev, &own1) : -1;
+    if (listed_self > 0) {
         uint64_t mine1 = mg_process_counted();
         return (int64_t)(own1 - m->own0) - (int64_t)(mine1 - m->mine0);
     }
+    /* After a call that succeeded this process holds a context here, so NVML lists it: a
+     * pid it does not list is not its own (an agent outside the host's pid namespace). */
+    if (listed_self == 0) mg_nvml_unlearn_self();
     int ok = m->ok && mg_dev_mem(m->dev, &used1, &free1) == 0;
     uint64_t total1 = mg_container_total();
     int64_t listed = 0; /* the change of processes known to be others */

@@ -54,6 +54,7 @@ int mg_nvml_pids_local(void) {
 static _Atomic uint32_t g_host_pid;
 static _Atomic uint64_t g_host_pid_asked_ns; /* when the agent last failed to tell it */
 static _Atomic int g_warned_host_pid;
+static _Atomic int g_agent_pid_wrong; /* NVML did not list this process under the agent's pid */
 #define MG_ASK_AGAIN_NS (10ull * 1000000000ull) /* an agent away is not asked at every context */
 
 /* This process's pid as NVML reports it: getpid() where NVML's pids are this namespace's
@@ -67,7 +68,8 @@ unsigned mg_nvml_self_pid(void) {
  * ask the agent (a connection on its socket; one failure waits MG_ASK_AGAIN_NS). Kept in the
  * slot too, for the container's NVML view. */
 MG_COLD void mg_nvml_learn_self(void) {
-    if (g_nvml_pids_local || atomic_load_explicit(&g_host_pid, memory_order_acquire) || !mg_nvml_pids_foreign())
+    if (g_nvml_pids_local || atomic_load_explicit(&g_host_pid, memory_order_acquire) || !mg_nvml_pids_foreign() ||
+        atomic_load(&g_agent_pid_wrong))
         return;
     uint64_t last = atomic_load_explicit(&g_host_pid_asked_ns, memory_order_relaxed);
     if (last && mg_coarse_now_ns() - last < MG_ASK_AGAIN_NS) return;
@@ -81,6 +83,17 @@ MG_COLD void mg_nvml_learn_self(void) {
     atomic_store_explicit(&g_host_pid, p, memory_order_release);
     mg_proc_slot_t *s = atomic_load_explicit(&g_slot, memory_order_acquire);
     if (s) atomic_store_explicit(&s->host_pid, (int32_t)p, memory_order_release);
+}
+
+/* NVML does not list this process under the pid the agent told it, though it holds a
+ * context: the agent's pids are not NVML's. Forgotten, and not asked again. */
+MG_COLD void mg_nvml_unlearn_self(void) {
+    if (g_nvml_pids_local || !atomic_exchange(&g_host_pid, 0)) return;
+    atomic_store(&g_agent_pid_wrong, 1);
+    mg_proc_slot_t *s = atomic_load_explicit(&g_slot, memory_order_acquire);
+    if (s) atomic_store_explicit(&s->host_pid, 0, memory_order_release);
+    mg_log("NVML does not list this process under the pid the agent names it by (is the agent outside "
+           "the host's pid namespace?): contexts are measured device-wide");
 }
 
 /* A forked child is another process: its own pid, to be asked for anew. */
