@@ -16,9 +16,9 @@ longer counts as used on the GPU, its burst grant is taken back, and its
 guarantee stays reserved for it (lent to others only with lendUnusedRequests),
 so a guarantee is never lost by being swapped.
 
-Swap-in: the victim's next CUDA call (any the shim hooks: a launch, an allocation or free,
-a pool or VMM call, a copy, a wait; the shim's swap-in gate) sees the flag in the shim, which
-asks the arbiter (op SWAP_IN on its socket). The arbiter passes that to
+Swap-in: the victim's next CUDA call (any driver entry point: each passes the shim's swap-in
+gate, through a hook or a gate trampoline) sees the flag in the shim, which asks the arbiter
+(op SWAP_IN on its socket). The arbiter passes that to
 `SwapResolver.swap_in`, which arbitrates it like any other request - the memory
 must be free (the chain may wait or evict others; the swap resolver never picks
 the requester itself) - then restores and unlocks the processes, clears the
@@ -233,6 +233,8 @@ class SwapResolver:
         driver freed their host copy with them), known by identity, not number: a pid given
         to another process does not keep a container swapped."""
         entries = list(self.swapped.items())
+        if not entries:
+            return
         living = await asyncio.to_thread(lambda: {key: bool(s.living()) for key, s in entries})
         for key, s in entries:
             if self.swapped.get(key) is not s:

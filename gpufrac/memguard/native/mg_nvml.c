@@ -131,7 +131,6 @@ static unsigned mg_nvml_ours(unsigned int nvml_pid) {
 
 /* Filter NVML's answers? Not for a process the shim does not manage (no
  * config: not a gpufrac container); always once it has a usage file. */
-
 static int mg_nvml_filtering(void) { return mg_mode() != MODE_OFF; }
 
 /* One NVML list call into `buf` holding `*n` records (buf NULL: a size query). */
