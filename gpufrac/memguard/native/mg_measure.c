@@ -16,8 +16,7 @@
  * per-process used memory of this process (nvmlDeviceGetComputeRunningProcesses),
  * before and after, less what this process's other threads had counted
  * meanwhile: exact, whatever other processes on the GPU take or free during the
- * call, and with no turns to take. A process holding no context is listed
- * nowhere, so its figure before is 0 without a list. NVML names it when its pids
+ * call, and with no turns to take. NVML names it when its pids
  * are this pid namespace's (mg_nvml_self_pid), or by the host pid the agent told
  * it (op IDENTIFY, asked at the first measured call: mg_nvml_learn_self), or,
  * with no agent to ask, once it is learnt: NVML's pids are the host's (a container), but a process
@@ -222,14 +221,9 @@ void mg_meas_begin(mg_meas_t *m, CUdevice dev) {
     m->l0 = NULL, m->n0 = 0;
     mg_nvml_learn_self(); /* its host pid from the agent, in a pid namespace */
     m->mine0 = mg_process_counted();
-    /* A process holding no context is listed nowhere: its figure is 0, and only whether
-     * NVML can name it is asked (its first context, in every process: one list the less). */
-    if (!mg_holds_context() && mg_nvml_dev(dev) && self_pid()) {
-        m->own0 = 0;
-        m->own_ok = 1;
-    } else {
-        m->own_ok = mg_own_mem(dev, &m->own0) >= 0;
-    }
+    /* Read even before a first context: NVML may still count memory under this pid (an
+     * earlier image of this process, before an exec the driver has not seen the end of). */
+    m->own_ok = mg_own_mem(dev, &m->own0) >= 0;
     /* Exact per process: no turns. Only a device-wide reading needs the container's
      * processes to take turns, so that they do not count each other's contexts. */
     m->turn = m->own_ok ? 0 : turn_take(dev);
