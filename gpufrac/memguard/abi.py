@@ -88,7 +88,7 @@ class ConfigStruct(ctypes.Structure):
 class ProcSlot(ctypes.Structure):
     _fields_ = [
         ("pid", i32),
-        ("pad0", u32),
+        ("host_pid", i32),  # as NVML names the process, as the agent told it (0: not known)
         ("start_time", u64),
         ("used_bytes", u64),
         ("peak_bytes", u64),

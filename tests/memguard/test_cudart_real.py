@@ -10,7 +10,8 @@ lookup it makes. Checked: cudart found cuGetProcAddress_v2 by dlsym and probed i
 as the real one does; each lookup was answered; and each, asked again through the
 shim's cuGetProcAddress_v2 (the entry point cudart itself was handed), gives the
 shim's hook of the very variant the driver chose wherever the shim hooks it,
-and the driver's own function everywhere else.
+and everywhere else a gated trampoline of the shim (the swap-in gate, mg_gate.c)
+that jumps to the very function the driver answered.
 """
 
 from __future__ import annotations
@@ -52,6 +53,14 @@ def where(p):
     return os.path.basename(d.fname.decode()), d.sname.decode() if d.sname else None
 
 
+def bound(p):  # where a gate trampoline of the shim jumps (its `jmp *slot(%rip)`, 13 bytes in)
+    code = C.string_at(p, 19)
+    if code[:3] != b"\x4c\x8b\x1d" or code[13:15] != b"\xff\x25":
+        return None
+    slot = p + 19 + int.from_bytes(code[15:19], "little", signed=True)
+    return C.c_void_p.from_address(slot).value
+
+
 cuda = C.CDLL("libcuda.so.1")  # the handle cudart opened
 gpa = cuda.cuGetProcAddress_v2  # dlsym on it, as cudart does
 gpa.argtypes = [C.c_char_p, C.POINTER(C.c_void_p), C.c_int, C.c_ulonglong, C.POINTER(C.c_int)]
@@ -62,7 +71,8 @@ for line in open(os.environ["SIMGPU_PROC_LOG"]).read().splitlines():
     pfn, st = C.c_void_p(), C.c_int(-1)
     rrc = gpa(name.encode(), C.byref(pfn), int(ver), int(flags), C.byref(st))
     lib, sym = where(pfn.value)
-    out["lookups"].append([name, int(ver), int(flags), int(rc), driver_sym, rrc, st.value, lib, sym])
+    to = where(bound(pfn.value)) if lib and lib.startswith("libmemguard") else (None, None)
+    out["lookups"].append([name, int(ver), int(flags), int(rc), driver_sym, rrc, st.value, lib, sym, *to])
 print(json.dumps(out))
 """
 
@@ -99,11 +109,13 @@ def _cudart(wheel: str, soname: str) -> Path:
 
 
 def _shim_exports(shim: Shim) -> set[str]:
-    """The names the shim hooks: its exported cu* symbols."""
+    """The names the shim hooks: its cu* exports defined strong (its gate trampolines, one for
+    every other name of the driver, are weak: a hook of the same name wins over them)."""
     nm = subprocess.run(
         ["nm", "-D", "--defined-only", str(_shim_path(shim))], capture_output=True, text=True, check=True
     ).stdout
-    return {ln.split()[-1] for ln in nm.splitlines() if ln.split()[-1].startswith("cu")}
+    rows = [ln.split() for ln in nm.splitlines()]
+    return {r[-1] for r in rows if len(r) == 3 and r[1] == "T" and r[-1].startswith("cu")}
 
 
 def _shim_path(shim: Shim) -> Path:
@@ -140,7 +152,8 @@ def test_cudart_lookups_reach_the_hooks(
     # Its first question is the probe ("", 0, 0): not found, as on a real driver.
     assert lookups[0][:4] == ["", 0, 0, 500]
     seen = {}
-    for name, ver, flags, rc, driver_sym, rrc, status, got_lib, got_sym in lookups[1:]:
+    gated = 0
+    for name, ver, flags, rc, driver_sym, rrc, status, got_lib, got_sym, to_lib, to_sym in lookups[1:]:
         assert flags in (0, 2), name
         assert rc == 0 and rrc == 0 and status == 0, (name, ver, flags, rc, rrc, status)  # answered
         if driver_sym in hooked:
@@ -157,8 +170,15 @@ def test_cudart_lookups_reach_the_hooks(
             assert got_lib == shim_lib and got_sym in hooked, (name, ver, flags, got_lib, got_sym)
             assert got_sym == name or got_sym.startswith(name + "_"), (name, ver, flags, got_sym)
         else:
-            assert got_lib == "libcuda.so.1", (name, ver, flags, got_lib, got_sym)  # the driver's own
+            # Not hooked: a trampoline of the shim (a named export, or one of its pool) that
+            # passes the swap-in gate, then jumps to the driver's answer itself.
+            assert got_lib == shim_lib and got_sym in (None, driver_sym), (name, ver, flags, got_lib, got_sym)
+            assert to_lib == "libcuda.so.1", (name, ver, flags, to_lib, to_sym)
+            assert to_sym == (None if driver_sym == "stub" else driver_sym), (name, ver, flags, to_sym)
+            gated += 1
+            continue
         seen[(name, ver, flags)] = got_sym if got_lib == shim_lib else None
+    assert gated > 200  # most of cudart's table is no hook of the shim's
     for key, sym in EXPECTED.items():
         assert seen.get(key) == sym, (key, seen.get(key))
     if runtime == "13":  # 13.x asks for the context-taking variant

@@ -165,8 +165,9 @@ def test_cu_get_proc_address_hands_out_the_right_hook(
     shim: Shim, container: Callable[..., Container]
 ) -> None:
     """(name, version, flags) -> the hook of exactly the variant the driver means,
-    through cuGetProcAddress_v2 and the CUDA 11 cuGetProcAddress; functions the
-    shim does not hook come back untouched."""
+    through cuGetProcAddress_v2 and the CUDA 11 cuGetProcAddress; a function the shim
+    does not hook comes back as the shim's gate trampoline of that name, the very one a
+    program linked against libcuda binds to (mg_gate.c)."""
     script: list[object] = []
     for name, ver, flags, want in PROC_CASES:
         script += ["getproc", name, ver, flags, want, "getproc1", name, ver, flags, want]
@@ -175,16 +176,28 @@ def test_cu_get_proc_address_hands_out_the_right_hook(
     results = by_cmd(lines, "getproc") + by_cmd(lines, "getproc1")
     assert len(results) == 2 * len(PROC_CASES) + 1
     assert all(ln.rc == 0 and ln.kv["match"] == "1" for ln in results), results
-    hooked = [ln for ln in results if ln.kv["shim"] == "1"]
-    assert len(hooked) == 2 * len(PROC_CASES)  # all but cuCtxGetDevice
+    assert all(ln.kv["shim"] == "1" for ln in results), results  # cuCtxGetDevice: gated
 
 
 def test_dlsym_on_the_driver_handle_returns_hooks(shim: Shim, container: Callable[..., Container]) -> None:
+    """A lookup on the driver's handle finds the shim's hooks, and for a function it does not
+    hook (cuCtxGetDevice) its gate trampoline; a name the driver lacks, nothing."""
     names = sorted({want for *_, want in PROC_CASES})
-    script = [x for n in [*names, "cuCtxGetDevice"] for x in ("dlsym", n)]
+    script = [x for n in [*names, "cuCtxGetDevice", "cuNoSuchFunction"] for x in ("dlsym", n)]
     lines = by_cmd(shim.ctest(container(), *script), "dlsym")
-    assert [ln.kv["shim"] for ln in lines] == ["1"] * len(names) + ["0"]
-    assert all(ln.kv["found"] == "1" for ln in lines)
+    assert [ln.kv["shim"] for ln in lines] == ["1"] * (len(names) + 1) + ["0"]
+    assert [ln.kv["found"] for ln in lines] == ["1"] * (len(names) + 1) + ["0"]
+
+
+def test_a_probe_of_the_global_scope_finds_the_shim_only_where_the_driver_has_the_function(
+    shim: Shim, container: Callable[..., Container]
+) -> None:
+    """The shim exports a gate trampoline under every name the driver may export; a program
+    probing dlsym(RTLD_DEFAULT, name) for a feature still finds nothing where the installed
+    driver lacks it (cuGLInit: simgpu has no OpenGL interop), and the trampoline where it has
+    it (cuCtxGetDevice)."""
+    lines = by_cmd(shim.ctest(container(), "global", "cuCtxGetDevice", "global", "cuGLInit"), "global")
+    assert [(ln.kv["found"], ln.kv["shim"]) for ln in lines] == [("1", "1"), ("0", "0")]
 
 
 CUDA_PYTHON_HOOKS = """

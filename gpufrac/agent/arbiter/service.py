@@ -185,6 +185,10 @@ class Arbiter:
             self.stats.refused += 1
             self._refusals.say(str(e))
             return wire.BURST_REFUSED, 0
+        if req.op == wire.BURST_OP_IDENTIFY:
+            # Its own pid as the kernel named it to us (the host's namespace, NVML's): what
+            # lets its shim read the driver's per-process figures exactly in a pid namespace.
+            return wire.BURST_GRANTED, caller.creds.pid
         if req.op == wire.BURST_OP_RELEASE:
             return wire.BURST_GRANTED, self.resolution.release(caller.alloc)
         if req.op == wire.BURST_OP_SWAP_IN:

@@ -82,7 +82,8 @@ typedef struct {
 
 typedef struct {
     _Atomic int32_t pid;             /* 0 free, -1 being reaped, >0 owner (container pid ns) */
-    uint32_t pad0;
+    _Atomic int32_t host_pid;        /* its pid as NVML names it, from the agent (0: not known);
+                                        what was padding: same layout, same ABI version */
     uint64_t start_time;             /* /proc/self/stat starttime (ticks since boot) */
     _Atomic uint64_t used_bytes;     /* this process's counted GPU memory */
     _Atomic uint64_t peak_bytes;
@@ -132,6 +133,9 @@ typedef struct {
 /* The caller's container is over its per-container arbiter limits (connections,
  * requests in flight, request rate): refused at once, like every status but GRANTED. */
 #define MG_BURST_BUSY 5u
+/* IDENTIFY: the caller asks for its own pid as the agent sees it (SO_PEERCRED, the host's
+ * pid namespace, where NVML's pids are): GRANTED carries it in the reply's `generation`. */
+#define MG_BURST_OP_IDENTIFY 5u
 
 typedef struct {
     uint32_t magic;        /* MG_BURST_MAGIC */

@@ -1,7 +1,7 @@
 /*
  * memguard: the slow path, the arbiter client (docs/arbiter-protocol.md):
  * bursts past request + grant, reclaims of the guarantee, grants flowing back
- * (RELEASE) and swap-in. Never on the fast path.
+ * (RELEASE), swap-in and the process's own host pid (IDENTIFY). Never on the fast path.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -97,7 +97,7 @@ static MG_COLD const char *mg_sock(void) {
 }
 
 static MG_COLD int mg_arbiter_io(uint16_t op, uint64_t bytes, uint64_t total_after, const mg_limits_t *l,
-                                 int await_reply) {
+                                 int await_reply, uint64_t *reply_generation) {
     const char *path = mg_sock();
     if (!path) return 0;
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | (await_reply ? 0 : SOCK_NONBLOCK), 0);
@@ -136,6 +136,7 @@ static MG_COLD int mg_arbiter_io(uint16_t op, uint64_t bytes, uint64_t total_aft
         got += (size_t)n;
     }
     granted = rep.magic == MG_BURST_MAGIC && rep.status == MG_BURST_GRANTED;
+    if (granted && reply_generation) *reply_generation = rep.generation;
 out:
     close(fd);
     return granted;
@@ -143,7 +144,18 @@ out:
 
 /* A request that waits for the agent's answer: 1 if granted. */
 MG_COLD int mg_ask_arbiter(uint16_t op, uint64_t bytes, uint64_t total_after, const mg_limits_t *l) {
-    return mg_arbiter_io(op, bytes, total_after, l, 1);
+    return mg_arbiter_io(op, bytes, total_after, l, 1, NULL);
+}
+
+/* This process's pid as the agent sees it (op IDENTIFY): the kernel's SO_PEERCRED, in the
+ * host's pid namespace, where NVML names processes. Nothing this process can write names
+ * another's: the agent reads who connected. 0 when the agent cannot tell (away, an older one). */
+MG_COLD uint32_t mg_ask_host_pid(void) {
+    mg_limits_t l;
+    if (mg_read_limits(&l) != 0) memset(&l, 0, sizeof l);
+    uint64_t pid = 0;
+    if (!mg_arbiter_io(MG_BURST_OP_IDENTIFY, 0, 0, &l, 1, &pid)) return 0;
+    return pid > 0 && pid <= INT32_MAX ? (uint32_t)pid : 0;
 }
 
 /* Grants flow back (docs/arbiter-protocol.md, RELEASE). When a free leaves the
@@ -189,7 +201,7 @@ void mg_maybe_return_grant(void) {
         !atomic_compare_exchange_strong_explicit(&g_returned_gen, &gen, l.generation, memory_order_relaxed,
                                                  memory_order_relaxed))
         return; /* sent for this generation already, or another thread is sending now */
-    if (!mg_arbiter_io(MG_BURST_OP_RELEASE, unused, used, &l, 0))
+    if (!mg_arbiter_io(MG_BURST_OP_RELEASE, unused, used, &l, 0, NULL))
         atomic_fetch_add_explicit(&g_usage->grant_returned, unused, memory_order_relaxed);
 }
 

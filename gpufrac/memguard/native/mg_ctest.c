@@ -35,6 +35,8 @@
  *   getproc NAME VER FLAGS WANT | getproc1 ... -> cuGetProcAddress_v2 / legacy: is the
  *                                               answer the export WANT, and memguard's?
  *   dlsym NAME                               -> dlsym on a libcuda handle: memguard's?
+ *   global NAME                              -> dlsym(RTLD_DEFAULT) (the scope this program binds
+ *                                               in): found, and memguard's?
  *   defpool | mkpool THRESHOLD               -> push the device's default pool / a new pool
  *                                               (cuMemPoolCreate) with that release threshold
  *   thresh T                                 -> set the top pool's release threshold
@@ -618,6 +620,10 @@ int main(int argc, char **argv) {
             void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
             void *p = h ? dlsym(h, a1) : NULL;
             printf("dlsym %d found=%d shim=%d\n", h ? 0 : 1, p != NULL, in_shim(p));
+            i++;
+        } else if (!strcmp(c, "global")) {
+            void *p = dlsym(RTLD_DEFAULT, a1);
+            printf("global 0 found=%d shim=%d\n", p != NULL, in_shim(p));
             i++;
         } else if (!strcmp(c, "exec")) {
             /* The rest of the script runs in a new image of this same process

@@ -80,11 +80,50 @@ uint64_t sim_now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-/* /proc/<pid>/stat's state letter and starttime (ticks since boot); 0 / 0 if unreadable. */
+/* The host's /proc: $SIMGPU_HOST_PROC (a pod with a pid namespace of its own, whose /proc
+ * shows only its own processes), or NULL where /proc is it. */
+static const char *host_proc(void) {
+    const char *p = getenv("SIMGPU_HOST_PROC");
+    return p && *p ? p : NULL;
+}
+
+static _Atomic int32_t g_self_for, g_self_host; /* getpid() -> its host pid, found once per process */
+
+int32_t sim_self_pid(void) {
+    int32_t me = (int32_t)getpid();
+    if (atomic_load_explicit(&g_self_for, memory_order_acquire) == me)
+        return atomic_load_explicit(&g_self_host, memory_order_relaxed);
+    int32_t host = me;
+    const char *hp = host_proc();
+    if (hp) { /* the host's procfs names this process by its host pid in its "self" link */
+        char path[PATH_MAX], buf[32];
+        snprintf(path, sizeof path, "%s/self", hp);
+        ssize_t n = readlink(path, buf, sizeof buf - 1);
+        if (n > 0) {
+            buf[n] = 0;
+            host = (int32_t)strtol(buf, NULL, 10);
+        }
+    }
+    atomic_store_explicit(&g_self_host, host, memory_order_relaxed);
+    atomic_store_explicit(&g_self_for, me, memory_order_release);
+    return host;
+}
+
+int sim_pid_exists(int32_t pid) {
+    const char *hp = host_proc();
+    if (!hp) return kill(pid, 0) == 0 || errno == EPERM; /* kill() in a pid namespace names another */
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, "%s/%d", hp, (int)pid);
+    return access(path, F_OK) == 0;
+}
+
+/* /proc/<pid>/stat's state letter and starttime (ticks since boot), <pid> a host pid;
+ * 0 / 0 if unreadable. */
 static uint64_t proc_stat(pid_t pid, char *state) {
-    char path[64], buf[1024];
+    char path[PATH_MAX], buf[1024];
     *state = 0;
-    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    const char *hp = host_proc();
+    snprintf(path, sizeof path, "%s/%d/stat", hp ? hp : "/proc", (int)pid);
     FILE *f = fopen(path, "re");
     if (!f) return 0;
     size_t len = fread(buf, 1, sizeof buf - 1, f);
@@ -108,11 +147,50 @@ static uint64_t proc_start_time(pid_t pid) {
     return proc_stat(pid, &state);
 }
 
+/* Liveness locks. The driver frees what a process holds as its files close at exit, before
+ * it is a zombie and whether or not it was killed. Each process holds an open-file-description
+ * lock on one byte per slot it owns, past the end of the node-state file; the kernel drops it
+ * as the process's files close at exit, so a slot whose lock another process holds belongs to
+ * a live process (one fcntl), and only a slot whose lock is gone is looked up in /proc (a
+ * process that exited, a zombie, a reused pid; or a slot nobody locked: a test's own). */
+#define SIM_LOCK_BASE (1ll << 40)
+static pthread_mutex_t g_lock_mu = PTHREAD_MUTEX_INITIALIZER;
+static int g_lock_fd = -1;
+static pid_t g_lock_pid;             /* the process that opened g_lock_fd (a forked child has its own) */
+static simgpu_node_t *g_lock_node;   /* the node it locks slots of */
+
+/* This process's own descriptor of node `n`'s file, for its slot locks; -1 if none. */
+static int lock_fd(simgpu_node_t *n) {
+    pthread_mutex_lock(&g_lock_mu);
+    if (g_lock_fd >= 0 && (g_lock_pid != getpid() || g_lock_node != n)) {
+        close(g_lock_fd); /* a parent's description (its locks stay its own) or another node's */
+        g_lock_fd = -1;
+    }
+    if (g_lock_fd < 0 && n == atomic_load(&g_node) && g_path[0]) {
+        g_lock_fd = open(g_path, O_RDWR | O_CLOEXEC);
+        g_lock_pid = getpid();
+        g_lock_node = n;
+    }
+    int fd = g_lock_fd;
+    pthread_mutex_unlock(&g_lock_mu);
+    return fd;
+}
+
+static int slot_lock(simgpu_node_t *n, const simgpu_proc_t *s, int cmd, short type) {
+    int fd = lock_fd(n);
+    if (fd < 0) return -1;
+    struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = SIM_LOCK_BASE + (s - n->procs), .l_len = 1};
+    if (fcntl(fd, cmd, &fl) != 0) return -1;
+    return cmd == F_OFD_GETLK ? fl.l_type != F_UNLCK : 0;
+}
+
+void sim_slot_unlock(simgpu_node_t *n, const simgpu_proc_t *s) { slot_lock(n, s, F_OFD_SETLK, F_UNLCK); }
+
 static __thread pid_t t_pid;
 static __thread simgpu_proc_t *t_slot[SIMGPU_MAX_GPUS];
 
 simgpu_proc_t *sim_my_slot(simgpu_node_t *n, uint32_t gpu) {
-    pid_t pid = getpid();
+    pid_t pid = sim_self_pid();
     if (t_pid != pid) { /* first call in this thread, or after fork */
         memset(t_slot, 0, sizeof t_slot);
         t_pid = pid;
@@ -141,6 +219,7 @@ simgpu_proc_t *sim_my_slot(simgpu_node_t *n, uint32_t gpu) {
                 atomic_store(&s->busy_ns_total, 0);
                 atomic_store(&s->ckpt_state, SIMGPU_CKPT_RUNNING);
                 atomic_store(&s->pid, pid);
+                slot_lock(n, s, F_OFD_SETLK, F_WRLCK); /* none taken: /proc tells, as before */
                 return t_slot[gpu] = s;
             }
         }
@@ -149,8 +228,9 @@ simgpu_proc_t *sim_my_slot(simgpu_node_t *n, uint32_t gpu) {
     return NULL;
 }
 
-static int pid_gone(const simgpu_proc_t *s, int32_t pid) {
-    if (kill(pid, 0) == 0 || errno == EPERM) {
+static int pid_gone(simgpu_node_t *n, const simgpu_proc_t *s, int32_t pid) {
+    if (slot_lock(n, s, F_OFD_GETLK, F_WRLCK) == 1) return 0; /* its owner lives and holds its lock */
+    if (sim_pid_exists(pid)) {
         /* A zombie's GPU memory is already gone on a real driver (freed as the process
          * exits, before its parent reaps it); a reused pid belongs to someone else. */
         char state;
@@ -158,7 +238,7 @@ static int pid_gone(const simgpu_proc_t *s, int32_t pid) {
         if (state == 'Z' || state == 'X') return 1;
         return st != 0 && s->start_time != 0 && st != s->start_time;
     }
-    return errno == ESRCH;
+    return host_proc() || errno == ESRCH;
 }
 
 uint64_t sim_reap_dead(simgpu_node_t *n) {
@@ -166,7 +246,7 @@ uint64_t sim_reap_dead(simgpu_node_t *n) {
     for (int i = 0; i < SIMGPU_MAX_PROCS; i++) {
         simgpu_proc_t *s = &n->procs[i];
         int32_t pid = atomic_load(&s->pid);
-        if (pid <= 0 || !pid_gone(s, pid)) continue;
+        if (pid <= 0 || !pid_gone(n, s, pid)) continue;
         if (!atomic_compare_exchange_strong(&s->pid, &pid, SIMGPU_PID_REAPING)) continue;
         uint64_t used = atomic_exchange(&s->used_bytes, 0);
         if (s->gpu < n->gpu_count && used) sim_mem_give(n, s->gpu, used);

@@ -22,8 +22,18 @@ SIM_HIDDEN simgpu_node_t *sim_node_reload(void);
 
 SIM_HIDDEN uint64_t sim_now_ns(void); /* CLOCK_REALTIME */
 
+/* Processes are named as the kernel's initial pid namespace names them, as a real driver
+ * (in the kernel) does, whatever namespace they run in: this process's pid so (read off the
+ * host's /proc, $SIMGPU_HOST_PROC, where the container runtime emulator mounts it for a pod
+ * with a pid namespace of its own; getpid() elsewhere), and whether such a pid still exists. */
+SIM_HIDDEN int32_t sim_self_pid(void);
+SIM_HIDDEN int sim_pid_exists(int32_t pid);
+
 /* This process's slot on `gpu`, claimed on first use. NULL if the table is full. */
 SIM_HIDDEN simgpu_proc_t *sim_my_slot(simgpu_node_t *n, uint32_t gpu);
+
+/* A slot given back by its own process: its liveness lock released (see simstate.c). */
+SIM_HIDDEN void sim_slot_unlock(simgpu_node_t *n, const simgpu_proc_t *s);
 
 /* Reap slots of processes that no longer exist; returns bytes given back. */
 SIM_HIDDEN uint64_t sim_reap_dead(simgpu_node_t *n);

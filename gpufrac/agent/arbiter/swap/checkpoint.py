@@ -36,6 +36,7 @@ MAX_LOCK_TIMEOUT_MS = 2**32 - 1  # CUcheckpointLockArgs.timeoutMs is an unsigned
 # Seconds before an API found unavailable is looked for again, when the agent next needs it
 # (arbiter.swap.resolver: a driver still starting must not strand what an earlier agent swapped).
 DETECT_RETRY = 10.0
+CUDA_ERROR_NOT_FOUND = 500  # the driver holds no CUDA state of that pid (it exited, or never had any)
 CUDA_ERROR_NOT_PERMITTED = 800
 CUDA_ERROR_NOT_SUPPORTED = 801
 
@@ -214,23 +215,42 @@ class Checkpointer:
             self._undo(locked, saved)
             raise
 
-    def swap_in(self, pids: list[int]) -> None:
-        """Restore every process, then unlock every one. If a restore fails (e.g. the
-        GPU filled up meanwhile), the restored ones are checkpointed again so the
-        container stays consistently swapped, and the error is raised."""
+    def swap_in(self, pids: list[int], gone: Callable[[int], bool] = lambda pid: False) -> list[int]:
+        """Restore every process, then unlock every one; the pids brought back. If a restore
+        fails (e.g. the GPU filled up meanwhile), the restored ones are checkpointed again so
+        the container stays consistently swapped, and the error is raised. A process the
+        driver no longer knows (NOT_FOUND) that `gone` says has exited is left out, not an
+        error: the driver freed what it held when it exited, and the rest comes back."""
         restored: list[int] = []
         try:
             for pid in pids:
-                if self.state(pid) == ProcessState.CHECKPOINTED:
-                    self.restore(pid)
-                restored.append(pid)
+                if self._unless_gone(gone, pid, self._restore_if_checkpointed):
+                    restored.append(pid)
         except CheckpointError:
             for pid in restored:
                 self._quietly(self.checkpoint, pid)
             raise
-        for pid in pids:
-            if self.state(pid) == ProcessState.LOCKED:
-                self.unlock(pid)
+        return [pid for pid in restored if self._unless_gone(gone, pid, self._unlock_if_locked)]
+
+    def _restore_if_checkpointed(self, pid: int) -> None:
+        if self.state(pid) == ProcessState.CHECKPOINTED:
+            self.restore(pid)
+
+    def _unlock_if_locked(self, pid: int) -> None:
+        if self.state(pid) == ProcessState.LOCKED:
+            self.unlock(pid)
+
+    @staticmethod
+    def _unless_gone(gone: Callable[[int], bool], pid: int, step: Callable[[int], None]) -> bool:
+        """`step(pid)`; False when the driver answers NOT_FOUND for a process that has exited."""
+        try:
+            step(pid)
+        except CheckpointError as e:
+            if e.code == CUDA_ERROR_NOT_FOUND and gone(pid):
+                log.info("swap-in: process %d exited while swapped out; the driver freed what it held", pid)
+                return False
+            raise
+        return True
 
     def _undo(self, locked: list[int], saved: list[int]) -> None:
         for pid in saved:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from gpufrac.agent.booking.ledger import ContainerAlloc
 from gpufrac.agent.processes.callers import AgentOutOfResources, PeerLookup, scan_pids
+from gpufrac.agent.processes.proc import proc_identity
 from gpufrac.memguard import abi
 from gpufrac.memguard.abi import FormatError
 
@@ -30,9 +31,20 @@ class Swapped:
     gpu: str
     bytes: int  # GPU memory moved to host RAM (the container's usage when it went)
     pids: tuple[int, ...]  # host pids checkpointed
-    slots: tuple[SlotId, ...]  # their usage slots
+    slots: tuple[SlotId, ...]  # their usage slots, one per pid: with it, each process's identity
     since: float = field(default_factory=time.monotonic)
     needed_by: str = ""
+
+    def gone(self, pid: int) -> bool:
+        """Whether checkpointed process `pid` has exited: no process has its number, or another
+        one does (a start time, or a pid in its own namespace, other than its slot's): a pid
+        the kernel gave to someone else is never taken for it. Blocking: reads /proc."""
+        ident = dict(zip(self.pids, self.slots, strict=False)).get(pid)  # no identity: gone
+        return ident is None or proc_identity(pid) != ident
+
+    def living(self) -> list[int]:
+        """The checkpointed processes that have not exited (blocking: reads /proc)."""
+        return [p for p in self.pids if not self.gone(p)]
 
 
 def set_swapped(directory: str, slots: Iterable[SlotId], value: int) -> int:

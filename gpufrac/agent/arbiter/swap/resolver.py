@@ -16,9 +16,9 @@ longer counts as used on the GPU, its burst grant is taken back, and its
 guarantee stays reserved for it (lent to others only with lendUnusedRequests),
 so a guarantee is never lost by being swapped.
 
-Swap-in: the victim's next CUDA call (any the shim hooks: a launch, an allocation or free,
-a pool or VMM call, a copy, a wait; the shim's swap-in gate) sees the flag in the shim, which
-asks the arbiter (op SWAP_IN on its socket). The arbiter passes that to
+Swap-in: the victim's next CUDA call (any driver entry point: each passes the shim's swap-in
+gate, through a hook or a gate trampoline) sees the flag in the shim, which asks the arbiter
+(op SWAP_IN on its socket). The arbiter passes that to
 `SwapResolver.swap_in`, which arbitrates it like any other request - the memory
 must be free (the chain may wait or evict others; the swap resolver never picks
 the requester itself) - then restores and unlocks the processes, clears the
@@ -226,11 +226,18 @@ class SwapResolver:
     def idle_threshold(self) -> float:
         return self.config.swap.idle_threshold or self.config.evict_idle_threshold
 
-    def _prune(self) -> None:
-        """Forget swapped containers that were released or whose processes all died (the
-        driver freed their host copy with them)."""
-        for key, s in list(self.swapped.items()):
-            if self.ctx.ledger.get(key) is not s.alloc or not any(psutil.pid_exists(p) for p in s.pids):
+    async def _prune(self) -> None:
+        """Forget swapped containers that were released or whose processes all exited (the
+        driver freed their host copy with them), known by identity, not number: a pid given
+        to another process does not keep a container swapped."""
+        entries = list(self.swapped.items())
+        if not entries:
+            return
+        living = await asyncio.to_thread(lambda: {key: bool(s.living()) for key, s in entries})
+        for key, s in entries:
+            if self.swapped.get(key) is not s:
+                continue  # restored or replaced meanwhile
+            if self.ctx.ledger.get(key) is not s.alloc or not living[key]:
                 log.info("swap: %s is gone while swapped out; forgetting it", s.alloc.who())
                 del self.swapped[key]
 
@@ -268,7 +275,7 @@ class SwapResolver:
         support = await self.detect()
         if not support.available:
             return Outcome(available=False, detail=support.reason)
-        self._prune()
+        await self._prune()
         missing = need.shortfall()
         if missing <= 0:
             return Outcome()
@@ -346,7 +353,7 @@ class SwapResolver:
         support = await self.detect()
         if not support.available:
             return False, f"swap to host RAM is unavailable on this node: {support.reason}"
-        self._prune()
+        await self._prune()
         try:
             h = self._requested(alloc)
             await self._swap_out(h, alloc.gpus[0], reason, needed_by=reason)
@@ -621,9 +628,14 @@ class SwapResolver:
         swap-out of it is being undone (it was never counted or announced as swapped out)."""
         alloc = entry.alloc
         t0 = time.monotonic()
-        pids = [p for p in entry.pids if psutil.pid_exists(p)]
+
+        def restore() -> None:
+            # Its processes by identity: one that exited is left out (its pid may be another
+            # process's now, which the driver does not know: NOT_FOUND), the rest come back.
+            self.ckpt.swap_in(entry.living(), entry.gone)
+
         try:
-            await asyncio.to_thread(self.ckpt.swap_in, pids)
+            await asyncio.to_thread(restore)
         except CheckpointError as e:
             self.stats.failed_in += 1
             log.warning("swap: restoring %s failed, it stays in host RAM: %s", alloc.who(), e)

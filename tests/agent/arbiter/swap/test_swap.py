@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from gpufrac.agent.arbiter.swap.checkpoint import Support
 from gpufrac.agent.arbiter.swap.files import Swapped
 from gpufrac.agent.arbiter.swap.resolver import SwapResolver
 from gpufrac.agent.kube.events import REASON_FREED_BY_SWAP
+from gpufrac.agent.processes.proc import proc_identity
 from gpufrac.core import native
 from gpufrac.memguard import abi
 from gpufrac.simgpu.nodestate import NodeState
@@ -268,8 +269,8 @@ class NoopCheckpointer:
     def swap_out(self, pids: list[int], lock_ms: int) -> None:
         pass
 
-    def swap_in(self, pids: list[int]) -> None:
-        pass
+    def swap_in(self, pids: list[int], gone: Callable[[int], bool] = lambda pid: False) -> list[int]:
+        return pids
 
 
 def test_a_swap_out_undone_is_not_counted_or_announced_as_a_swap_in(
@@ -329,7 +330,9 @@ def test_a_swap_in_queues_behind_a_waiter_for_burst_bytes_only(
     swap = node.arbiter.swap
     assert swap is not None
     swap.ckpt = NoopCheckpointer()  # type: ignore[assignment]
-    entry = Swapped(v.alloc, node.gpu, swapped, (v.container.proc.pid,), ())
+    ident = proc_identity(v.container.proc.pid)
+    assert ident is not None
+    entry = Swapped(v.alloc, node.gpu, swapped, (v.container.proc.pid,), (ident,))
     node.on_loop(lambda: swap.swapped.__setitem__(v.alloc.key, entry))
     try:
         # Not restored: it waited its 0.5 s behind a, with no burst granted.

@@ -40,9 +40,10 @@ class StuckCheckpointer:
         self.locked.update(pids)
         raise CheckpointError(f"cuCheckpointProcessCheckpoint(pid {pids[0]}): CUDA_ERROR_UNKNOWN")
 
-    def swap_in(self, pids: list[int]) -> None:
+    def swap_in(self, pids: list[int], gone: Callable[[int], bool] = lambda pid: False) -> list[int]:
         self.swapped_in.append(list(pids))
         self.locked.difference_update(pids)
+        return pids
 
 
 class UndoneCheckpointer(StuckCheckpointer):
