@@ -3,7 +3,7 @@ Grafana dashboard is written against it)."""
 
 from __future__ import annotations
 
-from gpufrac.core.annotations import LIMIT_KEYS, PREFIX, USER_KEYS
+from gpufrac.core.annotations import PER_CONTAINER_KEYS, PREFIX, USER_KEYS
 
 NAMESPACE = "gpufrac"
 # UUID repeats uuid under the DCGM exporter's label name, so a query joins gpufrac and
@@ -26,6 +26,6 @@ def annotation_label(key: str) -> str:
     if key in USER_KEYS:
         return key
     base = key.rpartition(".")[0]
-    if base in LIMIT_KEYS:
+    if base in PER_CONTAINER_KEYS:
         return base
     return "unknown" if key.startswith(PREFIX) else "other"
