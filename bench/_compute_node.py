@@ -192,19 +192,24 @@ class ComputeNode:
 
         return self.run(get())
 
+    def stop_control(self) -> None:
+        """Stop the compute loop as the agent does: paces lifted, stopped processes continued."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+
+        async def stop() -> None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await self.compute.close()
+
+        self.run(stop())
+
     def close(self) -> None:
+        self.stop_control()
         for m in self.members:
             m.app.close(timeout=5)
         self.runtime.close()
-        if self._task is not None:
-            task = self._task
-
-            async def stop() -> None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                await self.compute.close()
-
-            self.run(stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(30)
         self.feed.close()

@@ -19,6 +19,10 @@
  *                                           are the driver (the noise floor).
  *   shim_bench ablaunch ROUNDS N         -> the same alternation for cuLaunchKernel of busy_us(0)
  *                                           (the compute share's pace is read on this path)
+ *   shim_bench ablaunchx ROUNDS N        -> the same with a function handle the driver refuses
+ *                                           at once (CUDA_ERROR_INVALID_HANDLE, no simulated
+ *                                           GPU work): the hook's own cost, without the fake
+ *                                           driver's microsecond of scheduling around it
  *   shim_bench start                     -> init, one alloc+free, exit (start-up cost)
  *   shim_bench burst 1 N BYTES [PAUSE_MS] -> N allocations of BYTES past the container's request
  *                                           (each a burst request to the agent's arbiter), each
@@ -156,7 +160,8 @@ static double launch_round(unsigned long n, launch_fn fn, CUfunction f) {
     CUresult rc;
     uint64_t t0 = now(CLOCK_MONOTONIC);
     for (unsigned long i = 0; i < n; i++)
-        if ((rc = fn(f, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL)) != 0) die("cuLaunchKernel", rc);
+        if ((rc = fn(f, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL)) != 0 && rc != 400 /* INVALID_HANDLE */)
+            die("cuLaunchKernel", rc);
     return (double)(now(CLOCK_MONOTONIC) - t0) / (double)n;
 }
 
@@ -206,11 +211,12 @@ int main(int argc, char **argv) {
         return 0;
     }
     if (!strcmp(op, "abfree") || !strcmp(op, "abasync")) return ab(op, rounds, n, bytes);
-    if (!strcmp(op, "ablaunch")) {
+    if (!strcmp(op, "ablaunch") || !strcmp(op, "ablaunchx")) {
         CUmodule m;
         CUfunction f;
         if ((rc = cuModuleLoadData(&m, "SIMGPU-MODULE")) != 0) die("cuModuleLoadData", rc);
         if ((rc = cuModuleGetFunction(&f, m, "busy_us")) != 0) die("cuModuleGetFunction", rc);
+        if (op[8] == 'x') f = (CUfunction)(uintptr_t)0x10; /* no live function: refused at once */
         return ablaunch(rounds, n, f);
     }
     if (!strcmp(op, "burst")) {

@@ -8,8 +8,9 @@ Commands, one per line; each answers exactly one line:
 
     spin US DEPTH THREADS KIND  THREADS threads launch busy_us(US) kernels (all the GPU's SMs) by
                                 KIND (launch: cuLaunchKernel, ex: cuLaunchKernelEx, graph: a
-                                captured graph of one kernel, cuGraphLaunch), each on its own
-                                stream, at most DEPTH unfinished at a time, until `stop` -> "ok"
+                                captured graph of one kernel, cuGraphLaunch; a comma-separated
+                                list: the threads take them in turn), each on its own stream, at
+                                most DEPTH unfinished at a time, until `stop` -> "ok"
     procs N US DEPTH            N more processes of this program (the same container: they
                                 inherit its cgroup and environment), each spinning one thread
                                 of launches, until `stop` -> "ok"
@@ -86,9 +87,10 @@ class _Spin:
         self.stopping = threading.Event()
         self.launches = 0
         self._lock = threading.Lock()
+        kinds = kind.split(",")
         self.threads = [
-            threading.Thread(target=self._run, args=(us, max(1, depth), kind), daemon=True)
-            for _ in range(threads)
+            threading.Thread(target=self._run, args=(us, max(1, depth), kinds[i % len(kinds)]), daemon=True)
+            for i in range(threads)
         ]
         for t in self.threads:
             t.start()

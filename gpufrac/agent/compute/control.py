@@ -16,12 +16,19 @@ its work ran on the GPU), and the controller's memory of each (`Paced`), and dec
    their shares, a container alone gets the whole GPU, and under contention each gets at least
    its share; in strict mode no one gets more than its share.
 2. **The pace** that holds a container to what it may use: none while it uses no more (never
-   a pace while the GPU is not contended, in fair mode); a first pace from its recent launches
-   (the spacing that would have given its target), then multiplied each period by
-   (used / target) ** GAIN. Nothing here depends on the GPU's size: the loop closes on the
-   driver's measured time, whatever a launch costs (HAMi-core's grid-size tokens did not).
+   a pace while the GPU is not contended, in fair mode); in fair mode a pace is only begun
+   while another container, not paced itself, gets less than it may use (someone the pace
+   protects: a paced neighbour under its target is held back by its own pace, which the next
+   period loosens). The pace is what one of its launches costs the GPU (driver-measured time
+   over counted launches, the last second) over its target, times a correction that follows
+   the driver's figures (`_next_pace`). Nothing here depends on the GPU's size: the loop
+   closes on the driver's measured time, whatever a launch costs (HAMi-core's grid-size
+   tokens did not).
 3. **Unheld**: a container paced to the slowest pace that still uses more than it may is not
-   held by the shim (it bypasses it, or launches work no pace can hold): the agent says so.
+   held by the shim (it bypasses it, or launches work no pace can hold): the agent says so, and
+   from then on holds it from outside (gpufrac.agent.compute.hold: its GPU processes stopped
+   for `hold` of each period), `hold` following its measured use as the pace would: up by the
+   share of the period it is over, down while it is under.
 """
 
 from __future__ import annotations
@@ -30,17 +37,22 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-SATURATED = 0.95  # the GPU busy this much of a period: contended
+SATURATED = 0.9  # the GPU busy this much of a period: contended (hosts leave gaps between launches)
+SPARE = 0.8  # the GPU busy less than this: time to spare, what a container uses is what it wants
 FULL = 0.97  # a container that may use this much of the GPU is not paced at all
 HEADROOM = 0.03  # an unpaced container's want is its use and this much (room to grow)
 TOLERANCE = 0.02  # an unpaced container up to this much over what it may use is left alone
-GAIN = 0.8  # how much of the measured error a pace corrects per period (below 1: lag, noise)
-MAX_STEP = 4.0  # a pace moves at most this factor in one period
+K_GAIN = 0.5  # how much of the measured error the correction takes in per period (lag, noise)
+K_STEP = 1.5  # the correction moves at most this factor in one period
+K_RANGE = 16.0  # and stays within this factor of 1 (a launch count 16 times off still converges)
 MIN_PACE_NS = 1_000  # a pace under 1 us holds nothing back: lifted
 MAX_PACE_NS = 4_000_000_000  # at most 4 s between a container's launches (the config holds a u32 of ns)
 FIRST_PACE_NS = 1_000_000  # the first pace when the period's launches are not known
 UNHELD_PERIODS = 10  # at the slowest pace and still over for this many periods: not held
-RECENT = 10  # periods of launches a first pace is seeded from
+MAX_HOLD = 0.9  # an unheld container's processes are stopped at most this much of a period
+RECENT = 50  # periods of launches and use kept for a launch's cost
+COST_SPAN_S = 1.0  # a launch's cost is taken over at least this much of the latest periods...
+COST_LAUNCHES = 20  # ...and at least this many launches (long kernels: more periods, up to RECENT)
 LOOSE = 0.5  # a paced container whose launches used less than this of its slots is not held by them
 
 
@@ -61,10 +73,14 @@ class Paced:
     # What it used, smoothed, in periods the GPU had time to spare and it was not paced: what it
     # wants when nobody holds it back. None: not seen so (new, or paced since).
     free_use: float | None = None
+    last_used: float = 0.0  # what it used the period before (a one-period dip is not a drop in want)
     recent: list[tuple[int, float, float]] = field(default_factory=list)  # (launches, used, period s)
-    at_max: int = 0  # periods in a row at MAX_PACE_NS and still over what it may use
+    begun: bool = False  # its pace began last period: the period measured it only in part
+    k: float = 1.0  # the pace's correction from the driver's measured use (see _next_pace)
+    at_max: int = 0  # periods in a row paced to the slowest and still over what it may use
     paced_s: float = 0.0  # time a pace was in force (its throttled time)
     unheld: bool = False  # over what it may use though paced to the slowest (see the module doc)
+    hold: float = 0.0  # share of each period its processes are stopped (unheld containers only)
 
 
 @dataclass(frozen=True)
@@ -78,6 +94,7 @@ class Decision:
     used: float
     pace_ns: int
     unheld: bool
+    hold: float  # share of the period its GPU processes are to be stopped
 
 
 def water_fill(capacity: float, weights: Mapping[str, float], caps: Mapping[str, float]) -> dict[str, float]:
@@ -110,10 +127,12 @@ def allocate(
     busy = sum(used.get(t.key, 0.0) for t in tenants)
     want: dict[str, float] = {}
     for t in tenants:
-        u = used.get(t.key, 0.0)
         p = paced.get(t.key)
+        u = max(used.get(t.key, 0.0), p.last_used if p is not None else 0.0)
         free = p.free_use if p is not None else None
-        if p is not None and p.pace_ns > 0:
+        if u == 0:
+            w = 0.0  # idle: nothing set aside (its time slices serve it at once when it wakes)
+        elif p is not None and p.pace_ns > 0:
             w = math.inf  # held back: it wants more than it gets
         elif busy < SATURATED or u >= t.share:
             w = u + HEADROOM
@@ -127,33 +146,52 @@ def allocate(
     return water_fill(1.0, {t.key: t.share for t in tenants}, want)
 
 
-def _next_pace(p: Paced, used: float, target: float) -> int:
+def _cost_ns(p: Paced) -> float | None:
+    """GPU time one of its launches takes (ns), over its recent periods: what the driver measured
+    it using, over the launches its usage file counted. None before any launch was counted while
+    it used the GPU. The count is the tenant's word: it shapes only the tenant's own pace, and the
+    correction (`k`) follows the driver's figures wherever the count is wrong."""
+    span = gpu_s = 0.0
+    launches = 0
+    for n, u, dt in reversed(p.recent):
+        span, gpu_s, launches = span + dt, gpu_s + u * dt, launches + n
+        if span >= COST_SPAN_S and launches >= COST_LAUNCHES:
+            break
+    if span <= 0 or gpu_s <= 0:
+        return None
+    return gpu_s * 1e9 / max(1, launches)  # none counted: one kernel longer than the window
+
+
+def _next_pace(p: Paced, used: float, target: float, protects: bool) -> int:
+    """The pace that gives a container `target`: what one of its launches costs the GPU, over the
+    target (launches that far apart use that share of it), times a correction `k` that closes the
+    loop on the driver's measured use. The cost is a property of its work, so a new target takes
+    effect at once; both figures are sums over the last second, so the GPU's queue (use lagging
+    the launches) does not make the loop swing."""
     pace = p.pace_ns
-    if target >= FULL:
-        return 0
+    if target >= FULL or (pace and used == 0 and p.last_used == 0):
+        return 0  # nothing to hold back: the whole GPU is its to use, or it is idle
     if pace == 0:
-        if used <= target + TOLERANCE:
+        if used <= target + TOLERANCE or not protects:
             return 0
-        span = sum(dt for _, _, dt in p.recent)
-        if span <= 0:
-            return FIRST_PACE_NS
-        # The spacing its recent launches had, stretched to the target. No launch counted while
-        # it used the GPU: kernels longer than the window, one at most in it.
-        launches = max(1, sum(n for n, _, _ in p.recent))
-        mean_use = sum(u * dt for _, u, dt in p.recent) / span
-        first = span * 1e9 / launches * mean_use / max(target, 1e-3)
-        return int(min(MAX_PACE_NS, max(MIN_PACE_NS, first)))
-    launches, period_s = (p.recent[-1][0], p.recent[-1][2]) if p.recent else (0, 0.0)
-    if used < target - TOLERANCE and launches > 0 and launches * pace < LOOSE * period_s * 1e9:
-        return 0  # it launches far slower than its pace allows: the pace holds nothing back
-    ratio = (used / target) if target > 0 else MAX_STEP
-    # Slower (over its target): a part of the error, as the use lags the pace. Faster: all of it,
-    # as a pace that no longer binds changes nothing.
-    step = min(MAX_STEP, max(1 / MAX_STEP, ratio**GAIN if ratio > 1 else ratio))
-    nxt = pace * step
-    if nxt < MIN_PACE_NS:
+        p.k = 1.0
+    elif p.begun:
+        return pace  # the period just measured ran partly without it: judge it on the next
+    else:
+        launches, period_s = (p.recent[-1][0], p.recent[-1][2]) if p.recent else (0, 0.0)
+        if used < target - TOLERANCE and launches > 0 and launches * pace < LOOSE * period_s * 1e9:
+            return 0  # it launches far slower than its pace allows: the pace holds nothing back
+        if abs(used - target) > TOLERANCE / 2 and target > 0:
+            p.k = min(
+                K_RANGE, max(1 / K_RANGE, p.k * min(K_STEP, max(1 / K_STEP, (used / target) ** K_GAIN)))
+            )
+    cost = _cost_ns(p)
+    if cost is None:
+        return FIRST_PACE_NS if pace == 0 else pace
+    nxt = cost / max(target, 1e-3) * p.k
+    if pace and nxt < MIN_PACE_NS:
         return 0  # it no longer needs holding back
-    return int(min(MAX_PACE_NS, nxt))
+    return int(min(MAX_PACE_NS, max(MIN_PACE_NS, nxt)))
 
 
 def step(
@@ -166,7 +204,13 @@ def step(
     """One control period on one GPU: the decisions, and `state` moved on (entries for
     containers no longer on the GPU are the caller's to drop)."""
     targets = allocate(tenants, used, state)
-    spare = sum(used.get(t.key, 0.0) for t in tenants) < SATURATED
+    spare = sum(used.get(t.key, 0.0) for t in tenants) < SPARE
+    # Containers a pace would protect: not paced, and getting less than they may use.
+    short = {
+        t.key
+        for t in tenants
+        if state.get(t.key, Paced()).pace_ns == 0 and used.get(t.key, 0.0) < targets[t.key] - TOLERANCE
+    }
     out = []
     for t in tenants:
         p = state.setdefault(t.key, Paced())
@@ -174,16 +218,30 @@ def step(
         target = targets[t.key]
         if p.pace_ns > 0:
             p.paced_s += period_s
-        p.recent = [*p.recent[-(RECENT - 1) :], (launches.get(t.key, 0), u, period_s)]
+        n = launches.get(t.key)
+        if n is not None:  # a period whose launches are not known (its first) seeds nothing
+            p.recent = [*p.recent[-(RECENT - 1) :], (n, u, period_s)]
         if p.pace_ns == 0 and spare:
             p.free_use = u if p.free_use is None else (p.free_use + u) / 2
-        p.pace_ns = _next_pace(p, u, target)
+        was = p.pace_ns
+        p.pace_ns = _next_pace(p, u, target, t.strict or bool(short - {t.key}))
+        p.begun = was == 0 and p.pace_ns > 0
+        p.last_used = u
         if p.pace_ns > 0:
             p.free_use = None
         over = u > target + TOLERANCE
-        p.at_max = p.at_max + 1 if p.pace_ns >= MAX_PACE_NS and over else 0
-        p.unheld = p.at_max >= UNHELD_PERIODS
-        out.append(Decision(t.key, t.share, t.strict, target, u, p.pace_ns, p.unheld))
+        # As slow as the pace goes (or its correction as far as it goes) and still over.
+        spent = p.pace_ns >= MAX_PACE_NS or (p.pace_ns > 0 and p.k >= K_RANGE)
+        p.at_max = p.at_max + 1 if spent and over else 0
+        if p.unheld:  # for good: it has been seen to launch past the shim
+            if over:
+                p.hold = min(MAX_HOLD, p.hold + (1 - p.hold) * (1 - target / u))
+            elif u < target - TOLERANCE:
+                p.hold *= 0.8
+        elif p.at_max >= UNHELD_PERIODS:
+            p.unheld = True
+            p.hold = min(MAX_HOLD, 1 - target / u) if u > 0 else 0.0
+        out.append(Decision(t.key, t.share, t.strict, target, u, p.pace_ns, p.unheld, p.hold))
     return out
 
 

@@ -23,7 +23,7 @@ from typing import Protocol
 
 from gpufrac.agent import events
 from gpufrac.agent.callers import CgroupIdentity, ContainerOwner, PeerError, read_cgroup
-from gpufrac.agent.compute import control
+from gpufrac.agent.compute import control, hold
 from gpufrac.agent.compute.feed import UtilisationFeed
 from gpufrac.agent.events import EventSink
 from gpufrac.agent.ledger import ContainerAlloc
@@ -72,6 +72,7 @@ class ComputeFigures:
     pace_ns: int  # 0: its launches are not held
     throttled_s: float  # time its launches were paced, since the agent started
     unheld: bool  # over what it may use though paced to the slowest (docs/compute.md)
+    hold: float  # share of each period its GPU processes are stopped (unheld only)
 
 
 @dataclass
@@ -109,6 +110,9 @@ class ComputeLoop:
         self._smoothed: dict[str, float] = {}
         self._told_overcommit: dict[str, frozenset[str]] = {}  # GPU -> the shares it was told for
         self._told_unheld: set[str] = set()
+        self._pids: dict[str, list[tuple[int, CgroupIdentity]]] = {}  # this period's GPU processes
+        self._held: set[tuple[int, ...]] = set()  # pidfds of processes stopped now (hold.stop)
+        self._recovered = False
         self._last: float | None = None
         feed.driven = True
 
@@ -155,6 +159,10 @@ class ComputeLoop:
         dirs = {a.key: a.directory for pairs in on_gpu.values() for _, a in pairs}
         reading = await asyncio.to_thread(self._read, sorted(on_gpu), dirs)
         used = self._attribute(reading)
+        if not self._recovered:  # processes an earlier agent stopped and never continued
+            self._recovered = True
+            mine = [pi for pids in self._pids.values() for pi in pids]
+            await asyncio.to_thread(hold.continue_stopped, mine)
         decisions: list[control.Decision] = []
         for gpu, pairs in on_gpu.items():
             tenants = [t for t, _ in pairs]
@@ -165,6 +173,8 @@ class ComputeLoop:
             allocs = {a.key: a for _, a in pairs}
             for d in made:
                 self._apply(d, allocs[d.key])
+                if d.hold > 0 and self._pids.get(d.key):
+                    await self._hold(self._pids[d.key], d.hold * period)
         gone = set(self._state) - set(dirs)
         for key in gone:
             self._forget(key)
@@ -193,6 +203,7 @@ class ComputeLoop:
         """Each container's use of its GPU in the period: its processes' samples (the mean of a
         process's samples, NVML's percent of the period), the processes placed by their cgroups."""
         used: dict[str, float] = {}
+        self._pids = {}
         for gpu, samples in reading.samples.items():
             per_pid: dict[int, list[int]] = {}
             for pid, sm in samples:
@@ -201,9 +212,10 @@ class ComputeLoop:
                 ident = reading.cgroups.get(pid)
                 owner = self.owners.owner(ident.pod_uid, ident.container_id) if ident else None
                 mine = owner.holding(gpu) if owner is not None else ()
-                if mine:
+                if mine and ident is not None:
                     key = mine[0].key
                     used[key] = min(1.0, used.get(key, 0.0) + sum(sms) / len(sms) / 100)
+                    self._pids.setdefault(key, []).append((pid, ident))
         return used
 
     def _launch_deltas(self, reading: _Reading, keys: Sequence[str]) -> dict[str, int]:
@@ -233,13 +245,15 @@ class ComputeLoop:
             pace_ns=d.pace_ns,
             throttled_s=state.paced_s,
             unheld=d.unheld,
+            hold=d.hold,
         )
         if d.unheld and d.key not in self._told_unheld:
             self._told_unheld.add(d.key)
             message = (
                 f"container {events.container_name(alloc)} uses {d.used * 100:.0f}% of GPU {alloc.gpus[0]} "
-                f"where its compute share allows {d.target * 100:.0f}%, though its launches are paced to one "
-                "a second: its processes launch work without gpufrac's shim (or work no launch pace holds)"
+                f"where its compute share allows {d.target * 100:.0f}%, though its launches are paced to the "
+                "slowest: its processes launch work without gpufrac's shim (or work no launch pace holds); "
+                "its GPU processes are stopped for part of each period from now on"
             )
             log.warning("%s", message)
             events.post(self.events, alloc, events.WARNING, events.REASON_COMPUTE_UNHELD, message)
@@ -276,10 +290,27 @@ class ComputeLoop:
         self._smoothed.pop(key, None)
         self._told_unheld.discard(key)
 
+    async def _hold(self, processes: Sequence[tuple[int, CgroupIdentity]], seconds: float) -> None:
+        """Stop an unheld container's GPU processes now, and continue them `seconds` later."""
+        fds = tuple(await asyncio.to_thread(hold.stop, processes))
+        if not fds:
+            return
+        self._held.add(fds)
+
+        def resume() -> None:
+            if fds in self._held:
+                self._held.discard(fds)
+                asyncio.get_running_loop().run_in_executor(None, hold.resume, fds)
+
+        asyncio.get_running_loop().call_later(seconds, resume)
+
     async def close(self) -> None:
-        """Lift every pace this loop set: an agent that stops must not leave containers held
-        back by a contention it no longer watches (a restarted agent lifts them too, at first
-        sight)."""
+        """Lift every pace this loop set and continue every process it stopped: an agent that
+        stops must not leave containers held back by a contention it no longer watches (a
+        restarted agent lifts paces too, at first sight, and continues stopped processes)."""
+        for fds in list(self._held):
+            await asyncio.to_thread(hold.resume, fds)
+        self._held.clear()
         for key, pace in list(self._written.items()):
             if pace:
                 self.bookings.set_compute_pace(key, 0)

@@ -37,7 +37,7 @@ static unsigned int percent_since(const sample_t *prev, sample_t *next, simgpu_n
     if (prev->node == n && prev->pid == pid && prev->start_time == st && now > prev->at) {
         uint64_t d = busy > prev->busy ? busy - prev->busy : 0;
         uint64_t span = now - prev->at;
-        pct = d >= span ? 100 : (unsigned int)(d * 100 / span);
+        pct = d >= span ? 100 : (unsigned int)((d * 100 + span / 2) / span); /* to the nearest percent */
     } else {
         pct = busy_now ? 100 : 0;
     }
