@@ -65,7 +65,19 @@ class ComputeNode:
     node's compute mode (fair, strict); `control`: run the compute loop at all (off: plain time
     slicing, what the GPU does alone)."""
 
-    def __init__(self, mode: str = "fair", interval: float = 0.1, control: bool = True) -> None:
+    def __init__(
+        self,
+        mode: str = "fair",
+        interval: float = 0.1,
+        control: bool = True,
+        *,
+        real_gpu: bool = False,
+        argv: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`real_gpu`: on this node's real GPU 0 instead (tests/gpu): the real NVML in this
+        process, `argv` the containers' program (it speaks computeload's lines), `env` the base
+        environment of their processes (the real driver's)."""
         import pynvml
 
         from gpufrac.agent.callers import PeerLookup
@@ -80,11 +92,16 @@ class ComputeNode:
 
         self.root = Path(tempfile.mkdtemp(prefix="gfc", dir="/tmp"))
         self.state = self.root / "node.state"
-        create_node(spec_from_dict({"preset": "dgx-h100", "gpu_defaults": {"context_memory": 0}}), self.state)
-        ctypes.CDLL(str(native.library(native.FAKE_NVML)), mode=ctypes.RTLD_GLOBAL)
-        native.library(native.FAKE_CUDA)
-        os.environ["SIMGPU_STATE"] = str(self.state)
-        os.environ.pop("NVIDIA_VISIBLE_DEVICES", None)
+        self.real_gpu = real_gpu
+        self._argv = argv or [sys.executable, "-m", "gpufrac.simgpu.computeload"]
+        if not real_gpu:
+            create_node(
+                spec_from_dict({"preset": "dgx-h100", "gpu_defaults": {"context_memory": 0}}), self.state
+            )
+            ctypes.CDLL(str(native.library(native.FAKE_NVML)), mode=ctypes.RTLD_GLOBAL)
+            native.library(native.FAKE_CUDA)
+            os.environ["SIMGPU_STATE"] = str(self.state)
+            os.environ.pop("NVIDIA_VISIBLE_DEVICES", None)
         pynvml.nvmlInit()
         self._pynvml = pynvml
         self.cfg = load(
@@ -113,11 +130,11 @@ class ComputeNode:
         self.runtime = ContainerRuntime(view_root=self.root / "v")
         self.members: list[Member] = []
         self._slices = 0
-        self._env = {
-            **os.environ,
-            "SIMGPU_STATE": str(self.state),
-            "LD_LIBRARY_PATH": str(native.native_dir()),
-        }
+        self._env = (
+            dict(env or os.environ)
+            if real_gpu
+            else {**os.environ, "SIMGPU_STATE": str(self.state), "LD_LIBRARY_PATH": str(native.native_dir())}
+        )
         self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
 
     async def _start(self) -> Any:
@@ -153,7 +170,7 @@ class ComputeNode:
         c = self.runtime.start(
             uid,
             "main",
-            [sys.executable, "-m", "gpufrac.simgpu.computeload"],
+            self._argv,
             env=self._env,
             envs=envs,
             mounts=mounts_of(resp),
@@ -172,6 +189,8 @@ class ComputeNode:
         """Each container's GPU time so far (ns), its processes' busy clocks in the node state."""
         from gpufrac.simgpu.nodestate import NodeState
 
+        if self.real_gpu:
+            raise RuntimeError("a real GPU keeps no busy clocks: measure the containers' own throughput")
         self._pynvml.nvmlDeviceGetUtilizationRates(self._handle)  # plays the schedule up to now
         members = list(self.members if members is None else members)
         with NodeState(self.state) as st:

@@ -8,11 +8,10 @@ its work ran on the GPU), and the controller's memory of each (`Paced`), and dec
 1. **What each may use** (`allocate`): the GPU's whole time divided by weighted max-min
    fairness (water-filling) over the containers' shares, each capped by what it wants. A
    container held back by a pace wants more than it gets. One that is not wants what it used
-   and a little more (HEADROOM) while the GPU has time to spare; once the GPU is saturated,
-   one under its share may be held back by the others' time slices: it wants its whole share
-   unless it has been seen to want less with time to spare (`free_use`) and uses no more now,
-   and it wants more (twice, up to its share) when it uses more than that. In strict mode the
-   share is also the cap. So in fair mode compute nobody uses goes to the busy in proportion to
+   and a little more (HEADROOM) while the GPU has time to spare; once the GPU is saturated, the
+   others' time slices may hold it back: it wants all its weighted part, unless it has been
+   seen to want less with time to spare (`free_use`) and uses no more than that now. In strict
+   mode the share is also the cap. So in fair mode compute nobody uses goes to the busy in proportion to
    their shares, a container alone gets the whole GPU, and under contention each gets at least
    its share; in strict mode no one gets more than its share.
 2. **The pace** that holds a container to what it may use: none while it uses no more (never
@@ -134,12 +133,12 @@ def allocate(
             w = 0.0  # idle: nothing set aside (its time slices serve it at once when it wakes)
         elif p is not None and p.pace_ns > 0:
             w = math.inf  # held back: it wants more than it gets
-        elif busy < SATURATED or u >= t.share:
-            w = u + HEADROOM
-        elif free is None:
-            w = t.share  # never seen with time to spare: maybe held back by the others' slices
-        elif u > free + HEADROOM / 2:
-            w = min(t.share, max(2 * u, u + HEADROOM))  # using more than it did: let it grow
+        elif busy < SATURATED:
+            w = u + HEADROOM  # the GPU has time to spare: what it uses is what it wants
+        elif free is None or u > free + HEADROOM / 2:
+            # Never seen with time to spare, or using more than it did then: the others' time
+            # slices may hold it back; it wants what its share of the GPU would give it.
+            w = math.inf
         else:
             w = max(u, free) + HEADROOM
         want[t.key] = min(w, t.share) if t.strict else w

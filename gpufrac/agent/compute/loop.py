@@ -109,6 +109,7 @@ class ComputeLoop:
         self._figures: dict[str, ComputeFigures] = {}
         self._smoothed: dict[str, float] = {}
         self._told_overcommit: dict[str, frozenset[str]] = {}  # GPU -> the shares it was told for
+        self._told_pod: dict[str, frozenset[str]] = {}  # container -> the shares its pod was told about
         self._told_unheld: set[str] = set()
         self._pids: dict[str, list[tuple[int, CgroupIdentity]]] = {}  # this period's GPU processes
         self._held: set[tuple[int, ...]] = set()  # pidfds of processes stopped now (hold.stop)
@@ -261,26 +262,29 @@ class ComputeLoop:
             self._told_unheld.discard(d.key)
 
     def _overcommit(self, gpu: str, pairs: Sequence[tuple[control.Tenant, ContainerAlloc]]) -> None:
-        """One Warning, on the Node and on each pod of the GPU, when its shares cannot all be met."""
+        """A Warning, on the Node and on each pod of the GPU (once its pod is known), when the
+        GPU's shares cannot all be met; once for each set of shares."""
         total = control.overcommitted([t for t, _ in pairs])
         told = frozenset(f"{t.key}={t.share:.4f}" for t, _ in pairs)
         if not total:
             self._told_overcommit.pop(gpu, None)
             return
-        if self._told_overcommit.get(gpu) == told:
-            return
-        self._told_overcommit[gpu] = told
         message = (
             f"compute shares on GPU {gpu} sum to {total * 100:.0f}% ("
             + ", ".join(f"{events.container_name(a)} {t.share * 100:.0f}%" for t, a in pairs)
             + f"): under contention each gets its share scaled to {100 / total:.0f}% of it"
         )
-        log.warning("%s", message)
-        events.post_node(
-            self.events, self.cfg.node_name, events.WARNING, events.REASON_COMPUTE_OVERCOMMITTED, message
-        )
+        if self._told_overcommit.get(gpu) != told:
+            self._told_overcommit[gpu] = told
+            log.warning("%s", message)
+            events.post_node(
+                self.events, self.cfg.node_name, events.WARNING, events.REASON_COMPUTE_OVERCOMMITTED, message
+            )
         for _, a in pairs:
-            events.post(self.events, a, events.WARNING, events.REASON_COMPUTE_OVERCOMMITTED, message)
+            if self._told_pod.get(a.key) != told and events.post(
+                self.events, a, events.WARNING, events.REASON_COMPUTE_OVERCOMMITTED, message
+            ):
+                self._told_pod[a.key] = told
 
     def _forget(self, key: str) -> None:
         self._state.pop(key, None)
@@ -288,6 +292,7 @@ class ComputeLoop:
         self._launches.pop(key, None)
         self._figures.pop(key, None)
         self._smoothed.pop(key, None)
+        self._told_pod.pop(key, None)
         self._told_unheld.discard(key)
 
     async def _hold(self, processes: Sequence[tuple[int, CgroupIdentity]], seconds: float) -> None:
