@@ -90,8 +90,8 @@ def _entry(path: str, raw: Any, base: NamespacePolicy) -> NamespacePolicy:
             if not number or not 1 <= value <= 100:
                 raise ValueError(f"{path}.{key}: {shown(repr(value))} must be a whole percent from 1 to 100")
             values[name] = value
-        elif name == "compute_mode":
-            if value not in COMPUTE_MODES:
+        elif name == "compute_mode":  # null: the node's compute.mode
+            if value is not None and value not in COMPUTE_MODES:
                 raise ValueError(
                     f"{path}.{key}: {shown(repr(value))} must be one of {', '.join(COMPUTE_MODES)}"
                 )
