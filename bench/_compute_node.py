@@ -211,6 +211,11 @@ class ComputeNode:
 
         return self.run(get())
 
+    def start_control(self) -> None:
+        """Start the compute loop (as a restarted agent does), if it is not running."""
+        if self._task is None:
+            self._task = self.run(self._start())
+
     def stop_control(self) -> None:
         """Stop the compute loop as the agent does: paces lifted, stopped processes continued."""
         task, self._task = self._task, None

@@ -105,3 +105,21 @@ def _state(pid: int) -> str:
     with open(f"/proc/{pid}/stat", "rb") as f:
         stat = f.read()
     return stat[stat.rindex(b")") + 2 :].split()[0].decode()
+
+
+def test_a_starting_agent_continues_processes_an_earlier_one_left_stopped(nodes: list[ComputeNode]) -> None:
+    """An agent that died while holding a container stopped leaves its processes stopped: the next
+    one continues them at its first period."""
+    import os
+    import signal
+
+    node = ComputeNode(mode="fair", control=False)
+    nodes.append(node)
+    m = node.add("held", 30)
+    m.do(SPIN.format(threads=1, kind="launch"))
+    pid = m.container.proc.pid
+    until(lambda: node.busy([m])["held"] > 0, what="its GPU work")
+    os.kill(pid, signal.SIGSTOP)  # what the dead agent's hold left
+    until(lambda: _state(pid) == "T", what="the process stopped")
+    node.start_control()
+    until(lambda: _state(pid) != "T", timeout=60, what="the process continued by the new agent")

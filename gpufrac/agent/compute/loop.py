@@ -26,6 +26,7 @@ from gpufrac.agent.callers import CgroupIdentity, ContainerOwner, PeerError, rea
 from gpufrac.agent.compute import control, hold
 from gpufrac.agent.compute.feed import UtilisationFeed
 from gpufrac.agent.events import EventSink
+from gpufrac.agent.gpu_processes import read_gpu_processes
 from gpufrac.agent.ledger import ContainerAlloc
 from gpufrac.core.annotations import ContainerPolicy, memory_share
 from gpufrac.core.config import Config
@@ -82,6 +83,7 @@ class _Reading:
     samples: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # GPU -> (pid, SM %)
     cgroups: dict[int, CgroupIdentity | None] = field(default_factory=dict)
     launches: dict[str, int] = field(default_factory=dict)  # container -> launches its file counts
+    running: list[tuple[int, str]] = field(default_factory=list)  # (pid, GPU) NVML lists (first period)
 
 
 class ComputeLoop:
@@ -158,12 +160,11 @@ class ComputeLoop:
         self._last = now
         on_gpu = self.tenants()
         dirs = {a.key: a.directory for pairs in on_gpu.values() for _, a in pairs}
-        reading = await asyncio.to_thread(self._read, sorted(on_gpu), dirs)
+        reading = await asyncio.to_thread(self._read, sorted(on_gpu), dirs, not self._recovered)
         used = self._attribute(reading)
         if not self._recovered:  # processes an earlier agent stopped and never continued
             self._recovered = True
-            mine = [pi for pids in self._pids.values() for pi in pids]
-            await asyncio.to_thread(hold.continue_stopped, mine)
+            await asyncio.to_thread(hold.continue_stopped, self._ours(reading))
         decisions: list[control.Decision] = []
         for gpu, pairs in on_gpu.items():
             tenants = [t for t, _ in pairs]
@@ -181,13 +182,20 @@ class ComputeLoop:
             self._forget(key)
         return decisions
 
-    def _read(self, gpus: Sequence[str], dirs: Mapping[str, str]) -> _Reading:
+    def _read(self, gpus: Sequence[str], dirs: Mapping[str, str], running: bool = False) -> _Reading:
         """The blocking part: NVML (through the feed), the cgroups of the processes it sampled,
-        and each container's launch count from its usage file."""
+        and each container's launch count from its usage file; with `running`, every process
+        NVML lists on those GPUs as well (a stopped one has no samples)."""
         out = _Reading()
         for gpu in gpus:
             out.samples[gpu] = [(s.pid, s.sm) for s in self.feed.poll(gpu)]
-        for pid in {pid for samples in out.samples.values() for pid, _ in samples}:
+        if running:
+            try:
+                out.running = [(p.pid, p.gpu) for p in read_gpu_processes() if p.gpu in gpus]
+            except Exception as e:  # NVML's list failing leaves only the sampled ones to continue
+                log.warning("compute shares: cannot list the GPUs' processes: %s", e)
+        pids = {pid for samples in out.samples.values() for pid, _ in samples} | {p for p, _ in out.running}
+        for pid in pids:
             try:
                 out.cgroups[pid] = read_cgroup(pid)
             except PeerError:  # gone since it was sampled, or its cgroup refused: no one's
@@ -218,6 +226,16 @@ class ComputeLoop:
                     used[key] = min(1.0, used.get(key, 0.0) + sum(sms) / len(sms) / 100)
                     self._pids.setdefault(key, []).append((pid, ident))
         return used
+
+    def _ours(self, reading: _Reading) -> list[tuple[int, CgroupIdentity]]:
+        """The GPU processes of this agent's containers, with the identity they were placed by."""
+        out = []
+        for pid, gpu in {*reading.running, *((p, g) for g, ss in reading.samples.items() for p, _ in ss)}:
+            ident = reading.cgroups.get(pid)
+            owner = self.owners.owner(ident.pod_uid, ident.container_id) if ident else None
+            if ident is not None and owner is not None and owner.holding(gpu):
+                out.append((pid, ident))
+        return out
 
     def _launch_deltas(self, reading: _Reading, keys: Sequence[str]) -> dict[str, int]:
         out: dict[str, int] = {}
