@@ -116,6 +116,7 @@ class ComputeLoop:
         self._pids: dict[str, list[tuple[int, CgroupIdentity]]] = {}  # this period's GPU processes
         self._held: set[tuple[int, ...]] = set()  # pidfds of processes stopped now (hold.stop)
         self._recovered = False
+        self._failing: str | None = None  # the error the last failed period logged
         self._last: float | None = None
         feed.driven = True
 
@@ -131,8 +132,14 @@ class ComputeLoop:
             started = time.monotonic()
             try:
                 await self.tick()
-            except Exception:  # one bad period must not end compute shares
-                log.exception("compute shares: a control period failed")
+            except Exception as e:  # one bad period must not end compute shares; said once a kind
+                if str(e) != self._failing:
+                    self._failing = str(e)
+                    log.exception("compute shares: a control period failed")
+            else:
+                if self._failing is not None:
+                    log.info("compute shares: control periods run again")
+                    self._failing = None
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
 
     def tenants(self) -> dict[str, list[tuple[control.Tenant, ContainerAlloc]]]:
@@ -160,7 +167,10 @@ class ComputeLoop:
         self._last = now
         on_gpu = self.tenants()
         dirs = {a.key: a.directory for pairs in on_gpu.values() for _, a in pairs}
-        reading = await asyncio.to_thread(self._read, sorted(on_gpu), dirs, not self._recovered)
+        # Every GPU holding a container is read, whole GPUs too: the activity tracker's view of
+        # the feed gets its samples from these reads alone.
+        watched = sorted({g for a in self.bookings.containers() for g in a.gpus})
+        reading = await asyncio.to_thread(self._read, watched, dirs, not self._recovered)
         used = self._attribute(reading)
         if not self._recovered:  # processes an earlier agent stopped and never continued
             self._recovered = True
