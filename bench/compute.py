@@ -9,6 +9,8 @@ the compute model's own figure (its processes' busy time on the GPU), not the co
 * shares.<strict|fair>.<a/b/...>: shares 10/90, 30/70, 25/25/50, 10/20/30/40, every container
   busy: what each got over WINDOW_S once settled, and `max_error_pp`, the largest gap to its share
   in percentage points (target: 3). `max_error_pp_strict` / `_fair`: the worst over the sets.
+  `gpu_busy`: what they got together; under 1 where the loaded host left the GPU idle (the
+  processes could not launch fast enough), which no share can make up.
 * idle.<a/b/...>: fair mode, the first container goes idle: what the others got, against their
   shares scaled up in proportion to fill the GPU (`idle_max_error_pp`).
 * converge_s_<fair|strict>: from all containers starting together (fair 10/90, strict 30/70) to
@@ -40,7 +42,8 @@ from typing import Any
 from bench import quick
 
 SHARE_SETS: tuple[tuple[int, ...], ...] = ((10, 90), (30, 70), (25, 25, 50), (10, 20, 30, 40))
-KERNEL_US, DEPTH = 2000, 8  # 16 ms queued: a loaded host's gaps between launches do not idle the GPU
+# 32 ms queued per container: a loaded host's gaps between launches rarely idle the GPU
+KERNEL_US, DEPTH = 4000, 8
 TARGET_PP = 3.0
 if quick():  # a smoke run: every figure produced, none meaningful
     SHARE_SETS = ((30, 70),)
@@ -86,6 +89,7 @@ def share_sets() -> dict[str, Any]:
                 got = node.shares(WINDOW_S)
                 out[mode][label] = {
                     "got": {k: round(v, 4) for k, v in got.items()},
+                    "gpu_busy": round(sum(got.values()), 4),  # under 1: the host left the GPU idle
                     "max_error_pp": _err_pp(got, want),
                 }
                 if mode == "fair":  # the first goes idle: its share to the others, in proportion
@@ -98,6 +102,7 @@ def share_sets() -> dict[str, Any]:
                     out["idle"][label] = {
                         "idle": members[0].name,
                         "got": {k: round(v, 4) for k, v in got.items()},
+                        "gpu_busy": round(sum(got.values()), 4),
                         "want": {k: round(v, 4) for k, v in scaled.items()},
                         "max_error_pp": _err_pp(got, scaled),
                     }

@@ -18,11 +18,11 @@ its work ran on the GPU), and the controller's memory of each (`Paced`), and dec
    a pace while the GPU is not contended, in fair mode); in fair mode a pace is only begun
    while another container, not paced itself, gets less than it may use (someone the pace
    protects: a paced neighbour under its target is held back by its own pace, which the next
-   period loosens). The pace is what one of its launches costs the GPU (driver-measured time
-   over counted launches, the last second) over its target, times a correction that follows
-   the driver's figures (`_next_pace`). Nothing here depends on the GPU's size: the loop
-   closes on the driver's measured time, whatever a launch costs (HAMi-core's grid-size
-   tokens did not).
+   period loosens). The pace begins at what one of its launches costs the GPU (driver-measured
+   time over counted launches, the last second) over its target, then follows new targets at
+   once and the driver's figures by a correction (`_next_pace`). Nothing here depends on the
+   GPU's size: the loop closes on the driver's measured time, whatever a launch costs
+   (HAMi-core's grid-size tokens did not).
 3. **Unheld**: a container paced to the slowest pace that still uses more than it may is not
    held by the shim (it bypasses it, or launches work no pace can hold): the agent says so, and
    from then on holds it from outside (gpufrac.agent.compute.hold: its GPU processes stopped
@@ -76,6 +76,7 @@ class Paced:
     recent: list[tuple[int, float, float]] = field(default_factory=list)  # (launches, used, period s)
     begun: bool = False  # its pace began last period: the period measured it only in part
     k: float = 1.0  # the pace's correction from the driver's measured use (see _next_pace)
+    aimed: float | None = None  # the target its pace was last set for
     at_max: int = 0  # periods in a row paced to the slowest and still over what it may use
     paced_s: float = 0.0  # time a pace was in force (its throttled time)
     unheld: bool = False  # over what it may use though paced to the slowest (see the module doc)
@@ -162,35 +163,41 @@ def _cost_ns(p: Paced) -> float | None:
 
 
 def _next_pace(p: Paced, used: float, target: float, protects: bool) -> int:
-    """The pace that gives a container `target`: what one of its launches costs the GPU, over the
-    target (launches that far apart use that share of it), times a correction `k` that closes the
-    loop on the driver's measured use. The cost is a property of its work, so a new target takes
-    effect at once; both figures are sums over the last second, so the GPU's queue (use lagging
-    the launches) does not make the loop swing."""
+    """The pace that gives a container `target`. It begins at what one of its launches costs the
+    GPU (measured before, unpaced: its launches and the work they queue then go at one rate) over
+    the target: launches that far apart use that share of it. Then each period it follows a new
+    target at once (a pace is inversely what it allows) and closes the loop on the driver's
+    figure: by part of the gap between what it used and what the last pace aimed at (`K_GAIN`,
+    at most `K_STEP` a period: the GPU's queue makes use lag the pace). `k` is that correction,
+    all periods together: at `K_RANGE` the pace is not what holds the container."""
     pace = p.pace_ns
     if target >= FULL or (pace and used == 0 and p.last_used == 0):
         return 0  # nothing to hold back: the whole GPU is its to use, or it is idle
     if pace == 0:
         if used <= target + TOLERANCE or not protects:
             return 0
-        p.k = 1.0
-    elif p.begun:
-        return pace  # the period just measured ran partly without it: judge it on the next
-    else:
-        launches, period_s = (p.recent[-1][0], p.recent[-1][2]) if p.recent else (0, 0.0)
-        if used < target - TOLERANCE and launches > 0 and launches * pace < LOOSE * period_s * 1e9:
-            return 0  # it launches far slower than its pace allows: the pace holds nothing back
-        if abs(used - target) > TOLERANCE / 2 and target > 0:
-            p.k = min(
-                K_RANGE, max(1 / K_RANGE, p.k * min(K_STEP, max(1 / K_STEP, (used / target) ** K_GAIN)))
-            )
-    cost = _cost_ns(p)
-    if cost is None:
-        return FIRST_PACE_NS if pace == 0 else pace
-    nxt = cost / max(target, 1e-3) * p.k
-    if pace and nxt < MIN_PACE_NS:
+        p.k, p.aimed = 1.0, target
+        cost = _cost_ns(p)
+        if cost is None:
+            return FIRST_PACE_NS
+        return int(min(MAX_PACE_NS, max(MIN_PACE_NS, cost / max(target, 1e-3))))
+    aimed, p.aimed = p.aimed or target, target
+    if p.begun:  # the period just measured ran partly without it: judge it on the next
+        return int(min(MAX_PACE_NS, pace * aimed / max(target, 1e-3)))
+    launches, period_s = (p.recent[-1][0], p.recent[-1][2]) if p.recent else (0, 0.0)
+    if used < target - TOLERANCE and launches > 0 and launches * pace < LOOSE * period_s * 1e9:
+        return 0  # it launches far slower than its pace allows: the pace holds nothing back
+    nxt = pace * aimed / max(target, 1e-3)
+    if abs(used - aimed) > TOLERANCE / 2 and aimed > 0:
+        step = min(K_STEP, max(1 / K_STEP, (used / aimed) ** K_GAIN))
+        if 1 / K_RANGE <= p.k * step <= K_RANGE:
+            p.k *= step
+            nxt *= step
+        else:
+            p.k = min(K_RANGE, max(1 / K_RANGE, p.k * step))
+    if nxt < MIN_PACE_NS:
         return 0  # it no longer needs holding back
-    return int(min(MAX_PACE_NS, max(MIN_PACE_NS, nxt)))
+    return int(min(MAX_PACE_NS, nxt))
 
 
 def step(
