@@ -25,6 +25,13 @@
  *                                           `check`, also print "start counted=<bytes> nvml=<bytes>":
  *                                           what the container's usage slot of this process counts
  *                                           after the context, and NVML's figure for this process
+ *   shim_bench ablaunch ROUNDS N         -> the same alternation for cuLaunchKernel of busy_us(0)
+ *                                           (the compute share's pace is read on this path)
+ *   shim_bench ablaunchx ROUNDS N        -> the same with a function handle the driver refuses
+ *                                           at once (CUDA_ERROR_INVALID_HANDLE, no simulated
+ *                                           GPU work): the hook's own cost, without the fake
+ *                                           driver's microsecond of scheduling around it
+ *   shim_bench start                     -> init, one alloc+free, exit (start-up cost)
  *   shim_bench burst 1 N BYTES [PAUSE_MS] -> N allocations of BYTES past the container's request
  *                                           (each a burst request to the agent's arbiter), each
  *                                           freed and followed by a pause (default 5 ms) in which
@@ -182,6 +189,34 @@ static int abgate(unsigned long rounds, unsigned long n) {
         } else {
             h = gate_round(n, cuCtxGetDevice);
             x = gate_round(n, real);
+typedef CUresult (*launch_fn)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                              CUstream, void **, void **);
+
+static double launch_round(unsigned long n, launch_fn fn, CUfunction f) {
+    unsigned long long us = 0; /* busy_us(0): no simulated work */
+    void *params[] = {&us};
+    CUresult rc;
+    uint64_t t0 = now(CLOCK_MONOTONIC);
+    for (unsigned long i = 0; i < n; i++)
+        if ((rc = fn(f, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL)) != 0 && rc != 400 /* INVALID_HANDLE */)
+            die("cuLaunchKernel", rc);
+    return (double)(now(CLOCK_MONOTONIC) - t0) / (double)n;
+}
+
+static int ablaunch(unsigned long rounds, unsigned long n, CUfunction f) {
+    launch_fn real = (launch_fn)driver_fn("cuLaunchKernel");
+    double best_hook = 1e300, best_real = 1e300, *diff = calloc(rounds ? rounds : 1, sizeof *diff);
+    if (!diff) return 2;
+    launch_round(n, cuLaunchKernel, f); /* warm both */
+    launch_round(n, real, f);
+    for (unsigned long r = 0; r < rounds; r++) {
+        double h, x;
+        if (r & 1) {
+            x = launch_round(n, real, f);
+            h = launch_round(n, cuLaunchKernel, f);
+        } else {
+            h = launch_round(n, cuLaunchKernel, f);
+            x = launch_round(n, real, f);
         }
         if (h < best_hook) best_hook = h;
         if (x < best_real) best_real = x;
@@ -190,6 +225,7 @@ static int abgate(unsigned long rounds, unsigned long n) {
     qsort(diff, rounds, sizeof *diff, cmp_double);
     double med = rounds ? (rounds & 1 ? diff[rounds / 2] : (diff[rounds / 2 - 1] + diff[rounds / 2]) / 2) : 0;
     printf("abgate hook_ns=%.2f real_ns=%.2f diff_ns=%.2f\n", best_hook, best_real, med);
+    printf("ablaunch hook_ns=%.2f real_ns=%.2f diff_ns=%.2f\n", best_hook, best_real, med);
     free(diff);
     return 0;
 }
@@ -255,6 +291,14 @@ int main(int argc, char **argv) {
     }
     if (!strcmp(op, "abfree") || !strcmp(op, "abasync")) return ab(op, rounds, n, bytes);
     if (!strcmp(op, "abgate")) return abgate(rounds, n);
+    if (!strcmp(op, "ablaunch") || !strcmp(op, "ablaunchx")) {
+        CUmodule m;
+        CUfunction f;
+        if ((rc = cuModuleLoadData(&m, "SIMGPU-MODULE")) != 0) die("cuModuleLoadData", rc);
+        if ((rc = cuModuleGetFunction(&f, m, "busy_us")) != 0) die("cuModuleGetFunction", rc);
+        if (op[8] == 'x') f = (CUfunction)(uintptr_t)0x10; /* no live function: refused at once */
+        return ablaunch(rounds, n, f);
+    }
     if (!strcmp(op, "burst")) {
         unsigned long pause_ms = argc > 5 ? strtoul(argv[5], NULL, 0) : 5;
         struct timespec pause = {(time_t)(pause_ms / 1000), (long)(pause_ms % 1000) * 1000000L};

@@ -209,8 +209,9 @@ class SimNode:
         devices = self.kubelet.admit(pod)["main"][p.resource]
         p.gpu = devices[0].split("::")[0]
 
-    def start(self, p: DemoPod) -> None:
-        """The container runtime starts the pod's container with what Allocate returned."""
+    def start(self, p: DemoPod, argv: list[str] | None = None) -> None:
+        """The container runtime starts the pod's container with what Allocate returned
+        (running `argv`: default the memory workload, gpufrac.simgpu.workload)."""
         from gpufrac.simgpu.runtime import mounts_of
         from gpufrac.simgpu.workload import WorkloadProcess
 
@@ -218,7 +219,7 @@ class SimNode:
         c = self.runtime.start(
             p.uid,
             "main",
-            WorkloadProcess.argv(),
+            argv or WorkloadProcess.argv(),
             env=self.env,
             envs=dict(resp.envs),
             mounts=mounts_of(resp),
@@ -411,6 +412,8 @@ def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
     say(f"  {'notebook':10} {'... and its waiting allocation completes':48} -> {answer}")
     show_events(node, seen)
 
+    compute_shares(node)
+
     banner("gpufrac status")
     say(format_status(node.status()).rstrip())
 
@@ -432,6 +435,42 @@ def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
         if p.workload is not None:
             p.workload.close()
     return 0
+
+
+def compute_shares(node: SimNode) -> None:
+    """Two pods share the rest of GPU 0's compute by their shares (docs/compute.md)."""
+    banner("Compute shares: two pods busy on one GPU, held to their shares")
+    gpu0 = next(g for g in node.status()["gpus"] if g["index"] == 0)
+    free = int(gpu0["slices"][FRACTION]["free"])
+    big = DemoPod("batch", "renderer", FRACTION, free * 3 // 4, {}, 0)
+    small = DemoPod("batch", "tagger", FRACTION, free - free * 3 // 4, {}, 0)
+    argv = [sys.executable, "-m", "gpufrac.simgpu.computeload"]
+    for p in (big, small):
+        node.admit(p)
+        node.start(p, argv)
+    until(
+        lambda: all((c := node.container(p)) and c.get("compute_share") for p in (big, small)),
+        "compute shares",
+    )
+
+    def show(p: DemoPod, what: str) -> None:
+        c = node.container(p) or {}
+        used, share = c.get("compute_used") or 0.0, c.get("compute_share") or 0.0
+        held = ", launches paced" if c.get("compute_paced") else ""
+        mode = f"({c.get('compute_mode')})"
+        say(f"  {p.name:10} share {share * 100:3.0f}% {mode:8} {what:28} uses {used * 100:3.0f}%{held}")
+
+    big.workload.do("spin 2000 8 1 launch")
+    time.sleep(1.5)
+    show(big, "alone: the whole GPU")
+    small.workload.do("spin 2000 8 1 launch")
+    time.sleep(2.5)
+    for p in (big, small):
+        show(p, "both busy: its share")
+    say("  (the driver's time slicing alone would give each of them half the GPU)")
+    for p in (big, small):
+        p.workload.do("stop")
+        p.workload.close()
 
 
 def cmd_run(args: argparse.Namespace) -> int:

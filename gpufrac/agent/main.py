@@ -40,12 +40,14 @@ from gpufrac.agent.booking.ledger_store import StateStore, restore
 from gpufrac.agent.booking.persist import Persister
 from gpufrac.agent.booking.pods import PodIdentity
 from gpufrac.agent.booking.reconcile import RECONCILE_INTERVAL, RELEASE_GRACE, ReconcileLoop, Reconciler
+from gpufrac.agent.compute.loop import ComputeLoop
 from gpufrac.agent.gpu import nodelabels
 from gpufrac.agent.gpu.activity import ActivityTracker
 from gpufrac.agent.gpu.health import HealthMonitor
 from gpufrac.agent.gpu.healthsync import HealthSource, HealthSync
 from gpufrac.agent.gpu.inventory import NvmlError, read_inventory
 from gpufrac.agent.gpu.nodelabels import NodeLabels
+from gpufrac.agent.gpu.utilisation import UtilisationFeed
 from gpufrac.agent.idle import reaper as idle
 from gpufrac.agent.idle.actions import swap_via
 from gpufrac.agent.idle.reaper import IdleReaper
@@ -122,7 +124,9 @@ class Agent:
         self.reconcile_loop: ReconcileLoop | None = None  # reconciles, then pod identity
         self.arbiter: Arbiter | None = None  # burst grants, on the node-wide socket
         self.watchdog: Watchdog | None = None  # NVML's per-process memory against the limits
+        self.utilisation: UtilisationFeed | None = None  # NVML's per-process utilisation, one reader
         self.activity: ActivityTracker | None = None  # per-container GPU activity
+        self.compute: ComputeLoop | None = None  # compute shares: launch paces from measured use
         self.reaper: IdleReaper | None = None  # gives the GPU back from idle pods
         self.admission: Admission | None = None  # reclaim at admission
         self.node_labels: NodeLabels | None = None  # gpufrac.dev/ labels on this Node
@@ -180,9 +184,12 @@ class Agent:
             reconciler, self.pods, self.metrics, interval=self.reconcile_interval
         )
         # The activity tracker first: the arbiter judges swap and evict victims idle by it too.
-        self.activity = await self._open_activity()
+        # It and compute shares read one feed of the driver's per-process utilisation.
+        self.utilisation = await self._open_utilisation()
+        self.activity = await self._open_activity(self.utilisation)
         await self._start_arbiter(ledger, pod_cache, self.activity)  # before any container can ask
         self._start_watchdog(ledger, pod_cache)
+        self._start_compute(ledger, self.pods, pod_cache, self.utilisation)
         reaper = self._open_reaper(ledger, self.pods, self.activity, api, no_api)
         self.admission = Admission(self.arbiter.resolution if self.arbiter else None, ledger, self.events)
         if api is None:
@@ -258,14 +265,43 @@ class Agent:
         if task is not None:
             self._tasks.append(task)
 
-    async def _open_activity(self) -> ActivityTracker | None:
-        """The activity tracker (NVML when it can be had); None, logged, when it cannot be had
-        (the rest of the agent goes on without it: no idle reaping, victims judged by file)."""
+    async def _open_utilisation(self) -> UtilisationFeed | None:
+        """NVML's per-process utilisation (gpufrac.agent.gpu.utilisation); None, logged, without
+        NVML: no compute shares, and activity from the shim's launch counters alone."""
         try:
-            return await asyncio.to_thread(ActivityTracker.with_nvml)
+            return await asyncio.to_thread(UtilisationFeed.open)
+        except Exception as e:
+            log.warning("NVML unavailable for per-process utilisation (%s): no compute shares, "
+                        "activity from the shim's launch counters", e)  # fmt: skip
+            return None
+
+    async def _open_activity(self, feed: UtilisationFeed | None) -> ActivityTracker | None:
+        """The activity tracker over the utilisation feed (launches alone without it); None,
+        logged, when it cannot be had (the rest of the agent goes on without it: no idle
+        reaping, victims judged by file)."""
+        try:
+            return ActivityTracker(nvml=feed.view() if feed is not None else None)
         except Exception:
             log.exception("activity tracker unavailable: no idle reaping, victims judged by their files")
             return None
+
+    def _start_compute(
+        self, ledger: Ledger, pods: PodIdentity, pod_cache: PodCache | None, feed: UtilisationFeed | None
+    ) -> None:
+        """Compute shares (gpufrac.agent.compute): the driver's measured use, through the
+        controller, to each container's launch pace. Containers are told apart as the arbiter
+        tells its callers apart."""
+        if not self.config.compute.enabled:
+            log.info("compute shares are off (compute.enabled: false)")
+            return
+        if feed is None:
+            log.error("compute shares unavailable: no per-process utilisation from NVML")
+            return
+        peers = (
+            self.arbiter.peers if self.arbiter is not None else PeerLookup(ledger, namer_from_pods(pod_cache))
+        )
+        self.compute = ComputeLoop(self.config, ledger, pods, peers, feed, self.events)
+        self._tasks.append(asyncio.create_task(self.compute.run(), name="compute"))
 
     def _open_reaper(
         self,
@@ -333,8 +369,12 @@ class Agent:
         await self.pod_resources.close()
         if self.ledger is not None:
             await self.state.save(self.ledger)
+        if self.compute is not None:  # its paces lifted: no one is held back by a stopped agent
+            await self.compute.close()
         if self.activity is not None:  # after the arbiter and the reaper, which read it
             await asyncio.to_thread(self.activity.close)
+        if self.utilisation is not None:  # after its readers
+            await asyncio.to_thread(self.utilisation.close)
         if self.health is not None:
             await asyncio.to_thread(self.health.close)
         if self.node_labels is not None:

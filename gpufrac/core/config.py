@@ -140,6 +140,22 @@ class ArbiterLimitsConfig:
     listen_backlog: int = 16
 
 
+COMPUTE_MODES = ("fair", "strict")
+
+
+@dataclass
+class ComputeConfig:
+    """Compute shares (gpufrac.agent.compute, docs/compute.md): each container's share of its
+    GPU's compute, held by pacing its launches from the driver's measured utilisation."""
+
+    enabled: bool = True
+    # fair: a share is guaranteed while the GPU is contended and compute nobody uses goes to the
+    # busy; strict: a share is also a cap. A namespace's policy may say otherwise (policy.*.computeMode).
+    mode: str = _choice("fair", *COMPUTE_MODES)
+    # The control period: how often the driver's per-process utilisation is read and the paces set.
+    interval: float = _seconds(0.1, positive=True)
+
+
 @dataclass
 class MetricsConfig:
     port: int = 9410
@@ -182,6 +198,7 @@ class Config:
     # Per-namespace caps on what pod annotations may ask (gpufrac.core.policy parses it).
     policy: PolicyConfig = field(default_factory=PolicyConfig, metadata={"kind": "policy"})
     arbiter_limits: ArbiterLimitsConfig = field(default_factory=ArbiterLimitsConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
 
     def validate(self) -> None:
         if not self.node_name.strip():
@@ -243,6 +260,9 @@ class Config:
                 f"arbiterLimits.connectionsPerContainer: {lim.connections_per_container} is more than "
                 f"maxConnections ({lim.max_connections})"
             )
+        if not 0.01 <= self.compute.interval <= 10:
+            # Shorter than the driver's sampling is noise; longer, a share takes many seconds to hold.
+            raise ConfigError(f"compute.interval: {self.compute.interval:g}s must be between 10ms and 10s")
         bad = [c for c in self.idle.reap_classes if c not in CLASS_NAMES]
         if bad:
             raise ConfigError(

@@ -132,6 +132,11 @@ def container_response(alloc: Booking, config: Config) -> pb.ContainerAllocateRe
                 host_path=os.path.join(host, abi.USAGE_FILE),
                 read_only=False,
             ),
+            pb.Mount(  # the shim's launch clock, shared by the container's processes
+                container_path=os.path.join(cdir, abi.COMPUTE_FILE),
+                host_path=os.path.join(host, abi.COMPUTE_FILE),
+                read_only=False,
+            ),
             pb.Mount(
                 container_path=os.path.join(cdir, abi.SOCKET_DIR),
                 host_path=os.path.join(host, abi.SOCKET_DIR),

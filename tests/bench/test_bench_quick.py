@@ -49,6 +49,17 @@ FIGURES: dict[str, tuple[str, ...]] = {
         "grant_p99_us_under_flood",
         "flood_p99_ratio",
     ),
+    "compute": (
+        "launch_added_ns_uncontended",
+        "launch_added_ns_throttled",
+        "max_error_pp_strict",
+        "max_error_pp_fair",
+        "idle_max_error_pp",
+        "converge_s_fair",
+        "converge_s_strict",
+        "p99_ratio_with_shares",
+        "p99_ratio_without_shares",
+    ),
     "packing": ("seed",),
     "shim": (
         "alloc_free_overhead_ns",

@@ -279,3 +279,46 @@ def test_any_annotations_give_a_limit_between_request_and_allocatable(
     assert 0 <= p.config_fields()["wait_timeout_ms"] < 2**32
     for prob in r.problems:
         assert prob.key in ann and prob.value == ann[prob.key]
+
+
+# ---------------------------------------------------------------- compute share (docs/compute.md)
+
+
+def test_compute_share_is_the_memory_share_by_default() -> None:
+    p = policy({}).policy
+    assert p.compute_share == pytest.approx(REQ / ALLOC) and p.compute_share_key is None
+    whole = policy({}, request_bytes=80 * GiB, whole_gpu=True).policy
+    assert whole.compute_share == 1.0
+
+
+def test_compute_share_annotation_and_per_container_override() -> None:
+    r = policy({A.COMPUTE_SHARE: "30"})
+    assert r.problems == [] and (r.policy.compute_share, r.policy.compute_share_key) == (0.3, A.COMPUTE_SHARE)
+    key = A.COMPUTE_SHARE + ".server"
+    r = policy({A.COMPUTE_SHARE: "30", key: "12.5%"})
+    assert r.problems == [] and (r.policy.compute_share, r.policy.compute_share_key) == (0.125, key)
+    # an override for the pod's other container leaves this one at the pod-level value
+    r = policy({A.COMPUTE_SHARE: "30", A.COMPUTE_SHARE + ".sidecar": "5"})
+    assert r.problems == [] and r.policy.compute_share == 0.3
+
+
+@pytest.mark.parametrize("value", ["0", "101", "-5", "half", "", "1e2", "50 percent"])
+def test_bad_compute_share_falls_back_to_the_memory_share(value: str) -> None:
+    r = policy({A.COMPUTE_SHARE: value})
+    (problem,) = r.problems
+    assert (problem.key, problem.value) == (A.COMPUTE_SHARE, value)
+    assert r.policy.compute_share == pytest.approx(REQ / ALLOC) and r.policy.compute_share_key is None
+    message = problem.message("server")
+    assert A.COMPUTE_SHARE in message and f'"{value}"' in message and "memory share" in message
+
+
+def test_compute_share_on_a_whole_gpu_is_the_whole_gpu() -> None:
+    r = policy({A.COMPUTE_SHARE + ".server": "20"}, request_bytes=80 * GiB, whole_gpu=True)
+    (problem,) = r.problems
+    assert "whole-GPU" in problem.reason and r.policy.compute_share == 1.0
+    assert policy({A.COMPUTE_SHARE: "20"}, request_bytes=80 * GiB, whole_gpu=True).problems == []
+
+
+def test_compute_share_override_for_a_missing_container_is_a_typo() -> None:
+    (problem,) = policy({A.COMPUTE_SHARE + ".nobody": "20"}).problems
+    assert "no container named 'nobody'" in problem.reason

@@ -72,3 +72,16 @@ def test_a_bad_value_is_refused_naming_key_and_reason(tmp_path: Path, text: str,
 def test_an_unreadable_file_says_which_and_why(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"cannot read config file .*missing\.yaml: No such file"):
         load(tmp_path / "missing.yaml")
+
+
+def test_compute_section_and_its_checks() -> None:
+    cfg = load(overrides={"compute": {"mode": "strict", "interval": "250ms"}})
+    assert (cfg.compute.enabled, cfg.compute.mode, cfg.compute.interval) == (True, "strict", 0.25)
+    for bad, says in (
+        ({"mode": "greedy"}, r"compute\.mode: 'greedy' is not one of \['fair', 'strict'\]"),
+        ({"interval": "1ms"}, r"compute\.interval: 0\.001s must be between 10ms and 10s"),
+        ({"interval": "0s"}, r"compute\.interval: .* must be more than 0"),
+        ({"enable": True}, r"compute\.enable: unknown key"),
+    ):
+        with pytest.raises(ConfigError, match=says):
+            load(overrides={"compute": bad})

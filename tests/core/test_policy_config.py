@@ -9,7 +9,16 @@ import pytest
 
 from gpufrac.core import config
 from gpufrac.core.annotations import ContainerPolicy
-from gpufrac.core.policy import LIMIT, PREEMPTIBLE, SWAPPABLE, NamespacePolicy, PolicyConfig, enforce
+from gpufrac.core.policy import (
+    COMPUTE_SHARE,
+    LIMIT,
+    PREEMPTIBLE,
+    SWAPPABLE,
+    NamespacePolicy,
+    PolicyConfig,
+    compute_mode,
+    enforce,
+)
 from gpufrac.core.units import format_bytes
 
 pytestmark = pytest.mark.unit
@@ -92,3 +101,27 @@ def test_enforce_forces_preemptible_and_swappable_where_not_allowed() -> None:
     out, caps = _enforce(asked, strict)
     assert (out.preemptible, out.swappable, caps) == (True, True, [PREEMPTIBLE, SWAPPABLE])
     assert _enforce(asked, NamespacePolicy()) == (asked, [])
+
+
+def test_compute_policy_keys_and_their_checks() -> None:
+    p = load({"default": {"maxComputeShare": 50}, "namespaces": {"ml": {"computeMode": "strict"}}})
+    assert p.for_namespace("ml").max_compute_share == 50  # inherited
+    assert compute_mode(p, "ml", "fair") == "strict" and compute_mode(p, "other", "fair") == "fair"
+    for bad, says in (
+        ({"default": {"maxComputeShare": 0}}, r"maxComputeShare: 0 must be a whole percent"),
+        ({"default": {"maxComputeShare": 50.5}}, r"maxComputeShare: 50\.5 must be"),
+        ({"default": {"maxComputeShare": True}}, r"maxComputeShare: True must be"),
+        ({"default": {"computeMode": "greedy"}}, r"computeMode: 'greedy' must be one of fair, strict"),
+    ):
+        with pytest.raises(config.ConfigError, match=says):
+            load(bad)
+
+
+def test_enforce_caps_the_compute_share() -> None:
+    asked = _policy(GiB, GiB, compute_share=0.8, compute_share_key="gpufrac.dev/compute-share")
+    out, caps = _enforce(asked, NamespacePolicy(max_compute_share=25))
+    assert (out.compute_share, caps) == (0.25, [COMPUTE_SHARE])
+    assert _enforce(asked, NamespacePolicy()) == (asked, [])
+    # a pod not known yet keeps its memory share (None) until its annotations are read
+    unknown = _policy(GiB, GiB)
+    assert _enforce(unknown, NamespacePolicy(max_compute_share=10)) == (unknown, [])

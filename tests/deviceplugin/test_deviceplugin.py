@@ -102,6 +102,8 @@ def test_allocate_response_injects_gpu_and_shim(sim: Sim) -> None:
     mounts = {m.container_path: m for m in resp.mounts}
     assert mounts[resp.envs["LD_PRELOAD"]].read_only
     assert mounts[f"{cdir}/config"].read_only and not mounts[f"{cdir}/usage"].read_only
+    # the shim's launch clock (compute shares) is the container's to write, like its usage
+    assert not mounts[f"{cdir}/compute"].read_only and os.path.isfile(mounts[f"{cdir}/compute"].host_path)
     # the arbiter's socket comes in a read-only mount of its directory (a restarted agent's
     # new socket shows through it; no tenant can replace it)
     assert mounts[f"{cdir}/arbiter"].read_only

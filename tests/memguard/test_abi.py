@@ -33,6 +33,7 @@ STRUCTS: list[tuple[type[ctypes.Structure], str]] = [
     (abi.ConfigStruct, "mg_config_t"),
     (abi.ProcSlot, "mg_proc_slot_t"),
     (abi.UsageStruct, "mg_usage_t"),
+    (abi.ComputeStruct, "mg_compute_t"),
     (wire.BurstRequest, "mg_burst_req_t"),
     (wire.BurstReply, "mg_burst_rep_t"),
 ]
@@ -64,6 +65,7 @@ CONSTANTS: list[tuple[int, str]] = [
     (nodestate.CKPT_FAILED, "SIMGPU_CKPT_FAILED"),
     (abi.CONFIG_MAGIC, "MG_CONFIG_MAGIC"),
     (abi.USAGE_MAGIC, "MG_USAGE_MAGIC"),
+    (abi.COMPUTE_MAGIC, "MG_COMPUTE_MAGIC"),
     (abi.ABI_VERSION, "MG_ABI_VERSION"),
     (abi.MAX_PROCS, "MG_MAX_PROCS"),
     (abi.MIN_ARBITER_TIMEOUT_MS, "MG_MIN_ARBITER_TIMEOUT_MS"),

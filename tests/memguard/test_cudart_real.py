@@ -181,6 +181,12 @@ def test_cudart_lookups_reach_the_hooks(
     assert gated > 200  # most of cudart's table is no hook of the shim's
     for key, sym in EXPECTED.items():
         assert seen.get(key) == sym, (key, seen.get(key))
+    # Every way cudart launches a kernel or a graph reaches the shim's hook: where a compute
+    # share paces the container (docs/compute.md).
+    launch_names = ("cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel", "cuGraphLaunch")
+    launches = {k: v for k, v in seen.items() if k[0] in launch_names}
+    assert {k[0] for k in launches} == set(launch_names), sorted(launches)
+    assert all(launches.values()), launches
     if runtime == "13":  # 13.x asks for the context-taking variant
         assert seen[("cuCtxSynchronize", 13000, 0)] == "cuCtxSynchronize_v2"
     # Beyond the lookups cudart needs the driver's private export tables, which no

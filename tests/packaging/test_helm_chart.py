@@ -342,13 +342,16 @@ def _policy_schema() -> dict[str, Any]:
     """The `policy` section: `default` and one entry per namespace, each with the same keys."""
     hints = get_type_hints(policy.NamespacePolicy)
     names = {attr: key for key, attr in policy._KEYS.items()}
+
+    def leaf(name: str) -> dict[str, Any]:
+        if name == "compute_mode":  # a mode, or null for the node's
+            return {"enum": [*policy.COMPUTE_MODES, None]}
+        return {"type": {bool: "boolean", float: "number", int: "integer"}[hints[name]]}
+
     entry = {
         "type": "object",
         "additionalProperties": False,
-        "properties": {
-            names[f.name]: {"type": {bool: "boolean", float: "number"}[hints[f.name]]}
-            for f in dataclasses.fields(policy.NamespacePolicy)
-        },
+        "properties": {names[f.name]: leaf(f.name) for f in dataclasses.fields(policy.NamespacePolicy)},
     }
     namespaces = {
         "type": "object",

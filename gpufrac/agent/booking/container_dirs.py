@@ -54,6 +54,7 @@ def write_container_dir(directory: str, cfg: ContainerConfig) -> ConfigFile:
     handle = ConfigFile(directory, durable=False)
     handle.write(cfg)
     abi.create_usage(directory, durable=False)
+    abi.create_compute(directory, durable=False)
     return handle
 
 

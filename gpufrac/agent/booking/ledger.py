@@ -196,6 +196,14 @@ class Ledger:
     def healthy(self, gpu_uuid: str) -> bool:
         return gpu_uuid not in self._unhealthy
 
+    def set_compute_pace(self, key: str, pace_ns: int) -> None:
+        """The container's launch pace (its compute share: gpufrac.agent.compute), written in its
+        config at once; not a config change (no generation, no listener). Nothing before the
+        container's directory is attached."""
+        handle = self._files.get(key)
+        if handle is not None:
+            handle.set_pace(pace_ns)
+
     def container_dir(self, key: str) -> str:
         return os.path.join(self.config.paths.containers_dir, key)
 

@@ -35,6 +35,20 @@ def _numa(n: object) -> str:
     return "N/A" if n is None else str(n)
 
 
+def _compute(c: Mapping[str, Any]) -> list[str]:
+    """SHARE, MODE, COMPUTE (measured use; "held" while its launches are paced)."""
+    share = c.get("compute_share")
+    if share is None:
+        return ["-", "-", "-"]
+    used = c.get("compute_used")
+    shown = "?" if used is None else f"{used * 100:.0f}%"
+    if c.get("compute_unheld"):
+        shown += " UNHELD"
+    elif c.get("compute_paced"):
+        shown += " held"
+    return [f"{share * 100:.0f}%", c.get("compute_mode") or "?", shown]
+
+
 def _short_resource(r: str) -> str:
     return r.rsplit("/", 1)[-1]
 
@@ -118,8 +132,11 @@ def format_status(status: Mapping[str, Any], *, wide: bool = False) -> str:
             "USED",
             "BURST",
             "IDLE",
+            "SHARE",
+            "MODE",
+            "COMPUTE",
             "CLASS",
-            *(["PRIORITY", "PROCS", "OOM", "SWAPPED", "KEY"] if wide else []),
+            *(["PRIORITY", "PROCS", "OOM", "SWAPPED", "THROTTLED", "KEY"] if wide else []),
         ]
     ]
     for c in sorted(containers, key=lambda c: (c["namespace"], c["pod"], c["container"], c["key"])):
@@ -135,6 +152,7 @@ def format_status(status: Mapping[str, Any], *, wide: bool = False) -> str:
                 _b(c.get("used_bytes")),
                 _b(c["burst_granted_bytes"]),
                 _duration(c.get("idle_seconds")),
+                *_compute(c),
                 c["workload_class"],
                 *(
                     [
@@ -142,6 +160,7 @@ def format_status(status: Mapping[str, Any], *, wide: bool = False) -> str:
                         str(c.get("processes", 0)),
                         str(c.get("oom_refusals", 0)),
                         _b(c.get("swapped_bytes", 0)),
+                        _duration(c.get("compute_throttled_seconds", 0.0)),
                         c["key"],
                     ]
                     if wide
@@ -149,7 +168,7 @@ def format_status(status: Mapping[str, Any], *, wide: bool = False) -> str:
                 ),
             ]
         )
-    lines += table(crow, align_right=(5, 6, 7, 8, 9, *((11, 12, 13, 14) if wide else ())))
+    lines += table(crow, align_right=(5, 6, 7, 8, 9, 10, 12, *((14, 15, 16, 17, 18) if wide else ())))
     return "\n".join(lines)
 
 

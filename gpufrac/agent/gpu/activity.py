@@ -163,6 +163,41 @@ class _State:
     polled: float  # when these were seen
 
 
+@dataclass(frozen=True)
+class ProcessSample:
+    """One of NVML's per-process utilisation samples."""
+
+    pid: int  # host pid
+    time: float  # wall time of the sample (s)
+    sm: int  # percent of the sample's period the process's kernels ran
+    top: int  # the highest of its SM, memory, encoder and decoder figures
+
+
+def fold_samples(samples: Iterable[ProcessSample], threshold: int) -> dict[int, tuple[float, bool]]:
+    """Host pid -> (wall time of its newest sample, whether a sample reached the threshold);
+    a sample at the threshold outranks any below it, however new."""
+    out: dict[int, tuple[float, bool]] = {}
+    for s in samples:
+        busy = s.top >= threshold
+        was_t, was_busy = out.get(s.pid, (0.0, False))
+        if busy and not was_busy:
+            out[s.pid] = (s.time, True)
+        elif busy == was_busy:
+            out[s.pid] = (max(s.time, was_t), busy)
+    return out
+
+
+class ProcessSamples(Protocol):
+    """Per-process utilisation samples since the previous call (NvmlUtilisation, or a view of
+    the agent's one reader of them, gpufrac.agent.gpu.utilisation)."""
+
+    def supported(self, gpu_uuid: str) -> bool: ...
+
+    def sampled_pids(self, gpu_uuid: str) -> dict[int, tuple[float, bool]]: ...
+
+    def close(self) -> None: ...
+
+
 class NvmlUtilisation:
     """Per-process GPU utilisation from NVML, remembering each GPU's last sample time
     so every call returns only what happened since the previous one."""
@@ -190,9 +225,14 @@ class NvmlUtilisation:
     def sampled_pids(self, gpu_uuid: str) -> dict[int, tuple[float, bool]]:
         """Host pid -> (wall time of its newest sample, whether a sample reached the threshold),
         for every process sampled since the previous call."""
+        return fold_samples(self.samples(gpu_uuid), self.threshold)
+
+    def samples(self, gpu_uuid: str) -> list[ProcessSample]:
+        """Every per-process sample of the GPU since the previous call (none where NVML has
+        none to give: not supported, or the call failed; supported() tells them apart)."""
         nv = self._nvml
         if gpu_uuid in self._unsupported:
-            return {}
+            return []
         try:
             handle = self._handles.get(gpu_uuid)
             if handle is None:
@@ -200,30 +240,25 @@ class NvmlUtilisation:
             samples = nv.nvmlDeviceGetProcessUtilization(handle, self._last_seen.get(gpu_uuid, 0))
         except nv.NVMLError as e:
             if e.value == nv.NVML_ERROR_NOT_FOUND:
-                return {}  # no process sampled since the last call
+                return []  # no process sampled since the last call
             if e.value == nv.NVML_ERROR_NOT_SUPPORTED:
                 # MIG, vGPU and some boards: the launch counters remain.
                 log.warning(
                     "GPU %s: no per-process utilisation from NVML (%s); using launches only", gpu_uuid, e
                 )
                 self._unsupported.add(gpu_uuid)
-                return {}
+                return []
             log.warning("GPU %s: nvmlDeviceGetProcessUtilization: %s", gpu_uuid, e)
             self._handles.pop(gpu_uuid, None)
             self._failing.add(gpu_uuid)
-            return {}
+            return []
         self._failing.discard(gpu_uuid)
-        out: dict[int, tuple[float, bool]] = {}
         newest = self._last_seen.get(gpu_uuid, 0)
+        out = []
         for s in samples:
             newest = max(newest, int(s.timeStamp))
-            busy = max(s.smUtil, s.memUtil, s.encUtil, s.decUtil) >= self.threshold
-            t = int(s.timeStamp) / 1e6
-            was_t, was_busy = out.get(int(s.pid), (0.0, False))
-            if busy and not was_busy:
-                out[int(s.pid)] = (t, True)
-            elif busy == was_busy:
-                out[int(s.pid)] = (max(t, was_t), busy)
+            top = max(s.smUtil, s.memUtil, s.encUtil, s.decUtil)
+            out.append(ProcessSample(int(s.pid), int(s.timeStamp) / 1e6, int(s.smUtil), int(top)))
         self._last_seen[gpu_uuid] = newest
         return out
 
@@ -241,7 +276,7 @@ class ActivityTracker:
     def __init__(
         self,
         *,
-        nvml: NvmlUtilisation | None = None,
+        nvml: ProcessSamples | None = None,
         clock: Clock | None = None,
         proc: str = "/proc",
     ) -> None:

@@ -29,6 +29,8 @@ user lost something or must act, Normal otherwise), a structured log line
 | IdleEvictionBlocked | Warning | pod | idle | a PodDisruptionBudget refused the eviction; retried |
 | IdleEvictionFailed | Warning | pod | idle | the eviction failed; retried |
 | GpuUnhealthy / GpuHealthy | Warning / Normal | node | agent | a GPU's health changed (its slices follow) |
+| GpuComputeOvercommitted | Warning | node, pods | compute | the GPU's compute shares sum past 100 % |
+| GpuComputeUnheld | Warning | pod | compute | over its compute share though paced to the slowest |
 
 A poster in parentheses is reserved: that module does not post the Event yet (it logs
 the decision only).
@@ -66,6 +68,8 @@ REASON_LIMIT_ENFORCED = "GpuMemoryLimitEnforced"
 REASON_USAGE_MISMATCH = "GpuUsageFileMismatch"
 REASON_GPU_UNHEALTHY = "GpuUnhealthy"
 REASON_GPU_HEALTHY = "GpuHealthy"
+REASON_COMPUTE_OVERCOMMITTED = "GpuComputeOvercommitted"
+REASON_COMPUTE_UNHELD = "GpuComputeUnheld"
 # The idle reaper: a warning ahead of the action, then the action (trigger prefix + what was done).
 REASON_IDLE_WARNING = "IdleWarning"
 REASON_MAX_RUNTIME_WARNING = "MaxRuntimeWarning"

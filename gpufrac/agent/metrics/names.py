@@ -9,7 +9,7 @@ you land here, and on the one place each is used.
 
 from __future__ import annotations
 
-from gpufrac.core.annotations import LIMIT_KEYS, PREFIX, USER_KEYS
+from gpufrac.core.annotations import PER_CONTAINER_KEYS, PREFIX, USER_KEYS
 
 # -- the agent: counted as things happen (metrics/registry.py) --------------------------------
 BUILD_INFO = "gpufrac_build_info"
@@ -52,6 +52,10 @@ CONTAINER_EVICTIONS = "gpufrac_container_evictions_total"
 CONTAINER_SWAPS = "gpufrac_container_swaps_total"
 CONTAINER_OOM_REFUSALS = "gpufrac_container_oom_refusals_total"
 CONTAINER_WAIT_SECONDS = "gpufrac_container_wait_seconds"  # a histogram
+CONTAINER_COMPUTE_SHARE = "gpufrac_container_compute_share"
+CONTAINER_COMPUTE_UTILIZATION = "gpufrac_container_compute_utilization_ratio"
+CONTAINER_COMPUTE_PACED = "gpufrac_container_compute_paced"
+CONTAINER_COMPUTE_THROTTLED = "gpufrac_container_compute_throttled_seconds_total"
 
 # Every name above: what a scrape may show (tests/agent/metrics/test_metrics.py holds it to one).
 EXPORTED = frozenset(
@@ -77,6 +81,6 @@ def annotation_label(key: str) -> str:
     if key in USER_KEYS:
         return key
     base = key.rpartition(".")[0]
-    if base in LIMIT_KEYS:
+    if base in PER_CONTAINER_KEYS:
         return base
     return "unknown" if key.startswith(PREFIX) else "other"

@@ -164,6 +164,7 @@ def container_families(
         wait_buckets: dict[str, float] = field(default_factory=dict)  # le -> cumulative count
         wait_sum: float = 0.0
         primary: bool = False  # the first GPU of some container: usage and counters shown here
+        compute: tuple[float, float, float, bool] | None = None  # share, used, throttled s, paced
 
     rows: dict[tuple[str, ...], Row] = {}
     for c in snap.containers:
@@ -182,6 +183,8 @@ def container_families(
             if view is not None:
                 row.used = (row.used or 0) + view.used_bytes
                 row.swapped += view.swapped_bytes
+            if c.compute_share is not None and c.compute_used is not None:
+                row.compute = (c.compute_share, c.compute_used, c.compute_throttled_seconds, c.compute_paced)
             if c.idle_seconds is not None:  # enrich: the activity tracker's or the usage file's
                 row.idle = c.idle_seconds if row.idle is None else min(row.idle, c.idle_seconds)
             row.oom += counted.oom_total(view.slot_refusals if view is not None else None)
@@ -222,6 +225,20 @@ def container_families(
     oom = counter(
         names.CONTAINER_OOM_REFUSALS, "Allocations of the container refused with CUDA_ERROR_OUT_OF_MEMORY."
     )
+    share = gauge(
+        names.CONTAINER_COMPUTE_SHARE, "The container's compute share of its GPU, 0 to 1 (docs/compute.md)."
+    )
+    cused = gauge(
+        names.CONTAINER_COMPUTE_UTILIZATION,
+        "The container's use of its GPU's compute as the driver measures it (NVML per process), 0 to 1.",
+    )
+    paced = gauge(
+        names.CONTAINER_COMPUTE_PACED, "1 while the container's launches are paced to hold it to its share."
+    )
+    throttled = counter(
+        names.CONTAINER_COMPUTE_THROTTLED,
+        "Time the container's launches were paced, since the agent started.",
+    )
     waits = HistogramMetricFamily(
         names.CONTAINER_WAIT_SECONDS,
         "Time the container's allocations waited in the wait resolver for memory to be freed.",
@@ -244,4 +261,10 @@ def container_families(
             swaps.add_metric([*lv, d], r.swaps[d])
         oom.add_metric(lv, r.oom)
         waits.add_metric(lv, list(r.wait_buckets.items()), r.wait_sum)
+        if r.compute is not None:
+            share.add_metric(lv, r.compute[0])
+            cused.add_metric(lv, r.compute[1])
+            throttled.add_metric(lv, r.compute[2])
+            paced.add_metric(lv, 1 if r.compute[3] else 0)
     yield from (req, lim, used, burst, swapped, idle, evictions, swaps, oom, waits)
+    yield from (share, cused, paced, throttled)

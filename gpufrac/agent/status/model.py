@@ -53,6 +53,15 @@ class ContainerStatus:
     idle_seconds: float | None = None
     oom_refusals: int = 0
     swapped_bytes: int = 0
+    # Its compute share (gpufrac.agent.compute, docs/compute.md); None while compute shares are
+    # off, and for whole GPUs (their containers' own).
+    compute_share: float | None = None  # of its GPU, 0..1
+    compute_mode: str = ""  # fair or strict
+    compute_used: float | None = None  # measured use of its GPU by the driver, about the last second
+    compute_target: float | None = None  # what it may use now
+    compute_paced: bool = False  # its launches are held back now
+    compute_throttled_seconds: float = 0.0  # time its launches were paced since the agent started
+    compute_unheld: bool = False  # over what it may use though paced to the slowest
 
     @property
     def known(self) -> bool:

@@ -135,6 +135,7 @@ static int mg_do_init(void) {
         return MODE_BROKEN;
     }
     g_usage = usage;
+    mg_compute_attach(g_dir);
     unsigned bits = mg_track_bits();
     if (mg_tab_init(&g_ptrs, bits) || mg_tab_init(&g_arrays, bits > 16 ? 16 : bits) ||
         mg_tab_init(&g_handles, bits) || mg_tab_init(&g_maps, bits) || mg_tab_init(&g_hostpools, 10)) {

@@ -23,7 +23,8 @@
  *   mg_array.c    CUDA arrays and mipmapped arrays
  *   mg_view.c     memory queries: the container's total and free memory
  *   mg_nvml.c     NVML's process lists, utilisation and BAR1, the container's view
- *   mg_launch.c   kernel and graph launches: activity and the swap-in gate
+ *   mg_launch.c   kernel and graph launches: activity, the swap-in gate, the compute pace
+ *   mg_compute.c  the compute share's launch pace: the container's launch clock
  *   mg_copy.c     copies, memsets, stream and event queries: the swap-in gate alone
  *   mg_ctx.c      contexts, modules, libraries and cuCtxSetLimit memory
  *   mg_measure.c  how much memory such a call took, measured around it
@@ -269,6 +270,11 @@ MG_HIDDEN void mg_gate_follow(mg_proc_slot_t *s);
 MG_HIDDEN void *mg_gate_wrap(const char *name, void *p);   /* a trampoline for the driver's `p` */
 MG_HIDDEN int mg_gate_is_stub(const void *p);
 MG_HIDDEN void mg_gate_atfork_child(void);
+/* The compute share (mg_compute.c): the compute file, mapped at init when it is there,
+ * and the paced path of a launch (`weight` launch slots: 1 for a kernel or a graph). */
+extern MG_HIDDEN mg_compute_t *g_compute;
+MG_HIDDEN void mg_compute_attach(const char *dir);
+MG_HIDDEN MG_COLD void mg_pace_launch(uint32_t pace_ns, uint32_t weight);
 
 /* ------------------------------------------------------------------------ */
 /* What the hook sources offer each other.                                   */

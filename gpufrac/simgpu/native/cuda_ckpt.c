@@ -147,12 +147,8 @@ CU_API CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArg
     CUresult r = target_find(pid, &t);
     if (r) return r;
     if (target_state(&t) != SIMGPU_CKPT_LOCKED) return CUDA_ERROR_ILLEGAL_STATE;
-    uint64_t busy = 0; /* submitted work completes first */
-    for (int i = 0; i < t.count; i++) {
-        uint64_t b = atomic_load(&t.slot[i]->busy_until_ns);
-        if (b > busy) busy = b;
-    }
-    while (sim_now_ns() < busy) nap_us(100);
+    for (int i = 0; i < t.count; i++) /* submitted work completes first */
+        while (!sim_sched_idle(t.n, t.slot[i]->gpu, t.slot[i])) nap_us(100);
     for (int i = 0; i < t.count; i++) {
         simgpu_proc_t *s = t.slot[i];
         uint64_t used = atomic_exchange(&s->used_bytes, 0);

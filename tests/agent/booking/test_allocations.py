@@ -305,6 +305,7 @@ def test_container_dirs_spares_discard_and_sweep(tmp_path: Path) -> None:
                 "m-b": 0o755,
                 abi.CONFIG_FILE: 0o644,
                 abi.USAGE_FILE: 0o666,
+                abi.COMPUTE_FILE: 0o666,  # the shim's launch clock (compute shares)
                 abi.SOCKET_DIR: 0o755,  # the arbiter socket's, mounted into the container
             }
             assert abi.read_config(b) == cfg

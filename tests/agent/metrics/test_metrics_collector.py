@@ -337,5 +337,26 @@ def test_status_table_from_a_document(tmp_path: Path) -> None:
     assert any(line.startswith("7 ") and "fell off the bus" in line for line in text.splitlines())
     row = next(line for line in text.splitlines() if "pod-a" in line)
     assert re.search(
-        r"default\s+pod-a\s+main\s+0\s+gpu-memory 8\s+8Gi\s+24Gi\s+3Gi\s+0B\s+2m05s\s+batch", row
-    ), row
+        r"default\s+pod-a\s+main\s+0\s+gpu-memory 8\s+8Gi\s+24Gi\s+3Gi\s+0B\s+2m05s\s+-\s+-\s+-\s+batch", row
+    ), row  # no compute share shown: compute shares off
+
+
+def test_status_table_shows_compute_shares(tmp_path: Path) -> None:
+    held = container(
+        tmp_path,
+        "m-a",
+        "pod-a",
+        compute_share=0.25,
+        compute_mode="fair",
+        compute_used=0.31,
+        compute_paced=True,
+    )
+    free = container(tmp_path, "m-b", "pod-b", compute_share=0.75, compute_mode="strict", compute_used=0.5)
+    unheld = container(tmp_path, "m-c", "pod-c", compute_share=0.1, compute_mode="fair", compute_used=0.6)
+    unheld.compute_unheld = True
+    text = format_status(node(held, free, unheld).to_dict())
+    rows = {p: next(line for line in text.splitlines() if p in line) for p in ("pod-a", "pod-b", "pod-c")}
+    assert re.search(r"\s25%\s+fair\s+31% held\s+batch", rows["pod-a"]), rows["pod-a"]
+    assert re.search(r"\s75%\s+strict\s+50%\s+batch", rows["pod-b"]), rows["pod-b"]
+    assert re.search(r"\s10%\s+fair\s+60% UNHELD\s+batch", rows["pod-c"]), rows["pod-c"]
+    assert "SHARE" in text and "MODE" in text and "COMPUTE" in text

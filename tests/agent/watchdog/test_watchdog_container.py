@@ -3,7 +3,7 @@
 NVML counts each CUDA context, which the shim does not, so the watchdog allows some memory
 above the limit. Were that allowance granted per process, a container could buy headroom by
 starting idle CUDA processes. It is one per pod and GPU (gpufrac.agent.watchdog.service.plan; a pod's
-containers share it, tests/unit/test_watchdog_plan.py), and in
+containers share it, tests/agent/watchdog/test_watchdog_plan.py), and in
 enforce mode (the default) the container's newest processes are killed until the rest fits,
 in the scan that finds it.
 
