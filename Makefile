@@ -161,9 +161,19 @@ image-lock: $(UV_VENV)/bin/uv
 	$(UV_VENV)/bin/uv pip compile $(IMAGE_DIR)/build-requirements.in --universal --python-version 3.11 \
 	  --generate-hashes --custom-compile-command "make image-lock" --quiet -o $(IMAGE_DIR)/build-requirements.lock
 
-# The suite, then the gates of `make lint` (CI runs only this): both run, either failing fails.
+# The suite in two passes, then the gates of `make lint` (CI runs only this): every one runs,
+# any failing fails. First the tests on TEST_WORKERS pytest-xdist workers (most of a test's
+# time is spent waiting on its agent, workloads and emulators, not on a CPU); tests marked
+# xdist_group run on one worker, one after another. Then the tests marked serial, which need
+# the node to themselves (pyproject.toml's markers), alone. Each pass lists its slowest tests.
+TEST_WORKERS ?= 4
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=25
 test: setup native-asan tools floors
-	@rc=0; $(PY) -m pytest -q -p no:cacheprovider tests || rc=1; \
+	@rc=0; \
+	echo "== tests, $(TEST_WORKERS) at a time"; \
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m 'not serial' tests || rc=1; \
+	echo "== tests that need the node to themselves, one at a time"; \
+	$(PYTEST) -m serial tests || rc=1; \
 	{ $(run_gates); } || rc=1; exit $$rc
 
 test-fast: setup tools floors
