@@ -18,9 +18,7 @@ import pytest
 from bench.packing.report import TABLE_COLUMNS
 from bench.packing.strategies import default_strategies
 
-# Every test here reads one run of all the benches (a module fixture): under pytest-xdist they
-# stay on one worker, so the benches run once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("bench_quick")]
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 

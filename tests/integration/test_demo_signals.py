@@ -21,10 +21,6 @@ import pytest
 
 from gpufrac.simgpu.runtime import DEFAULT_HIERARCHY
 
-# Each demo serves its metrics on :9410 when that is free when it looks (a user's `make run`):
-# two at once may both see it free. Under pytest-xdist they run on one worker, one at a time.
-pytestmark = pytest.mark.xdist_group("demo")
-
 GPUFRAC = Path(sys.executable).with_name("gpufrac")
 SERVING = re.compile(r"serving until .*metrics http://127\.0\.0\.1:(\d+)/metrics, status socket (\S+)")
 
