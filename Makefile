@@ -161,9 +161,22 @@ image-lock: $(UV_VENV)/bin/uv
 	$(UV_VENV)/bin/uv pip compile $(IMAGE_DIR)/build-requirements.in --universal --python-version 3.11 \
 	  --generate-hashes --custom-compile-command "make image-lock" --quiet -o $(IMAGE_DIR)/build-requirements.lock
 
-# The suite, then the gates of `make lint` (CI runs only this): both run, either failing fails.
+# The suite in two passes, then the gates of `make lint` (CI runs only this): every one runs,
+# any failing fails. First the tests on TEST_WORKERS pytest-xdist workers (most of a test's
+# time is spent waiting on its agent, workloads and emulators, not on a CPU), a test file's
+# tests on one worker one after another (--dist loadfile: a module fixture is made once, and
+# the demos of test_demo_signals.py, which each take :9410 when it looks free, never overlap;
+# xdist 3.8's --dist loadgroup does not group under pytest 9.2). Then the tests marked serial,
+# which need the node to themselves (pyproject.toml's markers), alone. Each pass lists its
+# slowest tests.
+TEST_WORKERS ?= 4
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=25
 test: setup native-asan tools floors
-	@rc=0; $(PY) -m pytest -q -p no:cacheprovider tests || rc=1; \
+	@rc=0; \
+	echo "== tests, $(TEST_WORKERS) at a time"; \
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m 'not serial' tests || rc=1; \
+	echo "== tests that need the node to themselves, one at a time"; \
+	$(PYTEST) -m serial tests || rc=1; \
 	{ $(run_gates); } || rc=1; exit $$rc
 
 # The quick loops: `make unit` needs only the venv (no native build: a test that reaches for

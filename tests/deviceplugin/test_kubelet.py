@@ -106,7 +106,7 @@ def test_pod_resources_lists_pods_and_agent_releases_deleted_ones(sim: Sim) -> N
     assert [len(d.device_ids) for d in pod_a.containers[0].devices] == [1] * 40
     k.wait_for(
         lambda: (
-            sorted((x["pod"], len(x["device_ids"])) for x in sim.agent.state()["allocations"])
+            sorted((x["pod"] or "", len(x["device_ids"])) for x in sim.agent.state()["allocations"])
             == [("a", 40), ("b", 8)]
         ),
         30,

@@ -14,6 +14,7 @@ import subprocess
 from collections.abc import Callable
 
 import psutil
+import pytest
 
 from gpufrac.agent.arbiter.resolvers import REASON_EVICTED, REASON_PREEMPTED
 from gpufrac.memguard import abi
@@ -21,6 +22,11 @@ from gpufrac.simgpu import runtime as runtime_mod
 from gpufrac.simgpu.workload import RESULT_BYTES, WorkloadProcess
 from tests.fixtures.e2e import TIMEOUT, E2ENode, MiB, PodRun
 from tests.fixtures.polling import until
+
+# Needs the node to itself (pyproject.toml's serial marker): a grant must come back through the
+# shim before the agent's stale-grant sweep takes it (10 s of wall time from the burst); beside
+# other tests (pytest-xdist, 4 workers) the sweep came first.
+in_time_for_the_sweep = pytest.mark.serial
 
 MakeNode = Callable[..., E2ENode]
 RESULT_BUF = RESULT_BYTES  # the workload's result buffer, allocated at start
@@ -83,6 +89,7 @@ def hog(node: E2ENode, wait_timeout: str = "0s") -> PodRun:
     return a
 
 
+@in_time_for_the_sweep
 def test_waiting_burst_gets_memory_the_holder_frees(e2e_node: MakeNode) -> None:
     node = e2e_node()
     b = node.run_pod("b", 4, "768Mi", wait_timeout="90s")
@@ -102,6 +109,7 @@ def test_waiting_burst_gets_memory_the_holder_frees(e2e_node: MakeNode) -> None:
     assert "taking back" not in node.sim.agent.log()
 
 
+@in_time_for_the_sweep
 def test_holder_exiting_without_freeing_gives_its_grant_back(e2e_node: MakeNode) -> None:
     node = e2e_node()
     b = node.run_pod("b", 4, "768Mi", wait_timeout="90s")

@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any
+
+
+def _free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the kernel's pick of an ephemeral port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class AgentProcess:
     """The real agent as a subprocess on a simulated node, wired to a KubeletEmulator.
 
     Writes <root>/agent.yaml (state under <root>/state, the emulator's directory as
-    kubelet dir) and runs `python -m gpufrac.agent.main` with the simgpu environment."""
+    kubelet dir, metrics on a free loopback port unless `config` names one) and runs
+    `python -m gpufrac.agent.main` with the simgpu environment."""
 
     def __init__(
         self,
@@ -41,6 +50,9 @@ class AgentProcess:
             "health": {"pollInterval": "50ms"},
             # Under the root, so agents of concurrent tests never share one status socket.
             "statusSocket": str(self.root / "status.sock"),
+            # Loopback and a port free now, not the agent's 0.0.0.0:9410: agents of concurrent
+            # tests never fight over one port, nor take the one a user's demo serves.
+            "metrics": {"bindAddress": "127.0.0.1", "port": _free_port()},
         }
         for k, v in (config or {}).items():
             cfg[k] = {**cfg[k], **v} if isinstance(v, dict) and isinstance(cfg.get(k), dict) else v

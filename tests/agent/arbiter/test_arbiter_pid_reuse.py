@@ -22,7 +22,10 @@ from gpufrac.memguard import abi, wire
 from tests.fixtures.arbiter_harness import ArbiterNode, Box, GiB
 from tests.fixtures.hostile_tenant import spawn_with_pid
 
-pytestmark = pytest.mark.security
+# Needs the node to itself (pyproject.toml's serial marker): the pid it wants is handed over
+# through ns_last_pid, and any fork on the machine may take it first; beside other tests'
+# forks the retries took ~120 s instead of under 1 s (pytest-xdist, 4 workers).
+pytestmark = [pytest.mark.security, pytest.mark.serial]
 
 
 def cgroup_procs(node: ArbiterNode, box: Box) -> Path:

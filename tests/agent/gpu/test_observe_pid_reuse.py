@@ -33,7 +33,10 @@ from tests.fixtures.hostile_tenant import spawn_with_pid
 from tests.fixtures.memguard import Shim, holding_workload
 from tests.fixtures.simnode import SimNode
 
-pytestmark = pytest.mark.security
+# Needs the node to itself (pyproject.toml's serial marker): the pid it wants is handed over
+# through ns_last_pid, and any fork on the machine may take it first (beside other tests'
+# forks, the other two tests that do this took ~120 s instead of under 1 s: pytest-xdist, 4 workers).
+pytestmark = [pytest.mark.security, pytest.mark.serial]
 
 MiB = 1 << 20
 GiB = 1 << 30

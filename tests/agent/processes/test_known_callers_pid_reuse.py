@@ -30,6 +30,11 @@ from gpufrac.agent.processes.knowncallers import KnownCallers
 from gpufrac.simgpu.runtime import ContainerRuntime
 from tests.fixtures.hostile_tenant import spawn_with_pid
 
+# Needs the node to itself (pyproject.toml's serial marker): the pid it wants is handed over
+# through ns_last_pid, and any fork on the machine may take it first; beside other tests'
+# forks the retries took ~120 s instead of under 1 s (pytest-xdist, 4 workers).
+pytestmark = pytest.mark.serial
+
 
 def connect_and_die(path: str) -> int:
     """Connect to `path` from a child that then exits (and is reaped); returns its pid."""
