@@ -17,6 +17,12 @@
  *                                           "<op> hook_ns=<min> real_ns=<min> diff_ns=<median of
  *                                           per-round differences>"; without the shim both sides
  *                                           are the driver (the noise floor).
+ *   shim_bench ablaunch ROUNDS N         -> the same alternation for cuLaunchKernel of busy_us(0)
+ *                                           (the compute share's pace is read on this path)
+ *   shim_bench ablaunchx ROUNDS N        -> the same with a function handle the driver refuses
+ *                                           at once (CUDA_ERROR_INVALID_HANDLE, no simulated
+ *                                           GPU work): the hook's own cost, without the fake
+ *                                           driver's microsecond of scheduling around it
  *   shim_bench abgate ROUNDS N           -> the same alternation for a function the shim does not
  *                                           hook (cuCtxGetDevice): as linked, under LD_PRELOAD the
  *                                           shim's gate trampoline, vs the driver's own; prints
@@ -25,13 +31,6 @@
  *                                           `check`, also print "start counted=<bytes> nvml=<bytes>":
  *                                           what the container's usage slot of this process counts
  *                                           after the context, and NVML's figure for this process
- *   shim_bench ablaunch ROUNDS N         -> the same alternation for cuLaunchKernel of busy_us(0)
- *                                           (the compute share's pace is read on this path)
- *   shim_bench ablaunchx ROUNDS N        -> the same with a function handle the driver refuses
- *                                           at once (CUDA_ERROR_INVALID_HANDLE, no simulated
- *                                           GPU work): the hook's own cost, without the fake
- *                                           driver's microsecond of scheduling around it
- *   shim_bench start                     -> init, one alloc+free, exit (start-up cost)
  *   shim_bench burst 1 N BYTES [PAUSE_MS] -> N allocations of BYTES past the container's request
  *                                           (each a burst request to the agent's arbiter), each
  *                                           freed and followed by a pause (default 5 ms) in which
@@ -163,32 +162,6 @@ static int ab(const char *op, unsigned long rounds, unsigned long n, size_t byte
     return 0;
 }
 
-typedef CUresult (*ctxdev_fn)(CUdevice *);
-
-/* One round of n calls of a function the shim does not hook; ns per call. */
-static double gate_round(unsigned long n, ctxdev_fn f) {
-    CUdevice d;
-    CUresult rc;
-    uint64_t t0 = now(CLOCK_MONOTONIC);
-    for (unsigned long i = 0; i < n; i++)
-        if ((rc = f(&d)) != 0) die("cuCtxGetDevice", rc);
-    return (double)(now(CLOCK_MONOTONIC) - t0) / (double)n;
-}
-
-static int abgate(unsigned long rounds, unsigned long n) {
-    ctxdev_fn real = (ctxdev_fn)driver_fn("cuCtxGetDevice");
-    double best_hook = 1e300, best_real = 1e300, *diff = calloc(rounds ? rounds : 1, sizeof *diff);
-    if (!diff) return 2;
-    gate_round(n, cuCtxGetDevice); /* warm both */
-    gate_round(n, real);
-    for (unsigned long r = 0; r < rounds; r++) {
-        double h, x;
-        if (r & 1) {
-            x = gate_round(n, real);
-            h = gate_round(n, cuCtxGetDevice);
-        } else {
-            h = gate_round(n, cuCtxGetDevice);
-            x = gate_round(n, real);
 typedef CUresult (*launch_fn)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                               CUstream, void **, void **);
 
@@ -224,8 +197,45 @@ static int ablaunch(unsigned long rounds, unsigned long n, CUfunction f) {
     }
     qsort(diff, rounds, sizeof *diff, cmp_double);
     double med = rounds ? (rounds & 1 ? diff[rounds / 2] : (diff[rounds / 2 - 1] + diff[rounds / 2]) / 2) : 0;
-    printf("abgate hook_ns=%.2f real_ns=%.2f diff_ns=%.2f\n", best_hook, best_real, med);
     printf("ablaunch hook_ns=%.2f real_ns=%.2f diff_ns=%.2f\n", best_hook, best_real, med);
+    free(diff);
+    return 0;
+}
+
+typedef CUresult (*ctxdev_fn)(CUdevice *);
+
+/* One round of n calls of a function the shim does not hook; ns per call. */
+static double gate_round(unsigned long n, ctxdev_fn f) {
+    CUdevice d;
+    CUresult rc;
+    uint64_t t0 = now(CLOCK_MONOTONIC);
+    for (unsigned long i = 0; i < n; i++)
+        if ((rc = f(&d)) != 0) die("cuCtxGetDevice", rc);
+    return (double)(now(CLOCK_MONOTONIC) - t0) / (double)n;
+}
+
+static int abgate(unsigned long rounds, unsigned long n) {
+    ctxdev_fn real = (ctxdev_fn)driver_fn("cuCtxGetDevice");
+    double best_hook = 1e300, best_real = 1e300, *diff = calloc(rounds ? rounds : 1, sizeof *diff);
+    if (!diff) return 2;
+    gate_round(n, cuCtxGetDevice); /* warm both */
+    gate_round(n, real);
+    for (unsigned long r = 0; r < rounds; r++) {
+        double h, x;
+        if (r & 1) {
+            x = gate_round(n, real);
+            h = gate_round(n, cuCtxGetDevice);
+        } else {
+            h = gate_round(n, cuCtxGetDevice);
+            x = gate_round(n, real);
+        }
+        if (h < best_hook) best_hook = h;
+        if (x < best_real) best_real = x;
+        diff[r] = h - x;
+    }
+    qsort(diff, rounds, sizeof *diff, cmp_double);
+    double med = rounds ? (rounds & 1 ? diff[rounds / 2] : (diff[rounds / 2 - 1] + diff[rounds / 2]) / 2) : 0;
+    printf("abgate hook_ns=%.2f real_ns=%.2f diff_ns=%.2f\n", best_hook, best_real, med);
     free(diff);
     return 0;
 }

@@ -438,12 +438,13 @@ def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
 
 
 def compute_shares(node: SimNode) -> None:
-    """Two pods share the rest of GPU 0's compute by their shares (docs/compute.md)."""
+    """Two pods share an empty GPU's compute by their shares (docs/compute.md). Not GPU 0: its
+    free slices' memory is lent out as bursts, and two newcomers there would have their
+    guarantees reclaimed from llm-server and the notebook (admission evicts borrowers)."""
     banner("Compute shares: two pods busy on one GPU, held to their shares")
-    gpu0 = next(g for g in node.status()["gpus"] if g["index"] == 0)
-    free = int(gpu0["slices"][FRACTION]["free"])
-    big = DemoPod("batch", "renderer", FRACTION, free * 3 // 4, {}, 0)
-    small = DemoPod("batch", "tagger", FRACTION, free - free * 3 // 4, {}, 0)
+    # 60 % fits no GPU holding pods; binpack then puts the 20 % beside it, on the fuller GPU.
+    big = DemoPod("batch", "renderer", FRACTION, 60, {}, 0)
+    small = DemoPod("batch", "tagger", FRACTION, 20, {}, 0)
     argv = [sys.executable, "-m", "gpufrac.simgpu.computeload"]
     for p in (big, small):
         node.admit(p)

@@ -15,6 +15,7 @@ controller, the paces (a store in each mapped config) and the Events run on the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -115,6 +116,7 @@ class ComputeLoop:
         self._told_unheld: set[str] = set()
         self._pids: dict[str, list[tuple[int, CgroupIdentity]]] = {}  # this period's GPU processes
         self._held: set[tuple[int, ...]] = set()  # pidfds of processes stopped now (hold.stop)
+        self._stopping: set[asyncio.Future[list[int]]] = set()  # hold.stop calls under way
         self._recovered = False
         self._failing: str | None = None  # the error the last failed period logged
         self._last: float | None = None
@@ -325,7 +327,13 @@ class ComputeLoop:
 
     async def _hold(self, processes: Sequence[tuple[int, CgroupIdentity]], seconds: float) -> None:
         """Stop an unheld container's GPU processes now, and continue them `seconds` later."""
-        fds = tuple(await asyncio.to_thread(hold.stop, processes))
+        # The stop runs on in its thread if this task is cancelled (the agent stopping): kept
+        # here until it is done, so that close() continues what it stopped, never leaving a
+        # tenant's processes stopped for good.
+        stopping = asyncio.get_running_loop().run_in_executor(None, hold.stop, processes)
+        self._stopping.add(stopping)
+        fds = tuple(await asyncio.shield(stopping))
+        self._stopping.discard(stopping)
         if not fds:
             return
         self._held.add(fds)
@@ -340,7 +348,12 @@ class ComputeLoop:
     async def close(self) -> None:
         """Lift every pace this loop set and continue every process it stopped: an agent that
         stops must not leave containers held back by a contention it no longer watches (a
-        restarted agent lifts paces too, at first sight, and continues stopped processes)."""
+        restarted agent lifts paces too, at first sight, and continues stopped processes).
+        Call once run() is cancelled."""
+        for stopping in list(self._stopping):  # a stop its cancelled period left running
+            with contextlib.suppress(Exception):
+                self._held.add(tuple(await stopping))
+        self._stopping.clear()
         for fds in list(self._held):
             await asyncio.to_thread(hold.resume, fds)
         self._held.clear()

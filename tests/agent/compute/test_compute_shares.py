@@ -8,12 +8,15 @@ now and then; how close the shares come is bench/compute.py's business (bench/re
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from bench._compute_node import ComputeNode
+from gpufrac.agent.compute import hold
 from tests.fixtures.polling import until
 
 pytestmark = pytest.mark.slow
@@ -123,3 +126,38 @@ def test_a_starting_agent_continues_processes_an_earlier_one_left_stopped(nodes:
     until(lambda: _state(pid) == "T", what="the process stopped")
     node.start_control()
     until(lambda: _state(pid) != "T", timeout=60, what="the process continued by the new agent")
+
+
+def test_a_hold_under_way_when_the_agent_stops_is_continued(
+    nodes: list[ComputeNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent stopping while its compute period is stopping a container's processes (the
+    SIGSTOPs run in a worker thread, which a cancelled period does not stop): what that stop
+    stopped is continued too, not left stopped for good."""
+    node = ComputeNode(mode="strict")
+    nodes.append(node)
+    rogue = node.add("rogue", 20, shim=False)
+    rogue.do(SPIN.format(threads=1, kind="launch"))
+    until(
+        lambda: (f := node.figures(rogue)) is not None and f.unheld, timeout=60, what="the rogue found unheld"
+    )
+    stopped, go = threading.Event(), threading.Event()
+    real_stop = hold.stop
+
+    def stop_then_wait(*args: Any, **kwargs: Any) -> list[int]:
+        fds = real_stop(*args, **kwargs)
+        stopped.set()
+        go.wait(10)  # the agent's stop begins meanwhile
+        return fds
+
+    monkeypatch.setattr(hold, "stop", stop_then_wait)
+    assert stopped.wait(30), "no hold began"
+    pid = rogue.container.proc.pid
+    assert _state(pid) == "T"
+    stopping = threading.Thread(target=node.stop_control)
+    stopping.start()
+    time.sleep(0.5)  # the period is cancelled while its stop is still under way
+    go.set()
+    stopping.join(30)
+    assert not stopping.is_alive()
+    assert _state(pid) != "T"  # not left stopped
