@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufrac.agent.ledger import ContainerAlloc, Ledger
+from gpufrac.core.claims import ClaimRef
 from gpufrac.core.errors import AllocationError
 from gpufrac.memguard.abi import ContainerConfig
 
@@ -42,21 +43,26 @@ def encode(ledger: Ledger) -> dict[str, Any]:
     return {
         "version": STATE_VERSION,
         "written": time.time(),
-        "allocations": [
-            {
-                "key": a.key,
-                "resource": a.resource,
-                "device_ids": list(a.device_ids),
-                "created": a.created,
-                "namespace": a.namespace,
-                "pod": a.pod,
-                "container": a.container,
-                "pod_uid": a.pod_uid,
-                "config": {name: getattr(a.config, name) for name in _CONFIG_FIELDS},
-            }
-            for a in ledger.containers()
-        ],
+        "allocations": [_entry(a) for a in ledger.containers()],
     }
+
+
+def _entry(a: ContainerAlloc) -> dict[str, Any]:
+    entry = {
+        "key": a.key,
+        "resource": a.resource,
+        "device_ids": list(a.device_ids),
+        "created": a.created,
+        "namespace": a.namespace,
+        "pod": a.pod,
+        "container": a.container,
+        "pod_uid": a.pod_uid,
+        "config": {name: getattr(a.config, name) for name in _CONFIG_FIELDS},
+    }
+    if a.claim is not None:  # a DRA claim's booking (an older agent skips these fields)
+        entry["claim"] = {"namespace": a.claim.namespace, "name": a.claim.name, "uid": a.claim.uid}
+        entry["consumers"] = sorted([uid, name] for uid, name in a.consumers)
+    return entry
 
 
 def write_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -108,13 +114,17 @@ def restore(ledger: Ledger, entries: list[dict[str, Any]]) -> list[ContainerAllo
         try:
             # Fields this agent does not know (written by a newer one) are dropped.
             cfg = ContainerConfig(**{k: v for k, v in e["config"].items() if k in _CONFIG_FIELDS})
+            claim = _claim(e.get("claim"))
             alloc = ledger.reserve(
                 e["resource"],
                 list(e["device_ids"]),
                 ignore_health=True,
                 config=cfg,
                 created=float(e["created"]),
+                claim=claim,
             )
+            if claim is not None:
+                alloc.consumers = frozenset((str(uid), str(name)) for uid, name in e.get("consumers") or [])
         except (AllocationError, AttributeError, KeyError, TypeError, ValueError) as err:
             reason = err.message if isinstance(err, AllocationError) else f"malformed entry ({err!r})"
             log.error("state: dropping allocation %s: %s", e.get("key", "?"), reason)
@@ -123,6 +133,16 @@ def restore(ledger: Ledger, entries: list[dict[str, Any]]) -> list[ContainerAllo
         alloc.container, alloc.pod_uid = e.get("container"), e.get("pod_uid")
         out.append(alloc)
     return out
+
+
+def _claim(raw: Any) -> ClaimRef | None:
+    """A claim's identity as encode wrote it; ValueError when it is not one."""
+    if raw is None:
+        return None
+    ref = ClaimRef(str(raw["namespace"]), str(raw["name"]), str(raw["uid"]))
+    if not (ref.namespace and ref.name and ref.uid):
+        raise ValueError(f"claim {raw!r} lacks its namespace, name or uid")
+    return ref
 
 
 class StateStore:

@@ -50,6 +50,8 @@ class Persister(Generic[L]):
         self.ledger = ledger
         self.store = store
         self._saved_generation = -1  # the ledger's state_generation the last save request saw
+        self._durable = -1  # the state_generation the file is known to hold at least
+        self._saving: asyncio.Future[None] | None = None
         self._dirty = asyncio.Event()
 
     def changed(self) -> None:
@@ -59,13 +61,28 @@ class Persister(Generic[L]):
             self._saved_generation = self.ledger.state_generation
             self._dirty.set()
 
+    async def flush(self) -> None:
+        """Save now, not at the end of the batch, and return once the file holds what the
+        ledger held when called (the DRA driver answers the kubelet only then: after a restart
+        nothing is sent again). Callers meanwhile share one save. Raises OSError."""
+        want = self.ledger.state_generation
+        while self._durable < want:
+            if self._saving is None or self._saving.done():
+                self._saving = asyncio.ensure_future(self._save())
+            await asyncio.shield(self._saving)
+
+    async def _save(self) -> None:
+        generation = self.ledger.state_generation
+        await self.store.save(self.ledger)
+        self._durable = max(self._durable, generation)
+
     async def run(self) -> None:
         while True:
             await self._dirty.wait()
             await asyncio.sleep(PERSIST_BATCH)
             self._dirty.clear()
             try:
-                await self.store.save(self.ledger)
+                await self._save()
             except OSError as e:
                 log.error("cannot write state file %s: %s", self.store.path, e)
                 await asyncio.sleep(1.0)
