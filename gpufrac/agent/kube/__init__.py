@@ -8,6 +8,8 @@ it to each of these; no other module of the agent talks to the apiserver.
   DisruptionTarget pod condition (ObjectRef names the object).
 * nodes: NodeLabeler, the agent's gpufrac.dev/ labels on its own Node.
 * evict: PodEvictor, the policy/v1 Eviction subresource (a DELETE only as the fallback).
+* claims: ClaimReader, ResourceClaims read for the DRA driver (resource.k8s.io/v1).
+* resourceslices: SlicePublisher, the node's ResourceSlice kept published (mode dra).
 
 An apiserver that is slow, down or refusing never stalls the loop or crashes the
 agent: blocking calls run in threads, errors are logged and counted.
@@ -15,14 +17,18 @@ agent: blocking calls run in threads, errors are logged and counted.
 
 from __future__ import annotations
 
+from gpufrac.agent.kube.claims import ClaimReader, ClaimReadError
 from gpufrac.agent.kube.client import KubeConfigError, connect, make_api_client
 from gpufrac.agent.kube.evict import EvictOutcome, EvictResult, PodEvictor
 from gpufrac.agent.kube.nodes import NodeLabeler
 from gpufrac.agent.kube.podcache import PodCache, PodInfo, PodListener
 from gpufrac.agent.kube.recorder import DISRUPTION_TARGET, EventRecorder, ObjectRef
+from gpufrac.agent.kube.resourceslices import SlicePublisher
 
 __all__ = [
     "DISRUPTION_TARGET",
+    "ClaimReadError",
+    "ClaimReader",
     "EventRecorder",
     "EvictOutcome",
     "EvictResult",
@@ -33,6 +39,7 @@ __all__ = [
     "PodEvictor",
     "PodInfo",
     "PodListener",
+    "SlicePublisher",
     "connect",
     "make_api_client",
 ]
