@@ -37,13 +37,17 @@ from gpufrac.agent.admission import Admission
 from gpufrac.agent.allocation_service import AllocationService
 from gpufrac.agent.arbiter import Arbiter, adopt_grants, published_grants
 from gpufrac.agent.callers import PeerLookup, namer_from_pods
+from gpufrac.agent.cdi import CdiSpecs
+from gpufrac.agent.claim_identity import ClaimIdentity
+from gpufrac.agent.claims import ClaimService
 from gpufrac.agent.container_dirs import ContainerDirs
+from gpufrac.agent.dra_slices import SliceKeeper
 from gpufrac.agent.health import HealthMonitor
 from gpufrac.agent.healthsync import HealthSource, HealthSync
 from gpufrac.agent.idle import IdleReaper
 from gpufrac.agent.idle_actions import swap_via
 from gpufrac.agent.inventory import NvmlError, read_inventory
-from gpufrac.agent.kube import EventRecorder, NodeLabeler, PodCache, PodEvictor
+from gpufrac.agent.kube import ClaimReader, EventRecorder, NodeLabeler, PodCache, PodEvictor, SlicePublisher
 from gpufrac.agent.ledger import Ledger
 from gpufrac.agent.ledger_store import StateStore, restore
 from gpufrac.agent.nodelabels import NodeLabels
@@ -54,10 +58,11 @@ from gpufrac.agent.status import server as status_mod
 from gpufrac.agent.watchdog import Watchdog
 from gpufrac.core import config as config_mod
 from gpufrac.core import eventloop, logs, slices
-from gpufrac.core.config import Config, arbiter_socket
+from gpufrac.core.config import Config, arbiter_socket, dra_plugin_socket, dra_registration_socket
 from gpufrac.core.gpus import GpuHealth, Inventory
 from gpufrac.deviceplugin.podresources import PodResourcesClient
 from gpufrac.deviceplugin.server import DevicePlugin, PluginServer
+from gpufrac.dra.server import DraPluginServer
 
 log = logging.getLogger("gpufrac.agent")
 # How long start() waits for the apiserver client before it goes on without one.
@@ -95,7 +100,9 @@ class Agent:
         self.state = StateStore(config.paths.state_dir)
         self.pod_resources = PodResourcesClient(config.paths.pod_resources_socket)
         self.plugins: dict[str, DevicePlugin] = {}
-        self.servers: dict[str, PluginServer] = {}
+        # The front ends registered with the kubelet: a device-plugin server per resource, or
+        # (mode dra) the DRA driver under its name.
+        self.servers: dict[str, PluginServer | DraPluginServer] = {}
         self.started = asyncio.Event()
         self._stopping = asyncio.Event()
         # Container directories: written, deleted and swept in order, off the loop.
@@ -120,7 +127,14 @@ class Agent:
         self.reaper: IdleReaper | None = None  # gives the GPU back from idle pods
         self.admission: Admission | None = None  # reclaim at admission
         self.node_labels: NodeLabels | None = None  # gpufrac.dev/ labels on this Node
-        self.service: AllocationService | None = None  # the device-plugin servers' Backend
+        self.service: AllocationService | None = None  # the front ends' Backend
+        # Mode dra: the claims' bookings, their policies and consumers, the node's ResourceSlice
+        # and the DRA driver's servers (None in device-plugin mode, and the slice without an apiserver).
+        self.claims: ClaimService | None = None
+        self.claim_identity: ClaimIdentity | None = None
+        self.slices: SliceKeeper | None = None
+        self.slice_publisher: SlicePublisher | None = None
+        self.dra: DraPluginServer | None = None
 
     # -- lifetime --------------------------------------------------------------------
 
@@ -178,19 +192,47 @@ class Agent:
         self.activity = await self._open_activity()
         await self._start_arbiter(ledger, pod_cache, self.activity)  # before any container can ask
         self._start_watchdog(ledger, pod_cache)
-        reaper = self._open_reaper(ledger, self.pods, self.activity, api, no_api)
+        if cfg.mode == "dra":
+            # Claims' policies come from their parameters, device-plugin containers' from their
+            # pods: the reaper asks both through this one.
+            self.claim_identity = ClaimIdentity(
+                cfg, ledger, pod_cache, self.events, metrics=self.metrics, fallback=self.pods
+            )
+        reaper = self._open_reaper(ledger, self.claim_identity or self.pods, self.activity, api, no_api)
         self.admission = Admission(self.arbiter, ledger, self.events)
         if api is None:
             log.error("node labels unavailable: %s", no_api)
         labeler = NodeLabeler(api, cfg.node_name, nodelabels.OWNED) if api is not None else None
         self.node_labels = NodeLabels(cfg, inventory, ledger.healthy, labeler)
+        if self.claim_identity is not None:
+            self.claims = await self._open_claims(ledger, inventory, persister, self.claim_identity, api)
         self.service = AllocationService(
-            cfg, ledger, inventory, reconciler, self.dirs, self.admission, self.reconcile_loop
+            cfg,
+            ledger,
+            inventory,
+            reconciler,
+            self.dirs,
+            self.admission,
+            self.reconcile_loop,
+            claims=self.claims,
         )
-        for resource in slices.RESOURCES:
-            plugin = self.plugins[resource] = DevicePlugin(resource, self.service)
-            server = self.servers[resource] = PluginServer(plugin, cfg.paths.device_plugin_dir)
-            await server.start()
+        if self.claims is not None:  # mode dra: the DRA driver is the front end, no device plugin
+            self.dra = DraPluginServer(
+                self.service,
+                driver_name=cfg.dra.driver_name,
+                plugin_socket=dra_plugin_socket(cfg),
+                registration_socket=dra_registration_socket(cfg),
+            )
+            self.servers[cfg.dra.driver_name] = self.dra
+            await self.dra.start()
+            self._tasks.append(
+                asyncio.create_task(self.claims.run_checks(cfg.dra.claim_check_interval), name="claim-check")
+            )
+        else:
+            for resource in slices.RESOURCES:
+                plugin = self.plugins[resource] = DevicePlugin(resource, self.service)
+                server = self.servers[resource] = PluginServer(plugin, cfg.paths.device_plugin_dir)
+                await server.start()
         self._tasks.append(asyncio.create_task(persister.run(), name="persist"))
         self._tasks.append(asyncio.create_task(self.reconcile_loop.run(), name="reconcile"))
         if reaper is not None:
@@ -200,12 +242,71 @@ class Agent:
         self.node_labels.refresh()
         self.started.set()
 
+    async def _open_claims(
+        self,
+        ledger: Ledger,
+        inventory: Inventory,
+        persister: Persister[Ledger],
+        identity: ClaimIdentity,
+        api: ApiClient | None,
+    ) -> ClaimService:
+        """Mode dra: the node's ResourceSlice (published on the apiserver), the CDI specs and
+        the claim service, its bookings' specs brought in line with the ledger restored."""
+        cfg = self.config
+        if api is not None:
+            self.slice_publisher = SlicePublisher(
+                api, cfg.node_name, cfg.dra.driver_name, check_interval=cfg.dra.slice_check_interval
+            )
+            publisher: SlicePublisher | None = self.slice_publisher
+        else:
+            log.error("DRA driver: no apiserver, so no ResourceSlice and no claim can be read")
+            publisher = None
+        keeper = SliceKeeper(
+            inventory,
+            ledger.geometry,
+            ledger,
+            publisher if publisher is not None else _NoPublisher(),
+            node=cfg.node_name,
+            driver=cfg.dra.driver_name,
+        )
+        if publisher is not None:
+            self.slices = keeper
+            keeper.refresh()
+        specs = CdiSpecs(
+            cfg.dra.cdi_spec_dir,
+            cfg.dra.driver_name,
+            shim_host_path=cfg.paths.shim_host_path,
+            container_dir=cfg.paths.container_dir,
+            nvidia_cdi=cfg.device_list_strategy == "cdi",
+        )
+        service = ClaimService(
+            ledger,
+            inventory,
+            ClaimReader(api) if api is not None else _NoClaims(),
+            self.dirs,
+            specs,
+            persister,
+            identity,
+            self.admission or Admission(None, ledger, None),
+            self.metrics,
+            driver=cfg.dra.driver_name,
+            pool=cfg.node_name,
+            device_names=keeper.device_names(),
+        )
+        await service.recover()
+        return service
+
     async def _connect(self) -> tuple[ApiClient | None, str]:
         """The agent's one apiserver client, or None and why not (the node runs without one).
         Bounded: a kubeconfig's exec plugin that hangs must not keep the device plugins from
         registering (containers are then admitted with limit = request, as without one)."""
         try:
-            return await asyncio.wait_for(kube.connect(self.config.api_server), CONNECT_TIMEOUT), ""
+            return (
+                await asyncio.wait_for(
+                    kube.connect(self.config.api_server, self.config.kubeconfig), CONNECT_TIMEOUT
+                ),
+                "",
+            )
         except kube.KubeConfigError as e:
             return None, str(e)
         except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
@@ -265,7 +366,7 @@ class Agent:
     def _open_reaper(
         self,
         ledger: Ledger,
-        pods: PodIdentity,
+        pods: PodIdentity | ClaimIdentity,
         tracker: ActivityTracker | None,
         api: ApiClient | None,
         no_api: str,
@@ -322,6 +423,10 @@ class Agent:
                 await t
         if self.reconcile_loop is not None:
             self.reconcile_loop.close()
+        if self.claim_identity is not None:
+            await self.claim_identity.close()
+        if self.slice_publisher is not None:
+            await self.slice_publisher.close()  # the slice stays: prepared claims live on
         if self.pods is not None:
             with contextlib.suppress(Exception):
                 await self.pods.close()  # the pod cache's watch and the Event recorder
@@ -405,6 +510,10 @@ class Agent:
             self._notified_generation = self.ledger.capacity_generation
             for plugin in self.plugins.values():
                 plugin.notify()
+            if self.dra is not None:
+                self.dra.notify()  # the health stream: device health may have changed
+            if self.slices is not None:
+                self.slices.refresh()  # the ResourceSlice: an unhealthy GPU is tainted
 
     # -- pod identity hook -----------------------------------------------------------------
 
@@ -412,6 +521,20 @@ class Agent:
         """Resolve pod identity soon, without delaying the kubelet's call."""
         assert self.reconcile_loop is not None  # built with the pod identity, before any caller
         self.reconcile_loop.kick()
+
+
+class _NoPublisher:
+    """Where the slice goes without an apiserver: nowhere (said once at start)."""
+
+    def update(self, body: dict[str, Any]) -> None:
+        pass
+
+
+class _NoClaims:
+    """ResourceClaims without an apiserver: none can be read, so none is prepared."""
+
+    async def get(self, namespace: str, name: str) -> dict[str, Any] | None:
+        raise kube.KubeConfigError("no apiserver client: the claim cannot be read")
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
