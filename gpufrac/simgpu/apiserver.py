@@ -7,8 +7,11 @@ threads) reach it over real HTTP on 127.0.0.1 with the real kubernetes client.
 
 The emulator is extended where the agent depends on apiserver behaviour that
 kmock 0.8 leaves out: field selectors on list/watch (spec.nodeName), uid,
-resourceVersion and creationTimestamp on objects, watch timeoutSeconds, and
-410 Gone for expired resource versions (`KubeServer.expire_watches`).
+resourceVersion and creationTimestamp on objects, watch timeoutSeconds,
+410 Gone for expired resource versions (`KubeServer.expire_watches`), the
+resource.k8s.io/v1 kinds of dynamic resource allocation (ResourceSlices,
+ResourceClaims and their templates, DeviceClasses: stored as given, not
+validated) and DELETE on a collection (deletecollection, with a fieldSelector).
 
 Tests get one per test from the `kube_server` fixture (tests/fixtures/kube.py);
 the demo (`gpufrac run`) starts one itself.
@@ -25,6 +28,7 @@ from asyncio import FIRST_COMPLETED
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any, TypeVar, cast
 
+import aiohttp.web
 import attrs
 import kmock
 from kmock._internal import aiobus, rendering
@@ -33,6 +37,12 @@ from kubernetes import client
 T = TypeVar("T")
 PODS = kmock.resource("v1/pods")
 EVENTS = kmock.resource("v1/events")
+# Dynamic resource allocation (resource.k8s.io/v1): what the DRA driver publishes and reads,
+# and what a DRA install ships (DeviceClasses, claim templates).
+RESOURCE_SLICES = kmock.resource("resource.k8s.io/v1/resourceslices")
+RESOURCE_CLAIMS = kmock.resource("resource.k8s.io/v1/resourceclaims")
+RESOURCE_CLAIM_TEMPLATES = kmock.resource("resource.k8s.io/v1/resourceclaimtemplates")
+DEVICE_CLASSES = kmock.resource("resource.k8s.io/v1/deviceclasses")
 HISTORY = 10_000  # watch events kept per resource for watches that resume from a version
 
 
@@ -71,11 +81,25 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         self.resources["v1/pods"] = kmock.ResourceInfo(namespaced=True, kind="Pod", singular="pod")
         self.resources["v1/events"] = kmock.ResourceInfo(namespaced=True, kind="Event", singular="event")
         self.resources["v1/nodes"] = kmock.ResourceInfo(namespaced=False, kind="Node", singular="node")
+        for path, namespaced, kind in (
+            ("resource.k8s.io/v1/resourceslices", False, "ResourceSlice"),
+            ("resource.k8s.io/v1/resourceclaims", True, "ResourceClaim"),
+            ("resource.k8s.io/v1/resourceclaimtemplates", True, "ResourceClaimTemplate"),
+            ("resource.k8s.io/v1/deviceclasses", False, "DeviceClass"),
+        ):
+            self.resources[path] = kmock.ResourceInfo(namespaced=namespaced, kind=kind, singular=kind.lower())
         self.history: dict[Any, list[tuple[int, Any]]] = collections.defaultdict(list)
         self.history_floor = 0  # watches from before the oldest kept event get 410 Gone
         self._buses = _RecordingBuses(self)
 
     async def _handle(self, request: rendering.Request) -> Any:
+        if (
+            request.method == kmock.method.DELETE
+            and request.resource is not None
+            and request.name is None
+            and request.action is None
+        ):
+            return await self._delete_collection(request)
         if request.action == kmock.action.UPDATE and request.name and isinstance(request.data, dict):
             await self._patch_preconditions(request)
         # Stamp what the apiserver sets on every write before kmock stores the object.
@@ -98,6 +122,37 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         elif request.action == kmock.action.DELETE:
             self.resource_version += 1
         return await super()._handle(request)
+
+    async def _delete_collection(self, request: rendering.Request) -> Any:
+        """DELETE on a collection (deletecollection), which kmock does not route: every object of
+        the resource (in the namespace, if the URL names one) that the fieldSelector matches is
+        deleted, each with its DELETED watch event, as the apiserver does (the kubelet deletes its
+        node's ResourceSlices so)."""
+        assert request.resource is not None
+        selector = request.params.get("fieldSelector")
+        gone = 0
+        async with self._lock:
+            for (res, ns, _name), obj in list(self.objects.items()):
+                if res != request.resource or obj.deleted:
+                    continue
+                if request.namespace is not None and ns != request.namespace:
+                    continue
+                if not _selector_matches(_plain(obj.raw), selector):
+                    continue
+                raw = obj.raw
+                obj.delete()
+                self.resource_version += 1
+                await self._buses[request.resource].put({"type": "DELETED", "object": raw})
+                gone += 1
+        return aiohttp.web.json_response(
+            {
+                "apiVersion": "v1",
+                "kind": "Status",
+                "metadata": {},
+                "status": "Success",
+                "details": {"deleted": gone},
+            }
+        )
 
     async def _patch_preconditions(self, request: rendering.Request) -> None:
         """What the apiserver does to a PATCH before it applies it, where kmock's plain

@@ -41,6 +41,9 @@ DEPLOY = REPO_ROOT / "deploy" / "daemonset"
 NAMESPACE = "gpufrac-system"
 # Oldest Kubernetes the manifests claim to support, and the newest the bundled schemas know.
 K8S_VERSIONS = ("1.28.0", kubernetes_validate.latest_version())
+# DRA mode's objects (deploy/daemonset/dra): resource.k8s.io/v1 with consumable capacity, on
+# by default from 1.36; checked against 1.36 and the newest.
+DRA_K8S_VERSIONS = ("1.36.0", kubernetes_validate.latest_version())
 # Kinds without a schema in kubernetes-validate; each has its own test below.
 CHECKED_ELSEWHERE = {"ServiceMonitor", "KubeSchedulerConfiguration", "DeschedulerPolicy", "Kustomization"}
 # What the agent calls on the API server (gpufrac/agent/kube/, its only door to it):
@@ -155,8 +158,16 @@ def _pod_specs() -> Iterator[tuple[Path, dict[str, Any]]]:
 # -- Kubernetes schemas ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("version", K8S_VERSIONS)
-@pytest.mark.parametrize("path", _manifest_files(), ids=lambda p: str(p.relative_to(DEPLOY)))
+def _manifest_versions() -> list[Any]:
+    """(file, Kubernetes version) to validate: DRA mode's files against the versions it needs."""
+    return [
+        pytest.param(p, v, id=f"{p.relative_to(DEPLOY)}-{v}")
+        for p in _manifest_files()
+        for v in (DRA_K8S_VERSIONS if "dra" in p.relative_to(DEPLOY).parts else K8S_VERSIONS)
+    ]
+
+
+@pytest.mark.parametrize(("path", "version"), _manifest_versions())
 def test_every_manifest_matches_the_kubernetes_schema(path: Path, version: str) -> None:
     docs = _docs(path)
     assert docs, f"{path} holds no objects"
