@@ -11,7 +11,8 @@ resourceVersion and creationTimestamp on objects, watch timeoutSeconds,
 410 Gone for expired resource versions (`KubeServer.expire_watches`), the
 resource.k8s.io/v1 kinds of dynamic resource allocation (ResourceSlices,
 ResourceClaims and their templates, DeviceClasses: stored as given, not
-validated) and DELETE on a collection (deletecollection, with a fieldSelector).
+validated), PUT of a named object (update, with the resourceVersion precondition) and
+DELETE on a collection (deletecollection, with a fieldSelector).
 
 Tests get one per test from the `kube_server` fixture (tests/fixtures/kube.py);
 the demo (`gpufrac run`) starts one itself.
@@ -100,6 +101,13 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             and request.action is None
         ):
             return await self._delete_collection(request)
+        if (
+            request.method == kmock.method.PUT
+            and request.resource is not None
+            and request.name is not None
+            and isinstance(request.data, dict)
+        ):
+            return await self._replace(request)
         if request.action == kmock.action.UPDATE and request.name and isinstance(request.data, dict):
             await self._patch_preconditions(request)
         # Stamp what the apiserver sets on every write before kmock stores the object.
@@ -153,6 +161,40 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                 "details": {"deleted": gone},
             }
         )
+
+    async def _replace(self, request: rendering.Request) -> Any:
+        """PUT of a named object (update/replace), which kmock does not route: the object becomes
+        the body (uid and creationTimestamp kept, a new resourceVersion), 409 Conflict when the
+        body names a resourceVersion that is no longer the object's, 404 when there is none."""
+        assert request.resource is not None and request.name is not None
+        key = (request.resource, request.namespace, request.name)
+        body = request.data
+        async with self._lock:
+            try:
+                obj = self.objects[key]
+            except KeyError:
+                obj = None
+            if obj is None or obj.deleted:
+                raise kmock.KubernetesError(404, "NotFound", f"{request.name} not found")
+            stored = _plain(obj.raw)
+            meta, have = body.setdefault("metadata", {}), stored.get("metadata") or {}
+            wanted = meta.get("resourceVersion")
+            if wanted and wanted != have.get("resourceVersion"):
+                raise kmock.KubernetesError(
+                    409,
+                    "Conflict",
+                    f"Operation cannot be fulfilled on {request.name}: the object has been modified; "
+                    "please apply your changes to the latest version and try again",
+                )
+            self.resource_version += 1
+            meta["resourceVersion"] = str(self.resource_version)
+            for field in ("uid", "creationTimestamp", "namespace"):
+                if field in have:
+                    meta[field] = have[field]
+            obj.patch(_replacing(stored, body))
+            raw = obj.raw
+            await self._buses[request.resource].put({"type": "MODIFIED", "object": raw})
+        return aiohttp.web.json_response(_plain(raw))
 
     async def _patch_preconditions(self, request: rendering.Request) -> None:
         """What the apiserver does to a PATCH before it applies it, where kmock's plain
@@ -432,6 +474,17 @@ class KubeServer:
                 emu.objects[resource, namespace, name].delete()
 
         self.call(drop)
+
+
+def _replacing(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch (kmock's: a None removes a key) that turns `old` into exactly `new`."""
+    out: dict[str, Any] = {k: None for k in old if k not in new}
+    for k, v in new.items():
+        if isinstance(v, Mapping) and isinstance(old.get(k), Mapping):
+            out[k] = _replacing(old[k], v)
+        else:
+            out[k] = v
+    return out
 
 
 def _plain(value: Any) -> Any:

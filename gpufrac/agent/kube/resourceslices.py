@@ -2,7 +2,7 @@
 
 update() is called on the agent's loop with the wanted slice (gpufrac.agent.dra_devices
 builds it) and returns at once; one task makes the apiserver hold it, in worker threads: it
-creates the slice, patches it when its devices differ (the pool's generation moves with
+creates the slice, replaces it when its devices differ (the pool's generation moves with
 every change, so the scheduler takes the newest), and reads it back every `check_interval`:
 the kubelet deletes its node's ResourceSlices when it starts (and a driver's some time after
 the driver's last plugin went away), and a slice found gone is published again. The first
@@ -154,12 +154,11 @@ class SlicePublisher:
                 return
             self._generation += 1
             body["spec"]["pool"]["generation"] = self._generation
-            self._api.patch_resource_slice(
-                name,
-                {"spec": body["spec"]},
-                _request_timeout=self._request_timeout,
-                _content_type="application/merge-patch+json",
-            )
+            # A replace (PUT) of the version read: another writer in between gets a 409 and the
+            # next pass reads again. (Not a patch: clients before 37 send a dict as a JSON Patch.)
+            put = copy.deepcopy(body)
+            put["metadata"]["resourceVersion"] = (have.get("metadata") or {}).get("resourceVersion", "")
+            self._api.replace_resource_slice(name, put, _request_timeout=self._request_timeout)  # type: ignore[arg-type]
             log.info("ResourceSlice %s updated (pool generation %d)", name, self._generation)
         self.writes += 1
         self._applied = body
