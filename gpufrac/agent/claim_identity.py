@@ -231,7 +231,7 @@ class ClaimIdentity:
         for cap in caps:
             now.add(cap.message)
             if cap.message not in told:
-                log.warning("%s: %s", who, cap.message)
+                log.warning("%s", cap.message)
                 self._post(claim, events.WARNING, events.REASON_POLICY_CAPPED, cap.message)
         self._told[alloc.key] = frozenset(now)
         if policy.limit_bytes != (before.limit_bytes if before else policy.request_bytes):
