@@ -119,6 +119,7 @@ class Policies(Protocol):
 
     def prepared(self, alloc: ContainerAlloc, allocation: ClaimAllocation) -> None: ...
     def released(self, alloc: ContainerAlloc) -> None: ...
+    def known(self, key: str) -> bool: ...
 
 
 class Admitting(Protocol):
@@ -399,7 +400,8 @@ class ClaimService:
 
     async def check(self) -> int:
         """Release bookings whose claim the apiserver no longer has (or has under another UID);
-        how many. A claim that cannot be read is left alone."""
+        how many. A claim that cannot be read is left alone. A booking restored from the state
+        file gets its policy from its parameters again (the reaper judges it from then on)."""
         released = 0
         for alloc in [a for a in self.ledger.containers() if a.claim is not None]:
             ref = alloc.claim
@@ -411,6 +413,14 @@ class ClaimService:
                 return released  # the apiserver is away: try again next time
             uid = ((raw or {}).get("metadata") or {}).get("uid")
             if uid == ref.uid:
+                if raw is not None and not self.policies.known(alloc.key):
+                    try:
+                        allocation = claims_mod.allocation(raw, ref, driver=self.driver, pool=self.pool)
+                    except AllocationError as e:
+                        log.warning("claim check: %s", e.message)
+                    else:
+                        if self.ledger.by_claim(ref.uid) is alloc:
+                            self.policies.prepared(alloc, allocation)
                 continue
             async with self._lock(ref.uid):
                 if self.ledger.by_claim(ref.uid) is alloc:
@@ -429,10 +439,10 @@ class ClaimService:
         return released
 
     async def run_checks(self, interval: float) -> None:
-        """check() every `interval` seconds until cancelled."""
+        """check() now (policies of restored bookings) and then every `interval` seconds."""
         while True:
-            await asyncio.sleep(interval)
             try:
                 await self.check()
             except Exception:
                 log.exception("claim check failed")
+            await asyncio.sleep(interval)

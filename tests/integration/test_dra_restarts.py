@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tests.fixtures.dra import DRIVER, DraNode
+from tests.fixtures.dra import DRIVER, DraNode, params
 from tests.fixtures.polling import until
 
 MakeNode = Callable[..., DraNode]
@@ -23,7 +23,7 @@ def booked_per_gpu(node: DraNode) -> dict[str, int]:
 
 def test_agent_kill_9_keeps_prepared_claims_and_books_nothing_twice(dra_node: MakeNode) -> None:
     node = dra_node()
-    a = node.create_claim("a", "8Gi")
+    a = node.create_claim("a", "8Gi", config=[params(memoryLimit="12Gi", workloadClass="interactive")])
     node.run("pa", ["a"])
     answer = node.kubelet.prepared()[a].cdi_ids
     # Saved before the kubelet had its answer: nothing of it is lost to a kill -9 right after.
@@ -31,6 +31,10 @@ def test_agent_kill_9_keeps_prepared_claims_and_books_nothing_twice(dra_node: Ma
     node.agent.kill()
     node.restart_agent()
     assert list(node.state_claims()) == [a]
+    assert node.state_claims()[a]["config"]["limit_bytes"] == 12 * GiB
+    # The restarted agent reads the claim's parameters again (its policy, for the reaper).
+    limit_line = "claim default/a: GPU memory limit 12Gi"
+    until(lambda: node.agent.log().count(limit_line) == 2, what="the claim's policy applied again")
     # The kubelet sends nothing after a driver restart; a retry of it answers as before.
     again = node.kubelet.prepare_raw(DRIVER, [("default", "a", a)])
     assert list(again.claims[a].devices[0].cdi_device_ids) == answer
