@@ -164,6 +164,7 @@ class Agent:
             cfg.reserved_per_gpu,
         )
         await self._recover(ledger, reconciler)
+        self._other_mode(ledger)
         persister = self.persister = Persister(ledger, self.state)
         ledger.add_listener(self._on_change)
         ledger.add_listener(persister.changed)
@@ -498,6 +499,21 @@ class Agent:
             # adopted from the first answer (the reconcile loop sweeps only after one, too).
             await reconciler.sweep_orphans()
         await self.state.save(ledger)
+
+    def _other_mode(self, ledger: Ledger) -> None:
+        """Say so when the state holds bookings of the other mode (a node whose mode changed
+        before it was drained): they are kept, so no GPU memory is booked twice, and the
+        front end of this mode cannot release them."""
+        dra = self.config.mode == "dra"
+        other = [a for a in ledger.containers() if (a.claim is None) == dra]
+        if other:
+            log.warning(
+                "%d bookings of %s are in the state of this node in mode %s: their memory stays booked "
+                "(never twice); drain a node before changing its mode (deploy/daemonset/README.md)",
+                len(other),
+                "device-plugin containers" if dra else "DRA claims",
+                self.config.mode,
+            )
 
     # -- change propagation -------------------------------------------------------------
 

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
+
+import yaml
 
 from gpufrac.memguard import abi
 from tests.fixtures.dra import DRIVER, DraNode, params
+from tests.fixtures.kube import KubeServer
 from tests.fixtures.polling import until
 
 MakeNode = Callable[..., DraNode]
@@ -98,3 +102,29 @@ def test_unprepare_releases_and_an_unknown_claim_succeeds(dra_node: MakeNode) ->
     resp = node.kubelet.unprepare_raw(DRIVER, [("default", "never", "uid-never"), ("default", "c", uid)])
     assert set(resp.claims) == {"uid-never", uid}
     assert not resp.claims["uid-never"].error and not resp.claims[uid].error
+
+
+def test_the_mode_and_the_apiserver_come_from_the_node_config_alone(
+    dra_node: MakeNode, kube_server: KubeServer, tmp_path: Path
+) -> None:
+    # A kubeconfig file and no apiServer URL, as an agent reaches the cluster from outside it.
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "sim", "cluster": {"server": kube_server.url}}],
+                "users": [{"name": "u", "user": {}}],
+                "contexts": [{"name": "sim", "context": {"cluster": "sim", "user": "u"}}],
+                "current-context": "sim",
+            }
+        )
+    )
+    node = dra_node(apiServer="", kubeconfig=str(kubeconfig))  # registered, its slice published
+    # One mode: the DRA driver's sockets, no device plugin's.
+    assert (node.root / "kubelet" / "plugins_registry" / f"{DRIVER}-reg.sock").exists()
+    assert (node.root / "kubelet" / "plugins" / DRIVER / "dra.sock").exists()
+    assert not list((node.root / "kubelet").glob("device-plugins/gpufrac-*.sock"))
+    node.create_claim("c", "1Gi")
+    node.run("p", ["c"])  # the claim read through the kubeconfig's server too
