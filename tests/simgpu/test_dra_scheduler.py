@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import kubernetes_validate
 import pytest
 from kubernetes import client
 
@@ -115,6 +116,10 @@ def test_shares_are_rounded_summed_within_capacity_and_get_share_ids(kube_server
     by_name = {o["metadata"]["name"]: o for o in stored}
     status = by_name["a"]["status"]
     assert status["reservedFor"] == [{"resource": "pods", "name": "pa", "uid": "uid-a"}]
+    # What it writes is a valid allocated claim for the API (1.36 and 1.37).
+    for o in stored:
+        for version in ("1.36.0", "1.37.0"):
+            kubernetes_validate.validate(o, version, strict=True)
     # The class's config first, then the claim's, as the scheduler copies them.
     assert [
         (c["source"], c["opaque"]["parameters"]["from"]) for c in status["allocation"]["devices"]["config"]
