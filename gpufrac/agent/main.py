@@ -509,7 +509,7 @@ class Agent:
         if other:
             log.warning(
                 "%d bookings of %s are in the state of this node in mode %s: their memory stays booked "
-                "(never twice); drain a node before changing its mode (deploy/daemonset/README.md)",
+                '(never twice); drain a node before changing its mode (README.md, "DRA mode")',
                 len(other),
                 "device-plugin containers" if dra else "DRA claims",
                 self.config.mode,
@@ -555,7 +555,7 @@ class _NoClaims:
 
 def cmd_agent(args: argparse.Namespace) -> int:
     try:
-        cfg = config_mod.load(args.config)
+        cfg = config_mod.load(args.config, overlays=getattr(args, "config_overlay", None) or ())
     except config_mod.ConfigError as e:
         print(f"gpufrac agent: {e}", file=sys.stderr)
         return 2
@@ -579,6 +579,13 @@ def cmd_agent(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpufrac.agent.main", description="gpufrac node agent")
     parser.add_argument("--config", help="node config YAML (default: built-in defaults)")
+    parser.add_argument(
+        "--config-overlay",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a node config YAML merged over --config",
+    )
     # Timing knobs for tests and the demo (the DaemonSet keeps the defaults).
     parser.add_argument("--reconcile-interval", type=float, help=f"seconds (default {RECONCILE_INTERVAL})")
     parser.add_argument("--release-grace", type=float, help=f"seconds (default {RELEASE_GRACE})")

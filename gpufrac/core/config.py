@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -357,21 +358,31 @@ def _build(cls: type[Any], data: dict[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
-def load(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Load the node config from a YAML file (or defaults), apply overrides, validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path}: top level must be a mapping")
-        data = loaded or {}
+def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping")
+    return loaded or {}
+
+
+def load(
+    path: str | os.PathLike[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    *,
+    overlays: Sequence[str | os.PathLike[str]] = (),
+) -> Config:
+    """Load the node config from a YAML file (or defaults), merge `overlays` (files, in order:
+    the DRA DaemonSet's `mode: dra` over the shipped config) and `overrides` over it, validate."""
+    data: dict[str, Any] = _read(path) if path is not None else {}
+    for overlay in overlays:
+        data = _merge(data, _read(overlay))
     if overrides:
         data = _merge(data, overrides)
     cfg: Config = _build(Config, data)
