@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -36,6 +38,7 @@ from typing import Any, Protocol
 from gpufrac.agent.cdi import ClaimDevice
 from gpufrac.agent.ledger import ContainerAlloc
 from gpufrac.core import claims as claims_mod
+from gpufrac.core import logs
 from gpufrac.core.claims import ClaimAllocation, ClaimRef, Share
 from gpufrac.core.errors import AllocationError, ErrorKind
 from gpufrac.core.gpus import Inventory
@@ -45,6 +48,7 @@ from gpufrac.core.units import format_bytes
 from gpufrac.memguard.abi import ConfigFile, ContainerConfig
 
 log = logging.getLogger(__name__)
+TIMES_KEPT = 4096  # claims whose prepare times the summary at stop covers
 
 
 @dataclass(frozen=True)
@@ -175,49 +179,39 @@ class ClaimService:
         # One prepare or unprepare of a claim at a time (the kubelet may retry while one runs).
         self._locks: dict[str, asyncio.Lock] = {}
         self.prepared = 0  # claims booked (tests, the bench)
+        # Per claim booked: seconds reading it from the apiserver, and in all (the summary at stop).
+        self.times: deque[tuple[float, float]] = deque(maxlen=TIMES_KEPT)
 
     # -- prepare ---------------------------------------------------------------------------
 
     async def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
         """Each claim's devices, or why it was refused."""
         results = await asyncio.gather(*(self._prepare_locked(r) for r in refs))
-        out: dict[str, PrepareResult] = {}
-        booked = False
-        for ref, (result, new) in zip(refs, results, strict=True):
-            out[ref.uid] = result
-            booked |= new
-        if booked:
-            try:
-                await self.durable.flush()  # not one answer before the bookings are on disk
-            except OSError as e:
-                for ref, (result, new) in zip(refs, results, strict=True):
-                    if new and not isinstance(result, AllocationError):
-                        out[ref.uid] = await self._undo(ref, f"cannot save the agent's state: {e}")
-        return out
+        return {ref.uid: result for ref, result in zip(refs, results, strict=True)}
 
-    async def _prepare_locked(self, ref: ClaimRef) -> tuple[PrepareResult, bool]:
+    async def _prepare_locked(self, ref: ClaimRef) -> PrepareResult:
         async with self._lock(ref.uid):
             try:
                 return await self._prepare(ref)
             except AllocationError as e:
                 log.warning("NodePrepareResources %s refused: %s", ref.who(), e.message)
-                return e, False
+                return e
 
-    async def _prepare(self, ref: ClaimRef) -> tuple[PrepareResult, bool]:
+    async def _prepare(self, ref: ClaimRef) -> PrepareResult:
         alloc = self.ledger.by_claim(ref.uid)
         if alloc is not None:
             # Prepared already (the kubelet restarted, or retries): the same answer, its files as
             # they must be (written again if they went missing).
-            return await self._answer(alloc, self._devices_of(alloc)), False
+            return await self._answer(alloc, self._devices_of(alloc))
+        t0 = time.perf_counter()
         try:
             raw = await self.source.get(ref.namespace, ref.name)
         except Exception as e:
             raise AllocationError(ErrorKind.NODE_FAILURE, f"{ref.who()}: cannot read it: {e}") from None
+        read = time.perf_counter() - t0
         if raw is None:
             raise AllocationError(ErrorKind.STATE_CONFLICT, f"{ref.who()}: not found in the apiserver")
         allocation = claims_mod.allocation(raw, ref, driver=self.driver, pool=self.pool)
-        if self.ledger.by_claim(ref.uid) is not None:  # booked by a call that ran during the GET
-            return await self._prepare(ref)
         resource, ids = self._slices(allocation)
         alloc = self.ledger.reserve(resource, ids, claim=ref)
         try:
@@ -229,17 +223,33 @@ class ClaimService:
             ) from e
         self.ledger.attach(alloc.key, handle)
         self.policies.prepared(alloc, allocation)  # its limit and policy, before anything runs
+        # The state is saved (not one answer before the booking is on file: after the agent's
+        # restart the kubelet sends nothing again) while the CDI spec is written and admission
+        # reclaims the request: side by side, all three before the answer.
+        saving = asyncio.ensure_future(self.durable.flush())
         devices: dict[str, set[str]] = {}
         for s in allocation.shares:
             devices.setdefault(s.device, set()).add(s.request)
+        self.admission.start(alloc)
+        answer, _ = await asyncio.gather(
+            self._answer(alloc, devices),
+            self.admission.prestart(alloc),  # never refuses: at worst a warning
+            return_exceptions=True,
+        )
         try:
-            answer = await self._answer(alloc, devices)
+            await saving
         except OSError as e:
+            await self._release(alloc, "the agent's state could not be saved")
+            raise AllocationError(
+                ErrorKind.NODE_FAILURE, f"{ref.who()}: cannot save the agent's state: {e}"
+            ) from e
+        if isinstance(answer, BaseException):
             await self._release(alloc, "its CDI spec could not be written")
             raise AllocationError(
-                ErrorKind.NODE_FAILURE, f"{ref.who()}: cannot write its CDI spec: {e}"
-            ) from e
+                ErrorKind.NODE_FAILURE, f"{ref.who()}: cannot write its CDI spec: {answer}"
+            ) from answer
         self.prepared += 1
+        self.times.append((read, time.perf_counter() - t0))
         decision(
             log,
             "prepare",
@@ -257,9 +267,7 @@ class ClaimService:
             gpus=",".join(alloc.gpus),
             request_bytes=alloc.request_bytes,
         )
-        self.admission.start(alloc)
-        await self.admission.prestart(alloc)  # never refuses: at worst a warning
-        return answer, True
+        return answer
 
     async def _answer(self, alloc: ContainerAlloc, devices: Mapping[str, set[str]]) -> list[PreparedDevice]:
         """The claim's CDI spec written (again), and each device with the requests it serves."""
@@ -324,12 +332,6 @@ class ClaimService:
             )
         return MEMORY, free[:count]
 
-    async def _undo(self, ref: ClaimRef, why: str) -> AllocationError:
-        alloc = self.ledger.by_claim(ref.uid)
-        if alloc is not None:
-            await self._release(alloc, why)
-        return AllocationError(ErrorKind.NODE_FAILURE, f"{ref.who()}: {why}")
-
     # -- unprepare -------------------------------------------------------------------------
 
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, AllocationError | None]:
@@ -385,6 +387,38 @@ class ClaimService:
         if len(self._locks) > 4096:  # drop the locks nobody holds
             self._locks = {u: lk for u, lk in self._locks.items() if lk.locked() or u == uid}
         return lock
+
+    def log_summary(self) -> None:
+        """One line: how long preparing a claim took, and how much of it was reading the claim
+        from the apiserver (the agent stops)."""
+        if not self.times:
+            return
+
+        def ms(values: list[float], q: float) -> float:
+            values = sorted(values)
+            return round(values[min(len(values) - 1, round(q * (len(values) - 1)))] * 1000, 3)
+
+        total = [t for _, t in self.times]
+        read = [r for r, _ in self.times]
+        own = [t - r for r, t in self.times]
+        fields = {
+            "claims_prepared": len(total),
+            "claim_prepare_p50_ms": ms(total, 0.5),
+            "claim_prepare_p99_ms": ms(total, 0.99),
+            "claim_read_p50_ms": ms(read, 0.5),
+            "claim_read_p99_ms": ms(read, 0.99),
+            "claim_own_p50_ms": ms(own, 0.5),
+            "claim_own_p99_ms": ms(own, 0.99),
+        }
+        log.info(
+            "claims: %d prepared in p50 %.3f ms, p99 %.3f ms; reading a claim p50 %.3f ms, p99 %.3f ms",
+            len(total),
+            fields["claim_prepare_p50_ms"],
+            fields["claim_prepare_p99_ms"],
+            fields["claim_read_p50_ms"],
+            fields["claim_read_p99_ms"],
+            extra={logs.FIELDS: fields},
+        )
 
     def health(self) -> list[DeviceHealth]:
         """Every published device's health (the ledger's view of its GPU)."""

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -65,17 +66,31 @@ def _entry(a: ContainerAlloc) -> dict[str, Any]:
     return entry
 
 
-def write_atomic(path: Path, data: dict[str, Any]) -> None:
+def write_atomic(path: Path, data: dict[str, Any], *, sync: bool = True, tmp: Path | None = None) -> None:
+    """Replace `path` with `data` as JSON (through `tmp`, by default <path>.tmp). `sync`: the file
+    and the rename reach the disk before it returns (a node crash keeps them); without it they
+    survive the agent's own death (kill -9: the kernel has them), not a crash of the node."""
+    tmp = _write_tmp(path, data, sync=sync, tmp=tmp)
+    os.replace(tmp, path)
+    if sync:
+        _sync_dir(path)
+
+
+def _write_tmp(path: Path, data: dict[str, Any], *, sync: bool, tmp: Path | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = tmp or path.with_name(path.name + ".tmp")
     # json.dumps, not json.dump: dump streams through the pure-Python encoder, dumps uses the
     # C one (~10x faster), and this thread holds the GIL the agent's loop needs meanwhile.
     text = json.dumps(data, separators=(",", ":"))
     with open(tmp, "w") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+    return tmp
+
+
+def _sync_dir(path: Path) -> None:
     dfd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dfd)  # the rename itself survives a crash
@@ -148,7 +163,12 @@ def _claim(raw: Any) -> ClaimRef | None:
 class StateStore:
     def __init__(self, state_dir: str) -> None:
         self.path = Path(state_dir) / STATE_FILE
-        self._lock = asyncio.Lock()
+        # Saves are numbered as they are encoded (on the loop, in order) and written side by side,
+        # each to a file of its own: one that must not wait (the DRA driver's, not synced) never
+        # queues behind another's fsync. Only a save newer than the file's replaces it.
+        self._encoded = 0
+        self._renamed = 0
+        self._rename = threading.Lock()
 
     def load(self) -> list[dict[str, Any]] | None:
         """Persisted entries, or None (no file, or a corrupt one moved aside and reported)."""
@@ -164,9 +184,27 @@ class StateStore:
             log.error("state file corrupt: %s; %s; rebuilding allocations from pod-resources", e, where)
             return None
 
-    async def save(self, ledger: Ledger) -> None:
-        # Snapshot taken under the lock: saves are serialised, so the newest state is
-        # always the one written last.
-        async with self._lock:
-            data = encode(ledger)
-            await asyncio.to_thread(write_atomic, self.path, data)
+    async def save(self, ledger: Ledger, *, sync: bool = True) -> None:
+        """Write what the ledger holds now (its snapshot taken at once, on the loop); the file
+        never goes back to an older snapshot than one written before."""
+        self._encoded += 1
+        seq, data = self._encoded, encode(ledger)
+        await asyncio.to_thread(self._write, seq, data, sync)
+
+    def _write(self, seq: int, data: dict[str, Any], sync: bool) -> None:
+        tmp = _write_tmp(self.path, data, sync=sync, tmp=self.path.with_name(f"{self.path.name}.tmp{seq}"))
+        with self._rename:
+            newer = seq < self._renamed
+            if newer:  # a newer snapshot is in place already (one not synced, maybe)
+                os.unlink(tmp)
+            else:
+                os.replace(tmp, self.path)
+                self._renamed = seq
+        if sync:
+            if newer:  # what was asked is that the file on disk be at least this new
+                fd = os.open(self.path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            _sync_dir(self.path)

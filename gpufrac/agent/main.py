@@ -413,6 +413,8 @@ class Agent:
         self._stopping.set()
         for server in self.servers.values():
             await server.stop()
+        if self.claims is not None:
+            self.claims.log_summary()
         if self.admission is not None:
             await self.admission.stop()
         if self.arbiter is not None:

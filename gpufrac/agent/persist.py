@@ -39,7 +39,7 @@ class StateFile(Protocol[L_contra]):
     @property
     def path(self) -> Path: ...
 
-    async def save(self, ledger: L_contra) -> None: ...
+    async def save(self, ledger: L_contra, *, sync: bool = True) -> None: ...
 
 
 class Persister(Generic[L]):
@@ -50,7 +50,7 @@ class Persister(Generic[L]):
         self.ledger = ledger
         self.store = store
         self._saved_generation = -1  # the ledger's state_generation the last save request saw
-        self._durable = -1  # the state_generation the file is known to hold at least
+        self._written = -1  # the state_generation the file is known to hold at least
         self._saving: asyncio.Future[None] | None = None
         self._dirty = asyncio.Event()
 
@@ -63,18 +63,21 @@ class Persister(Generic[L]):
 
     async def flush(self) -> None:
         """Save now, not at the end of the batch, and return once the file holds what the
-        ledger held when called (the DRA driver answers the kubelet only then: after a restart
-        nothing is sent again). Callers meanwhile share one save. Raises OSError."""
+        ledger held when called (the DRA driver answers the kubelet only then: after the
+        agent's restart nothing is sent again). Callers meanwhile share one save. Not synced to
+        disk (the batched saves are): the file survives the agent's death, kill -9 included, and
+        a crash of the node ends its containers, whose claims the restarted kubelet prepares
+        again. Raises OSError."""
         want = self.ledger.state_generation
-        while self._durable < want:
+        while self._written < want:
             if self._saving is None or self._saving.done():
-                self._saving = asyncio.ensure_future(self._save())
+                self._saving = asyncio.ensure_future(self._save(sync=False))
             await asyncio.shield(self._saving)
 
-    async def _save(self) -> None:
+    async def _save(self, *, sync: bool = True) -> None:
         generation = self.ledger.state_generation
-        await self.store.save(self.ledger)
-        self._durable = max(self._durable, generation)
+        await self.store.save(self.ledger, sync=sync)
+        self._written = max(self._written, generation)
 
     async def run(self) -> None:
         while True:

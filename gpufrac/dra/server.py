@@ -29,6 +29,7 @@ from typing import Protocol
 
 import grpc
 
+from gpufrac.core import logs
 from gpufrac.core.claims import ClaimRef
 from gpufrac.core.errors import AllocationError
 from gpufrac.proto import dra_health_v1_pb2 as hpb
@@ -162,6 +163,14 @@ class Driver:
                 len(times),
                 ms(0.5),
                 ms(0.99),
+                extra={
+                    logs.FIELDS: {
+                        "prepare_calls": len(times),
+                        "prepare_handler_p50_ms": ms(0.5),
+                        "prepare_handler_p99_ms": ms(0.99),
+                        "prepare_handler_max_ms": ms(1.0),
+                    }
+                },
             )
 
 

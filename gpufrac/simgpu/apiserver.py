@@ -45,6 +45,7 @@ RESOURCE_CLAIMS = kmock.resource("resource.k8s.io/v1/resourceclaims")
 RESOURCE_CLAIM_TEMPLATES = kmock.resource("resource.k8s.io/v1/resourceclaimtemplates")
 DEVICE_CLASSES = kmock.resource("resource.k8s.io/v1/deviceclasses")
 HISTORY = 10_000  # watch events kept per resource for watches that resume from a version
+REQUESTS_KEPT = 16  # requests kmock itself keeps (ApiServerEmulator._handle says why)
 
 
 def _get_path(obj: Mapping[str, Any], dotted: str) -> str:
@@ -92,8 +93,17 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         self.history: dict[Any, list[tuple[int, Any]]] = collections.defaultdict(list)
         self.history_floor = 0  # watches from before the oldest kept event get 410 Gone
         self._buses = _RecordingBuses(self)
+        self.request_log: list[tuple[str, str, dict[str, str]]] = []  # (method, path, query) of each
 
     async def _handle(self, request: rendering.Request) -> Any:
+        # kmock keeps every request and, to route each new one, runs its reactions' filters over
+        # all of them: a request costs more with every request before it (a few hundred made a
+        # GET take 0.4 s). The apiserver remembers none: kmock's log keeps the last few (the
+        # current one included, as routing needs), and requests() reads a record of our own.
+        self.request_log.append(
+            (str(getattr(request.method, "value", request.method)), request.url.path, dict(request.params))
+        )
+        del self._requests[:-REQUESTS_KEPT]
         if (
             request.method == kmock.method.DELETE
             and request.resource is not None
@@ -231,6 +241,21 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                 if isinstance(c, dict):
                     merged[c.get("type")] = {**merged.get(c.get("type"), {}), **c}
             data["status"]["conditions"] = list(merged.values())
+
+    async def _serve_fetch(self, request: rendering.Request) -> Any:
+        # A GET of one object by its key, as the apiserver serves it from its cache: kmock's
+        # own compares the request with every stored object, which makes a node's worth of
+        # ResourceClaims slow to read one by one (the DRA driver reads one per prepare).
+        if request.resource is None or request.name is None:
+            return await super()._serve_fetch(request)
+        async with self._lock:
+            try:
+                obj = self.objects[request.resource, request.namespace, request.name]
+            except KeyError:
+                obj = None
+            if obj is None or obj.deleted:
+                raise kmock.KubernetesError(404, "NotFound", f"{request.name} not found")
+            return obj.raw
 
     async def _serve_list(self, request: rendering.Request) -> Any:
         # kmock answers a list with a dict ({"items": [...], ...}).
@@ -447,9 +472,7 @@ class KubeServer:
         """(method, path, query params) of every request served so far."""
 
         async def snap(emu: ApiServerEmulator) -> list[tuple[str, str, dict[str, str]]]:
-            return [
-                (str(getattr(r.method, "value", r.method)), r.url.path, dict(r.params)) for r in list(emu)
-            ]
+            return list(emu.request_log)
 
         return self.call(snap)
 

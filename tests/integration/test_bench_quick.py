@@ -49,6 +49,18 @@ FIGURES: dict[str, tuple[str, ...]] = {
         "grant_p99_us_under_flood",
         "flood_p99_ratio",
     ),
+    "dra": (
+        "prepare_p50_ms",
+        "prepare_p99_ms",
+        "agent_handler_p50_ms",
+        "agent_handler_p99_ms",
+        "claim_read_p50_ms",
+        "claim_read_p99_ms",
+        "agent_own_p50_ms",
+        "agent_own_p99_ms",
+        "unprepare_p50_ms",
+        "unprepare_p99_ms",
+    ),
     "packing": ("seed",),
     "shim": (
         "alloc_free_overhead_ns",

@@ -94,7 +94,7 @@ def test_flush_shares_one_save_and_raises_when_it_fails(tmp_path: Path) -> None:
             self.saves = 0
             self.fail = False
 
-        async def save(self, ledger: Ledger) -> None:
+        async def save(self, ledger: Ledger, *, sync: bool = True) -> None:
             self.saves += 1
             await asyncio.sleep(0.01)
             if self.fail:
@@ -116,3 +116,13 @@ def test_flush_shares_one_save_and_raises_when_it_fails(tmp_path: Path) -> None:
         return saves
 
     assert asyncio.run(scenario()) == 1
+
+
+def test_a_slower_older_save_never_replaces_a_newer_one(tmp_path: Path) -> None:
+    # The DRA driver's unsynced save and the batched synced one are written side by side: the
+    # one encoded later wins, whichever reaches the rename first.
+    store = StateStore(str(tmp_path))
+    store._write(2, {"version": 1, "allocations": [{"n": 2}]}, False)
+    store._write(1, {"version": 1, "allocations": [{"n": 1}]}, True)  # the older one, finishing last
+    assert store.load() == [{"n": 2}]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]  # no temporary file left

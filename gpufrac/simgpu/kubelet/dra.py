@@ -37,6 +37,7 @@ import json
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,6 +142,8 @@ class DraKubelet:
         self.checkpoint: dict[str, PreparedClaim] = {}  # claim uid -> what was prepared
         self.pods: dict[str, ClaimPod] = {}
         self.calls: list[tuple[str, list[str]]] = []  # (method, claim uids) of every call sent
+        # (method, seconds the kubelet waited for the answer) of every call answered
+        self.times: list[tuple[str, float]] = []
         self.generation = 0
         self._seen: dict[str, tuple[int, int]] = {}  # registration socket -> its identity when handled
         self._by_socket: dict[str, str] = {}  # registration socket -> the driver it registered
@@ -357,10 +360,12 @@ class DraKubelet:
             claims=[pb.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
         )
         self.calls.append(("NodePrepareResources", [c.uid for c in claims]))
+        t0 = time.perf_counter()
         try:
             resp = await self._stub(plugin).NodePrepareResources(req, timeout=CALL_TIMEOUT)
         except grpc.aio.AioRpcError as e:
             return {c.uid: f"NodePrepareResources failed: {e.code().name}: {e.details()}" for c in claims}
+        self.times.append(("NodePrepareResources", time.perf_counter() - t0))
         out = {}
         for c in claims:
             if c.uid not in resp.claims:
@@ -481,7 +486,9 @@ class DraKubelet:
                     claims=[pb.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
                 )
                 self.calls.append(("NodeUnprepareResources", [c.uid for c in claims]))
+                t0 = time.perf_counter()
                 resp = await self._stub(plugin).NodeUnprepareResources(req, timeout=CALL_TIMEOUT)
+                self.times.append(("NodeUnprepareResources", time.perf_counter() - t0))
                 for c in claims:
                     if c.uid in resp.claims and not resp.claims[c.uid].error:
                         del self.checkpoint[c.uid]
@@ -513,6 +520,10 @@ class DraKubelet:
 
     def sent(self) -> list[tuple[str, list[str]]]:
         return self._get(lambda: list(self.calls))
+
+    def call_times(self, method: str) -> list[float]:
+        """Seconds the kubelet waited for each answered call of `method`, in order."""
+        return self._get(lambda: [t for m, t in self.times if m == method])
 
     # -- the container runtime's CDI ------------------------------------------------------
 
