@@ -19,10 +19,11 @@ answers the same devices: the kubelet sends prepared claims again after it resta
 is unprepare (a claim never prepared, or already unprepared, succeeds). Each claim of a call
 gets its own answer; one refused claim does not refuse the others.
 
-A claim whose unprepare never came (the kubelet lost it, or the agent died before its state
-save) would hold its memory for ever: every `dra.claimCheckInterval` the bookings are checked
-against the apiserver, and one whose claim is gone (or is another claim of that name now) is
-released. Everything here runs on the agent's loop.
+A claim whose unprepare never came (the kubelet lost it, or the agent died between a release
+and its state save) would hold its memory for ever: every `dra.claimCheckInterval` the bookings
+are checked against the apiserver, and one whose claim is gone, is another claim of that name
+now, or is no longer allocated to this node (deallocated once its pods are gone) is released.
+Everything here runs on the agent's loop.
 """
 
 from __future__ import annotations
@@ -433,9 +434,10 @@ class ClaimService:
         await self.specs.sync([claim_device(a) for a in self.ledger.containers() if a.claim is not None])
 
     async def check(self) -> int:
-        """Release bookings whose claim the apiserver no longer has (or has under another UID);
-        how many. A claim that cannot be read is left alone. A booking restored from the state
-        file gets its policy from its parameters again (the reaper judges it from then on)."""
+        """Release bookings whose claim the apiserver no longer has, has under another UID, or
+        no longer allocates to this node (its pods are gone); how many. A claim that cannot be
+        read is left alone. A booking restored from the state file gets its policy from its
+        parameters again (the reaper judges it from then on)."""
         released = 0
         for alloc in [a for a in self.ledger.containers() if a.claim is not None]:
             ref = alloc.claim
@@ -446,23 +448,22 @@ class ClaimService:
                 log.debug("claim check of %s: %s", ref.who(), e)
                 return released  # the apiserver is away: try again next time
             uid = ((raw or {}).get("metadata") or {}).get("uid")
-            if uid == ref.uid:
-                if raw is not None and not self.policies.known(alloc.key):
-                    try:
-                        allocation = claims_mod.allocation(raw, ref, driver=self.driver, pool=self.pool)
-                    except AllocationError as e:
+            why = "the claim is gone from the apiserver" if raw is None else f"the claim now has uid {uid}"
+            if raw is not None and uid == ref.uid:
+                try:
+                    allocation = claims_mod.allocation(raw, ref, driver=self.driver, pool=self.pool)
+                except AllocationError as e:
+                    if e.kind != ErrorKind.STATE_CONFLICT:
                         log.warning("claim check: %s", e.message)
-                    else:
-                        if self.ledger.by_claim(ref.uid) is alloc:
-                            self.policies.prepared(alloc, allocation)
-                continue
+                        continue
+                    # Deallocated (its pods are gone) or allocated elsewhere since.
+                    why = "the claim holds nothing of this node any more"
+                else:
+                    if not self.policies.known(alloc.key) and self.ledger.by_claim(ref.uid) is alloc:
+                        self.policies.prepared(alloc, allocation)
+                    continue
             async with self._lock(ref.uid):
                 if self.ledger.by_claim(ref.uid) is alloc:
-                    why = (
-                        "the claim is gone from the apiserver"
-                        if raw is None
-                        else f"the claim now has uid {uid}"
-                    )
                     await self._release(alloc, f"{why} (no unprepare came)")
                     released += 1
         if released:

@@ -78,3 +78,9 @@ def test_a_claim_deleted_while_its_unprepare_was_lost_is_released(dra_node: Make
     node.resource.delete_namespaced_resource_claim("a", "default", _preload_content=False)
     until(lambda: a not in node.state_claims(), what="the booking of the deleted claim released")
     assert "the claim is gone from the apiserver" in node.agent.log()
+    # Likewise a claim deallocated (its pods gone) whose unprepare never came.
+    b = node.create_claim("b", "4Gi")
+    node.run("pb", ["b"])
+    node.allocator.deallocate("default", "b")
+    until(lambda: b not in node.state_claims(), what="the booking of the deallocated claim released")
+    assert "the claim holds nothing of this node any more" in node.agent.log()
