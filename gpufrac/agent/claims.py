@@ -10,13 +10,16 @@ keyed by its UID):
 * a whole GPU (no consumedCapacity, or the requestPolicy default: all of it), or several:
   every gpu-fraction slice of each, as a whole-GPU container is (no limit of its own).
 
-Then its directory is written (config, usage, arbiter socket: gpufrac.agent.container_dirs),
-its policy applied from its parameters (gpufrac.agent.claim_identity), its CDI spec written
-(gpufrac.agent.cdi), admission's reclaim of its request run (gpufrac.agent.admission), and the
-state file saved before the answer: after an agent restart the kubelet sends nothing again,
-so what was prepared must already be on disk. Prepare is idempotent (a claim already booked
-answers the same devices: the kubelet sends prepared claims again after it restarts), and so
-is unprepare (a claim never prepared, or already unprepared, succeeds). Each claim of a call
+Then its directory is written (config, usage, arbiter socket: gpufrac.agent.container_dirs)
+and its policy applied from its parameters (gpufrac.agent.claim_identity); then, side by side,
+its CDI spec is written (gpufrac.agent.cdi), admission's reclaim of its request runs
+(gpufrac.agent.admission) and the state file is written (gpufrac.agent.persist.Persister.flush),
+all before the answer: after the agent's restart the kubelet sends nothing again, so what was
+prepared must already be in the file (written, not synced: it survives the agent's kill -9; a
+crash of the node ends the claim's containers, and the restarted kubelet prepares it again).
+Prepare is idempotent (a claim already booked answers the same devices: the kubelet sends
+prepared claims again after it restarts), and so is unprepare (a claim never prepared, or
+already unprepared, succeeds). Each claim of a call
 gets its own answer; one refused claim does not refuse the others.
 
 A claim whose unprepare never came (the kubelet lost it, or the agent died between a release
