@@ -335,3 +335,16 @@ def test_status_table_from_a_document(tmp_path: Path) -> None:
     assert re.search(
         r"default\s+pod-a\s+main\s+0\s+gpu-memory 8\s+8Gi\s+24Gi\s+3Gi\s+0B\s+2m05s\s+batch", row
     ), row
+
+
+def test_a_claims_series_carry_its_name_and_status_shows_it(tmp_path: Path) -> None:
+    # DRA mode: a claim's booking, bound to its first pod, no container of its own.
+    claim = container(tmp_path, "c-1", "server", container="", claim="llm-gpu")
+    plain = container(tmp_path, "m-1", "worker")
+    m = Metrics(source=lambda: node(claim, plain))
+    s = scrape(m)
+    assert value(s, "gpufrac_container_memory_limit_bytes", pod="server", claim="llm-gpu") == 24 * GiB
+    assert value(s, "gpufrac_container_memory_limit_bytes", pod="worker", claim="") == 24 * GiB
+    table = format_status(json.loads(json.dumps(node(claim, plain).to_dict())))
+    (row,) = [line for line in table.splitlines() if "server" in line]
+    assert "claim llm-gpu" in row
