@@ -25,12 +25,14 @@ from gpufrac.core import native
 from gpufrac.core.slices import MEMORY
 from gpufrac.memguard import abi
 from gpufrac.simgpu.kubelet import AdmissionError, Container, Pod
+from gpufrac.simgpu.kubelet.dra import ClaimPod
 from gpufrac.simgpu.runtime import ContainerRuntime
 from gpufrac.simgpu.spec import spec_from_dict
 from gpufrac.simgpu.workload import RESULT_BYTES, WorkloadProcess
 from tests.fixtures.agentsim import short_tmpdir, start_sim, stop_sim
 from tests.fixtures.dra import DraNode, install_device_classes, params, start_dra_node, stop_dra_node
 from tests.fixtures.kube import KubeServer
+from tests.fixtures.polling import until
 
 MiB = 1 << 20
 UNIT = 64 * MiB
@@ -105,24 +107,8 @@ def test_dra_mode_places_the_request_on_the_gpu_that_fits_and_enforces_it(
         assert (cfg["request_bytes"], cfg["limit_bytes"]) == (8 * UNIT, 12 * UNIT)
 
         # Its container: a CUDA process under the shim, given what the claim's CDI spec says.
-        env, mounts = b.kubelet.container_edits(pod.uid, "main")
         runtime = ContainerRuntime(view_root=b.root / "v")
-        base = dict(b.agent.env)
-        base.pop("LD_PRELOAD", None)
-        c = runtime.start(
-            pod.uid, "main", WorkloadProcess.argv(), env=base, envs=env, mounts=mounts,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        )  # fmt: skip
-        runtime.wait_entered(c)
-        threading.Thread(target=c.proc.wait, daemon=True).start()
-        cs = {"name": "main", "containerID": c.runtime_id, "image": "app", "imageID": "app", "ready": True}
-        b.kube.core_v1().patch_namespaced_pod(
-            "server",
-            "default",
-            {"status": {"phase": "Running", "containerStatuses": [{**cs, "restartCount": 0}]}},
-        )
-        app = WorkloadProcess(c.proc, "server", 120)
-        host_dir = Path(next(m.host_path for m in mounts if m.container_path.endswith("/config"))).parent
+        app, host_dir = start(b, runtime, pod)
         assert app.do("info") == f"free {12 * UNIT - RESULT_BYTES} total {12 * UNIT}"  # it sees its limit
         assert app.do(f"alloc {400 * MiB}") == "ok 1"  # within its 512 MiB request
         assert abi.read_config(host_dir).grant_bytes == 0
@@ -140,3 +126,70 @@ def test_dra_mode_places_the_request_on_the_gpu_that_fits_and_enforces_it(
         for n in nodes:
             print(f"--- agent log ({n.name}) ---\n{n.agent.log()[-4000:]}")
             stop_dra_node(n)
+
+
+def test_a_claims_burst_is_evicted_for_a_higher_priority_claim(
+    kube_server: KubeServer, roots: list[Path]
+) -> None:
+    """The resolvers work on claims as on pods: the claims' processes are found through the
+    pods that use them, the victim's pod is told, its burst goes to the higher priority."""
+    native.library(native.FAKE_CUDA)
+    native.library(native.SHIM)
+    install_device_classes(client.ResourceV1Api(kube_server.api_client()))
+    root = short_tmpdir("gfx")
+    roots.append(root)
+    node = start_dra_node(
+        root, kube_server, spec_from_dict(NODE_B), name="node-b", **{**SMALL, "resolvers": ["evict", "wait"]}
+    )
+    runtime = ContainerRuntime(view_root=root / "v")
+    apps: list[WorkloadProcess] = []
+    try:
+        node.create_claim("a", "128Mi", config=[params(memoryLimit="896Mi", preemptible=True)])
+        pod_a = node.run("a", ["a"], priority=0)
+        a, _ = start(node, runtime, pod_a)
+        apps.append(a)
+        assert a.do(f"alloc {100 * MiB}") == "ok 1" and a.do(f"alloc {600 * MiB}") == "ok 2"  # a burst
+        node.create_claim("h", "128Mi", config=[params(memoryLimit="512Mi", waitTimeout="60s")])
+        pod_h = node.run("h", ["h"], priority=1000)
+        h, h_dir = start(node, runtime, pod_h)
+        apps.append(h)
+        until(lambda: abi.read_config(h_dir).priority == 1000, what="h's priority, from its pod")
+        assert h.do(f"alloc {100 * MiB}") == "ok 1"
+        # h's burst does not fit beside a's: a, lower priority and preemptible, is evicted.
+        assert h.do(f"alloc {200 * MiB}", 120) == "ok 2"
+        until(lambda: a.proc.poll() is not None, what="a's process killed")
+        assert a.proc.returncode == -9 and h.do("check 2") == "ok"
+        evicted = until(
+            lambda: [e for e in node.kube.events("default") if e["reason"] == "GpuMemoryEvicted"],
+            what="the GpuMemoryEvicted Event",
+        )
+        assert evicted[0]["involvedObject"]["name"] == "a" and "claim default/h" in evicted[0]["message"]
+    finally:
+        for app in apps:
+            app.close(timeout=2)
+        runtime.close()
+        print(f"--- agent log ---\n{node.agent.log()[-4000:]}")
+        stop_dra_node(node)
+
+
+def start(node: DraNode, runtime: ContainerRuntime, pod: ClaimPod) -> tuple[WorkloadProcess, Path]:
+    """The pod's container, as the runtime starts it from the CDI devices of its claim: a CUDA
+    process under the shim in the pod's cgroup, its container ID in the pod's status. Returns
+    the workload and the claim's host directory."""
+    env, mounts = node.kubelet.container_edits(pod.uid, "main")
+    base = dict(node.agent.env)
+    base.pop("LD_PRELOAD", None)
+    c = runtime.start(
+        pod.uid, "main", WorkloadProcess.argv(), env=base, envs=env, mounts=mounts,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    runtime.wait_entered(c)
+    threading.Thread(target=c.proc.wait, daemon=True).start()  # a runtime reaps its processes
+    cs = {"name": "main", "containerID": c.runtime_id, "image": "app", "imageID": "app", "ready": True}
+    node.kube.core_v1().patch_namespaced_pod(
+        pod.name,
+        "default",
+        {"status": {"phase": "Running", "containerStatuses": [{**cs, "restartCount": 0}]}},
+    )
+    host_dir = Path(next(m.host_path for m in mounts if m.container_path.endswith("/config"))).parent
+    return WorkloadProcess(c.proc, pod.name, 120), host_dir
