@@ -18,6 +18,13 @@ Writes bench/results/dra.json (quick mode: tiny counts, a smoke run; see bench/_
   agent_own_p50_ms / _p99_ms          of that, the rest: booking, directory, parameters, CDI spec,
                                       admission's reclaim, the state file written (all claims)
   unprepare_p50_ms / unprepare_p99_ms NodeUnprepareResources of each claim (release, state saved)
+  floor_p50_ms / floor_p99_ms         the same prepares against a driver that does nothing (bench/
+                                      _floor_dra.py: gpufrac's DRA front end over a Backend that answers
+                                      at once), through the same kubelet stand-in: gRPC, the front end,
+                                      the Python stand-in and the box, without the agent; the difference
+                                      to prepare_* is the agent's
+  cdi_on_tmpfs                        whether the CDI directory was on a memory filesystem (/dev/shm),
+                                      as a node's /var/run/cdi is; the state file is on the disk
   load_average                        the box's 1-minute load average when the run ended (several
                                       agents and test suites may share it: read the figures with it)
 Target: prepare p99 < 10 ms on this machine.
@@ -31,6 +38,8 @@ import platform
 import re
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -40,6 +49,7 @@ from typing import Any
 from kubernetes import client
 
 from bench import quick
+from bench._floor_dra import FLOOR_DRIVER
 from gpufrac.simgpu.apiserver import KubeServer
 from gpufrac.simgpu.dra_scheduler import Allocator
 from gpufrac.simgpu.kubelet import AgentProcess
@@ -100,8 +110,60 @@ def _claim(name: str, gib: int) -> dict[str, Any]:
     }
 
 
+def _floor(root: Path, kubelet: DraKubelet, resource: client.ResourceV1Api) -> list[float]:
+    """The same prepares against bench/_floor_dra.py: its claims allocated to the floor driver
+    (written as the scheduler would), each prepared by the stand-in as a pod starts."""
+    log = open(root / "floor.log", "wb")  # noqa: SIM115 - the child keeps it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench._floor_dra", str(root / "kubelet")],
+        cwd=Path(__file__).resolve().parent.parent,
+        stdout=log,
+        stderr=log,
+    )
+    log.close()
+    try:
+        deadline = time.monotonic() + 60
+        while not kubelet.registered(FLOOR_DRIVER):
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    "the floor driver did not register: " + (root / "floor.log").read_text()[-2000:]
+                )
+            time.sleep(0.05)
+        before = len(kubelet.call_times("NodePrepareResources"))
+        for i in range(CLAIMS):
+            name = f"floor-{i}"
+            resource.create_namespaced_resource_claim("bench", _claim(name, 1), _preload_content=False)
+            pod = ClaimPod(
+                "bench", f"floor-{i}", str(uuid.uuid4()), [ClaimUse("gpu", name)], {"main": ["gpu"]}
+            )
+            result = {"request": "gpu", "driver": FLOOR_DRIVER, "pool": "floor", "device": "d0"}
+            status = {
+                "allocation": {"devices": {"results": [result]}},
+                "reservedFor": [{"resource": "pods", "name": pod.name, "uid": pod.uid}],
+            }
+            resource.patch_namespaced_resource_claim_status(
+                name,
+                "bench",
+                {"status": status},
+                _content_type="application/merge-patch+json",
+                _preload_content=False,
+            )
+            kubelet.run_pod(pod)
+        return [t * 1000 for t in kubelet.call_times("NodePrepareResources")[before:]][WARMUP:]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def main() -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="gfbd", dir="/tmp"))  # unix socket paths stay short
+    # The CDI directory on a memory filesystem where there is one, as /var/run/cdi is on a node
+    # (the state file stays on the disk, as /var/lib/gpufrac does).
+    cdi = Path(tempfile.mkdtemp(prefix="gfbd-cdi", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     kube = KubeServer()
     kubelet: DraKubelet | None = None
     agent: AgentProcess | None = None
@@ -117,7 +179,7 @@ def main() -> dict[str, Any]:
         resource.create_device_class(device_class, _preload_content=False)  # type: ignore[arg-type]
         state = root / "node.state"
         create_node(load_preset("dgx-h100", node_name=NODE), state)
-        kubelet = DraKubelet(root / "kubelet", api, NODE, cdi_dir=root / "cdi").start()
+        kubelet = DraKubelet(root / "kubelet", api, NODE, cdi_dir=cdi).start()
         agent = AgentProcess(
             root / "agent",
             state,
@@ -127,7 +189,9 @@ def main() -> dict[str, Any]:
                 "nodeName": NODE,
                 "apiServer": kube.url,
                 "metrics": {"port": 1},
-                "dra": {"cdiSpecDir": str(root / "cdi")},
+                "dra": {"cdiSpecDir": str(cdi)},
+                # The default (AgentProcess's 50 ms poll for tests put back): the agent as it runs.
+                "health": {"pollInterval": "1s"},
             },
         ).start()
         deadline = time.monotonic() + 120
@@ -153,6 +217,7 @@ def main() -> dict[str, Any]:
             kubelet.delete_pod(pod.uid)
         unprepare = [t * 1000 for t in kubelet.call_times("NodeUnprepareResources")][WARMUP:]
         booked = json.loads((root / "agent" / "state" / "state.json").read_text())["allocations"]
+        floor = _floor(root, kubelet, resource)
     finally:
         if agent is not None:
             agent.stop()
@@ -161,6 +226,7 @@ def main() -> dict[str, Any]:
         kube.close()
     log = agent.log() if agent is not None else ""
     shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(cdi, ignore_errors=True)
     m, c = _SUMMARY.search(log), _CLAIMS.search(log)
     result: dict[str, Any] = {
         "claims": CLAIMS,
@@ -174,9 +240,12 @@ def main() -> dict[str, Any]:
         "claim_read_p99_ms": float(c.group(2)) if c else None,
         "agent_own_p50_ms": float(c.group(3)) if c else None,
         "agent_own_p99_ms": float(c.group(4)) if c else None,
+        "floor_p50_ms": round(statistics.median(floor), 3),
+        "floor_p99_ms": round(_pct(floor, 0.99), 3),
         "unprepare_p50_ms": round(statistics.median(unprepare), 3),
         "unprepare_p99_ms": round(_pct(unprepare, 0.99), 3),
         "booked_after_unprepare": len(booked),
+        "cdi_on_tmpfs": str(cdi).startswith("/dev/shm"),
         "load_average": round(os.getloadavg()[0], 2),
         "target_prepare_p99_ms": TARGET_P99_MS,
         "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPUs",

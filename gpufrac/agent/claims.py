@@ -10,13 +10,14 @@ keyed by its UID):
 * a whole GPU (no consumedCapacity, or the requestPolicy default: all of it), or several:
   every gpu-fraction slice of each, as a whole-GPU container is (no limit of its own).
 
-Then its directory is written (config, usage, arbiter socket: gpufrac.agent.container_dirs)
-and its policy applied from its parameters (gpufrac.agent.claim_identity); then, side by side,
-its CDI spec is written (gpufrac.agent.cdi), admission's reclaim of its request runs
-(gpufrac.agent.admission) and the state file is written (gpufrac.agent.persist.Persister.flush),
-all before the answer: after the agent's restart the kubelet sends nothing again, so what was
-prepared must already be in the file (written, not synced: it survives the agent's kill -9; a
-crash of the node ends the claim's containers, and the restarted kubelet prepares it again).
+Then its policy is applied from its parameters (gpufrac.agent.claim_identity), its directory
+made (config, usage, arbiter socket: gpufrac.agent.container_dirs) with the booking's record
+in it (gpufrac.agent.ledger_store.write_claim_record: after the agent's restart the kubelet
+sends nothing again, so what was prepared must be on file before the answer, and the state
+file follows only within its batch), and, side by side, its CDI spec written
+(gpufrac.agent.cdi) and admission's reclaim of its request run (gpufrac.agent.admission).
+The record is written, not synced: it survives the agent's kill -9; a crash of the node ends
+the claim's containers, and the restarted kubelet prepares the claim again.
 Prepare is idempotent (a claim already booked answers the same devices: the kubelet sends
 prepared claims again after it restarts), and so is unprepare (a claim never prepared, or
 already unprepared, succeeds). Each claim of a call
@@ -116,6 +117,13 @@ class Specs(Protocol):
     async def sync(self, booked: Sequence[ClaimDevice]) -> None: ...
 
 
+class Records(Protocol):
+    """A claim booking's record in its directory (gpufrac.agent.ledger_store.write_claim_record),
+    written on the loop: small, as the spare directory's rename is. Raises OSError."""
+
+    def write(self, alloc: ContainerAlloc) -> None: ...
+
+
 class Durable(Protocol):
     """The state file saved now (gpufrac.agent.persist.Persister.flush); raises OSError."""
 
@@ -158,6 +166,7 @@ class ClaimService:
         source: ClaimSource,
         dirs: DirectoryMaker,
         specs: Specs,
+        records: Records,
         durable: Durable,
         policies: Policies,
         admission: Admitting,
@@ -172,6 +181,7 @@ class ClaimService:
         self.source = source
         self.dirs = dirs
         self.specs = specs
+        self.records = records
         self.durable = durable
         self.policies = policies
         self.admission = admission
@@ -218,19 +228,19 @@ class ClaimService:
         allocation = claims_mod.allocation(raw, ref, driver=self.driver, pool=self.pool)
         resource, ids = self._slices(allocation)
         alloc = self.ledger.reserve(resource, ids, claim=ref)
+        self.policies.prepared(alloc, allocation)  # its limit and policy, before anything runs
         try:
             handle = await self.dirs.create(alloc.directory, alloc.config)
+            self.ledger.attach(alloc.key, handle)
+            # Its record, before the answer: after the agent's restart the kubelet sends nothing
+            # again, so the booking must be on file (the state file follows within its batch).
+            self.records.write(alloc)
         except OSError as e:
-            self.ledger.release(alloc.key)
+            await self._release(alloc, "its directory could not be written")
             raise AllocationError(
-                ErrorKind.NODE_FAILURE, f"{ref.who()}: cannot create its directory {alloc.directory}: {e}"
+                ErrorKind.NODE_FAILURE, f"{ref.who()}: cannot write its directory {alloc.directory}: {e}"
             ) from e
-        self.ledger.attach(alloc.key, handle)
-        self.policies.prepared(alloc, allocation)  # its limit and policy, before anything runs
-        # The state is saved (not one answer before the booking is on file: after the agent's
-        # restart the kubelet sends nothing again) while the CDI spec is written and admission
-        # reclaims the request: side by side, all three before the answer.
-        saving = asyncio.ensure_future(self.durable.flush())
+        # Side by side, both before the answer: its CDI spec, and admission's reclaim of its request.
         devices: dict[str, set[str]] = {}
         for s in allocation.shares:
             devices.setdefault(s.device, set()).add(s.request)
@@ -240,13 +250,6 @@ class ClaimService:
             self.admission.prestart(alloc),  # never refuses: at worst a warning
             return_exceptions=True,
         )
-        try:
-            await saving
-        except OSError as e:
-            await self._release(alloc, "the agent's state could not be saved")
-            raise AllocationError(
-                ErrorKind.NODE_FAILURE, f"{ref.who()}: cannot save the agent's state: {e}"
-            ) from e
         if isinstance(answer, BaseException):
             await self._release(alloc, "its CDI spec could not be written")
             raise AllocationError(

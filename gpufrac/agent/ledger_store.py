@@ -160,6 +160,59 @@ def _claim(raw: Any) -> ClaimRef | None:
     return ref
 
 
+# A claim's own record, in its directory: what the state file says of it, written before the
+# kubelet has its answer (gpufrac.agent.claims), so an agent killed before the next state save
+# finds it there (restore_claim_records).
+CLAIM_RECORD = "claim.json"
+
+
+def write_claim_record(alloc: ContainerAlloc) -> None:
+    """Write a claim booking's record into its directory (temporary file + rename: whole or
+    absent). Not synced: it survives the agent's death; a node crash ends the claim's
+    containers, and the restarted kubelet prepares the claim again. Small: the agent writes it
+    on its loop, as it renames a spare directory into place."""
+    path = Path(alloc.directory) / CLAIM_RECORD
+    tmp = path.with_name(CLAIM_RECORD + ".tmp")
+    tmp.write_text(json.dumps({"version": STATE_VERSION, "allocation": _entry(alloc)}, separators=(",", ":")))
+    os.replace(tmp, path)
+
+
+def read_claim_records(containers_dir: str) -> list[dict[str, Any]]:
+    """The claim records in the containers' directories (blocking: a directory scan); a record
+    that cannot be read is reported and skipped."""
+    out: list[dict[str, Any]] = []
+    try:
+        names = os.listdir(containers_dir)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        path = Path(containers_dir) / name / CLAIM_RECORD
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as e:
+            log.error("claim record %s unreadable (%s): skipped", path, e)
+            continue
+        entry = data.get("allocation") if isinstance(data, dict) else None
+        if data.get("version") != STATE_VERSION or not isinstance(entry, dict) or not entry.get("claim"):
+            log.error("claim record %s is not one this agent reads: skipped", path)
+            continue
+        out.append(entry)
+    return out
+
+
+def restore_claim_records(ledger: Ledger, entries: list[dict[str, Any]]) -> list[ContainerAlloc]:
+    """Book the claims whose records the state file lacks (their prepare answered after its
+    last save); the state file's own entries win."""
+    missing = [
+        e
+        for e in entries
+        if isinstance(e.get("claim"), dict) and ledger.by_claim(str(e["claim"].get("uid"))) is None
+    ]
+    return restore(ledger, missing)
+
+
 class StateStore:
     def __init__(self, state_dir: str) -> None:
         self.path = Path(state_dir) / STATE_FILE

@@ -48,8 +48,14 @@ from gpufrac.agent.idle import IdleReaper
 from gpufrac.agent.idle_actions import swap_via
 from gpufrac.agent.inventory import NvmlError, read_inventory
 from gpufrac.agent.kube import ClaimReader, EventRecorder, NodeLabeler, PodCache, PodEvictor, SlicePublisher
-from gpufrac.agent.ledger import Ledger
-from gpufrac.agent.ledger_store import StateStore, restore
+from gpufrac.agent.ledger import ContainerAlloc, Ledger
+from gpufrac.agent.ledger_store import (
+    StateStore,
+    read_claim_records,
+    restore,
+    restore_claim_records,
+    write_claim_record,
+)
 from gpufrac.agent.nodelabels import NodeLabels
 from gpufrac.agent.persist import Persister
 from gpufrac.agent.pods import PodIdentity
@@ -286,6 +292,7 @@ class Agent:
             ClaimReader(api) if api is not None else _NoClaims(),
             self.dirs,
             specs,
+            _ClaimRecords(),
             persister,
             identity,
             self.admission or Admission(None, ledger, None),
@@ -482,6 +489,11 @@ class Agent:
         restored = restore(ledger, entries or [])
         if restored:
             log.info("state: %d allocations restored from %s", len(restored), self.state.path)
+        # DRA claims prepared after the last state save: their records, in their directories.
+        records = await asyncio.to_thread(read_claim_records, self.config.paths.containers_dir)
+        late = restore_claim_records(ledger, records)
+        if late:
+            log.info("state: %d claims restored from their directories' records", len(late))
         answered = await reconciler.reconcile(grace=0.0, materialize=False)
         if not answered:
             log.warning(
@@ -539,6 +551,13 @@ class Agent:
         """Resolve pod identity soon, without delaying the kubelet's call."""
         assert self.reconcile_loop is not None  # built with the pod identity, before any caller
         self.reconcile_loop.kick()
+
+
+class _ClaimRecords:
+    """A claim booking's record in its directory (gpufrac.agent.ledger_store)."""
+
+    def write(self, alloc: ContainerAlloc) -> None:
+        write_claim_record(alloc)
 
 
 class _NoPublisher:

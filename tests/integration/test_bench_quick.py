@@ -58,6 +58,8 @@ FIGURES: dict[str, tuple[str, ...]] = {
         "claim_read_p99_ms",
         "agent_own_p50_ms",
         "agent_own_p99_ms",
+        "floor_p50_ms",
+        "floor_p99_ms",
         "unprepare_p50_ms",
         "unprepare_p99_ms",
     ),

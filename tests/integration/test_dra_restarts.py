@@ -24,13 +24,14 @@ def booked_per_gpu(node: DraNode) -> dict[str, int]:
 def test_agent_kill_9_keeps_prepared_claims_and_books_nothing_twice(dra_node: MakeNode) -> None:
     node = dra_node()
     a = node.create_claim("a", "8Gi", config=[params(memoryLimit="12Gi", workloadClass="interactive")])
-    node.run("pa", ["a"])
+    node.kubelet.run_pod(node.schedule("pa", ["a"]))  # no waiting for the state file's batch
     answer = node.kubelet.prepared()[a].cdi_ids
-    # Saved before the kubelet had its answer: nothing of it is lost to a kill -9 right after.
-    assert booked_per_gpu(node) == {node.gpus[0]: 8 * GiB}
+    # On file before the kubelet had its answer: nothing of it is lost to a kill -9 right after
+    # (the state file's batch may not have come yet: the claim's record in its directory has).
     node.agent.kill()
     node.restart_agent()
-    assert list(node.state_claims()) == [a]
+    until(lambda: list(node.state_claims()) == [a], what="the claim booked after the restart")
+    assert booked_per_gpu(node) == {node.gpus[0]: 8 * GiB}
     assert node.state_claims()[a]["config"]["limit_bytes"] == 12 * GiB
     # The restarted agent reads the claim's parameters again (its policy, for the reaper).
     limit_line = "claim default/a: GPU memory limit 12Gi"

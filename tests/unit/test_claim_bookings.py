@@ -4,6 +4,7 @@ save and restore (consumers too), released only by unprepare, never by pod-resou
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,13 @@ from test_allocations import ids, make_inventory
 
 from gpufrac.agent.container_dirs import ContainerDirs
 from gpufrac.agent.ledger import Ledger
-from gpufrac.agent.ledger_store import StateStore, restore
+from gpufrac.agent.ledger_store import (
+    StateStore,
+    read_claim_records,
+    restore,
+    restore_claim_records,
+    write_claim_record,
+)
 from gpufrac.agent.metrics import Metrics
 from gpufrac.agent.persist import Persister
 from gpufrac.agent.reconcile import Reconciler
@@ -126,3 +133,22 @@ def test_a_slower_older_save_never_replaces_a_newer_one(tmp_path: Path) -> None:
     store._write(1, {"version": 1, "allocations": [{"n": 1}]}, True)  # the older one, finishing last
     assert store.load() == [{"n": 2}]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]  # no temporary file left
+
+
+def test_a_claim_prepared_after_the_last_state_save_comes_back_from_its_record(tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    ledger = Ledger(cfg, make_inventory())
+    alloc = ledger.reserve(MEMORY, ids(ledger, 0, MEMORY, range(3)), claim=CLAIM)
+    ledger.set_consumers(alloc.key, frozenset({("pod-1", "main")}))
+    os.makedirs(alloc.directory)
+    write_claim_record(alloc)  # what prepare writes before its answer; no state save since
+    again = Ledger(cfg, make_inventory())
+    (back,) = restore_claim_records(again, read_claim_records(cfg.paths.containers_dir))
+    assert (back.key, back.claim, back.consumers, back.request_bytes) == (
+        alloc.key,
+        CLAIM,
+        alloc.consumers,
+        3 * GiB,
+    )
+    # A claim the state file has already is not booked twice from its record.
+    assert restore_claim_records(again, read_claim_records(cfg.paths.containers_dir)) == []

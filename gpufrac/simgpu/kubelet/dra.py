@@ -65,6 +65,10 @@ KUBELET_SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
 HEALTH_SERVICE = "v1.DRAResourceHealth"
 SCAN_INTERVAL = 0.05
 CALL_TIMEOUT = 45.0  # the kubelet's default for a DRA call
+# A connection of its own per registration, as the kubelet's new gRPC client for each is:
+# gRPC's Python core otherwise shares one per socket path across channels, and a restarted
+# plugin's would still be backing off from the refusals of the one that died.
+FRESH = [("grpc.use_local_subchannel_pool", 1)]
 
 
 class PrepareError(Exception):
@@ -276,7 +280,7 @@ class DraKubelet:
                     await self._drop(plugin)
 
     async def _register(self, path: str, ident: tuple[int, int]) -> None:
-        async with grpc.aio.insecure_channel(f"unix://{path}") as ch:
+        async with grpc.aio.insecure_channel(f"unix://{path}", options=FRESH) as ch:
             stub = reg_grpc.RegistrationStub(ch)
             try:
                 info = await stub.GetInfo(reg.InfoRequest(), timeout=10)
@@ -304,7 +308,7 @@ class DraKubelet:
             old = self.plugins.pop(info.name, None)
             if old is not None:
                 await self._drop(old)
-            channel = grpc.aio.insecure_channel(f"unix://{info.endpoint}")
+            channel = grpc.aio.insecure_channel(f"unix://{info.endpoint}", options=FRESH)
             plugin = Plugin(info.name, info.endpoint, service, ident, channel)
             self.plugins[info.name] = plugin
             self._by_socket[path] = info.name
