@@ -4,8 +4,9 @@ Writes bench/results/dra.json (quick mode: tiny counts, a smoke run; see bench/_
   prepare_p50_ms / prepare_p99_ms     NodePrepareResources of one claim, as the kubelet's DRA side
                                       (gpufrac.simgpu.kubelet.dra) waits for it over the unix socket:
                                       the agent reads the claim from the apiserver emulator, books its
-                                      consumedCapacity, writes its directory and CDI spec, applies its
-                                      parameters, and writes its state file before it answers; CLAIMS claims
+                                      consumedCapacity, applies its parameters, writes its directory
+                                      (the booking's record in it) and CDI spec and runs admission's
+                                      reclaim before it answers; CLAIMS claims
                                       of 1 to 4 GiB, each allocated by the scheduler stand-in against
                                       the published slice, one prepare after another (the first
                                       WARMUP left out: imports, first connections)
@@ -15,9 +16,9 @@ Writes bench/results/dra.json (quick mode: tiny counts, a smoke run; see bench/_
   claim_read_p50_ms / _p99_ms         of that, reading the claim from the apiserver (kmock's emulator, a
                                       Python HTTP server on this box; a real apiserver serves it from
                                       its cache)
-  agent_own_p50_ms / _p99_ms          of that, the rest: booking, directory, parameters, CDI spec,
-                                      admission's reclaim, the state file written (all claims)
-  unprepare_p50_ms / unprepare_p99_ms NodeUnprepareResources of each claim (release, state saved)
+  agent_own_p50_ms / _p99_ms          of that, the rest: booking, parameters, directory and record,
+                                      CDI spec, admission's reclaim (an NVML reading)
+  unprepare_p50_ms / unprepare_p99_ms NodeUnprepareResources of each claim (release, state written)
   floor_p50_ms / floor_p99_ms         the same prepares against a driver that does nothing (bench/
                                       _floor_dra.py: gpufrac's DRA front end over a Backend that answers
                                       at once), through the same kubelet stand-in: gRPC, the front end,

@@ -125,7 +125,8 @@ class Records(Protocol):
 
 
 class Durable(Protocol):
-    """The state file saved now (gpufrac.agent.persist.Persister.flush); raises OSError."""
+    """The state file saved now, after a release (gpufrac.agent.persist.Persister.flush); raises
+    OSError."""
 
     async def flush(self) -> None: ...
 

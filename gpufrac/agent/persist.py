@@ -63,11 +63,9 @@ class Persister(Generic[L]):
 
     async def flush(self) -> None:
         """Save now, not at the end of the batch, and return once the file holds what the
-        ledger held when called (the DRA driver answers the kubelet only then: after the
-        agent's restart nothing is sent again). Callers meanwhile share one save. Not synced to
-        disk (the batched saves are): the file survives the agent's death, kill -9 included, and
-        a crash of the node ends its containers, whose claims the restarted kubelet prepares
-        again. Raises OSError."""
+        ledger held when called (the DRA driver's releases: an unprepare, a claim check).
+        Callers meanwhile share one save. Not synced to disk (the batched saves are): the file
+        survives the agent's death, kill -9 included. Raises OSError."""
         want = self.ledger.state_generation
         while self._written < want:
             if self._saving is None or self._saving.done():
