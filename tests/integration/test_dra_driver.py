@@ -128,3 +128,28 @@ def test_the_mode_and_the_apiserver_come_from_the_node_config_alone(
     assert not list((node.root / "kubelet").glob("device-plugins/gpufrac-*.sock"))
     node.create_claim("c", "1Gi")
     node.run("p", ["c"])  # the claim read through the kubeconfig's server too
+
+
+def test_a_claim_two_pods_share_is_one_group_prepared_once(dra_node: MakeNode) -> None:
+    node = dra_node()
+    uid = node.create_claim("shared", "4Gi")
+    first = node.run("p1", ["shared"], containers={"a": ["c0"], "b": ["c0"]})
+    second = node.run("p2", ["shared"])  # reserved for it too; the kubelet has it prepared already
+    assert [m for m, uids in node.kubelet.sent() if uid in uids] == ["NodePrepareResources"]
+    # Every container of both pods is the claim's: one booking, one directory, one limit.
+    want = [[first.uid, "a"], [first.uid, "b"], [second.uid, "main"]]
+    until(lambda: sorted(node.state_claims()[uid]["consumers"]) == sorted(want), what="the claim's consumers")
+    dirs = {
+        next(
+            m.host_path
+            for m in node.kubelet.container_edits(p.uid, c)[1]
+            if m.container_path.endswith("/usage")
+        )
+        for p, c in ((first, "a"), (first, "b"), (second, "main"))
+    }
+    assert len(dirs) == 1
+    # Unprepared only once no pod uses it.
+    assert node.kubelet.delete_pod(first.uid) == {}
+    assert uid in node.state_claims()
+    assert node.kubelet.delete_pod(second.uid) == {uid: ""}
+    until(lambda: uid not in node.state_claims(), what="the shared claim released")
