@@ -228,11 +228,16 @@ class V1beta1Plugin(v1beta1_grpc.DRAPluginServicer):
 
 
 class Health(hpb_grpc.DRAResourceHealthServicer):
-    """v1.DRAResourceHealth: every message is the whole device list; a new one goes out on
-    every change (notify()), and the first at once."""
+    """v1.DRAResourceHealth: every message is the whole device list; the first goes out at
+    once, a new one when a device's health changes (notify() is called on every booking
+    too: those are no news here), and the same one again every `heartbeat` seconds, as the
+    kubelet counts a device it has heard nothing of for 30 s as Unknown."""
 
-    def __init__(self, backend: Backend) -> None:
+    HEARTBEAT_S = 10.0
+
+    def __init__(self, backend: Backend, heartbeat: float = HEARTBEAT_S) -> None:
         self.backend = backend
+        self.heartbeat = heartbeat
         self._version = 0
         self._changed = asyncio.Event()
         self.streams = 0
@@ -242,17 +247,19 @@ class Health(hpb_grpc.DRAResourceHealthServicer):
         ev, self._changed = self._changed, asyncio.Event()
         ev.set()
 
-    def snapshot(self) -> hpb.NodeWatchResourcesResponse:
+    def snapshot(self) -> tuple[tuple[tuple[str, str, bool, str], ...], hpb.NodeWatchResourcesResponse]:
+        """The devices' health (to compare with what a stream sent last) and the message."""
         now = int(time.time())
+        state = tuple((d.pool, d.device, d.healthy, d.message[:1024]) for d in self.backend.device_health())
         resp = hpb.NodeWatchResourcesResponse()
-        for d in self.backend.device_health():
+        for pool, device, healthy, message in state:
             resp.devices.add(
-                device=hpb.DeviceIdentifier(pool_name=d.pool, device_name=d.device),
-                health=hpb.HEALTHY if d.healthy else hpb.UNHEALTHY,
+                device=hpb.DeviceIdentifier(pool_name=pool, device_name=device),
+                health=hpb.HEALTHY if healthy else hpb.UNHEALTHY,
                 last_updated_time=now,
-                message=d.message[:1024],
+                message=message,
             )
-        return resp
+        return state, resp
 
     async def NodeWatchResources(
         self,
@@ -260,12 +267,19 @@ class Health(hpb_grpc.DRAResourceHealthServicer):
         context: grpc.aio.ServicerContext[hpb.NodeWatchResourcesRequest, hpb.NodeWatchResourcesResponse],
     ) -> AsyncIterator[hpb.NodeWatchResourcesResponse]:
         self.streams += 1
+        sent: object = None
+        due = 0.0
         try:
             while True:
                 version, changed = self._version, self._changed
-                yield self.snapshot()
+                state, resp = self.snapshot()
+                now = time.monotonic()
+                if state != sent or now >= due:
+                    yield resp
+                    sent, due = state, now + self.heartbeat
                 if self._version == version:
-                    await changed.wait()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(changed.wait(), max(0.0, due - time.monotonic()))
         finally:
             self.streams -= 1
 
