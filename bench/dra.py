@@ -24,6 +24,11 @@ Writes bench/results/dra.json (quick mode: tiny counts, a smoke run; see bench/_
                                       at once), through the same kubelet stand-in: gRPC, the front end,
                                       the Python stand-in and the box, without the agent; the difference
                                       to prepare_* is the agent's
+  agent_cpu_per_prepare_ms            the agent process's CPU time (user + system, all its threads)
+                                      from the first prepare to the last, over the number of claims:
+                                      what a prepare costs the agent, whatever else the box runs
+                                      (its background work in that time, the grant sweep and health
+                                      polls, included)
   cdi_on_tmpfs                        whether the CDI directory was on a memory filesystem (/dev/shm),
                                       as a node's /var/run/cdi is; the state file is on the disk
   load_average                        the box's 1-minute load average when the run ended (several
@@ -76,6 +81,12 @@ _CLAIMS = re.compile(
 def _pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+def _cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time so far (/proc/<pid>/stat, fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _claim(name: str, gib: int) -> dict[str, Any]:
@@ -204,6 +215,7 @@ def main() -> dict[str, Any]:
             time.sleep(0.05)
         allocator = Allocator(api)
         pods = []
+        cpu_start = _cpu_seconds(agent.pid)
         for i in range(CLAIMS):
             name = f"claim-{i}"
             resource.create_namespaced_resource_claim(
@@ -213,6 +225,7 @@ def main() -> dict[str, Any]:
             allocator.allocate("bench", name, node=NODE, pod=(pod.name, pod.uid))
             kubelet.run_pod(pod)  # one NodePrepareResources of one claim, timed by the kubelet
             pods.append(pod)
+        cpu = _cpu_seconds(agent.pid) - cpu_start
         prepare = [t * 1000 for t in kubelet.call_times("NodePrepareResources")][WARMUP:]
         for pod in pods:
             kubelet.delete_pod(pod.uid)
@@ -246,6 +259,7 @@ def main() -> dict[str, Any]:
         "unprepare_p50_ms": round(statistics.median(unprepare), 3),
         "unprepare_p99_ms": round(_pct(unprepare, 0.99), 3),
         "booked_after_unprepare": len(booked),
+        "agent_cpu_per_prepare_ms": round(cpu * 1000 / CLAIMS, 3),
         "cdi_on_tmpfs": str(cdi).startswith("/dev/shm"),
         "load_average": round(os.getloadavg()[0], 2),
         "target_prepare_p99_ms": TARGET_P99_MS,

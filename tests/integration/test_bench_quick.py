@@ -62,6 +62,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
         "floor_p99_ms",
         "unprepare_p50_ms",
         "unprepare_p99_ms",
+        "agent_cpu_per_prepare_ms",
     ),
     "packing": ("seed",),
     "shim": (
