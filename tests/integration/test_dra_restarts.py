@@ -1,5 +1,6 @@
-"""DRA mode across restarts: agent kill -9, kubelet restart. Prepared claims are kept, nothing is
-booked twice, the slice comes back after the kubelet deletes it, an unknown unprepare succeeds."""
+"""DRA mode across restarts: agent kill -9, upgrade (SIGTERM and a start), kubelet restart.
+Prepared claims are kept, nothing is booked twice, the slice comes back after the kubelet
+deletes it, an unknown unprepare succeeds."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def booked_per_gpu(node: DraNode) -> dict[str, int]:
     return out
 
 
-def test_agent_kill_9_keeps_prepared_claims_and_books_nothing_twice(dra_node: MakeNode) -> None:
+def test_agent_kill_9_and_upgrade_keep_prepared_claims_and_book_nothing_twice(dra_node: MakeNode) -> None:
     node = dra_node()
     a = node.create_claim("a", "8Gi", config=[params(memoryLimit="12Gi", workloadClass="interactive")])
     node.kubelet.run_pod(node.schedule("pa", ["a"]))  # no waiting for the state file's batch
@@ -47,6 +48,13 @@ def test_agent_kill_9_keeps_prepared_claims_and_books_nothing_twice(dra_node: Ma
     node.run("pc", ["c"])
     assert booked_per_gpu(node) == {node.gpus[0]: 21 * GiB, node.gpus[1]: 1 * GiB}
     assert sorted(node.state_claims()) == sorted([a, b, c])
+    # An upgrade: the agent stopped (SIGTERM) and started again, the kubelet sending nothing.
+    node.agent.stop()
+    node.restart_agent()
+    until(lambda: sorted(node.state_claims()) == sorted([a, b, c]), what="the claims after the upgrade")
+    assert booked_per_gpu(node) == {node.gpus[0]: 21 * GiB, node.gpus[1]: 1 * GiB}
+    assert node.kubelet.unprepare_raw(DRIVER, [("default", "b", b)]).claims[b].error == ""
+    until(lambda: sorted(node.state_claims()) == sorted([a, c]), what="b released")
 
 
 def test_kubelet_restart_resends_prepared_claims_and_the_slice_is_published_again(dra_node: MakeNode) -> None:
