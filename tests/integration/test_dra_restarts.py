@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from tests.fixtures.dra import DRIVER, DraNode, params
 from tests.fixtures.polling import until
 
@@ -22,6 +24,7 @@ def booked_per_gpu(node: DraNode) -> dict[str, int]:
     return out
 
 
+@pytest.mark.slow  # three agent starts
 def test_agent_kill_9_and_upgrade_keep_prepared_claims_and_book_nothing_twice(dra_node: MakeNode) -> None:
     node = dra_node()
     a = node.create_claim("a", "8Gi", config=[params(memoryLimit="12Gi", workloadClass="interactive")])

@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable
 
 import kubernetes_validate
+import pytest
 
 from gpufrac.memguard import abi
 from gpufrac.simgpu import faults
@@ -38,6 +39,7 @@ def test_mig_gpus_are_left_out_and_nvlink_peers_are_named(dra_node: MakeNode) ->
         kubernetes_validate.validate(node.slice(), version, strict=True)
 
 
+@pytest.mark.slow  # the XID recovery window
 def test_an_unhealthy_gpu_is_tainted_and_untainted_when_it_recovers(dra_node: MakeNode) -> None:
     node = dra_node(health={"pollInterval": "50ms", "xidRecovery": "3s"})
     faults.inject_xid(node.node_state, 1, 79)
