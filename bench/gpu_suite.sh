@@ -1,64 +1,59 @@
 #!/usr/bin/env bash
-# The real-GPU suite in one command, on a node with an NVIDIA GPU:
-#   sets up (venv, native build, protos; PyTorch if missing), runs tests/gpu (PyTorch and
-#   cuda-python under the real memguard shim, the resolvers, the shim's overhead), records
-#   the GPU model and driver version, and writes
-#     bench/results/gpu_suite.json   everything: tests, measurements, GPU, versions
-#     bench/results/gpu_suite.md     the summary (copied to docs/gpu-results.md)
-# Extra arguments go to pytest (e.g. -k overhead). GPUFRAC_BENCH_REPEATS and
-# GPUFRAC_BENCH_STEPS size the overhead runs (defaults in tests/gpu).
-# Exit status: 0 when the tests ran and none failed; 1 when one failed or none ran;
-# 2 when the node cannot run the suite. The 2 % training-loop overhead target is
-# reported PASS/FAIL in the summary.
+# The real-GPU suite in one command (bench/README.md): self-checks, then tests/gpu and the
+# simgpu benches in groups, each bounded by its own timeouts, writing into --out ($OUT, else
+# bench/results/): gpu_suite.json, gpu_suite.md (also copied to docs/gpu-results.md when tests
+# ran) and gpu_suite.log. The work is bench/gpu_suite.py; this picks the interpreter.
+#
+# On a lent GPU machine (Python 3.12 with PyTorch and friends, no package registry), after
+# bench/gpu_prepare.sh here, the device call is:
+#   command:   PYTHONUNBUFFERED=1 bash bench/gpu_suite.sh --out "$OUT"
+#   carry:     build/native, .whl and gpufrac/proto/*_pb2.py, *_pb2_grpc.py (gpu_prepare.sh prints the list)
+#   timeout_s: 480
+# It uses python3 as it is: no venv, no pip from a registry.
+#
+# On an ordinary GPU node with a registry: bash bench/gpu_suite.sh --setup (make setup: the
+# venv, the native build, the protos; PyTorch, transformers and CuPy into the venv if missing).
+#
+# Interpreter: $GPUFRAC_PYTHON, else .venv/bin/python if there is one (--setup makes it),
+# else python3. Other arguments go to bench/gpu_suite.py (--help lists them).
+# Exit status: 0 every group passed; 1 a self-check or group failed; 2 no GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
-ROOT=$PWD
-PY=$ROOT/.venv/bin/python
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_suite.XXXXXX")
-trap 'rm -rf "$WORK"' EXIT
 
-log() { printf '== gpu_suite: %s\n' "$*" >&2; }
 die() {
   printf 'gpu_suite: error: %s\n' "$*" >&2
   exit 2
 }
 
-# A real node: nothing of simgpu's fake driver in the environment (a library path
-# to the real driver, as NVIDIA's container images set, is kept).
-unset SIMGPU_STATE LD_PRELOAD GPUFRAC_CONTAINER_DIR
-if [ -n "${LD_LIBRARY_PATH:-}" ]; then
-  LD_LIBRARY_PATH=$(printf '%s\n' "$LD_LIBRARY_PATH" | tr ':' '\n' |
-    grep -v -x -e "$ROOT/build/native/*" -e "$ROOT/build/asan/*" -e 'build/native/*' -e 'build/asan/*' |
-    paste -sd: -)
-  export LD_LIBRARY_PATH
-fi
-command -v nvidia-smi >/dev/null 2>&1 || die "nvidia-smi not found: this suite runs on a node with an NVIDIA GPU"
-nvidia-smi --query-gpu=index,name,driver_version,memory.total,uuid --format=csv,noheader,nounits \
-  >"$WORK/gpus.csv" || die "nvidia-smi cannot read the GPUs (driver not loaded?)"
-[ -s "$WORK/gpus.csv" ] || die "nvidia-smi lists no GPU"
-log "GPU: $(head -n1 "$WORK/gpus.csv")"
+args=()
+setup=0
+for a in "$@"; do
+  if [ "$a" = --setup ]; then setup=1; else args+=("$a"); fi
+done
 
-log "setup: venv, native build, protos"
-make -s setup || die "make setup failed"
-if ! "$PY" -c 'import torch' >/dev/null 2>&1; then
-  log "installing PyTorch into the venv"
-  "$PY" -m pip install -q torch ||
-    die "PyTorch is missing and pip could not install it (offline?): pre-install it with $PY -m pip install torch"
+if [ "$setup" = 1 ]; then
+  make -s setup || die "make setup failed (it needs a package registry; on a lent machine leave --setup out)"
+  if ! .venv/bin/python -c 'import torch' >/dev/null 2>&1; then
+    printf '== gpu_suite: installing PyTorch into the venv\n' >&2
+    .venv/bin/python -m pip install -q torch || die "PyTorch is missing and pip could not install it"
+  fi
+  # transformers (the frameworks group) and CuPy for PyTorch's CUDA major version (context).
+  major=$(.venv/bin/python -c 'import torch; print((torch.version.cuda or "").split(".")[0])')
+  for pkg in transformers "cupy-cuda${major}x"; do
+    mod=${pkg%%-*}
+    if [ -n "$major" ] && ! .venv/bin/python -c "import $mod" >/dev/null 2>&1; then
+      printf '== gpu_suite: installing %s into the venv\n' "$pkg" >&2
+      .venv/bin/python -m pip install -q "$pkg" || die "pip could not install $pkg"
+    fi
+  done
 fi
-make -s native || die "building the shim failed"
-"$PY" bench/gpu_report.py env >"$WORK/env.json" || die "collecting versions failed"
 
-log "tests/gpu"
-mkdir -p "$WORK/measurements"
-GPUFRAC_GPU_RESULTS="$WORK/measurements" "$PY" -m pytest -q -p no:cacheprovider -rs \
-  --junitxml="$WORK/junit.xml" tests/gpu "$@"
-rc=$?
-
-"$PY" bench/gpu_report.py render "$WORK" --pytest-rc "$rc" \
-  --json bench/results/gpu_suite.json --markdown bench/results/gpu_suite.md --copy docs/gpu-results.md
-report=$?
-log "wrote bench/results/gpu_suite.json and bench/results/gpu_suite.md (pytest exit $rc)"
-if [ "$rc" -ne 0 ]; then
-  exit 1
+if [ -n "${GPUFRAC_PYTHON:-}" ]; then
+  PY=$GPUFRAC_PYTHON
+elif [ -x .venv/bin/python ]; then
+  PY=.venv/bin/python
+else
+  PY=python3
 fi
-exit "$report"
+command -v "$PY" >/dev/null 2>&1 || die "no Python interpreter ($PY); set GPUFRAC_PYTHON"
+exec "$PY" bench/gpu_suite.py "${args[@]+"${args[@]}"}"

@@ -6,6 +6,16 @@ sizes whose numbers mean nothing). The tight loops run in a small C driver
 libcuda, once plainly and once under LD_PRELOAD of the shim, in the same run and
 interleaved, so "overhead" is the shim's own cost on top of the same driver call.
 
+The gate (mg_gate.c): the cost the swap-in gate adds to a call of a driver function the shim
+does not hook (cuCtxGetDevice, bound as a linked program binds it: to the shim's trampoline),
+measured by the same alternation in one process against the driver's own function.
+
+Start-up: STARTUP_PROCS processes started at once in STARTUP_CONTAINERS containers, each
+creating its context (dgx-h100: 512 MiB) and making one allocation, with and without the
+shim, interleaved: wall time and the processes' CPU time, and their ratios (target: under
+1.3x). Then the same start under the shim once more with every process checking that what
+its slot counts for its context is NVML's figure for it, byte for byte.
+
 The headline, the shim's added cost per alloc+free pair on both allocation paths
 (cuMemAlloc/cuMemFree: an mmap and munmap in the fake; cuMemAllocAsync/
 cuMemFreeAsync: the pool, no system call), is measured within one process that
@@ -48,13 +58,13 @@ GiB = 1 << 30
 TARGET_NS = 100  # the shim's added cost per alloc+free pair, each path
 if quick():  # a smoke run (bench/__init__.py): every figure produced, none meaningful
     ROUNDS, LOOP_N, ALTERNATIONS = 2, 200, 1
-    AB_ROUNDS, AB_PAIRS, AB_PROCS = 10, {"abfree": 20, "abasync": 200}, 1
+    AB_ROUNDS, AB_PAIRS, AB_PROCS = 10, {"abfree": 20, "abasync": 200, "abgate": 200}, 1
     STARTUP_PROCS, STARTUP_CONTAINERS, STARTUP_RUNS = 6, 3, 1
     CONTENTION_PROCS = 2
 else:
     ROUNDS, LOOP_N, ALTERNATIONS = 20, 20000, 5
     # Many short rounds: the per-round differences are what the median is taken over.
-    AB_ROUNDS, AB_PAIRS, AB_PROCS = 1000, {"abfree": 200, "abasync": 2000}, 5
+    AB_ROUNDS, AB_PAIRS, AB_PROCS = 1000, {"abfree": 200, "abasync": 2000, "abgate": 2000}, 5
     STARTUP_PROCS, STARTUP_CONTAINERS = 300, 3  # 100 processes per container: within its 256 slots
     STARTUP_RUNS = 3
     CONTENTION_PROCS = 8
@@ -64,10 +74,13 @@ def build_driver() -> Path:
     libdir = native.native_dir()
     native.library(native.FAKE_CUDA)
     native.library(native.SHIM)
-    if not DRIVER.exists() or DRIVER.stat().st_mtime < DRIVER_SRC.stat().st_mtime:
+    abi_h = ROOT / "gpufrac" / "memguard" / "native" / "memguard_abi.h"
+    newest = max(DRIVER_SRC.stat().st_mtime, abi_h.stat().st_mtime)
+    if not DRIVER.exists() or DRIVER.stat().st_mtime < newest:
         DRIVER.parent.mkdir(parents=True, exist_ok=True)
         cc = os.environ.get("CC", "cc")
         cmd = [cc, "-std=c11", "-D_GNU_SOURCE", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(DRIVER)]
+        cmd += [f"-I{ROOT / 'gpufrac' / 'memguard' / 'native'}"]  # memguard_abi.h: the usage file
         cmd += [str(DRIVER_SRC), f"-L{libdir}", "-l:libcuda.so.1", f"-Wl,-rpath,{libdir}", "-ldl"]
         subprocess.run(cmd, check=True)
     return DRIVER
@@ -131,7 +144,7 @@ class Bench:
 
     def ab(self, op: str, shim: bool) -> dict[str, float]:
         """One process alternating rounds between the hooks and the driver's own functions."""
-        out = self.drive(shim, op, AB_ROUNDS, AB_PAIRS[op], 4096)
+        out = self.drive(shim, op, AB_ROUNDS, AB_PAIRS[op], 4096).strip().splitlines()[-1]
         kv = dict(p.split("=") for p in out.split()[1:])
         return {k: float(v) for k, v in kv.items()}
 
@@ -156,28 +169,41 @@ class Bench:
             "processes": AB_PROCS,
         }
 
-    def startup(self, shim: bool) -> tuple[float, float]:
+    def startup(self, shim: bool, check: bool = False) -> tuple[float, float, list[str]]:
         """Wall seconds for STARTUP_PROCS processes started at once to init, alloc,
-        free and exit, and the CPU seconds they used together."""
+        free and exit, the CPU seconds they used together, and (`check`) what each printed."""
         cpu0 = _children_cpu()
         t0 = time.monotonic()
         procs = [
             subprocess.Popen(
-                [str(DRIVER), "start"],
+                [str(DRIVER), "start", *(["check"] if check else [])],
                 env=self.env(shim, self.containers[i % len(self.containers)]),
-                stdout=subprocess.DEVNULL,
+                stdout=subprocess.PIPE if check else subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
             )
             for i in range(STARTUP_PROCS)
         ]
-        errors = [p.stderr.read() for p in procs if p.wait(timeout=600) != 0 and p.stderr]
+        outs = [p.communicate(timeout=600) for p in procs]
         wall = time.monotonic() - t0
-        for p in procs:
-            if p.stderr:
-                p.stderr.close()
+        errors = [err for p, (_, err) in zip(procs, outs, strict=True) if p.returncode != 0]
         if errors:
             raise RuntimeError(f"start-up processes failed: {errors[:3]}")
-        return wall, _children_cpu() - cpu0
+        return wall, _children_cpu() - cpu0, [out.decode() for out, _ in outs if out]
+
+    def charges(self) -> dict[str, Any]:
+        """STARTUP_PROCS started at once under the shim, each comparing what its slot counts
+        for its context with NVML's figure for it: how many matched, byte for byte."""
+        _, _, outs = self.startup(True, check=True)
+        pairs = []
+        for out in outs:
+            kv = dict(p.split("=") for p in out.split()[1:])
+            pairs.append((int(kv["counted"]), int(kv["nvml"])))
+        exact = sum(1 for counted, nvml in pairs if counted == nvml > 0)
+        return {
+            "processes": len(pairs),
+            "exact": exact,
+            "mismatched": [list(p) for p in pairs if p[0] != p[1] or p[1] <= 0][:10],
+        }
 
     def contention(self) -> dict[str, float]:
         # The pool path: with no syscall in the way, contention on the shared
@@ -216,11 +242,15 @@ def main() -> int:
         # The same pairs in separate plain and shim processes, interleaved.
         alloc = b.overhead("asyncfree", 4096)
         alloc_mmap = b.overhead("allocfree", 4096)
+        gate = b.paired("abgate")
         launch = b.overhead("launch")
         getinfo = b.overhead("getinfo")
-        runs = [(b.startup(False), b.startup(True)) for _ in range(STARTUP_RUNS)]  # interleaved
-        plain_s, plain_cpu = min(r[0] for r in runs)
-        shim_s, shim_cpu = min(r[1] for r in runs)
+        runs = [(b.startup(False)[:2], b.startup(True)[:2]) for _ in range(STARTUP_RUNS)]  # interleaved
+        plain_s = min(r[0][0] for r in runs)
+        plain_cpu = min(r[0][1] for r in runs)
+        shim_s = min(r[1][0] for r in runs)
+        shim_cpu = min(r[1][1] for r in runs)
+        charges = b.charges()
         cont = b.contention()
     result: dict[str, Any] = {
         # The shim's added cost per alloc+free pair (4 KiB), each path: see the module doc.
@@ -234,10 +264,17 @@ def main() -> int:
         "quick": quick(),
         "alloc_free_overhead_ns": alloc["overhead_ns"],
         "alloc_free_ratio": round((alloc["plain_ns"] + alloc["overhead_ns"]) / alloc["plain_ns"], 3),
+        # The swap-in gate's cost per call of a function the shim does not hook.
+        "gate_call_overhead_ns": gate["overhead_ns"],
         "launch_overhead_ns": launch["overhead_ns"],
         "getinfo_overhead_ns": getinfo["overhead_ns"],
         # Extra wall time per process when STARTUP_PROCS start at once (shim vs none).
         "startup_ms_per_process": round((shim_s - plain_s) * 1000 / STARTUP_PROCS, 3),
+        # STARTUP_PROCS processes at once, shim / no shim (target under 1.3 each), and whether
+        # every one's context charge was NVML's figure for it.
+        "startup_wall_ratio": round(shim_s / plain_s, 3),
+        "startup_cpu_ratio": round(shim_cpu / plain_cpu, 3),
+        "startup_charges_exact": charges["exact"] == charges["processes"] == STARTUP_PROCS,
         "contention_8proc_ratio": round(cont["ratio"], 3),
         "details": {
             "pool_pair": {
@@ -245,6 +282,7 @@ def main() -> int:
                 "calls": "cuMemAllocAsync + cuMemFreeAsync, hooks vs driver in one process",
             },
             "mmap_pair": {**mmap, "calls": "cuMemAlloc_v2 + cuMemFree_v2, hooks vs driver in one process"},
+            "gate_call": {**gate, "calls": "cuCtxGetDevice: the shim's gate trampoline vs the driver's own"},
             "alloc_free_pair": {**alloc, "calls": "cuMemAllocAsync + cuMemFreeAsync (pool: no syscall)"},
             "alloc_free_pair_mmap": {
                 **alloc_mmap,
@@ -260,6 +298,9 @@ def main() -> int:
                 "plain_ms_per_process": round(plain_s * 1000 / STARTUP_PROCS, 3),
                 "shim_ms_per_process": round(shim_s * 1000 / STARTUP_PROCS, 3),
                 "added_cpu_ms_per_process": round((shim_cpu - plain_cpu) * 1000 / STARTUP_PROCS, 3),
+                "plain_cpu_s": round(plain_cpu, 3),
+                "shim_cpu_s": round(shim_cpu, 3),
+                "charges": charges,
             },
             "contention": {**cont, "processes": CONTENTION_PROCS},
             "method": (

@@ -17,6 +17,20 @@
  *                                           "<op> hook_ns=<min> real_ns=<min> diff_ns=<median of
  *                                           per-round differences>"; without the shim both sides
  *                                           are the driver (the noise floor).
+ *   shim_bench abgate ROUNDS N           -> the same alternation for a function the shim does not
+ *                                           hook (cuCtxGetDevice): as linked, under LD_PRELOAD the
+ *                                           shim's gate trampoline, vs the driver's own; prints
+ *                                           "abgate hook_ns=.. real_ns=.. diff_ns=.." per call
+ *   shim_bench start [check]             -> init, one alloc+free, exit (start-up cost); with
+ *                                           `check`, also print "start counted=<bytes> nvml=<bytes>":
+ *                                           what the container's usage slot of this process counts
+ *                                           after the context, and NVML's figure for this process
+ *   shim_bench ablaunch ROUNDS N         -> the same alternation for cuLaunchKernel of busy_us(0)
+ *                                           (the compute share's pace is read on this path)
+ *   shim_bench ablaunchx ROUNDS N        -> the same with a function handle the driver refuses
+ *                                           at once (CUDA_ERROR_INVALID_HANDLE, no simulated
+ *                                           GPU work): the hook's own cost, without the fake
+ *                                           driver's microsecond of scheduling around it
  *   shim_bench start                     -> init, one alloc+free, exit (start-up cost)
  *   shim_bench burst 1 N BYTES [PAUSE_MS] -> N allocations of BYTES past the container's request
  *                                           (each a burst request to the agent's arbiter), each
@@ -35,6 +49,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
+
+#include "memguard_abi.h" /* the usage file's layout */
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -57,6 +74,7 @@ CUresult cuModuleLoadData(CUmodule *, const void *);
 CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
 CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
                         void **, void **);
+CUresult cuCtxGetDevice(CUdevice *);
 
 static uint64_t now(clockid_t c) {
     struct timespec ts;
@@ -145,6 +163,112 @@ static int ab(const char *op, unsigned long rounds, unsigned long n, size_t byte
     return 0;
 }
 
+typedef CUresult (*ctxdev_fn)(CUdevice *);
+
+/* One round of n calls of a function the shim does not hook; ns per call. */
+static double gate_round(unsigned long n, ctxdev_fn f) {
+    CUdevice d;
+    CUresult rc;
+    uint64_t t0 = now(CLOCK_MONOTONIC);
+    for (unsigned long i = 0; i < n; i++)
+        if ((rc = f(&d)) != 0) die("cuCtxGetDevice", rc);
+    return (double)(now(CLOCK_MONOTONIC) - t0) / (double)n;
+}
+
+static int abgate(unsigned long rounds, unsigned long n) {
+    ctxdev_fn real = (ctxdev_fn)driver_fn("cuCtxGetDevice");
+    double best_hook = 1e300, best_real = 1e300, *diff = calloc(rounds ? rounds : 1, sizeof *diff);
+    if (!diff) return 2;
+    gate_round(n, cuCtxGetDevice); /* warm both */
+    gate_round(n, real);
+    for (unsigned long r = 0; r < rounds; r++) {
+        double h, x;
+        if (r & 1) {
+            x = gate_round(n, real);
+            h = gate_round(n, cuCtxGetDevice);
+        } else {
+            h = gate_round(n, cuCtxGetDevice);
+            x = gate_round(n, real);
+typedef CUresult (*launch_fn)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                              CUstream, void **, void **);
+
+static double launch_round(unsigned long n, launch_fn fn, CUfunction f) {
+    unsigned long long us = 0; /* busy_us(0): no simulated work */
+    void *params[] = {&us};
+    CUresult rc;
+    uint64_t t0 = now(CLOCK_MONOTONIC);
+    for (unsigned long i = 0; i < n; i++)
+        if ((rc = fn(f, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL)) != 0 && rc != 400 /* INVALID_HANDLE */)
+            die("cuLaunchKernel", rc);
+    return (double)(now(CLOCK_MONOTONIC) - t0) / (double)n;
+}
+
+static int ablaunch(unsigned long rounds, unsigned long n, CUfunction f) {
+    launch_fn real = (launch_fn)driver_fn("cuLaunchKernel");
+    double best_hook = 1e300, best_real = 1e300, *diff = calloc(rounds ? rounds : 1, sizeof *diff);
+    if (!diff) return 2;
+    launch_round(n, cuLaunchKernel, f); /* warm both */
+    launch_round(n, real, f);
+    for (unsigned long r = 0; r < rounds; r++) {
+        double h, x;
+        if (r & 1) {
+            x = launch_round(n, real, f);
+            h = launch_round(n, cuLaunchKernel, f);
+        } else {
+            h = launch_round(n, cuLaunchKernel, f);
+            x = launch_round(n, real, f);
+        }
+        if (h < best_hook) best_hook = h;
+        if (x < best_real) best_real = x;
+        diff[r] = h - x;
+    }
+    qsort(diff, rounds, sizeof *diff, cmp_double);
+    double med = rounds ? (rounds & 1 ? diff[rounds / 2] : (diff[rounds / 2 - 1] + diff[rounds / 2]) / 2) : 0;
+    printf("abgate hook_ns=%.2f real_ns=%.2f diff_ns=%.2f\n", best_hook, best_real, med);
+    printf("ablaunch hook_ns=%.2f real_ns=%.2f diff_ns=%.2f\n", best_hook, best_real, med);
+    free(diff);
+    return 0;
+}
+
+/* What the container's usage file counts for this process (its slot), or -1. */
+static long long counted_here(void) {
+    const char *dir = getenv("GPUFRAC_CONTAINER_DIR");
+    char path[4096];
+    if (!dir) return -1;
+    snprintf(path, sizeof path, "%s/usage", dir);
+    FILE *f = fopen(path, "rb");
+    if (!f) return -1;
+    static mg_usage_t u;
+    size_t got = fread(&u, 1, sizeof u, f);
+    fclose(f);
+    if (got != sizeof u) return -1;
+    for (int i = 0; i < MG_MAX_PROCS; i++)
+        if (u.slots[i].pid == (int32_t)getpid()) return (long long)u.slots[i].used_bytes;
+    return 0;
+}
+
+/* NVML's figure for this process on device 0 (a process in the host's pid namespace), or -1. */
+static long long nvml_here(void) {
+    typedef struct {
+        unsigned int pid;
+        unsigned long long used;
+        unsigned int gi, ci;
+    } info_t;
+    void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+    if (!h) return -1;
+    int (*init)(void) = (int (*)(void))dlsym(h, "nvmlInit_v2");
+    int (*byidx)(unsigned, void **) = (int (*)(unsigned, void **))dlsym(h, "nvmlDeviceGetHandleByIndex_v2");
+    int (*procs)(void *, unsigned *, info_t *) =
+        (int (*)(void *, unsigned *, info_t *))dlsym(h, "nvmlDeviceGetComputeRunningProcesses_v3");
+    void *dev = NULL;
+    info_t v[512];
+    unsigned n = 512;
+    if (!init || !byidx || !procs || init() != 0 || byidx(0, &dev) != 0 || procs(dev, &n, v) != 0) return -1;
+    for (unsigned i = 0; i < n; i++)
+        if (v[i].pid == (unsigned)getpid()) return (long long)v[i].used;
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) return 2;
     const char *op = argv[1];
@@ -160,11 +284,21 @@ int main(int argc, char **argv) {
     if (rc) die("init", rc);
     CUdeviceptr d;
     if (!strcmp(op, "start")) {
+        if (argc > 2 && !strcmp(argv[2], "check")) printf("start counted=%lld nvml=%lld\n", counted_here(), nvml_here());
         if ((rc = cuMemAlloc_v2(&d, 4096)) != 0) die("cuMemAlloc_v2", rc);
         if ((rc = cuMemFree_v2(d)) != 0) die("cuMemFree_v2", rc);
         return 0;
     }
     if (!strcmp(op, "abfree") || !strcmp(op, "abasync")) return ab(op, rounds, n, bytes);
+    if (!strcmp(op, "abgate")) return abgate(rounds, n);
+    if (!strcmp(op, "ablaunch") || !strcmp(op, "ablaunchx")) {
+        CUmodule m;
+        CUfunction f;
+        if ((rc = cuModuleLoadData(&m, "SIMGPU-MODULE")) != 0) die("cuModuleLoadData", rc);
+        if ((rc = cuModuleGetFunction(&f, m, "busy_us")) != 0) die("cuModuleGetFunction", rc);
+        if (op[8] == 'x') f = (CUfunction)(uintptr_t)0x10; /* no live function: refused at once */
+        return ablaunch(rounds, n, f);
+    }
     if (!strcmp(op, "burst")) {
         unsigned long pause_ms = argc > 5 ? strtoul(argv[5], NULL, 0) : 5;
         struct timespec pause = {(time_t)(pause_ms / 1000), (long)(pause_ms % 1000) * 1000000L};

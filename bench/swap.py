@@ -46,7 +46,7 @@ HOLDER = textwrap.dedent(
 
 def measure_roundtrip(sizes_gib: tuple[int, ...] = (1, 4), repeats: int = 5) -> dict[str, Any]:
     """Median swap round trip (ms) per process size, on a fresh simulated node."""
-    from gpufrac.agent.cuda_checkpoint import Checkpointer
+    from gpufrac.agent.arbiter.swap.checkpoint import Checkpointer
     from gpufrac.core import native
     from gpufrac.simgpu.spec import create_node, load_preset
 

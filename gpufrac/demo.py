@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpufrac.agent.metrics import names
 from gpufrac.core import native
 from gpufrac.core.units import format_bytes
 
@@ -42,10 +43,17 @@ FRACTION = "gpufrac.dev/gpu-fraction"
 MEMORY = "gpufrac.dev/gpu-memory"
 # Metric families the demo prints when non-zero (what the collisions left behind).
 COUNTERS_SHOWN = {
-    "gpufrac_container_evictions_total",
-    "gpufrac_container_swaps_total",
-    "gpufrac_container_wait_seconds_count",
-    "gpufrac_arbiter_requests_total",
+    names.CONTAINER_EVICTIONS,
+    names.CONTAINER_SWAPS,
+    names.CONTAINER_WAIT_SECONDS + "_count",
+    names.ARBITER_REQUESTS,
+}
+# The llm-server pod's memory series the demo prints.
+LLM_MEMORY_SHOWN = {
+    names.CONTAINER_MEMORY_REQUEST,
+    names.CONTAINER_MEMORY_LIMIT,
+    names.CONTAINER_MEMORY_USED,
+    names.CONTAINER_MEMORY_BURST_GRANTED,
 }
 
 
@@ -181,7 +189,7 @@ class SimNode:
     def gpufrac(self, *args: str) -> str:
         """A gpufrac CLI command on the simulated node, as a user would run it."""
         r = subprocess.run(
-            [sys.executable, "-m", "gpufrac.agent.cli", *args],
+            [sys.executable, "-m", "gpufrac.agent.cli.commands", *args],
             env=self.env,
             capture_output=True,
             text=True,
@@ -207,8 +215,9 @@ class SimNode:
         devices = self.kubelet.admit(pod)["main"][p.resource]
         p.gpu = devices[0].split("::")[0]
 
-    def start(self, p: DemoPod) -> None:
-        """The container runtime starts the pod's container with what Allocate returned."""
+    def start(self, p: DemoPod, argv: list[str] | None = None) -> None:
+        """The container runtime starts the pod's container with what Allocate returned
+        (running `argv`: default the memory workload, gpufrac.simgpu.workload)."""
         from gpufrac.simgpu.runtime import mounts_of
         from gpufrac.simgpu.workload import WorkloadProcess
 
@@ -216,7 +225,7 @@ class SimNode:
         c = self.runtime.start(
             p.uid,
             "main",
-            WorkloadProcess.argv(),
+            argv or WorkloadProcess.argv(),
             env=self.env,
             envs=dict(resp.envs),
             mounts=mounts_of(resp),
@@ -340,7 +349,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
-    from gpufrac.agent.status.cli import format_status
+    from gpufrac.agent.cli.status import format_status
 
     banner(f"A simulated GPU node: preset {args.preset}")
     say(f"node state {node.state}; fake NVML and CUDA driver libraries in {node.libdir}")
@@ -453,6 +462,7 @@ def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
     say(f"  {'notebook':10} {'... and its waiting allocation completes':48} -> {answer}")
     show_events(node, seen)
 
+    compute_shares(node)
     dra_section(node)
 
     banner("gpufrac status")
@@ -463,7 +473,7 @@ def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     for line in text.splitlines():
         name = line.split("{", 1)[0]
-        llm = 'pod="llm-server"' in line and name.startswith("gpufrac_container_memory_")
+        llm = 'pod="llm-server"' in line and name in LLM_MEMORY_SHOWN
         counted = name in COUNTERS_SHOWN and not line.endswith(" 0.0")
         if llm or counted:
             say("  " + line)
@@ -476,6 +486,42 @@ def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
         if p.workload is not None:
             p.workload.close()
     return 0
+
+
+def compute_shares(node: SimNode) -> None:
+    """Two pods share the rest of GPU 0's compute by their shares (docs/compute.md)."""
+    banner("Compute shares: two pods busy on one GPU, held to their shares")
+    gpu0 = next(g for g in node.status()["gpus"] if g["index"] == 0)
+    free = int(gpu0["slices"][FRACTION]["free"])
+    big = DemoPod("batch", "renderer", FRACTION, free * 3 // 4, {}, 0)
+    small = DemoPod("batch", "tagger", FRACTION, free - free * 3 // 4, {}, 0)
+    argv = [sys.executable, "-m", "gpufrac.simgpu.computeload"]
+    for p in (big, small):
+        node.admit(p)
+        node.start(p, argv)
+    until(
+        lambda: all((c := node.container(p)) and c.get("compute_share") for p in (big, small)),
+        "compute shares",
+    )
+
+    def show(p: DemoPod, what: str) -> None:
+        c = node.container(p) or {}
+        used, share = c.get("compute_used") or 0.0, c.get("compute_share") or 0.0
+        held = ", launches paced" if c.get("compute_paced") else ""
+        mode = f"({c.get('compute_mode')})"
+        say(f"  {p.name:10} share {share * 100:3.0f}% {mode:8} {what:28} uses {used * 100:3.0f}%{held}")
+
+    big.workload.do("spin 2000 8 1 launch")
+    time.sleep(1.5)
+    show(big, "alone: the whole GPU")
+    small.workload.do("spin 2000 8 1 launch")
+    time.sleep(2.5)
+    for p in (big, small):
+        show(p, "both busy: its share")
+    say("  (the driver's time slicing alone would give each of them half the GPU)")
+    for p in (big, small):
+        p.workload.do("stop")
+        p.workload.close()
 
 
 def dra_section(node: SimNode) -> None:

@@ -2,8 +2,8 @@
 
 One asyncio loop owns all agent state (docs/architecture.md): the ledger, the two
 device-plugin servers, the reconciler with the kubelet's pod-resources
-(gpufrac.agent.reconcile), the state file (gpufrac.agent.persist) and GPU health
-(gpufrac.agent.healthsync, whose blocking NVML wait runs in a worker thread).
+(gpufrac.agent.booking.reconcile), the state file (gpufrac.agent.booking.persist) and GPU health
+(gpufrac.agent.gpu.healthsync, whose blocking NVML wait runs in a worker thread).
 
 This module is the composition root: Agent.start() builds every part once, in dependency
 order, and hands each its collaborators (typed Protocols declared next to the code that
@@ -11,7 +11,10 @@ needs them); Agent.stop() stops them in order. Parts that may be missing on a no
 `X | None`, decided here: no apiserver (kube.connect fails) leaves the pod cache, the Event
 recorder, the evictor and the node labeler out; no arbiter socket leaves the arbiter out.
 No part reaches into the Agent or sets attributes on it. The device-plugin servers are
-the front end of the allocation service (gpufrac.agent.allocation_service).
+the front end of the allocation service (gpufrac.agent.booking.allocation_service); in mode
+dra the DRA driver (gpufrac.dra.server) is, over the same service, with the claims' parts
+(gpufrac.agent.booking.claims, claim_identity, cdi) and the node's ResourceSlice
+(gpufrac.agent.gpu.dra_slices): a node is in one mode, never both.
 
 Run it with `gpufrac agent --config node.yaml` or `python -m gpufrac.agent.main`;
 tests, the bench and the demo may also run `Agent` in-process (gpufrac.agent.runner).
@@ -30,38 +33,48 @@ from typing import Any, Protocol
 
 from kubernetes.client import ApiClient
 
-from gpufrac.agent import idle, kube, nodelabels
-from gpufrac.agent import metrics as metrics_mod
-from gpufrac.agent.activity import ActivityTracker
-from gpufrac.agent.admission import Admission
-from gpufrac.agent.allocation_service import AllocationService
-from gpufrac.agent.arbiter import Arbiter, adopt_grants, published_grants
-from gpufrac.agent.callers import PeerLookup, namer_from_pods
-from gpufrac.agent.cdi import CdiSpecs
-from gpufrac.agent.claim_identity import ClaimIdentity
-from gpufrac.agent.claims import ClaimService
-from gpufrac.agent.container_dirs import ContainerDirs
-from gpufrac.agent.dra_slices import SliceKeeper
-from gpufrac.agent.health import HealthMonitor
-from gpufrac.agent.healthsync import HealthSource, HealthSync
-from gpufrac.agent.idle import IdleReaper
-from gpufrac.agent.idle_actions import swap_via
-from gpufrac.agent.inventory import NvmlError, read_inventory
-from gpufrac.agent.kube import ClaimReader, EventRecorder, NodeLabeler, PodCache, PodEvictor, SlicePublisher
-from gpufrac.agent.ledger import ContainerAlloc, Ledger
-from gpufrac.agent.ledger_store import (
+from gpufrac.agent.arbiter.admission import Admission
+from gpufrac.agent.arbiter.recovery import adopt_grants, published_grants
+from gpufrac.agent.arbiter.service import Arbiter
+from gpufrac.agent.booking.allocation_service import AllocationService
+from gpufrac.agent.booking.cdi import CdiSpecs
+from gpufrac.agent.booking.claim_identity import ClaimIdentity
+from gpufrac.agent.booking.claims import ClaimService
+from gpufrac.agent.booking.container_dirs import ContainerDirs
+from gpufrac.agent.booking.ledger import ContainerAlloc, Ledger
+from gpufrac.agent.booking.ledger_store import (
     StateStore,
     read_claim_records,
     restore,
     restore_claim_records,
     write_claim_record,
 )
-from gpufrac.agent.nodelabels import NodeLabels
-from gpufrac.agent.persist import Persister
-from gpufrac.agent.pods import PodIdentity
-from gpufrac.agent.reconcile import RECONCILE_INTERVAL, RELEASE_GRACE, ReconcileLoop, Reconciler
+from gpufrac.agent.booking.persist import Persister
+from gpufrac.agent.booking.pods import PodIdentity
+from gpufrac.agent.booking.reconcile import RECONCILE_INTERVAL, RELEASE_GRACE, ReconcileLoop, Reconciler
+from gpufrac.agent.compute.loop import ComputeLoop
+from gpufrac.agent.gpu import nodelabels
+from gpufrac.agent.gpu.activity import ActivityTracker
+from gpufrac.agent.gpu.dra_slices import SliceKeeper
+from gpufrac.agent.gpu.health import HealthMonitor
+from gpufrac.agent.gpu.healthsync import HealthSource, HealthSync
+from gpufrac.agent.gpu.inventory import NvmlError, read_inventory
+from gpufrac.agent.gpu.nodelabels import NodeLabels
+from gpufrac.agent.gpu.utilisation import UtilisationFeed
+from gpufrac.agent.idle import reaper as idle
+from gpufrac.agent.idle.actions import swap_via
+from gpufrac.agent.idle.reaper import IdleReaper
+from gpufrac.agent.kube.claims import ClaimReader
+from gpufrac.agent.kube.client import KubeConfigError, connect
+from gpufrac.agent.kube.evict import PodEvictor
+from gpufrac.agent.kube.nodes import NodeLabeler
+from gpufrac.agent.kube.podcache import PodCache
+from gpufrac.agent.kube.recorder import EventRecorder
+from gpufrac.agent.kube.resourceslices import SlicePublisher
+from gpufrac.agent.metrics.registry import Metrics
+from gpufrac.agent.processes.callers import PeerLookup, namer_from_pods
 from gpufrac.agent.status import server as status_mod
-from gpufrac.agent.watchdog import Watchdog
+from gpufrac.agent.watchdog.service import Watchdog
 from gpufrac.core import config as config_mod
 from gpufrac.core import eventloop, logs, slices
 from gpufrac.core.config import Config, arbiter_socket, dra_plugin_socket, dra_registration_socket
@@ -76,8 +89,8 @@ CONNECT_TIMEOUT = 30.0
 
 
 class AgentHealth(HealthSource, Protocol):
-    """GPU health as the agent holds it (gpufrac.agent.health.HealthMonitor): followed
-    (gpufrac.agent.healthsync), shown (XID counts, gpufrac status) and closed at stop."""
+    """GPU health as the agent holds it (gpufrac.agent.gpu.health.HealthMonitor): followed
+    (gpufrac.agent.gpu.healthsync), shown (XID counts, gpufrac status) and closed at stop."""
 
     def current(self) -> dict[str, GpuHealth]: ...
     def xid_counts(self) -> dict[tuple[str, int], int]: ...
@@ -86,7 +99,7 @@ class AgentHealth(HealthSource, Protocol):
 
 class Agent:
     """The agent. `inventory` and `health` may be injected (tests); by default they
-    come from NVML (gpufrac.agent.inventory / gpufrac.agent.health)."""
+    come from NVML (gpufrac.agent.gpu.inventory / gpufrac.agent.gpu.health)."""
 
     def __init__(
         self,
@@ -117,7 +130,7 @@ class Agent:
         # Any: the tasks' results, which nothing reads (stop() cancels and awaits them).
         self._tasks: list[asyncio.Task[Any]] = []
         # /metrics, /healthz, /readyz (gpufrac.agent.metrics) and the status socket (gpufrac.agent.status).
-        self.metrics = metrics_mod.Metrics()
+        self.metrics = Metrics()
         self.status_server: status_mod.StatusServer | None = None
         # The parts start() builds, in this order (None until then, or where the node lacks
         # what the part needs: the apiserver, the arbiter socket, NVML).
@@ -129,7 +142,9 @@ class Agent:
         self.reconcile_loop: ReconcileLoop | None = None  # reconciles, then pod identity
         self.arbiter: Arbiter | None = None  # burst grants, on the node-wide socket
         self.watchdog: Watchdog | None = None  # NVML's per-process memory against the limits
+        self.utilisation: UtilisationFeed | None = None  # NVML's per-process utilisation, one reader
         self.activity: ActivityTracker | None = None  # per-container GPU activity
+        self.compute: ComputeLoop | None = None  # compute shares: launch paces from measured use
         self.reaper: IdleReaper | None = None  # gives the GPU back from idle pods
         self.admission: Admission | None = None  # reclaim at admission
         self.node_labels: NodeLabels | None = None  # gpufrac.dev/ labels on this Node
@@ -156,8 +171,7 @@ class Agent:
         if self.inventory is None:
             self.inventory = await asyncio.to_thread(read_inventory)
         inventory = self.inventory
-        ledger = self.ledger = Ledger(cfg, inventory)
-        ledger.retire = self.dirs.discard
+        ledger = self.ledger = Ledger(cfg, inventory, retire=self.dirs.discard)
         reconciler = self.reconciler = Reconciler(
             ledger, self.pod_resources, self.dirs, self.metrics, release_grace=self.release_grace
         )
@@ -196,17 +210,21 @@ class Agent:
             reconciler, self.pods, self.metrics, interval=self.reconcile_interval
         )
         # The activity tracker first: the arbiter judges swap and evict victims idle by it too.
-        self.activity = await self._open_activity()
+        # It and compute shares read one feed of the driver's per-process utilisation.
+        self.utilisation = await self._open_utilisation()
+        self.activity = await self._open_activity(self.utilisation)
         await self._start_arbiter(ledger, pod_cache, self.activity)  # before any container can ask
         self._start_watchdog(ledger, pod_cache)
         if cfg.mode == "dra":
             # Claims' policies come from their parameters, device-plugin containers' from their
-            # pods: the reaper asks both through this one.
+            # pods: the reaper and compute shares ask both through this one.
             self.claim_identity = ClaimIdentity(
                 cfg, ledger, pod_cache, self.events, metrics=self.metrics, fallback=self.pods
             )
-        reaper = self._open_reaper(ledger, self.claim_identity or self.pods, self.activity, api, no_api)
-        self.admission = Admission(self.arbiter, ledger, self.events)
+        identity = self.claim_identity or self.pods
+        self._start_compute(ledger, identity, pod_cache, self.utilisation)
+        reaper = self._open_reaper(ledger, identity, self.activity, api, no_api)
+        self.admission = Admission(self.arbiter.resolution if self.arbiter else None, ledger, self.events)
         if api is None:
             log.error("node labels unavailable: %s", no_api)
         labeler = NodeLabeler(api, cfg.node_name, nodelabels.OWNED) if api is not None else None
@@ -309,13 +327,9 @@ class Agent:
         Bounded: a kubeconfig's exec plugin that hangs must not keep the device plugins from
         registering (containers are then admitted with limit = request, as without one)."""
         try:
-            return (
-                await asyncio.wait_for(
-                    kube.connect(self.config.api_server, self.config.kubeconfig), CONNECT_TIMEOUT
-                ),
-                "",
-            )
-        except kube.KubeConfigError as e:
+            api = connect(self.config.api_server, self.config.kubeconfig)
+            return await asyncio.wait_for(api, CONNECT_TIMEOUT), ""
+        except KubeConfigError as e:
             return None, str(e)
         except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
             return (
@@ -352,7 +366,7 @@ class Agent:
         self._tasks.append(asyncio.create_task(arbiter.swap.start(), name="swap-start"))
 
     def _start_watchdog(self, ledger: Ledger, pod_cache: PodCache | None) -> None:
-        """NVML's per-process memory against each container's limit (gpufrac.agent.watchdog).
+        """NVML's per-process memory against each container's limit (gpufrac.agent.watchdog.service).
         Containers are told apart as the arbiter tells its callers apart."""
         peers = (
             self.arbiter.peers if self.arbiter is not None else PeerLookup(ledger, namer_from_pods(pod_cache))
@@ -362,14 +376,47 @@ class Agent:
         if task is not None:
             self._tasks.append(task)
 
-    async def _open_activity(self) -> ActivityTracker | None:
-        """The activity tracker (NVML when it can be had); None, logged, when it cannot be had
-        (the rest of the agent goes on without it: no idle reaping, victims judged by file)."""
+    async def _open_utilisation(self) -> UtilisationFeed | None:
+        """NVML's per-process utilisation (gpufrac.agent.gpu.utilisation); None, logged, without
+        NVML: no compute shares, and activity from the shim's launch counters alone."""
         try:
-            return await asyncio.to_thread(ActivityTracker.with_nvml)
-        except Exception:
-            log.exception("idle reaper stopped")
+            return await asyncio.to_thread(UtilisationFeed.open)
+        except Exception as e:
+            log.warning("NVML unavailable for per-process utilisation (%s): no compute shares, "
+                        "activity from the shim's launch counters", e)  # fmt: skip
             return None
+
+    async def _open_activity(self, feed: UtilisationFeed | None) -> ActivityTracker | None:
+        """The activity tracker over the utilisation feed (launches alone without it); None,
+        logged, when it cannot be had (the rest of the agent goes on without it: no idle
+        reaping, victims judged by file)."""
+        try:
+            return ActivityTracker(nvml=feed.view() if feed is not None else None)
+        except Exception:
+            log.exception("activity tracker unavailable: no idle reaping, victims judged by their files")
+            return None
+
+    def _start_compute(
+        self,
+        ledger: Ledger,
+        pods: PodIdentity | ClaimIdentity,
+        pod_cache: PodCache | None,
+        feed: UtilisationFeed | None,
+    ) -> None:
+        """Compute shares (gpufrac.agent.compute): the driver's measured use, through the
+        controller, to each container's launch pace. Containers are told apart as the arbiter
+        tells its callers apart."""
+        if not self.config.compute.enabled:
+            log.info("compute shares are off (compute.enabled: false)")
+            return
+        if feed is None:
+            log.error("compute shares unavailable: no per-process utilisation from NVML")
+            return
+        peers = (
+            self.arbiter.peers if self.arbiter is not None else PeerLookup(ledger, namer_from_pods(pod_cache))
+        )
+        self.compute = ComputeLoop(self.config, ledger, pods, peers, feed, self.events)
+        self._tasks.append(asyncio.create_task(self.compute.run(), name="compute"))
 
     def _open_reaper(
         self,
@@ -400,7 +447,7 @@ class Agent:
         return self.reaper
 
     async def _idle_loop(self, reaper: IdleReaper) -> None:
-        """Activity tracking and idle reaping, every idle.interval (gpufrac.agent.idle)."""
+        """Activity tracking and idle reaping, every idle.interval (gpufrac.agent.idle.reaper)."""
         if self.config.idle.enabled:
             log.info("%s", idle.describe(self.config))
         try:
@@ -443,8 +490,12 @@ class Agent:
         await self.pod_resources.close()
         if self.ledger is not None:
             await self.state.save(self.ledger)
+        if self.compute is not None:  # its paces lifted: no one is held back by a stopped agent
+            await self.compute.close()
         if self.activity is not None:  # after the arbiter and the reaper, which read it
             await asyncio.to_thread(self.activity.close)
+        if self.utilisation is not None:  # after its readers
+            await asyncio.to_thread(self.utilisation.close)
         if self.health is not None:
             await asyncio.to_thread(self.health.close)
         if self.node_labels is not None:
@@ -534,7 +585,7 @@ class Agent:
     def _on_change(self) -> None:
         assert self.ledger is not None
         # Only bookings and health change the device lists; identity, limits and grants
-        # change configs, which the state file follows (gpufrac.agent.persist) but
+        # change configs, which the state file follows (gpufrac.agent.booking.persist) but
         # ListAndWatch need not resend.
         if self.ledger.capacity_generation != self._notified_generation:
             self._notified_generation = self.ledger.capacity_generation
@@ -554,7 +605,7 @@ class Agent:
 
 
 class _ClaimRecords:
-    """A claim booking's record in its directory (gpufrac.agent.ledger_store)."""
+    """A claim booking's record in its directory (gpufrac.agent.booking.ledger_store)."""
 
     def write(self, alloc: ContainerAlloc) -> None:
         write_claim_record(alloc)
@@ -571,7 +622,7 @@ class _NoClaims:
     """ResourceClaims without an apiserver: none can be read, so none is prepared."""
 
     async def get(self, namespace: str, name: str) -> dict[str, Any] | None:
-        raise kube.KubeConfigError("no apiserver client: the claim cannot be read")
+        raise KubeConfigError("no apiserver client: the claim cannot be read")
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
@@ -581,7 +632,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         print(f"gpufrac agent: {e}", file=sys.stderr)
         return 2
     logs.setup(cfg)
-    # `gpufrac agent` (gpufrac.agent.cli) does not define the timing knobs: defaults then.
+    # `gpufrac agent` (gpufrac.agent.cli.commands) does not define the timing knobs: defaults then.
     interval: float | None = getattr(args, "reconcile_interval", None)
     grace: float | None = getattr(args, "release_grace", None)
     agent = Agent(

@@ -34,16 +34,20 @@ SWAPPABLE = PREFIX + "swappable"
 WORKLOAD_CLASS = PREFIX + "workload-class"
 IDLE_TIMEOUT = PREFIX + "idle-timeout"
 MAX_RUNTIME = PREFIX + "max-runtime"
-IDLE_EXEMPT = PREFIX + "idle-exempt"  # "true": never reaped for idleness or runtime (gpufrac.agent.idle)
+IDLE_EXEMPT = PREFIX + "idle-exempt"  # "true": never reaped for idleness or runtime (agent/idle/)
 WAIT_TIMEOUT = PREFIX + "wait-timeout"
+# The container's share of its GPU's compute, percent (docs/compute.md); default: its memory share.
+COMPUTE_SHARE = PREFIX + "compute-share"
 
 LIMIT_KEYS = (MEMORY_LIMIT, FRACTION_LIMIT)
+# Keys a `.<container>` suffix narrows to one container of the pod.
+PER_CONTAINER_KEYS = (*LIMIT_KEYS, COMPUTE_SHARE)
 # Every annotation a user may write. Other gpufrac.dev/ keys are typos and are
 # reported, so "gpufrac.dev/gpu-memory-limt" does not silently mean "no burst".
 # Parts of gpufrac that write their own annotations add them to AGENT_OWNED.
 USER_KEYS = frozenset(
     {*LIMIT_KEYS, PREEMPTIBLE, SWAPPABLE, WORKLOAD_CLASS, IDLE_TIMEOUT, MAX_RUNTIME, WAIT_TIMEOUT}
-    | {IDLE_EXEMPT}
+    | {IDLE_EXEMPT, COMPUTE_SHARE}
 )
 AGENT_OWNED: set[str] = set()
 
@@ -95,6 +99,9 @@ class ContainerPolicy:
     wait_timeout: float = 0.0  # seconds
     whole_gpu: bool = False
     pod_known: bool = True
+    # Share of the GPU's compute, 0..1 (docs/compute.md); None: its memory share (a pod not known yet).
+    compute_share: float | None = None
+    compute_share_key: str | None = None  # the annotation it came from; None: the memory share
 
     @property
     def flags(self) -> int:
@@ -219,6 +226,7 @@ def parse_policy(
 
     _check_keys(ann, containers, problems)
     limit, limit_key = _limit(ann, container, request_bytes, gpu_allocatable, whole_gpu, problems)
+    share, share_key = _compute_share(ann, container, request_bytes, gpu_allocatable, whole_gpu, problems)
 
     wclass = setting(WORKLOAD_CLASS, _class, DEFAULT_CLASS, DEFAULT_CLASS)
     preemptible = setting(PREEMPTIBLE, _bool, True, "preemptible=true")
@@ -247,6 +255,8 @@ def parse_policy(
         wait_timeout=wait,
         whole_gpu=whole_gpu,
         pod_known=True,
+        compute_share=share,
+        compute_share_key=share_key,
     )
     return PolicyResult(policy, problems[:MAX_PROBLEMS])
 
@@ -269,7 +279,7 @@ def _check_keys(
         if not key.startswith(PREFIX) or key in USER_KEYS or key in AGENT_OWNED:
             continue
         base, _, target = key.rpartition(".")
-        if base in LIMIT_KEYS and target:
+        if base in PER_CONTAINER_KEYS and target:
             if containers is not None and target not in containers:
                 strangers.append(key)
             continue
@@ -347,3 +357,40 @@ def _limit(
         problems.append(AnnotationProblem(key, value, reason, default))
         return request, None
     return limit, key
+
+
+def memory_share(request_bytes: int, allocatable: int) -> float:
+    """A container's share of its GPU's memory: its request over the GPU's allocatable memory
+    (a gpu-fraction of N is N %), at most the whole GPU."""
+    return min(1.0, request_bytes / allocatable) if allocatable > 0 else 1.0
+
+
+def _compute_share(
+    ann: Mapping[str, str],
+    container: str,
+    request: int,
+    allocatable: int,
+    whole_gpu: bool,
+    problems: list[AnnotationProblem],
+) -> tuple[float, str | None]:
+    """The container's compute share (0..1) and the key it came from: its memory share unless
+    gpufrac.dev/compute-share(.<container>) says otherwise; the memory share on any doubt."""
+    default = memory_share(request, allocatable)
+    if whole_gpu:
+        default = 1.0
+    default_text = f"the memory share {default * 100:.4g}%"
+    key = next((k for k in (container_key(COMPUTE_SHARE, container), COMPUTE_SHARE) if k in ann), None)
+    if key is None:
+        return default, None
+    if whole_gpu:
+        if key != COMPUTE_SHARE:  # aimed at this very container
+            problems.append(
+                AnnotationProblem(key, ann[key], "has no effect on a whole-GPU allocation", "100%")
+            )
+        return default, None
+    try:
+        pct = _percent(ann[key])
+    except ValueError as e:
+        problems.append(AnnotationProblem(key, ann[key], _reason(e, ann[key]), default_text))
+        return default, None
+    return float(pct) / 100, key

@@ -20,7 +20,7 @@ import yaml
 
 from gpufrac.core.flags import CLASS_NAMES
 from gpufrac.core.policy import PolicyConfig, parse_config
-from gpufrac.core.units import MAX_MS_FIELD_S, parse_bytes, parse_duration
+from gpufrac.core.units import MAX_MS_FIELD_S, MIN_ARBITER_TIMEOUT_MS, parse_bytes, parse_duration
 
 GiB = 1 << 30
 RESOLVERS = ("swap", "evict", "wait")
@@ -125,7 +125,7 @@ class IdleConfig:
 
 @dataclass
 class ArbiterLimitsConfig:
-    """Per-container limits on the arbiter socket (gpufrac.agent.fairness,
+    """Per-container limits on the arbiter socket (gpufrac.agent.arbiter.fairness,
     docs/arbiter-protocol.md): one container cannot starve the others' bursts."""
 
     # Connections one container may hold open at once (requests not yet sent included).
@@ -141,6 +141,22 @@ class ArbiterLimitsConfig:
     # connection is at most this deep; past it, connecting shims wait in the kernel, woken in
     # turn as the agent accepts (docs/arbiter-protocol.md, Fairness).
     listen_backlog: int = 16
+
+
+COMPUTE_MODES = ("fair", "strict")
+
+
+@dataclass
+class ComputeConfig:
+    """Compute shares (gpufrac.agent.compute, docs/compute.md): each container's share of its
+    GPU's compute, held by pacing its launches from the driver's measured utilisation."""
+
+    enabled: bool = True
+    # fair: a share is guaranteed while the GPU is contended and compute nobody uses goes to the
+    # busy; strict: a share is also a cap. A namespace's policy may say otherwise (policy.*.computeMode).
+    mode: str = _choice("fair", *COMPUTE_MODES)
+    # The control period: how often the driver's per-process utilisation is read and the paces set.
+    interval: float = _seconds(0.1, positive=True)
 
 
 @dataclass
@@ -186,6 +202,8 @@ class Config:
     # cannot be served (strict order up to here, then it is granted past them), however long
     # they may wait: docs/arbiter-protocol.md, Resolvers, "Order".
     head_of_line_bound: float = _seconds(1.0)
+    # How long the shim waits to connect and send, and the agent to read a request (at least
+    # MIN_ARBITER_TIMEOUT_MS, validate); the reply may take it plus the wait timeout.
     arbiter_timeout: float = _seconds(2.0)
     # Burst grants stay this far below what NVML says is physically free.
     grant_margin: int = _bytes(256 << 20)
@@ -208,6 +226,7 @@ class Config:
     policy: PolicyConfig = field(default_factory=PolicyConfig, metadata={"kind": "policy"})
     arbiter_limits: ArbiterLimitsConfig = field(default_factory=ArbiterLimitsConfig)
     dra: DraConfig = field(default_factory=DraConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
 
     def validate(self) -> None:
         if not self.node_name.strip():
@@ -222,6 +241,14 @@ class Config:
             raise ConfigError(f"resolvers: {self.resolvers} names a resolver twice")
         if not 0 < self.metrics.port < 65536:
             raise ConfigError(f"metrics.port: {self.metrics.port} is not a TCP port")
+        if self.arbiter_timeout * 1000 < MIN_ARBITER_TIMEOUT_MS:  # NaN is refused by the parser
+            # The agent would drop every request not read by its loop's next turn, and the shim
+            # read 0 as 2 s: the two would not mean the same timeout (docs/arbiter-protocol.md).
+            raise ConfigError(
+                f"arbiterTimeout: {self.arbiter_timeout:g}s is less than the least the agent can honour, "
+                f"{MIN_ARBITER_TIMEOUT_MS}ms (a shim's request must reach the agent's loop within it on "
+                "a loaded node)"
+            )
         for key, seconds in (("arbiterTimeout", self.arbiter_timeout), ("waitTimeout", self.wait_timeout)):
             # The shim holds these in a u32 of milliseconds: refuse rather than wrap around.
             if seconds > MAX_MS_FIELD_S:
@@ -266,6 +293,9 @@ class Config:
                 f"dra.driverName: {self.dra.driver_name!r} is not a DNS subdomain of at most 63 "
                 "characters (lowercase letters, digits, '-' and '.')"
             )
+        if not 0.01 <= self.compute.interval <= 10:
+            # Shorter than the driver's sampling is noise; longer, a share takes many seconds to hold.
+            raise ConfigError(f"compute.interval: {self.compute.interval:g}s must be between 10ms and 10s")
         bad = [c for c in self.idle.reap_classes if c not in CLASS_NAMES]
         if bad:
             raise ConfigError(

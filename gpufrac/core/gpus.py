@@ -1,6 +1,6 @@
 """GPU inventory types: what the agent knows about each GPU on the node.
 
-The inventory is read through nvidia-ml-py (gpufrac/agent/inventory.py), the same
+The inventory is read through nvidia-ml-py (gpufrac/agent/gpu/inventory.py), the same
 code on simgpu and on a real node. Everything else in the agent consumes these
 types, never NVML directly.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 # How a GPU in MIG mode is described wherever it is listed (log, `gpufrac gpus`, status).
 MIG_REASON = "MIG enabled: not shared by gpufrac, left to the MIG-aware device plugin"
@@ -74,3 +75,17 @@ class Inventory:
 
     def link(self, a: int, b: int) -> Link:
         return Link(0, PcieLink.SELF) if a == b else self.links[(a, b)]
+
+
+def mig_to_dict(g: Gpu, used: int | None = None) -> dict[str, Any]:
+    """A GPU in MIG mode, as `gpufrac gpus` and `gpufrac status` list it (not shared)."""
+    return {
+        "index": g.index,
+        "uuid": g.uuid,
+        "model": g.model,
+        "memory_total": g.memory_total,
+        "memory_used": used,
+        "pci_bus_id": g.pci_bus_id,
+        "numa_node": g.numa_node,
+        "reason": MIG_REASON,
+    }

@@ -1,19 +1,22 @@
 """Operator policy: what the pods of a namespace may ask for with their annotations.
 
-A pod sets its own burst limit (gpufrac.dev/gpu-memory-limit), `preemptible` and
-`swappable`. The node config's `policy` section caps that per namespace:
+A pod sets its own burst limit (gpufrac.dev/gpu-memory-limit), `preemptible`,
+`swappable` and its compute share (gpufrac.dev/compute-share). The node config's `policy`
+section caps that per namespace, and says how compute is shared there:
 
     policy:
       default:                    # every namespace not listed below
         maxLimitRatio: 0          # limit <= ratio x request; 0 = no cap
         allowNonPreemptible: true # may pods say preemptible: "false"?
         allowUnswappable: true    # may pods stay unswappable?
+        maxComputeShare: 100      # a container's compute share is at most this percent of its GPU
+        computeMode: fair         # fair or strict (docs/compute.md); unset: the node's compute.mode
       namespaces:
-        research: {maxLimitRatio: 2, allowNonPreemptible: false}
+        research: {maxLimitRatio: 2, allowNonPreemptible: false, computeMode: strict}
 
 A namespace entry names only what differs from `default`. A pod asking beyond its
 namespace's policy gets the capped value (a limit of ratio x request, preemptible,
-swappable), and one Warning Event naming the cap (gpufrac.agent.pods posts it).
+swappable), and one Warning Event naming the cap (gpufrac.agent.booking.pods posts it).
 
 gpufrac.core.config imports this module, and the annotations' ContainerPolicy needs the
 config: so `enforce` asks only for the fields it caps (CappedPolicy), and imports neither.
@@ -34,8 +37,10 @@ from gpufrac.core.quote import shown
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _KEYS = {"maxLimitRatio": "max_limit_ratio", "allowNonPreemptible": "allow_non_preemptible"}
 _KEYS["allowUnswappable"] = "allow_unswappable"
+_KEYS.update(maxComputeShare="max_compute_share", computeMode="compute_mode")
+COMPUTE_MODES = ("fair", "strict")
 
-LIMIT, PREEMPTIBLE, SWAPPABLE = "limit", "preemptible", "swappable"
+LIMIT, PREEMPTIBLE, SWAPPABLE, COMPUTE_SHARE = "limit", "preemptible", "swappable", "compute-share"
 # No cap above this ever binds: a request is at least a memory unit (1Mi or more) and a limit
 # at most a GPU's memory, so larger ratios say nothing and only invite overflow.
 MAX_LIMIT_RATIO = 1_000_000
@@ -46,6 +51,8 @@ class NamespacePolicy:
     max_limit_ratio: float = 0.0  # the burst limit is at most this times the request; 0 = no cap
     allow_non_preemptible: bool = True  # pods may opt out of preemption (gpufrac.dev/preemptible)
     allow_unswappable: bool = True  # pods may stay out of swap (not swappable)
+    max_compute_share: int = 100  # percent of a GPU a container's compute share may be at most
+    compute_mode: str | None = None  # "fair" or "strict"; None: the node's compute.mode
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,17 @@ def _entry(path: str, raw: Any, base: NamespacePolicy) -> NamespacePolicy:
                     f"never below the request) to {MAX_LIMIT_RATIO}"
                 )
             values[name] = float(value)
+        elif name == "max_compute_share":
+            number = isinstance(value, int) and not isinstance(value, bool)
+            if not number or not 1 <= value <= 100:
+                raise ValueError(f"{path}.{key}: {shown(repr(value))} must be a whole percent from 1 to 100")
+            values[name] = value
+        elif name == "compute_mode":  # null: the node's compute.mode
+            if value is not None and value not in COMPUTE_MODES:
+                raise ValueError(
+                    f"{path}.{key}: {shown(repr(value))} must be one of {', '.join(COMPUTE_MODES)}"
+                )
+            values[name] = value
         else:
             if not isinstance(value, bool):
                 raise ValueError(f"{path}.{key}: expected true or false, got {value!r}")
@@ -119,6 +137,10 @@ class CappedPolicy(Protocol):
     def preemptible(self) -> bool: ...
     @property
     def swappable(self) -> bool: ...
+    @property
+    def compute_share(self) -> float | None: ...
+    @property
+    def compute_share_key(self) -> str | None: ...
 
 
 P = TypeVar("P", bound=CappedPolicy)
@@ -168,6 +190,19 @@ def enforce(
         (PREEMPTIBLE, policy.preemptible, ns.allow_non_preemptible, "allowNonPreemptible"),
         (SWAPPABLE, policy.swappable, ns.allow_unswappable, "allowUnswappable"),
     )
+    most_share = ns.max_compute_share / 100
+    share = policy.compute_share
+    if share is not None and not policy.whole_gpu and share > most_share:
+        changes["compute_share"] = most_share
+        source = f" ({policy.compute_share_key})" if policy.compute_share_key else " (its memory share)"
+        caps.append(
+            Cap(
+                COMPUTE_SHARE,
+                f"container {container}: compute share {share * 100:.4g}%{source} is above the node "
+                f"policy's maxComputeShare {ns.max_compute_share} for {where}: "
+                f"{ns.max_compute_share}% applied",
+            )
+        )
     for name, asked, allowed, key in forced:
         if not asked and not allowed:
             changes[name] = True
@@ -179,3 +214,9 @@ def enforce(
                 )
             )
     return (dataclasses.replace(policy, **changes) if changes else policy), caps  # type: ignore[type-var]
+
+
+def compute_mode(cfg: PolicyConfig, namespace: str, node_mode: str) -> str:
+    """How compute is shared for a namespace's containers: its policy's computeMode, else the
+    node's compute.mode (docs/compute.md)."""
+    return cfg.for_namespace(namespace).compute_mode or node_mode

@@ -15,6 +15,12 @@ MAX_DURATION_S = 100 * 365 * 86400
 # Durations the shim holds in a u32 of milliseconds (memguard_abi.h: arbiter_timeout_ms,
 # wait_timeout_ms): about 49.7 days.
 MAX_MS_FIELD_S = (2**32 - 1) / 1000
+# The least arbiterTimeout the agent can honour (memguard_abi.h MG_MIN_ARBITER_TIMEOUT_MS, which
+# the shim reads a smaller value as): it drops a connection whose request has not come within it
+# of the accept, and the shim gives up connect and send within it; on a loaded node a shim is
+# descheduled between its connect and its send, and the agent's loop between an accept and its
+# read, for tens of milliseconds (docs/arbiter-protocol.md, "Timeouts").
+MIN_ARBITER_TIMEOUT_MS = 100
 # A Kubernetes quantity's suffix: a power of 1000 (n u m k K M G T P E), or of 1024 when an
 # "i" follows K M G T P or E (Ki Mi Gi ...). Read here, not with the kubernetes client, so
 # the bottom layer needs no client library; the number before it is read as a Decimal.

@@ -103,7 +103,7 @@ class Backend(Protocol):
 
 def container_response(alloc: Booking, config: Config) -> pb.ContainerAllocateResponse:
     """What the kubelet hands the container runtime: the GPU(s) and the shim injection
-    (gpufrac.memguard.inject: the shim, the config read-only, the usage file, the arbiter
+    (gpufrac.memguard.inject: the shim, the config read-only, the usage and compute files, the arbiter
     socket's directory)."""
     resp = pb.ContainerAllocateResponse()
     if config.device_list_strategy == "cdi":

@@ -54,7 +54,7 @@ TIMES_KEPT = 4096  # per-call handler times kept for the summary logged at stop
 
 
 class PreparedDevice(Protocol):
-    """One device of a prepared claim (gpufrac.agent.claims.PreparedDevice)."""
+    """One device of a prepared claim (gpufrac.agent.booking.claims.PreparedDevice)."""
 
     @property
     def requests(self) -> tuple[str, ...]: ...
@@ -67,7 +67,7 @@ class PreparedDevice(Protocol):
 
 
 class DeviceHealth(Protocol):
-    """One published device's health (gpufrac.agent.claims.DeviceHealth)."""
+    """One published device's health (gpufrac.agent.booking.claims.DeviceHealth)."""
 
     @property
     def pool(self) -> str: ...

@@ -1,7 +1,7 @@
 """The memguard config and usage files (native/memguard_abi.h), for the agent.
 
 One definition: the C header is the source of truth, these ctypes structures
-mirror it, and tests/unit/test_abi.py proves they match offset for offset.
+mirror it, and tests/memguard/test_abi.py proves they match offset for offset.
 
 The agent is the only writer of `config` (the container mounts it read-only);
 it updates in place under the seqlock so the shim never sees a torn limit.
@@ -22,14 +22,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpufrac.core import flags as _flags
+from gpufrac.core import units as _units
 
 CONFIG_MAGIC = 0x3147464347464D47
 USAGE_MAGIC = 0x3147534547464D47
+COMPUTE_MAGIC = 0x3150434347464D47
 ABI_VERSION = 1
 MAX_PROCS = 256
 
+# The least arbiter_timeout_ms the agent writes (gpufrac.core.config refuses less); the shim
+# reads a smaller one as this (memguard_abi.h MG_MIN_ARBITER_TIMEOUT_MS).
+MIN_ARBITER_TIMEOUT_MS = _units.MIN_ARBITER_TIMEOUT_MS
+
 CONFIG_FILE = "config"
 USAGE_FILE = "usage"
+COMPUTE_FILE = "compute"  # the shim's launch clock while a compute share paces the container
 # The container's arbiter socket sits alone in a directory of its host directory that the
 # device plugin mounts (read-only) at SOCKET_DIR: a directory mount shows the socket a
 # restarted agent binds anew, a mount of the socket file keeps the dead one (memguard_abi.h).
@@ -72,7 +79,7 @@ class ConfigStruct(ctypes.Structure):
         ("arbiter_timeout_ms", u32),
         ("wait_timeout_ms", u32),
         ("priority", i32),
-        ("pad0", u32),
+        ("compute_pace_ns", u32),  # agent-written outside the seqlock: ConfigFile.set_pace
         ("namespace_", ctypes.c_char * 64),
         ("pod", ctypes.c_char * 128),
         ("container", ctypes.c_char * 64),
@@ -83,7 +90,7 @@ class ConfigStruct(ctypes.Structure):
 class ProcSlot(ctypes.Structure):
     _fields_ = [
         ("pid", i32),
-        ("pad0", u32),
+        ("host_pid", i32),  # as NVML names the process, as the agent told it (0: not known)
         ("start_time", u64),
         ("used_bytes", u64),
         ("peak_bytes", u64),
@@ -103,6 +110,18 @@ class UsageStruct(ctypes.Structure):
         ("total_used", u64),
         ("grant_returned", u64),
         ("slots", ProcSlot * MAX_PROCS),
+    ]
+
+
+class ComputeStruct(ctypes.Structure):
+    _fields_ = [
+        ("magic", u64),
+        ("abi_version", u32),
+        ("file_size", u32),
+        ("next_ns", u64),
+        ("held_ns", u64),
+        ("held_launches", u64),
+        ("paced_launches", u64),
     ]
 
 
@@ -188,6 +207,7 @@ def create_unpublished(directory: str | os.PathLike[str]) -> None:
     for name, struct, magic, mode in (
         (CONFIG_FILE, ConfigStruct, CONFIG_MAGIC, CONFIG_MODE),
         (USAGE_FILE, UsageStruct, USAGE_MAGIC, USAGE_MODE),
+        (COMPUTE_FILE, ComputeStruct, COMPUTE_MAGIC, USAGE_MODE),
     ):
         fd = os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
         try:
@@ -204,7 +224,7 @@ _FIELD_RANGES = {
     "grant_bytes": (0, 2**64 - 1),
     "flags": (0, 2**32 - 1),
     "workload_class": (0, 2**32 - 1),
-    "arbiter_timeout_ms": (0, 2**32 - 1),
+    "arbiter_timeout_ms": (MIN_ARBITER_TIMEOUT_MS, 2**32 - 1),
     "wait_timeout_ms": (0, 2**32 - 1),
     "priority": (-(2**31), 2**31 - 1),
 }
@@ -262,6 +282,16 @@ class ConfigFile:
         if self._durable:
             self._mm.flush()
         return int(s.generation)
+
+    def set_pace(self, pace_ns: int) -> None:
+        """The container's launch pace (memguard_abi.h compute_pace_ns): one aligned word the
+        shim reads on every launch, stored alone, outside the seqlock and the generation (it
+        changes every control period and means nothing to the rest of the config)."""
+        value = max(0, min(int(pace_ns), 2**32 - 1))
+        u32.from_buffer(self._mm, ConfigStruct.compute_pace_ns.offset).value = value
+
+    def pace(self) -> int:
+        return int(u32.from_buffer_copy(self._mm, ConfigStruct.compute_pace_ns.offset).value)
 
     def read(self) -> ContainerConfig:
         return read_config(self.path.parent)
@@ -331,6 +361,41 @@ def generation(directory: str | os.PathLike[str]) -> int:
     return int(s.generation)
 
 
+COMPUTE_SIZE = ctypes.sizeof(ComputeStruct)
+
+
+def create_compute(directory: str | os.PathLike[str], durable: bool = True) -> Path:
+    """Create the container's compute file (the shim's shared launch clock) unless it is there."""
+    path = Path(directory) / COMPUTE_FILE
+    if not path.exists():
+        _create(path, ComputeStruct, COMPUTE_MAGIC, USAGE_MODE, durable)
+    return path
+
+
+def read_compute(directory: str | os.PathLike[str]) -> ComputeStruct:
+    """A validated copy of a container's compute file, read by pread (the tenant may write or
+    truncate it: only figures for display come from it). FormatError when missing or broken."""
+    path = Path(directory) / COMPUTE_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        raise FormatError(f"cannot open {path}: {e.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FormatError(f"{path}: not a regular file")
+        data = os.pread(fd, COMPUTE_SIZE, 0)
+    except OSError as e:
+        raise FormatError(f"cannot read {path}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(data) < COMPUTE_SIZE:
+        raise FormatError(f"{path}: {len(data)} bytes, want {COMPUTE_SIZE}")
+    s = ComputeStruct.from_buffer_copy(data)
+    if s.magic != COMPUTE_MAGIC or s.abi_version != ABI_VERSION or s.file_size != COMPUTE_SIZE:
+        raise FormatError(f"{path}: bad magic, version {int(s.abi_version)} or size {int(s.file_size)}")
+    return s
+
+
 def create_usage(directory: str | os.PathLike[str], durable: bool = True) -> Path:
     """Create an empty usage file (agent side, when the container is allocated)."""
     path = Path(directory) / USAGE_FILE
@@ -361,7 +426,7 @@ USAGE_SIZE = ctypes.sizeof(UsageStruct)
 # No GPU holds this much (256 TiB): a byte counter above it is garbage (a tenant's write, or a
 # u64 the shim would have to have underflowed), and is read as this much, never as 0, so that
 # garbage cannot hide usage. What a counter may count against others is decided by its reader
-# (the arbiter caps it at what it granted, gpufrac.agent.truth).
+# (the arbiter caps it at what it granted, gpufrac.agent.gpu.truth).
 USAGE_MAX_BYTES = 1 << 48
 USAGE_HEADER = _struct.Struct("=QIIQQ")  # magic, abi_version, file_size, total_used, grant_returned
 assert USAGE_HEADER.size == UsageStruct.slots.offset

@@ -2,7 +2,7 @@
 what the shim of one container is held to (the agent's config) and what its processes
 use (the shim's usage file).
 
-A pod name is resolved through the running agent (the command, gpufrac.agent.memguard_cli):
+A pod name is resolved through the running agent (the command, gpufrac.agent.cli.memguard):
 its status socket lists every container it holds with the directory it wrote for it. A host
 path (starting with / or .) is read directly, with no agent needed (a node whose agent is down).
 This module reads and formats; it asks the agent nothing.

@@ -32,8 +32,11 @@ BURST_REFUSED, BURST_INVALID, BURST_UNAVAILABLE = 2, 3, 4
 # the agent takes burst memory back; GRANTED means retry once.
 BURST_OP_RECLAIM = 4
 # The caller's container is over its arbiter limits (connections, requests in flight,
-# request rate: gpufrac.agent.fairness); sent without any work done for the request.
+# request rate: gpufrac.agent.arbiter.fairness); sent without any work done for the request.
 BURST_BUSY = 5
+# The caller asks for its own pid as the agent sees it (SO_PEERCRED: the host's pid namespace,
+# where NVML's pids are); GRANTED carries it in the reply's `generation`.
+BURST_OP_IDENTIFY = 5
 
 
 class BurstRequest(ctypes.Structure):
@@ -68,6 +71,7 @@ OP_NAMES = {
     BURST_OP_RELEASE: "release",
     BURST_OP_SWAP_IN: "swap_in",
     BURST_OP_RECLAIM: "reclaim",
+    BURST_OP_IDENTIFY: "identify",
 }
 STATUS_NAMES = {
     BURST_GRANTED: "granted",

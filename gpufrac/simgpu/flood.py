@@ -1,7 +1,7 @@
 """A hostile container's arbiter flood: `python -m gpufrac.simgpu.flood MODE N` in a container.
 
 What a tenant can do with its end of the arbiter socket, for the fairness tests and the
-bench (gpufrac.agent.fairness is the defence):
+bench (gpufrac.agent.arbiter.fairness is the defence):
 
     idle N   keep N connections open that never send a byte (reopened when closed)
     slow N   the same, each having sent half a request (slowloris)

@@ -1,7 +1,7 @@
 """Python mirror of the simgpu node-state file (native/nodestate.h).
 
 The layout is defined once, in C; this module mirrors it with ctypes and a test
-(`tests/unit/test_abi.py`) compiles a probe against the header and compares every
+(`tests/memguard/test_abi.py`) compiles a probe against the header and compares every
 offset. Tests and the CLI use it to create a node, read what the fake drivers
 recorded, and inject faults.
 """
@@ -14,12 +14,15 @@ import os
 from pathlib import Path
 
 MAGIC = 0x31305550474D4953  # "SIMGPU01"
-ABI_VERSION = 1
+ABI_VERSION = 2
 MAX_GPUS = 16
 MAX_NVLINKS = 18
 MAX_PROCS = 1024
 EVENT_RING = 64
 CPU_WORDS = 4
+SEG_RING = 32  # runs of a context kept (context time -> wall time)
+SCHED_LOCK_BYTES = 64
+TIMESLICE_US = 2000  # the time slice when a spec names none
 UUID_LEN = 80
 NAME_LEN = 96
 BUSID_LEN = 32
@@ -42,6 +45,13 @@ u32, u64, i32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int32
 
 class Event(ctypes.Structure):
     _fields_ = [("seq", u64), ("type", u64), ("data", u64), ("time_us", u64)]
+
+
+class Seg(ctypes.Structure):
+    """One run of a context on the GPU: wall time [wall_ns, wall_ns + len_ns) was its context
+    time [ctx_ns, ctx_ns + len_ns)."""
+
+    _fields_ = [("wall_ns", u64), ("ctx_ns", u64), ("len_ns", u64)]
 
 
 class Gpu(ctypes.Structure):
@@ -75,6 +85,16 @@ class Gpu(ctypes.Structure):
         ("pad1", u32),
         ("event_seq", u64),
         ("events", Event * EVENT_RING),
+        # The compute model (native/simstate.c sim_sched_*), played by the fake drivers.
+        ("timeslice_us", u32),  # static: the time slice between contexts with work
+        ("sched_init", u32),
+        ("holder", u32),  # 1 + the slot index whose context holds the GPU; 0 = none
+        ("pad2", u32),
+        ("sched_now_ns", u64),  # wall time the schedule has been played up to
+        ("slice_end_ns", u64),
+        ("busy_ns_total", u64),  # time some context's work ran
+        ("switches", u64),  # context switches
+        ("sched_lock", ctypes.c_char * SCHED_LOCK_BYTES),
     ]
 
 
@@ -91,6 +111,11 @@ class Proc(ctypes.Structure):
         ("ckpt_state", u32),
         ("api_inflight", u32),
         ("start_time", u64),
+        ("ctx_ns", u64),  # context time: how long its work has held the GPU
+        ("work_end_ns", u64),  # context time at which its submitted work is done
+        ("sm_end_ns", u64),
+        ("seg_count", u64),
+        ("segs", Seg * SEG_RING),
     ]
 
 

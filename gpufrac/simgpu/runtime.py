@@ -38,6 +38,15 @@ DEFAULT_HIERARCHY = "/sys/fs/cgroup/pids"
 QOS_CLASSES = ("besteffort", "burstable", "guaranteed")
 # Writes its own pid into the cgroup, then becomes the workload: in the cgroup before exec.
 _ENTER = 'echo $$ > "$GPUFRAC_RUNTIME_CGROUP_PROCS" && exec "$@"'
+# A pod's own pid namespace (and mount namespace, for a /proc of its own), entered after the
+# cgroup: its first process is pid 1 there and sees only the pod's processes in /proc, as in
+# a pod. The host's procfs stays reachable at $SIMGPU_HOST_PROC for the simulated driver alone,
+# which names processes by their host pids as the real one (in the kernel) does.
+_PIDNS = ["unshare", "--pid", "--fork", "--mount", "--propagation", "private", "--", "/bin/sh", "-c"]
+_IN_PIDNS = (
+    'mkdir -p "$SIMGPU_HOST_PROC" && mount --bind /proc "$SIMGPU_HOST_PROC" && '
+    'mount -t proc proc /proc && exec "$@"'
+)
 
 
 class RuntimeUnavailable(RuntimeError):
@@ -171,11 +180,14 @@ class ContainerRuntime:
         stdin: Any = None,
         stdout: Any = None,
         stderr: Any = None,
+        pid_namespace: bool = False,
     ) -> Container:
         """Start `argv` as container `name` of pod `pod_uid`.
 
         `env` is the base environment (default: this process's); `envs` and `mounts` are
-        what the device plugin's ContainerAllocateResponse asked for (see mounts_of)."""
+        what the device plugin's ContainerAllocateResponse asked for (see mounts_of).
+        `pid_namespace`: the container's processes get a pid namespace and a /proc of their
+        own, as every ordinary pod's do (root only: unshare and mount)."""
         cid = container_id or secrets.token_hex(32)
         cgroup = self.hierarchy / cgroup_relpath(pod_uid, cid, qos, self.driver)
         try:
@@ -189,6 +201,9 @@ class ContainerRuntime:
             full = dict(os.environ if env is None else env)
             full.update(translate_envs(envs or {}, mounts, view))
             full["GPUFRAC_RUNTIME_CGROUP_PROCS"] = str(cgroup / "cgroup.procs")
+            if pid_namespace:
+                full["SIMGPU_HOST_PROC"] = str(view / ".simgpu-host-proc")
+                argv = [*_PIDNS, _IN_PIDNS, "sh", *argv]
             proc = subprocess.Popen(
                 ["/bin/sh", "-c", _ENTER, "sh", *argv], env=full, stdin=stdin, stdout=stdout, stderr=stderr
             )
@@ -288,6 +303,13 @@ def _remove_cgroup(cgroup: Path, hierarchy: Path) -> None:
 # -- a stand-in workload that speaks the shim's protocol -----------------------------------------
 
 
+def _start_time(pid: int) -> int:
+    """/proc/<pid>/stat's starttime (field 22, the 20th after the comm's closing parenthesis)."""
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    return int(stat[stat.rfind(")") + 2 :].split()[19])
+
+
 class WorkloadDriver(WorkloadProcess):
     """Drives a container running `workload()` (started with stdin and stdout pipes)."""
 
@@ -318,6 +340,7 @@ def workload(stdin: Any = None, stdout: Any = None) -> int:
     cdir = os.environ.get(CONTAINER_DIR_ENV, abi.DEFAULT_DIR)
     usage = abi.UsageFile(cdir)
     slot = next(s for s in usage.usage.slots if s.pid == 0)
+    slot.start_time = _start_time(os.getpid())  # as the shim names a process: pid and start time
     slot.pid = os.getpid()
     span = [0, 0]  # CLOCK_MONOTONIC ns around the last request (the bench reads it)
 

@@ -86,6 +86,9 @@ class GpuSpec:
     uuid: str = ""  # "" = derived from node name and index
     context_memory: int = 0  # bytes each CUDA context takes on the device (whole MiB)
     mig_enabled: bool = False  # MIG mode on (MIG-capable parts only: compute capability 8.0, 9.0)
+    # How long the driver lets one context hold the GPU while another has work (microseconds):
+    # not published by NVIDIA; docs/simgpu.md "Compute model" says why this default.
+    timeslice_us: int = ns.TIMESLICE_US
 
 
 @dataclass(frozen=True)
@@ -225,6 +228,7 @@ _GPU_KEYS = {
     "uuid",
     "context_memory",
     "mig_enabled",
+    "timeslice_us",
 }
 _NODE_KEYS = {
     "preset",
@@ -303,6 +307,7 @@ def _gpu(i: int, raw: Mapping[str, Any], count: int) -> GpuSpec:
         uuid=uid,
         context_memory=ctx_mem,
         mig_enabled=mig,
+        timeslice_us=_int(f"{key}.timeslice_us", d.get("timeslice_us", ns.TIMESLICE_US), 1, 1_000_000),
     )
 
 
@@ -477,6 +482,7 @@ def fill_node(node: ns.Node, spec: NodeSpec) -> None:
         out.cc_major, out.cc_minor = g.compute_capability
         out.ctx_mib = g.context_memory // MiB
         out.mig_mode = 1 if g.mig_enabled else 0
+        out.timeslice_us = g.timeslice_us
     # Magic last: a reader that maps a file still being filled rejects it.
     node.magic = ns.MAGIC
 

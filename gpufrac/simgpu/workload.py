@@ -25,6 +25,12 @@ Commands, one per line; each answers exactly one line:
                   cuMemAddressFree of mapping ID            -> "ok"
     nvml          nvmlDeviceGetMemoryInfo of device 0 as the app sees it, v1 then v2
                   -> "total <b> free <b> used <b> v2 total <b> free <b> used <b> reserved <b>"
+    resolve F VIA find driver function F (one of ENTRY_POINTS) the way VIA says: `proc`
+                  (cuGetProcAddress_v2, as cudart and cuda-python find every function), `dlsym`
+                  (on the libcuda.so.1 handle, as ctypes does) or `export` (the name in the
+                  global scope, what a program linked against libcuda binds to)
+                  -> "ok <library the function lies in>"
+    call F VIA    call it once (resolved before), nothing else -> "ok" or "error <CUresult>"
     exit          free everything and exit                 -> "bye"
 
 It prints "ready" once CUDA is initialised; from then on it holds RESULT_BYTES of device memory
@@ -68,6 +74,7 @@ def _serve() -> int:
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
     buffers: dict[int, tuple[Any, int, int]] = {}  # id -> (device ptr, bytes, value)
     mappings: dict[int, tuple[Any, int, Any]] = {}  # id -> (reserved address, bytes, VMM handle)
+    entries: dict[tuple[str, str], int] = {}  # (function, how it was found) -> its address
 
     def launch(func: Any, *args: Any) -> None:
         values = tuple(a for a, _ in args)
@@ -117,6 +124,12 @@ def _serve() -> int:
                 print(f"free {free} total {total}", flush=True)
             elif cmd == "nvml":
                 print(_nvml_memory(), flush=True)
+            elif cmd == "resolve":
+                entries[(a[0], a[1])] = _resolve(a[0], a[1])
+                print(f"ok {_library_of(entries[(a[0], a[1])])}", flush=True)
+            elif cmd == "call":
+                rc = _call(entries[(a[0], a[1])], a[0], ctx, mod, result)
+                print("ok" if rc == 0 else f"error {rc}", flush=True)
             elif cmd == "pool":
                 _leave_idle_in_pool(cu, chk, dev, int(a[0]))
                 print("ok", flush=True)
@@ -190,6 +203,75 @@ def _vmm_unmap(cu: Any, chk: Any, addr: Any, n: int, handle: Any) -> None:
     chk(cu.cuMemUnmap(addr, n))
     chk(cu.cuMemRelease(handle))
     chk(cu.cuMemAddressFree(addr, n))
+
+
+# Driver entry points the memguard shim does not hook (only its gate stands before them), and
+# the argument types `call` passes them; every one returns a CUresult.
+_P, _U, _I, _S, _U64 = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int, ctypes.c_size_t, ctypes.c_uint64
+ENTRY_POINTS: dict[str, tuple[Any, ...]] = {
+    "cuStreamCreate": (ctypes.POINTER(_P), _U),
+    "cuEventCreate": (ctypes.POINTER(_P), _U),
+    "cuCtxSetCurrent": (_P,),
+    "cuMemHostAlloc": (ctypes.POINTER(_P), _S, _U),
+    "cuModuleGetFunction": (ctypes.POINTER(_P), _P, ctypes.c_char_p),
+    "cuPointerGetAttribute": (_P, _I, _U64),
+    "cuPointerGetAttributes": (_U, ctypes.POINTER(_I), ctypes.POINTER(_P), _U64),
+}
+_MEMORY_TYPE = 2  # CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+
+
+def _resolve(name: str, via: str) -> int:
+    """The address of driver function `name` as a program finds it `via` (see `resolve`)."""
+    if name not in ENTRY_POINTS:
+        raise ValueError(f"not an entry point of this workload: {name}")
+    if via == "proc":
+        gpa = ctypes.CDLL("libcuda.so.1").cuGetProcAddress_v2
+        gpa.argtypes = [ctypes.c_char_p, ctypes.POINTER(_P), _I, _U64, ctypes.POINTER(_I)]
+        fn, status = _P(), _I()
+        rc = gpa(name.encode(), ctypes.byref(fn), 12080, 0, ctypes.byref(status))
+        if rc != 0 or not fn.value:
+            raise RuntimeError(f"cuGetProcAddress_v2({name}) = {rc}")
+        return int(fn.value)
+    if via == "dlsym":
+        lib = ctypes.CDLL("libcuda.so.1")
+    elif via == "export":
+        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)  # as a linked program has it
+        lib = ctypes.CDLL(None)
+    else:
+        raise ValueError(f"unknown way to find a function: {via}")
+    return int(ctypes.cast(getattr(lib, name), _P).value or 0)
+
+
+def _library_of(addr: int) -> str:
+    class DlInfo(ctypes.Structure):
+        _fields_ = [("fname", ctypes.c_char_p), ("fbase", _P), ("sname", ctypes.c_char_p), ("saddr", _P)]
+
+    libc = ctypes.CDLL(None)
+    libc.dladdr.argtypes = [_P, ctypes.POINTER(DlInfo)]
+    info = DlInfo()
+    if not addr or not libc.dladdr(addr, ctypes.byref(info)) or not info.fname:
+        return "-"
+    return str(info.fname.decode()).rsplit("/", 1)[-1]
+
+
+def _call(addr: int, name: str, ctx: Any, mod: Any, buf: Any) -> int:
+    """One call of entry point `name` at `addr`, with arguments that make it succeed."""
+    fn = ctypes.CFUNCTYPE(_I, *ENTRY_POINTS[name])(addr)
+    out, kind = _P(), _U()
+    if name in ("cuStreamCreate", "cuEventCreate"):
+        return int(fn(ctypes.byref(out), 0))
+    if name == "cuCtxSetCurrent":
+        return int(fn(int(ctx)))
+    if name == "cuMemHostAlloc":
+        return int(fn(ctypes.byref(out), 4096, 0))
+    if name == "cuModuleGetFunction":
+        return int(fn(ctypes.byref(out), int(mod), b"busy_us"))
+    if name == "cuPointerGetAttribute":
+        rc = int(fn(ctypes.addressof(kind), _MEMORY_TYPE, int(buf)))
+    else:
+        data = (_P * 1)(ctypes.addressof(kind))
+        rc = int(fn(1, (_I * 1)(_MEMORY_TYPE), data, int(buf)))
+    return rc if rc != 0 or kind.value == 2 else -1  # device memory, or this call misread it
 
 
 def _nvml_memory() -> str:

@@ -15,8 +15,7 @@ import subprocess
 import sys
 
 import pytest
-
-from gpufrac.core import native
+from gpu_support import real_driver_env
 
 _PROBE = """
 import json, pynvml
@@ -27,20 +26,6 @@ except pynvml.NVMLError as e:
 else:
     print(json.dumps({"count": pynvml.nvmlDeviceGetCount(), "driver": pynvml.nvmlSystemGetDriverVersion()}))
 """
-
-
-def real_driver_env() -> dict[str, str]:
-    """This process's environment without anything that would load simgpu's fake driver."""
-    sim_dirs = {str(native.native_dir(f).resolve()) for f in native.FLAVOURS}
-    env = {k: v for k, v in os.environ.items() if k not in ("SIMGPU_STATE", "LD_PRELOAD")}
-    paths = [
-        p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p and os.path.realpath(p) not in sim_dirs
-    ]
-    if paths:
-        env["LD_LIBRARY_PATH"] = ":".join(paths)
-    else:
-        env.pop("LD_LIBRARY_PATH", None)
-    return env
 
 
 @functools.lru_cache(maxsize=1)

@@ -55,6 +55,20 @@ class Gpu:
     total: int
 
 
+def real_driver_env() -> dict[str, str]:
+    """This process's environment without anything that would load simgpu's fake driver."""
+    sim_dirs = {str(native.native_dir(f).resolve()) for f in native.FLAVOURS}
+    env = {k: v for k, v in os.environ.items() if k not in ("SIMGPU_STATE", "LD_PRELOAD")}
+    paths = [
+        p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p and os.path.realpath(p) not in sim_dirs
+    ]
+    if paths:
+        env["LD_LIBRARY_PATH"] = ":".join(paths)
+    else:
+        env.pop("LD_LIBRARY_PATH", None)
+    return env
+
+
 def probe_json(code: str, env: Mapping[str, str], what: str) -> Any:
     r = subprocess.run(
         [sys.executable, "-c", code],
@@ -120,6 +134,44 @@ def assert_real_driver_in_process() -> None:
     )
 
 
+def aligned(n: float) -> int:
+    """`n` bytes down to whole 2 MiB pages: what PyTorch's caching allocator asks the driver
+    for exactly, so a test's sizes are the bytes counted."""
+    return int(n) // (2 * MiB) * (2 * MiB)
+
+
+def gpu_pids(gpu: Gpu) -> dict[int, int]:
+    """Processes holding memory on the GPU and how much, as NVML (nvidia-smi) shows them, read
+    in a fresh process of the real driver (this one may have simgpu's NVML loaded)."""
+    code = (
+        "import json, pynvml\n"
+        "pynvml.nvmlInit()\n"
+        f"h = pynvml.nvmlDeviceGetHandleByUUID({gpu.uuid!r})\n"
+        "procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)\n"
+        "print(json.dumps({p.pid: p.usedGpuMemory for p in procs}))\n"
+    )
+    listed = probe_json(code, real_driver_env(), "NVML's process list")
+    return {int(k): int(v or 0) for k, v in listed.items()}
+
+
+def assert_container_view(info: dict[str, Any], limit: int) -> int:
+    """total = limit and free = limit - container usage, in CUDA and in NVML; returns the usage."""
+    used = info["usage"]["total_used"]
+    assert 0 < used <= limit
+    mg = info["mem_get_info"]
+    assert (mg["total"], mg["free"]) == (limit, limit - used), info
+    for version in ("v1", "v2"):
+        n = info["nvml"][version]
+        assert (n["total"], n["free"], n["used"]) == (limit, limit - used, used), (version, info)
+    assert info["nvml"]["v2"]["reserved"] == 0
+    return used
+
+
+def beyond_allocator(info: dict[str, Any]) -> int:
+    """What the shim counts for the container besides PyTorch's reservations (the context)."""
+    return int(info["usage"]["total_used"] - info["reserved"])
+
+
 def record(name: str, data: Mapping[str, Any]) -> None:
     """A measurement for bench/gpu_suite.sh's report (nothing is written without $GPUFRAC_GPU_RESULTS)."""
     out = os.environ.get(RESULTS_ENV)
@@ -141,6 +193,7 @@ class Worker:
         ready = self.answer()
         assert ready.get("ready"), f"{name} did not start: {ready}"
         self.pid: int = ready["pid"]
+        self.ready = ready  # what it saw once its context existed (info(), t_ready)
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None

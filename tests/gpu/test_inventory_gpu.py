@@ -11,23 +11,23 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from gpufrac.agent.gpu_commands import cpu_list
-from gpufrac.agent.inventory import parse_bus_id
+from gpufrac.agent.cli.gpus import cpu_list
+from gpufrac.agent.gpu.inventory import parse_bus_id
 
 pytestmark = pytest.mark.gpu
 
-GPUFRAC = Path(sys.executable).with_name("gpufrac")
+# The `gpufrac` command, as its entry point runs it (no install needed: the suite runs from a checkout).
+GPUFRAC = [sys.executable, "-m", "gpufrac.agent.cli.commands"]
 
 # Dumps the inventory, the memory reading and one health poll as JSON.
 _DUMP = """
 import dataclasses, json
 from gpufrac.core.config import HealthConfig
-from gpufrac.agent.health import HealthMonitor
-from gpufrac.agent.inventory import read_inventory, read_memory
+from gpufrac.agent.gpu.health import HealthMonitor
+from gpufrac.agent.gpu.inventory import read_inventory, read_memory
 inv = read_inventory()
 with HealthMonitor(HealthConfig(), inv.gpus) as m:
     m.poll(100)
@@ -135,7 +135,7 @@ def test_topology_matches_nvidia_smi_topo(dump: dict, real_env: dict[str, str]) 
 @pytest.mark.parametrize("command", [["gpus"], ["gpus", "--json"], ["topo"], ["topo", "--json"]])
 def test_cli_runs_on_the_real_node(command: list[str], real_env: dict[str, str], dump: dict) -> None:
     r = subprocess.run(
-        [str(GPUFRAC), *command], env=real_env, capture_output=True, text=True, timeout=120, check=False
+        [*GPUFRAC, *command], env=real_env, capture_output=True, text=True, timeout=120, check=False
     )
     assert r.returncode == 0, r.stderr
     for g in dump["gpus"]:

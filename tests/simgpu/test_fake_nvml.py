@@ -250,9 +250,8 @@ def test_checkpointed_process_has_no_gpu_context(sim: Sim, sleepers: Procs) -> N
 def test_utilisation_derived_from_activity_and_pinned(sim: Sim, sleepers: Procs) -> None:
     busy, idle = spawn(sleepers), spawn(sleepers)
     now = time.time_ns()
-    # A kernel stream that keeps GPU 0 busy for the next 10 minutes.
-    claim(sim.path, busy, 0, 1 << 30, launches=5, last_launch_ns=now, busy_until_ns=now + 600 * SEC,
-          busy_ns_total=601 * SEC)  # fmt: skip
+    # Ten minutes of kernels queued on GPU 0: the compute model runs them from now on.
+    claim(sim.path, busy, 0, 1 << 30, launches=5, last_launch_ns=now, work_end_ns=600 * SEC)
     # A process that last ran 5 s ago on GPU 1.
     claim(sim.path, idle, 1, 1 << 30, launches=1, last_launch_ns=now - 5 * SEC, busy_until_ns=now - 4 * SEC,
           busy_ns_total=SEC)  # fmt: skip
@@ -357,7 +356,7 @@ def test_xid_events_after_registration(sim: Sim) -> None:
         cmd = [
             sys.executable,
             "-m",
-            "gpufrac.agent.cli",
+            "gpufrac.agent.cli.commands",
             "sim",
             "xid",
             "--state",

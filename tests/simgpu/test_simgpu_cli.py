@@ -11,7 +11,7 @@ from gpufrac.simgpu.spec import load_preset
 
 
 def sim(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "gpufrac.agent.cli", "sim", *args]
+    cmd = [sys.executable, "-m", "gpufrac.agent.cli.commands", "sim", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 

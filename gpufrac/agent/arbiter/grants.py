@@ -104,7 +104,7 @@ def guarantee_shortfall(request: int, held: int, nvml_free: int, margin: int, pe
 def coverable(missing: int, hidden: int) -> int:
     """What of `missing` bytes on a GPU may be freed by evicting or swapping others: none of
     what hidden processes hold there (`hidden`: processes whose cgroup the kernel will not
-    name, gpufrac.agent.gpu_processes.observe). That memory is nobody's, possibly the
+    name, gpufrac.agent.gpu.processes.observe). That memory is nobody's, possibly the
     requester's own: the requester waits for the watchdog to kill its holder (enforce mode)
     rather than have a neighbour pay for it."""
     return max(0, missing - hidden)
@@ -148,3 +148,15 @@ class GrantSweep:
     def forget(self, key: str) -> None:
         self.returned.pop(key, None)
         self.unused_since.pop(key, None)
+
+
+def ungranted(used: int, request: int, grant: int, limit: int) -> int:
+    """Bytes held above request + grant and within the limit: memory a process that skips the
+    shim (or calls the driver directly) took without asking the arbiter.
+
+    `used` is the larger of the driver's count and the clamped usage file (gpu/truth.py).
+    The resolvers count it as a burst like any other: a neighbour's guarantee takes it back, a
+    higher-priority burst may evict it. Above the limit is the watchdog's, not counted here;
+    within the limit it costs no one until someone needs it (docs/watchdog.md says why).
+    """
+    return max(0, min(used, limit) - request - grant)

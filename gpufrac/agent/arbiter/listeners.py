@@ -4,15 +4,17 @@ Each booked container's host directory holds `arbiter/arbiter.sock` (gpufrac.mem
 SOCKET_DIR, SOCKET_FILE), which the device plugin mounts read-only at the same place in the
 container: the shim connects there, as it did to the node-wide socket. What a socket per
 container buys is that the agent may stop accepting one container alone. While a container
-holds its connection limit (gpufrac.agent.fairness), its socket is taken off the loop: its
+holds its connection limit (gpufrac.agent.arbiter.fairness), its socket is taken off the loop: its
 further connections wait in the kernel's listen queue and then in connect() in its own
-processes, and cost the agent's loop nothing until one of its connections closes. On the
+processes, and cost the agent's loop nothing until one of its connections closes. Likewise
+while its rate has no token for another connection (each is charged one at its accept), until
+the next token comes: connections that send nothing are slowed at accept, not served. On the
 node-wide socket every such connection had to be accepted, identified and refused, one at a
 time, on the loop every neighbour's grant waits for.
 
 A connection on a container's socket is counted against that container's account once the
 kernel places the connecting process in the container's pod (its cgroup read once per
-process, gpufrac.agent.knowncallers): a process of another pod that reaches the socket (a
+process, gpufrac.agent.processes.knowncallers): a process of another pod that reaches the socket (a
 hostPath, a mount gone wrong) is counted against its own container, as on the node-wide
 socket, and uses none of this container's connections or request rate. Each request is
 still identified by the kernel (SO_PEERCRED -> cgroup) and refused when the caller is not that container
@@ -40,9 +42,9 @@ import socket
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+from gpufrac.agent.arbiter.fairness import Fairness
 from gpufrac.agent.arbiter.server import Connection, SocketServer, listening_socket
-from gpufrac.agent.callers import PeerError
-from gpufrac.agent.fairness import Fairness
+from gpufrac.agent.processes.callers import PeerError
 from gpufrac.memguard import abi, wire
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ def socket_path(directory: str) -> str:
 
 
 class Booked(Protocol):
-    """A booking as the ledger holds it (gpufrac.agent.ledger.ContainerAlloc)."""
+    """A booking as the ledger holds it (gpufrac.agent.booking.ledger.ContainerAlloc)."""
 
     @property
     def key(self) -> str: ...
@@ -94,10 +96,12 @@ class Listener:
         self.key = key
         self.path = path
         self.accepted = 0  # connections taken (tests and the bench read it)
+        self.slowed = 0  # times it stopped accepting for its container's rate (tests, the bench)
         self.paused = False
         self._pause_counted = False  # no second refusal counted for a pause until one is accepted
         self._loop = loop
         self._retry: asyncio.TimerHandle | None = None
+        self._token: asyncio.TimerHandle | None = None  # resumes it when its rate has a token again
         self._closed = False
         sock = listening_socket(path, backlog)
         sock.setblocking(False)
@@ -115,6 +119,21 @@ class Listener:
                 self._pause()
                 fair.pause(acc, self, node=not fair.at_limit(acc), count=not self._pause_counted)
                 self._pause_counted = True
+                return
+            wait = fair.token_wait(acc, ACCEPT_BATCH)
+            if wait > 0:
+                # Each connection is charged a token at its accept (Fairness.admit): past its rate
+                # a container's connections wait in the kernel until its tokens come (a batch's
+                # worth: one wake-up for several), whether they would ask anything or not
+                # (connect-and-close churn costs it, not the loop).
+                self._pause()
+                if self._token is not None:
+                    self._token.cancel()
+                self._token = self._loop.call_later(wait, self.resume)
+                if not self._pause_counted:
+                    fair.refuse(acc, "rate")
+                    self._pause_counted = True
+                self.slowed += 1
                 return
             try:
                 conn_sock, _ = self.sock.accept()
@@ -145,7 +164,7 @@ class Listener:
 
     def _from_its_pod(self, sock: socket.socket) -> bool:
         """Whether the kernel places the connecting process in this container's pod (the cgroup
-        read once per process, gpufrac.agent.knowncallers). A process of another pod that
+        read once per process, gpufrac.agent.processes.knowncallers). A process of another pod that
         reaches this socket (a hostPath, a mount gone wrong) must not use this container's
         connections or request rate. Every request is identified when it is read, and refused
         unless it is this container's (gpufrac.agent.arbiter.service.Arbiter.handle)."""
@@ -159,7 +178,7 @@ class Listener:
             ident = self.fairness.known.identify(sock)
         except (PeerError, OSError):
             # Gone already (a connector that handed its socket on and exited), or its cgroup
-            # file refused (nested past PATH_MAX: never searched for, gpufrac.agent.callers):
+            # file refused (nested past PATH_MAX: never searched for, gpufrac.agent.processes.callers):
             # charged here, or a container could connect from such processes past its own
             # limit. Its request is refused when it is read.
             return True
@@ -213,8 +232,9 @@ class Listener:
         if not self.paused:
             self._loop.remove_reader(self.sock.fileno())
         self._closed = True
-        if self._retry is not None:
-            self._retry.cancel()
+        for timer in (self._retry, self._token):
+            if timer is not None:
+                timer.cancel()
         self.fairness.forget_socket(self.key)
         self.sock.close()
 

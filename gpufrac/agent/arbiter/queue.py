@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from gpufrac.agent.resolvers import Need
+from gpufrac.agent.arbiter.resolvers import Need
 
 LAST = float("inf")  # the queue order's arrival part for a request not yet queued
 

@@ -18,8 +18,8 @@ the two), so a moment's spike (a module loaded lazily, a scratch buffer) is not 
 ungranted memory, and a holder that stays above in both is caught whatever it does between.
 
 What hidden processes hold (a GPU process whose cgroup file the kernel refuses:
-gpufrac.agent.gpu_processes.Observed.hidden) is kept per GPU (`hidden_on`): that memory is no
-container's, and no shortfall that evicts or swaps anyone covers it (Arbiter.coverable).
+gpufrac.agent.gpu.processes.Observed.hidden) is kept per GPU (`hidden_on`): that memory is no
+container's, and no shortfall that evicts or swaps anyone covers it (Resolution.coverable).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from gpufrac.agent import truth
-from gpufrac.agent.gpu_processes import Lookup, Observed
-from gpufrac.agent.ledger import ContainerAlloc
+from gpufrac.agent.booking.ledger import ContainerAlloc
+from gpufrac.agent.gpu import truth
+from gpufrac.agent.gpu.processes import Lookup, Observed
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ CONFIRM_WINDOW = 10.0
 
 
 class MemoryReading(Protocol):
-    """One GPU's memory as NVML reports it (gpufrac.agent.inventory.MemoryUsage)."""
+    """One GPU's memory as NVML reports it (gpufrac.agent.gpu.inventory.MemoryUsage)."""
 
     @property
     def free(self) -> int: ...
@@ -58,8 +58,9 @@ ReadProcesses = Callable[[], list[Observed]]
 
 class DriverReadings:
     """The latest NVML reading, renewed on demand. `on_reading` runs after each one (a fresh
-    reading may let waiters in that a stale one kept out). `allowance`: one CUDA context per
-    container, which NVML counts and the shim does not (docs/watchdog.md)."""
+    reading may let waiters in that a stale one kept out). `allowance`: one per pod and GPU,
+    shared by its containers holding an allocation there: what NVML counts and the shim does
+    not (contexts, lazily loaded modules: docs/watchdog.md, truth.DriverUsage.less_allowance)."""
 
     def __init__(
         self,
@@ -70,7 +71,7 @@ class DriverReadings:
         on_reading: Callable[[], None],
     ) -> None:
         self.read_memory = read_memory
-        # NVML's processes with their cgroups (gpufrac.agent.truth): what each container holds.
+        # NVML's processes with their cgroups (gpufrac.agent.gpu.truth): what each container holds.
         self.read_processes = read_processes
         self._lookup = lookup
         self.allowance = allowance
@@ -97,6 +98,13 @@ class DriverReadings:
         """What NVML counts for hidden processes on `gpu` in the last process reading (0
         without one): memory that is nobody's, the watchdog's to kill (enforce mode) or report."""
         return self._hidden.get(gpu, 0)
+
+    def unbooked_on(self, gpu: str) -> list[truth.Unbooked]:
+        """The processes on `gpu` of containers holding no allocation there, in the last process
+        reading (none without a recent one): memory booked to nobody (gpufrac.agent.arbiter.unbooked)."""
+        if self.driver is None or time.monotonic() - self._landed > NVML_STALE:
+            return []
+        return list(self.driver.unbooked.get(gpu, ()))
 
     def ready(self) -> bool:
         """Whether the reading may be used now; starts a new one if it is getting old."""
@@ -138,12 +146,12 @@ class DriverReadings:
             await asyncio.shield(task)
 
     def driver_used(self, alloc: ContainerAlloc) -> int | None:
-        """What NVML counts for the container's processes on its GPU, less one context
-        allowance (gpufrac.agent.truth); None without a recent process reading (decisions take
+        """What NVML counts for the container's processes on its GPU, less its part of its pod's
+        allowance (gpufrac.agent.gpu.truth); None without a recent process reading (decisions take
         a fresh one first; a stale count must not hold a grant that was given back)."""
         if self.driver is None or time.monotonic() - self._landed > NVML_STALE:
             return None
-        return max(0, self.driver.bytes_of(alloc.key, alloc.gpus[0]) - self.allowance)
+        return max(0, self.driver.less_allowance(alloc.key, alloc.gpus[0], self.allowance))
 
     def driver_total(self, alloc: ContainerAlloc) -> int | None:
         """What NVML counts for the container's processes on its GPU, all of it (the most it
@@ -168,8 +176,8 @@ class DriverReadings:
 
     def steady_used(self, alloc: ContainerAlloc) -> int | None:
         """What NVML counted for the container in BOTH the current process reading and the
-        newest one taken at least CONFIRM_SPACING before it (the smaller, less one context
-        allowance); None without two such readings (gpufrac.agent.resolvers.EvictResolver
+        newest one taken at least CONFIRM_SPACING before it (the smaller, less its part of its
+        pod's allowance); None without two such readings (gpufrac.agent.arbiter.resolvers.EvictResolver
         then asks for a second one: `second_reading`)."""
         if self.driver is None or not self._past or time.monotonic() - self._landed > NVML_STALE:
             return None
@@ -178,7 +186,7 @@ class DriverReadings:
         if now is not self.driver or earlier is None:
             return None
         gpu = alloc.gpus[0]
-        return max(0, min(now.bytes_of(alloc.key, gpu), earlier.bytes_of(alloc.key, gpu)) - self.allowance)
+        return max(0, min(d.less_allowance(alloc.key, gpu, self.allowance) for d in (now, earlier)))
 
     async def second_reading(self) -> None:
         """A new reading at least CONFIRM_SPACING after the last one (a distinct sample of the

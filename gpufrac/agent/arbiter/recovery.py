@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 
 from gpufrac.agent.arbiter.grants import kept_on_release
-from gpufrac.agent.ledger import ContainerAlloc, Ledger
+from gpufrac.agent.booking.ledger import ContainerAlloc, Ledger
 from gpufrac.core.units import format_bytes
 from gpufrac.memguard import abi
 from gpufrac.memguard.abi import FormatError

@@ -4,8 +4,8 @@ Each container has a socket of its own, in a directory of its host directory tha
 plugin mounts into it (gpufrac.agent.arbiter.listeners). The node-wide socket here
 (gpufrac.core.config.arbiter_socket) serves containers an older agent admitted (they mount
 its directory) and the agent's own tools. Who a caller is comes from the kernel (SO_PEERCRED ->
-gpufrac.agent.callers), never from its message; how much each container may ask is
-gpufrac.agent.fairness. What a request is answered is the Handler's (the Arbiter); this
+gpufrac.agent.processes.callers), never from its message; how much each container may ask is
+gpufrac.agent.arbiter.fairness. What a request is answered is the Handler's (the Arbiter); this
 module only reads, times out, counts and writes.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-from gpufrac.agent.fairness import REFUSE_DELAY, Account, Fairness
+from gpufrac.agent.arbiter.fairness import REFUSE_DELAY, Account, Fairness
 from gpufrac.memguard import wire
 from gpufrac.memguard.wire import BurstRequest
 
@@ -40,7 +40,7 @@ class Stats:
     denied: int = 0
     refused: int = 0  # caller not identified
     dropped: int = 0  # short reads, timeouts, early disconnects
-    busy: int = 0  # refused: the caller's container was over its limits (gpufrac.agent.fairness)
+    busy: int = 0  # refused: the caller's container was over its limits (gpufrac.agent.arbiter.fairness)
     wait_timeouts: int = 0
 
 
@@ -182,7 +182,7 @@ class Connection(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.op: int | None = None  # the request's op, once it is read
         self.work: asyncio.Future[Result] | None = None
-        self.account: Account | None = None  # its container's (gpufrac.agent.fairness)
+        self.account: Account | None = None  # its container's (gpufrac.agent.arbiter.fairness)
         self.counted = False  # whether it counts among its container's requests in flight
         self.held = False  # past its container's connection limit: answered BUSY shortly
         # On a container's own socket: that booking's key (only its processes may ask there).
@@ -211,7 +211,8 @@ class Connection(asyncio.Protocol):
         self.server.connections.add(self)
         loop = asyncio.get_running_loop()
         if over:
-            # Past its container's connection limit: no, a little later (Fairness.refuse_delay);
+            # Past its container's connection limit or rate (node-wide socket: every connection
+            # must be accepted to be counted): no, a little later (Fairness.refuse_delay);
             # nothing it sends is read.
             self.held = True
             self.timer = loop.call_later(fair.refuse_delay(self.account), self._busy)
@@ -239,7 +240,7 @@ class Connection(asyncio.Protocol):
         req = BurstRequest.from_buffer_copy(self.buf[: wire.REQUEST_SIZE])
         self.op = req.op
         if not self.arb.fairness.request(self.account):
-            # Past its container's rate or in-flight limit: no, nothing decided, REFUSE_DELAY
+            # Past its container's in-flight limit: no, nothing decided, REFUSE_DELAY
             # later (its connection counts meanwhile: a flood is slowed, not served faster).
             self.arb.stats.busy += 1
             self.held = True

@@ -1,53 +1,48 @@
 """The arbiter: burst grants for the memguard shim's slow path (docs/arbiter-protocol.md).
 
 A request acts only for the caller's own container, which comes from SO_PEERCRED -> cgroup ->
-pod (gpufrac.agent.callers), never from the message. This class decides; its parts each do
+pod (gpufrac.agent.processes.callers), never from the message. This class decides; its parts each do
 one job: the socket (server), the grant arithmetic (grants, pure), the order of requests on a
 GPU (queue), the NVML cache (readings), the containers' files (usage), the resolvers that free
-memory (chain), restarts (recovery). A burst is granted only if the grant model says the GPU
-has the bytes and nobody ranks ahead; it is published in the container's config
-(ledger.update_config) before the reply.
+memory (chain, run by the context), restarts (recovery). A burst is granted only if the grant
+model says the GPU has the bytes and nobody ranks ahead; it is published in the container's
+config (ledger.update_config) before the reply.
 
 Runs entirely on the agent's event loop; NVML reads and kills go to worker threads.
 
-Over 500 lines as one class: it is the one object the resolvers, the swap resolver and
-admission's reclaim talk to (ResolverContext, SwapHost), and each of their entry points here
-is a few lines over the parts above.
+What the resolvers, swap and admission share with it (what each container holds, grants,
+the queue, kills) is the resolution context (arbiter/context.py), built here over the same
+parts; the requests here decide on it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import socket
 import time
 from collections.abc import Coroutine
-from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from gpufrac.agent import activity as activity_mod
-from gpufrac.agent import kill, truth
-from gpufrac.agent import swap as swap_mod
-from gpufrac.agent.admission import reclaim_guarantee
 from gpufrac.agent.arbiter import grants, recovery
 from gpufrac.agent.arbiter import sweep as grant_sweep
-from gpufrac.agent.arbiter.chain import build_chain
+from gpufrac.agent.arbiter.admission import reclaim_guarantee
+from gpufrac.agent.arbiter.context import ArbiterEvents, Resolution
+from gpufrac.agent.arbiter.fairness import Fairness, LimitMetrics
 from gpufrac.agent.arbiter.listeners import ContainerSockets
 from gpufrac.agent.arbiter.queue import LAST, WaitQueue
 from gpufrac.agent.arbiter.readings import NVML_FRESH, NVML_STALE, DriverReadings, ReadMemory, ReadProcesses
+from gpufrac.agent.arbiter.resolvers import Chain, Need, ResolverMetrics
 from gpufrac.agent.arbiter.server import RefusalLog, RequestMetrics, Result, SocketServer, Stats
+from gpufrac.agent.arbiter.swap.resolver import SwapMetrics, handle_swap_in
 from gpufrac.agent.arbiter.usage import ContainerFiles
-from gpufrac.agent.callers import AgentOutOfResources, Caller, PeerError, PeerLookup
-from gpufrac.agent.events import container_ref
-from gpufrac.agent.fairness import Fairness, LimitMetrics
-from gpufrac.agent.gpu_processes import observe
-from gpufrac.agent.inventory import read_memory
-from gpufrac.agent.kube import ObjectRef
-from gpufrac.agent.ledger import ContainerAlloc, Ledger
-from gpufrac.agent.resolvers import Chain, Holding, Need, ResolverMetrics, guarantee_chain
-from gpufrac.agent.swap import SwapMetrics
+from gpufrac.agent.booking.ledger import ContainerAlloc, Ledger
+from gpufrac.agent.gpu import activity as activity_mod
+from gpufrac.agent.gpu import truth
+from gpufrac.agent.gpu.inventory import read_memory
+from gpufrac.agent.gpu.processes import observe
+from gpufrac.agent.processes.callers import Caller, PeerError, PeerLookup
 from gpufrac.core.config import Config
 from gpufrac.core.units import format_bytes
 from gpufrac.memguard import wire
@@ -58,14 +53,6 @@ log = logging.getLogger(__name__)
 
 # The readings one container's RECLAIMs force are at least this far apart (Arbiter._reclaim_reading_at).
 RECLAIM_SPACING = 0.1
-
-
-class EventSink(Protocol):
-    """Where the arbiter's Kubernetes Events and pod conditions go
-    (gpufrac.agent.kube.EventRecorder)."""
-
-    def record(self, ref: ObjectRef, type_: str, reason: str, message: str) -> None: ...
-    def disruption(self, ref: ObjectRef, reason: str, message: str) -> None: ...
 
 
 class ArbiterMetrics(RequestMetrics, LimitMetrics, ResolverMetrics, SwapMetrics, Protocol):
@@ -84,7 +71,7 @@ class Arbiter:
         peers: PeerLookup,
         socket_path: str,
         *,
-        events: EventSink | None = None,
+        events: ArbiterEvents | None = None,
         metrics: ArbiterMetrics,
         memory: ReadMemory = read_memory,
         processes: ReadProcesses = observe,
@@ -96,38 +83,40 @@ class Arbiter:
         self.ledger = ledger
         self.peers = peers
         self.socket_path = socket_path
-        self.events = events
         self.metrics = metrics
-        self.evict_idle_threshold = config.evict_idle_threshold
-        # The agent's activity tracker: how idle a swap or evict victim is (the driver's word
-        # where it can be had, not the tenant's stamps); None: the usage file, clamped to now.
-        self.activity = activity
         self.read_timeout = read_timeout if read_timeout is not None else config.arbiter_timeout
         self.stats = Stats()
         self.queue = WaitQueue(
             self._refresh_soon, NVML_FRESH, self._wait_timed_out, config.head_of_line_bound
         )
-        # One context allowance per container (docs/watchdog.md), as the watchdog's.
+        # One context allowance per pod and GPU (docs/watchdog.md), as the watchdog's.
         self.readings = DriverReadings(
             memory, processes, peers, config.watchdog.tolerance, self.queue.notify_all
         )
         self.files = ContainerFiles(ledger)
         self.sweeper = grants.GrantSweep()
-        self.chain = resolvers if resolvers is not None else build_chain(config.resolvers, self)
-        # A guarantee is reclaimed with an evict step even where `resolvers` leaves it out.
-        self.guarantee_chain = guarantee_chain(self.chain, self)
-        # The swap resolver: the chain's when configured, else one that only brings back what
-        # an earlier agent swapped out. Its containers' memory is in host RAM, not on the GPU.
-        self.swap = swap_mod.restorer(self.chain, self)
+        # What the requests, the resolvers, swap and admission share (and the chains it runs).
+        self.resolution = Resolution(
+            config,
+            ledger,
+            peers,
+            queue=self.queue,
+            readings=self.readings,
+            files=self.files,
+            sweeper=self.sweeper,
+            stats=self.stats,
+            metrics=metrics,
+            events=events,
+            activity=activity,
+            resolvers=resolvers,
+        )
+        self.swap = self.resolution.swap
         self.fairness = Fairness.from_config(config, peers.proc, metrics=metrics)
         self.server = SocketServer(self, socket_path, config.arbiter_limits.listen_backlog)
         # Each container's own socket (its connections share the server's bookkeeping).
         self.sockets = ContainerSockets(self.server, self.fairness, config.arbiter_limits.listen_backlog)
         self._refusals = RefusalLog()
-        self._seq = itertools.count(1)
         self._tasks: list[asyncio.Task[None]] = []
-        self._granted_at: dict[str, float] = {}  # container key -> time.monotonic() of its last grant
-        self._settling: set[str] = set()  # keys whose lowered release waits out GRANT_SETTLE
         self._reclaim_at: dict[str, float] = {}  # key -> when its last RECLAIM's reading is taken
         self._handles_generation = -1  # the ledger's capacity_generation at the last handle sweep
 
@@ -157,7 +146,7 @@ class Arbiter:
             "arbiter listening on %d containers' sockets%s (resolvers %s)",
             len(self.sockets.listeners),
             f" and {self.socket_path}" if self.server.listening else "",
-            self.chain.names,
+            self.resolution.chain.names,
         )
 
     async def stop(self) -> None:
@@ -175,7 +164,7 @@ class Arbiter:
 
     def reconcile(self) -> None:
         """After an agent restart: grants above what a container now uses are taken back."""
-        recovery.reconcile(self.ledger, self._used)
+        recovery.reconcile(self.ledger, self.resolution.used)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -196,8 +185,12 @@ class Arbiter:
             self.stats.refused += 1
             self._refusals.say(str(e))
             return wire.BURST_REFUSED, 0
+        if req.op == wire.BURST_OP_IDENTIFY:
+            # Its own pid as the kernel named it to us (the host's namespace, NVML's): what
+            # lets its shim read the driver's per-process figures exactly in a pid namespace.
+            return wire.BURST_GRANTED, caller.creds.pid
         if req.op == wire.BURST_OP_RELEASE:
-            return wire.BURST_GRANTED, self._release(caller.alloc)
+            return wire.BURST_GRANTED, self.resolution.release(caller.alloc)
         if req.op == wire.BURST_OP_SWAP_IN:
             return self._swap_in(caller)
         if req.op == wire.BURST_OP_RECLAIM:
@@ -210,7 +203,7 @@ class Arbiter:
         if nbytes <= 0 or alloc.whole_gpu or cfg.flags & FLAG_DISABLED:
             self.stats.denied += 1
             return wire.BURST_DENIED, 0
-        used = self._used(alloc)
+        used = self.resolution.used(alloc)
         if used is None:
             self.stats.denied += 1
             return wire.BURST_DENIED, 0
@@ -246,36 +239,16 @@ class Arbiter:
         """Granted now if the GPU has the bytes and nobody ranks ahead (a waiter of equal or
         higher priority, a claim); otherwise the wait and the resolvers, as a coroutine."""
         # The common case first, without building a Need: nobody waits ahead and it fits.
-        if not self.queue.ahead(alloc.gpus[0], (-alloc.config.priority, LAST)) and self._grant(alloc, target):
+        if not self.queue.ahead(alloc.gpus[0], (-alloc.config.priority, LAST)) and self.resolution.grant(
+            alloc, target
+        ):
             return wire.BURST_GRANTED, self.files.generation(alloc)
-        deadline = asyncio.get_running_loop().time() + alloc.config.wait_timeout_ms / 1000.0
-        need = Need(
-            requester=alloc,
-            gpu=alloc.gpus[0],
-            bytes=target - self._burst_held(alloc, used),
-            priority=alloc.config.priority,
-            deadline=deadline,
-            kind="burst",
-            try_grant=lambda: False,
-            shortfall=lambda: 0,
-            seq=self.next_seq(),
-        )
-        need.try_grant = lambda: self._try_grant(need, target)
-        need.shortfall = lambda: self.coverable(
-            need.gpu, target - self._burst_held(alloc) - self._free_for(alloc)
-        )
-        return self._burst_resolve(need)
+        return self._burst_resolve(self.resolution.burst_need(alloc, target, used))
 
     async def _burst_resolve(self, need: Need) -> Result:
         """Wait for memory or have the resolvers free it, until the caller's wait timeout."""
         alloc = need.requester
-        # The shim stops listening after its wait timeout: answer by then, whatever a resolver does.
-        left = need.deadline - asyncio.get_running_loop().time()
-        try:
-            ok = await asyncio.wait_for(self.chain.resolve(need), max(0.0, left) + 0.05)
-        except asyncio.TimeoutError:
-            ok = need.granted
-        if ok:
+        if await self.resolution.resolve_until(need):
             return wire.BURST_GRANTED, self.files.generation(alloc)
         self.stats.denied += 1
         log.info(
@@ -284,7 +257,7 @@ class Arbiter:
             alloc.who(),
             need.gpu,
             "; ".join(need.notes) or "no resolver freed enough",
-            self._hidden_note(need.gpu),
+            self.resolution.hidden_note(need.gpu),
         )
         return wire.BURST_DENIED, 0
 
@@ -310,7 +283,7 @@ class Arbiter:
         # driver counts and the shim cannot see: lazily loaded modules), so a container filling
         # its request is not refused for them. What it may take is guarantee_shortfall's, on
         # its whole count: never more than the part of its request that is really missing.
-        used, driver = self._used(alloc), self.driver_used(alloc)
+        used, driver = self.resolution.used(alloc), self.resolution.driver_used(alloc)
         if (
             used is None
             # Without the driver's count only the tenant's file would say what it holds, and a
@@ -328,7 +301,7 @@ class Arbiter:
                 )
             self.stats.denied += 1
             return wire.BURST_DENIED, 0
-        left = await reclaim_guarantee(self, alloc, alloc.gpus[0], deadline, nbytes)
+        left = await reclaim_guarantee(self.resolution, alloc, alloc.gpus[0], deadline, nbytes)
         if left == 0:
             self.stats.granted += 1
             return wire.BURST_GRANTED, self.files.generation(alloc)
@@ -339,7 +312,7 @@ class Arbiter:
             alloc.gpus[0],
             "no NVML memory reading"
             if left is None
-            else f"{format_bytes(left)} missing" + self._hidden_note(alloc.gpus[0]),
+            else f"{format_bytes(left)} missing" + self.resolution.hidden_note(alloc.gpus[0]),
         )
         return wire.BURST_DENIED, 0
 
@@ -358,274 +331,25 @@ class Arbiter:
         self._reclaim_at[key] = at
         return at
 
-    # -- grants ----------------------------------------------------------------------------------
-
-    def _try_grant(self, need: Need, target: int) -> bool:
-        """A need's grant, unless it asks for burst bytes while a request ranks ahead of it on
-        its GPU and still holds it back (WaitQueue.ahead: a waiter, for at most the node's
-        headOfLineBound since the need came). It is granted once, whoever tries. No new bytes
-        (a swap-in within its guarantee) never queue: a guarantee never waits."""
-        asks_more = target > need.requester.config.grant_bytes
-        if (
-            not need.granted
-            and not (asks_more and self.queue.ahead(need.gpu, need.order, need, need.arrived))
-            and self._grant(need.requester, target)
-        ):
-            need.granted = True
-        return need.granted
-
-    def _grant(self, alloc: ContainerAlloc, target: int) -> bool:
-        """Grant `target` bytes above request to the container if the GPU has them now."""
-        if self.ledger.get(alloc.key) is not alloc:
-            return False  # released meanwhile
-        cur = alloc.config.grant_bytes
-        if target > cur:
-            extra = target - self._burst_held(alloc)
-            if extra > self._free_for(alloc):
-                return False
-            self.ledger.update_config(alloc.key, grant_bytes=target)
-        self.stats.granted += 1
-        self.sweeper.used(alloc.key)
-        self._granted_at[alloc.key] = time.monotonic()
-        return True
-
-    def claim(self, need: Need) -> AbstractContextManager[None]:
-        """While a resolver frees memory for `need`, nobody who ranks below it is granted on
-        its GPU (gpufrac.agent.arbiter.queue.WaitQueue.claim)."""
-        return self.queue.claim(need)
-
-    async def wait_turn(self, need: Need) -> bool:
-        """Queue the need on its GPU until a release grants it or its deadline passes."""
-        return await self.queue.wait_turn(need)
-
-    def notify(self, gpu: str) -> None:
-        """Something was freed on `gpu`: grant waiters in order while they fit."""
-        self.queue.notify(gpu)
-
-    def next_seq(self) -> int:
-        """The next arrival number (FIFO among equal priorities)."""
-        return next(self._seq)
-
     def _wait_timed_out(self) -> None:
         self.stats.wait_timeouts += 1
-
-    # -- accounting ------------------------------------------------------------------------------
-
-    def driver_used(self, alloc: ContainerAlloc) -> int | None:
-        """What NVML counts for the container's processes on its GPU, less one context
-        allowance; None without a recent process reading (gpufrac.agent.arbiter.readings)."""
-        return self.readings.driver_used(alloc)
-
-    def _used(self, alloc: ContainerAlloc) -> int | None:
-        """What the container holds on its GPU: the larger of its usage file (clamped to what
-        it was given) and the driver's count (gpufrac.agent.truth). None when the file cannot
-        be read. A swapped-out container: the driver's count alone (`_swapped_used`)."""
-        swapped = self._swapped_used(alloc)
-        if swapped is not None:
-            return swapped
-        used = self.files.file_used(alloc)
-        if used is None:
-            return None
-        return max(truth.clamp_file(alloc, used), self.driver_used(alloc) or 0)
-
-    def _swapped_used(self, alloc: ContainerAlloc) -> int | None:
-        """For a swapped-out container, what NVML counts for its live processes (its
-        checkpointed ones hold nothing on the GPU, its file still counts what they had in
-        host RAM); None for one that is not swapped out. Never a flat 0: a process it starts
-        after the swap-out (without the shim: it asks the agent nothing) holds GPU memory
-        that must weigh as any other's, or it could take a neighbour's guarantee and be no
-        eviction victim for it."""
-        if not self.swap.is_swapped(alloc.key):
-            return None
-        return self.driver_used(alloc) or 0
-
-    def _held(self, alloc: ContainerAlloc) -> int:
-        """`_used`, or, for a container whose usage file cannot be read (the tenant's to
-        break), the driver's count, else all it may hold: breaking its own bookkeeping must
-        shield it from no reclaim and inflate no one else's shortfall."""
-        used = self._used(alloc)
-        if used is not None:
-            return used
-        driver = self.driver_used(alloc)
-        return driver if driver is not None else alloc.request_bytes + alloc.config.grant_bytes
-
-    def _share(self, alloc: ContainerAlloc, used: int | None) -> grants.Share:
-        return grants.Share(used, alloc.request_bytes, alloc.config.grant_bytes)
-
-    def _burst_held(self, alloc: ContainerAlloc, used: int | None = None) -> int:
-        used = self._used(alloc) if used is None else used
-        return self._share(alloc, used).burst
-
-    def _on_gpu(self, gpu: str) -> list[ContainerAlloc]:
-        return [a for a in self.ledger.containers() if gpu in a.gpus]
-
-    def _free_for(self, alloc: ContainerAlloc) -> int:
-        """Bytes that may be newly granted on the requester's GPU (grants.free_for)."""
-        gpu = alloc.gpus[0]
-        return grants.free_for(
-            [self._share(a, self._used(a)) for a in self._on_gpu(gpu)],
-            self.ledger.geometry[gpu].allocatable,
-            self.readings.free(gpu),
-            self.config.grant_margin,
-            self.config.lend_unused_requests,
-        )
-
-    def free_for(self, alloc: ContainerAlloc) -> int:
-        return self._free_for(alloc)
-
-    def try_grant(self, need: Need, target: int) -> bool:
-        return self._try_grant(need, target)
-
-    async def grantable(self, alloc: ContainerAlloc) -> int:
-        """Bytes a burst of `alloc` could be granted right now (metrics, tests, the bench)."""
-        await self.readings.fresh()
-        return self._free_for(alloc)
-
-    def holdings(self, gpu: str) -> list[Holding]:
-        now = time.monotonic_ns()
-        out = []
-        for a in self._on_gpu(gpu):
-            u = self.files.usage_of(a)
-            used = self._held(a)
-            # An unreadable usage file gives no activity either: the container counts as idle.
-            last = max((int(s.last_activity_ns) for s in u.slots if s.pid > 0), default=0) if u else 0
-            idle_s = activity_mod.holding_idle_s(self.activity, a.key, last, now) if u else float("inf")
-            out.append(
-                Holding(
-                    alloc=a,
-                    used=used,
-                    request=a.request_bytes,
-                    grant=a.config.grant_bytes,
-                    burst=self._burst_held(a, used),
-                    priority=a.config.priority,
-                    flags=a.config.flags,
-                    idle_s=idle_s,
-                    steady=self.readings.steady_used(a) or 0,
-                )
-            )
-        return out
-
-    def usage_readable(self, alloc: ContainerAlloc) -> bool:
-        """Whether the container's usage file can be read now (the swap resolver leaves a
-        container whose file is broken out of its victims: its shim could not be told back)."""
-        return self.files.file_used(alloc) is not None
-
-    async def second_reading(self) -> None:
-        """A new NVML reading, distinct from the last (gpufrac.agent.arbiter.readings)."""
-        await self.readings.second_reading()
-
-    def guarantee_shortfall(self, alloc: ContainerAlloc, gpu: str, inflight: int = 0) -> int | None:
-        """Bytes of `alloc`'s request on `gpu` that are not physically there now: its request
-        less what it uses (less `inflight`, counted but not given by the driver), beyond NVML free
-        less the margin less what every other container may still charge within its request +
-        grant. None without an NVML reading (used by gpufrac.agent.admission.reclaim_guarantee).
-        What each holds lowers what is taken here: it counts NVML's whole count for it, no
-        allowance (readings.DriverReadings.whole_count), or a zeroed counter would make the
-        shortfall look larger by as much."""
-        free = self.readings.free(gpu)
-        if free is None:
-            return None
-        pending = 0
-        for a in self._on_gpu(gpu):
-            if a.key != alloc.key:
-                # Not started yet (nothing held): it may still charge all it was promised.
-                held_by = max(self._held(a), self.readings.whole_count(a) or 0)
-                pending += grants.pending_of(a.request_bytes, a.config.grant_bytes, held_by)
-        # What it holds now: the file less what it counted but the driver refused, or the
-        # driver's whole count, whichever is larger: a zeroed counter cannot make its
-        # guarantee look missing.
-        driver = self.readings.whole_count(alloc) or 0
-        file_used = self.files.file_used(alloc) or 0
-        held = max(truth.clamp_file(alloc, file_used) - inflight, driver, 0)
-        if self.swap.is_swapped(alloc.key):
-            held = driver  # what is in host RAM is not on the GPU; what its live processes hold is
-        return grants.guarantee_shortfall(alloc.request_bytes, held, free, self.config.grant_margin, pending)
-
-    def coverable(self, gpu: str, missing: int) -> int:
-        """What of `missing` bytes on `gpu` evicting or swapping others may free (Need.shortfall):
-        none of what hidden processes hold there in the last reading (grants.coverable). The
-        requester waits instead: in enforce mode the watchdog kills them within an interval."""
-        return grants.coverable(missing, self.readings.hidden_on(gpu))
-
-    def hidden_bytes(self, gpu: str) -> int:
-        """What hidden processes hold on `gpu` in the last reading (readings.DriverReadings.hidden_on)."""
-        return self.readings.hidden_on(gpu)
-
-    def _hidden_note(self, gpu: str) -> str:
-        """For a denial's log line: what hidden processes hold on `gpu`, if anything."""
-        hidden = self.hidden_bytes(gpu)
-        if not hidden:
-            return ""
-        return f"; {format_bytes(hidden)} held by hidden GPU processes, never taken from others for it"
-
-    # -- NVML --------------------------------------------------------------------------------------
-
-    async def refresh_memory(self) -> None:
-        """A fresh NVML reading now (after a swap or a kill moved memory); waiters are re-checked."""
-        await self.readings.refresh()
 
     def _refresh_soon(self) -> None:
         """Start a new NVML reading now unless one is under way; it notifies waiters when done."""
         self.readings.refresh_soon()
 
-    # -- swap (gpufrac.agent.swap: the SWAP_IN op and what the swap resolver asks) ----------------
+    async def grantable(self, alloc: ContainerAlloc) -> int:
+        """Bytes a burst of `alloc` could be granted right now (metrics, tests, the bench)."""
+        await self.readings.fresh()
+        return self.resolution.free_for(alloc)
+
+    # -- swap (arbiter.swap.resolver: the SWAP_IN op and what the swap resolver asks) ------------------------
 
     async def _swap_in(self, caller: Caller) -> Result:
-        status = await swap_mod.handle_swap_in(self.swap, caller.alloc)
+        status = await handle_swap_in(self.swap, caller.alloc)
         return status, self.files.generation(caller.alloc)
 
-    # -- releases ----------------------------------------------------------------------------------
-
-    def release_unused(self, alloc: ContainerAlloc) -> None:
-        """Take back the part of `alloc`'s grant it does not use (as the shim's release does);
-        a reclaim waits on what this frees, so NVML is read again at once."""
-        self._release(alloc)
-        self._refresh_soon()
-
-    def _release(self, alloc: ContainerAlloc, used: int | None = None) -> int:
-        """Take back the part of a container's grant it does not use (`used`, or as `_used`
-        counts it); wakes waiters."""
-        used = self._used(alloc) if used is None else used
-        g = alloc.config.grant_bytes
-        if used is not None and g > 0:
-            keep = grants.kept_on_release(used, alloc.request_bytes, g)
-            young = grants.settle_left(self._granted_at.get(alloc.key), time.monotonic())
-            if keep < g and young > 0:
-                # Another process's free (or the returned counter) right after a grant: the
-                # shim given it may not have charged its allocation yet. Lower it once it has.
-                self._settle_later(alloc, young)
-            elif keep < g:
-                self.ledger.update_config(alloc.key, grant_bytes=keep)
-        self.sweeper.used(alloc.key)
-        gpu = alloc.gpus[0]
-        self.notify(gpu)
-        if self.queue.has_waiters(gpu):
-            # The freed bytes show in NVML only after a new reading. Without waiters there is no
-            # hurry: a reading from before the free under-counts free memory (never grants too
-            # much), and the next burst after NVML_FRESH takes a new one. Reading all GPUs on
-            # every release would sit on the fast path of the bursts that follow.
-            self._refresh_soon()
-        return self.files.generation(alloc)
-
-    def _settle_later(self, alloc: ContainerAlloc, delay: float) -> None:
-        if alloc.key in self._settling:
-            return
-        self._settling.add(alloc.key)
-
-        def settled() -> None:
-            self._settling.discard(alloc.key)
-            if self.ledger.get(alloc.key) is alloc:
-                self._release(alloc)
-
-        asyncio.get_running_loop().call_later(delay, settled)
-
-    def revoke_burst(self, alloc: ContainerAlloc) -> None:
-        """Evicted or swapped out: the container keeps its guarantee, loses every burst byte.
-        Waiters are woken; during a claim (the resolver that revokes it) only once the
-        requester has had its turn."""
-        if self.ledger.get(alloc.key) is not None and alloc.config.grant_bytes:
-            self.ledger.update_config(alloc.key, grant_bytes=0)
-        self.notify(alloc.gpus[0])
+    # -- the ledger -------------------------------------------------------------------------------
 
     def _on_ledger_change(self) -> None:
         # Containers come and go only with a booking change (capacity_generation); a grant or
@@ -635,8 +359,8 @@ class Arbiter:
             self.files.forget_released(self.sweeper.forget)
             self.sockets.sync(self.ledger.get)
             booked = self.ledger.get
-            for key in [k for k in self._granted_at if booked(k) is None]:
-                del self._granted_at[key]
+            for key in [k for k in self.resolution.granted_at if booked(k) is None]:
+                del self.resolution.granted_at[key]
             for key in [k for k in self._reclaim_at if booked(k) is None]:
                 del self._reclaim_at[key]
         self.queue.notify_all()
@@ -650,7 +374,7 @@ class Arbiter:
             self.ledger.containers(),
             self.files.usage_of,
             self.readings.driver_total,
-            self._release,
+            self.resolution.release,
             self.sweeper,
             now,
         )
@@ -663,41 +387,3 @@ class Arbiter:
             with contextlib.suppress(asyncio.TimeoutError):
                 reading = self.readings.taken_since(time.monotonic() - grant_sweep.READING_AGE)
                 await asyncio.wait_for(reading, NVML_STALE)
-
-    # -- eviction support ----------------------------------------------------------------------------
-
-    async def kill_container(self, alloc: ContainerAlloc) -> int:
-        """SIGKILL every process of the container (gpufrac.agent.kill, in a worker thread);
-        returns the count once they are gone. Their dead usage slots are reaped here, since no
-        shim of that container may be left to do it."""
-        # The processes the driver counts for it go first (gpufrac.agent.kill: a victim
-        # whose GPU processes live on was not evicted).
-        driver = self.readings.driver
-        counted = driver.pids_of(alloc.key) if driver is not None else []
-        try:
-            killed = await asyncio.to_thread(kill.kill_container, self.peers, alloc, counted)
-        finally:
-            # Also after a KillFailed: what was killed is reaped and read as free all the same.
-            await self._after_kill(alloc)
-        return killed
-
-    async def _after_kill(self, alloc: ContainerAlloc) -> None:
-        try:
-            left = await asyncio.to_thread(self.peers.pids_of, alloc)
-        except AgentOutOfResources as e:
-            log.error("after killing %s: cannot tell if a process is left (%s): slots kept", alloc.who(), e)
-        else:
-            if not left:
-                self.files.reap_all(alloc)
-        await self.readings.refresh()  # the victims' memory is free now: let the grant see it
-
-    def event(self, alloc: ContainerAlloc, type_: str, reason: str, message: str) -> None:
-        ref = container_ref(alloc)
-        if self.events is not None and ref is not None:
-            self.events.record(ref, type_, reason, message)
-
-    def disrupted(self, alloc: ContainerAlloc, reason: str, message: str) -> None:
-        """Mark the pod of `alloc` DisruptionTarget (gpufrac.agent.kube.EventRecorder.disruption)."""
-        ref = container_ref(alloc)
-        if self.events is not None and ref is not None:
-            self.events.disruption(ref, reason, message)

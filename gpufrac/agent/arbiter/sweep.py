@@ -5,7 +5,7 @@ grant on exit), after GRANT_STALE_AFTER when a grant lies unused (grants.GrantSw
 "Unused" is judged on the driver's count (NVML, all of it: the most the container can be said
 to hold), not on the usage file, which is the tenant's to write: a counter kept at request +
 grant must not keep a grant nobody uses out of its neighbours' reach forever. Taking back a
-grant costs only its holder, so the larger-of rule of gpufrac.agent.truth (for decisions that
+grant costs only its holder, so the larger-of rule of gpufrac.agent.gpu.truth (for decisions that
 cost others) does not apply here. The file is used only without a reading (NVML failing).
 Managed pages resident in host RAM are in the file, not in NVML's count: a grant only they
 hold is taken back too (docs/arbiter-protocol.md says why that is right).
@@ -18,7 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 
 from gpufrac.agent.arbiter.grants import GrantSweep
-from gpufrac.agent.ledger import ContainerAlloc
+from gpufrac.agent.booking.ledger import ContainerAlloc
 from gpufrac.core.units import format_bytes
 from gpufrac.memguard import abi
 

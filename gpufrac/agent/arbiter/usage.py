@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from gpufrac.agent.ledger import ContainerAlloc
+from gpufrac.agent.booking.ledger import ContainerAlloc
 from gpufrac.memguard import abi
 from gpufrac.memguard.abi import FormatError
 
@@ -35,7 +35,7 @@ _NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+")
 
 class Booked(Protocol):
     """Which containers are booked, and whether their files are written
-    (gpufrac.agent.ledger.Ledger)."""
+    (gpufrac.agent.booking.ledger.Ledger)."""
 
     def get(self, key: str) -> ContainerAlloc | None: ...
     def attached(self, key: str) -> bool: ...

@@ -1,5 +1,5 @@
 """ClaimReader: ResourceClaims read from the apiserver (resource.k8s.io/v1) for the DRA
-driver, which the kubelet names a claim to and nothing more (gpufrac.agent.claims). The GET
+driver, which the kubelet names a claim to and nothing more (gpufrac.agent.booking.claims). The GET
 runs in a worker thread; the claim comes back as JSON (a dict), parsed by gpufrac.core.claims."""
 
 from __future__ import annotations

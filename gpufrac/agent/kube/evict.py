@@ -61,7 +61,7 @@ def status_detail(e: ApiException) -> tuple[str, float | None]:
 
 class PodEvictor:
     """Evicts pods through the policy/v1 Eviction subresource (PodDisruptionBudgets hold);
-    the idle reaper's (gpufrac.agent.idle) way to end a pod.
+    the idle reaper's (gpufrac.agent.idle.reaper) way to end a pod.
 
     A plain DELETE is used only when `allow_delete` is set AND the Eviction API itself
     is unusable (not served, forbidden); a PodDisruptionBudget's 429 is never

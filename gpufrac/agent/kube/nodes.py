@@ -1,4 +1,4 @@
-"""NodeLabeler: the agent's gpufrac.dev/ labels on its own Node (gpufrac.agent.nodelabels
+"""NodeLabeler: the agent's gpufrac.dev/ labels on its own Node (gpufrac.agent.gpu.nodelabels
 decides them), patched from a worker thread; no other label is ever touched."""
 
 from __future__ import annotations

@@ -23,35 +23,13 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from gpufrac.agent.kube.podcache import PodInfo
+from gpufrac.agent.kube.objref import ObjectRef
 
 COMPONENT = "gpufrac-agent"
 MAX_MESSAGE = 1024  # the apiserver rejects longer Event messages
 DROP_LOG_EVERY = 60.0  # seconds between two log lines about dropped Events
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ObjectRef:
-    """The object an Event is about (core/v1 ObjectReference)."""
-
-    kind: str
-    name: str
-    namespace: str = ""
-    uid: str = ""
-    api_version: str = "v1"
-    field_path: str = ""
-
-    @classmethod
-    def pod(cls, pod: PodInfo, container: str | None = None) -> ObjectRef:
-        return cls.pod_named(pod.namespace, pod.name, pod.uid, container)
-
-    @classmethod
-    def pod_named(cls, namespace: str, name: str, uid: str = "", container: str | None = None) -> ObjectRef:
-        """A pod (or one of its containers, as kubectl describe shows it) by name."""
-        path = f"spec.containers{{{container}}}" if container else ""
-        return cls("Pod", name, namespace, uid, field_path=path)
 
 
 def _timestamp(t: float) -> str:

@@ -1,6 +1,6 @@
 """SlicePublisher: the node's ResourceSlice kept as the DRA driver last described it.
 
-update() is called on the agent's loop with the wanted slice (gpufrac.agent.dra_devices
+update() is called on the agent's loop with the wanted slice (gpufrac.agent.gpu.dra_devices
 builds it) and returns at once; one task makes the apiserver hold it, in worker threads: it
 creates the slice, replaces it when its devices differ (the pool's generation moves with
 every change, so the scheduler takes the newest), and reads it back every `check_interval`:

@@ -33,18 +33,3 @@ agent's loop or any thread:
 `alloc` is a ContainerAlloc or its container key. Per-container counts are dropped once
 the container is gone from the ledger.
 """
-
-from __future__ import annotations
-
-from gpufrac.agent.metrics.endpoint import HEARTBEAT_INTERVAL, HEARTBEAT_STALE_AFTER, Probes
-from gpufrac.agent.metrics.names import NAMESPACE, annotation_label
-from gpufrac.agent.metrics.registry import Metrics
-
-__all__ = [
-    "HEARTBEAT_INTERVAL",
-    "HEARTBEAT_STALE_AFTER",
-    "NAMESPACE",
-    "Metrics",
-    "Probes",
-    "annotation_label",
-]

@@ -16,11 +16,12 @@ from typing import Protocol, TypeAlias
 
 from prometheus_client import Counter, Histogram
 
-from gpufrac.agent.metrics.names import NAMESPACE, SWAP_DIRECTIONS, WAIT_BUCKETS
+from gpufrac.agent.metrics import names
+from gpufrac.agent.metrics.names import SWAP_DIRECTIONS
 
 
 class Keyed(Protocol):
-    """A container's allocation (gpufrac.agent.ledger.ContainerAlloc), or anything that
+    """A container's allocation (gpufrac.agent.booking.ledger.ContainerAlloc), or anything that
     names one by its container key."""
 
     @property
@@ -49,12 +50,12 @@ class Counts:
 
     def __init__(self) -> None:
         self.since = time.monotonic()
-        self.evictions = Counter(f"{NAMESPACE}_container_evictions", "evictions", registry=None)
-        self.swaps = Counter(f"{NAMESPACE}_container_swaps", "swaps", ["direction"], registry=None)
+        self.evictions = Counter(names.CONTAINER_EVICTIONS, "evictions", registry=None)
+        self.swaps = Counter(names.CONTAINER_SWAPS, "swaps", ["direction"], registry=None)
         for d in SWAP_DIRECTIONS:
             self.swaps.labels(d)
         self.waits = Histogram(
-            f"{NAMESPACE}_container_wait_seconds", "waits", buckets=WAIT_BUCKETS, registry=None
+            names.CONTAINER_WAIT_SECONDS, "waits", buckets=names.WAIT_BUCKETS, registry=None
         )
         # The shim keeps refusals per process slot and a slot is cleared when its process
         # goes: keep the refusals of gone processes so the counter never goes down.

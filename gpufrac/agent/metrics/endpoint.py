@@ -1,5 +1,5 @@
 """/metrics, /healthz and /readyz: one WSGI app (prometheus-client's for /metrics), served by
-gpufrac.agent.httpd on metrics.bindAddress:metrics.port."""
+gpufrac.agent.status.httpd on metrics.bindAddress:metrics.port."""
 
 from __future__ import annotations
 

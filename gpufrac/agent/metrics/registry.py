@@ -26,11 +26,10 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 import gpufrac
-from gpufrac.agent.httpd import Served, serve_tcp
+from gpufrac.agent.metrics import names
 from gpufrac.agent.metrics.containers import Container, ContainerCounts, Counts
 from gpufrac.agent.metrics.endpoint import HEARTBEAT_INTERVAL, Probes, wsgi_app
 from gpufrac.agent.metrics.names import (
-    NAMESPACE,
     REAP_ACTIONS,
     REAP_REASONS,
     SWAP_DIRECTIONS,
@@ -39,6 +38,7 @@ from gpufrac.agent.metrics.names import (
 )
 from gpufrac.agent.metrics.snapshot import NodeCollector, Source
 from gpufrac.agent.status.capture import Observed, capture_threadsafe, readiness
+from gpufrac.agent.status.httpd import Served, serve_tcp
 
 log = logging.getLogger(__name__)
 
@@ -67,43 +67,45 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=False)
         counted = CollectorRegistry(auto_describe=False)
         self._counted = counted
-        Info(f"{NAMESPACE}_build", "gpufrac version of this agent (always 1)", registry=self.registry).info(
-            {"version": gpufrac.__version__}
-        )
+        Info(
+            names.BUILD_INFO.removesuffix("_info"),
+            "gpufrac version of this agent (always 1)",
+            registry=self.registry,
+        ).info({"version": gpufrac.__version__})
         self._store = ContainerCounts()
         self._containers: dict[str, Counts] = self._store.by_key
         self._scrape_errors = Counter(
-            f"{NAMESPACE}_scrape_errors", "Scrapes that could not read the agent's state.", registry=counted
+            names.SCRAPE_ERRORS, "Scrapes that could not read the agent's state.", registry=counted
         )
         # Registered before the counts: a scrape's own failure shows in that scrape.
         self._node = NodeCollector(source, self._store, self._scrape_errors)
         self.registry.register(self._node)
         self._reconcile_errors = Counter(
-            f"{NAMESPACE}_reconcile_errors",
+            names.RECONCILE_ERRORS,
             "Reconcile passes with the kubelet's pod-resources that failed.",
             registry=counted,
         )
         self._arbiter = Counter(
-            f"{NAMESPACE}_arbiter_requests",
+            names.ARBITER_REQUESTS,
             "Slow-path requests from shims, by kind and outcome.",
             ["kind", "outcome"],
             registry=counted,
         )
         self._limited = Counter(
-            f"{NAMESPACE}_arbiter_limited",
+            names.ARBITER_LIMITED,
             "Arbiter connections and requests refused because their container was over a "
             "per-container limit (connections, inflight, rate) or the node's connection cap (node).",
             ["limit"],
             registry=counted,
         )
         self._annotations = Counter(
-            f"{NAMESPACE}_annotation_errors",
+            names.ANNOTATION_ERRORS,
             "Pod annotations refused (safe default applied, Event posted), by annotation key.",
             ["key"],
             registry=counted,
         )
         self._reaps = Counter(
-            f"{NAMESPACE}_idle_reaps",
+            names.IDLE_REAPS,
             "Actions of the idle reaper on idle interactive pods, by what triggered them.",
             ["action", "reason"],
             registry=counted,
@@ -111,7 +113,7 @@ class Metrics:
         for action in REAP_ACTIONS:  # max_runtime series appear once counted
             self._reaps.labels(action, "idle")
         self._watchdog = Counter(
-            f"{NAMESPACE}_watchdog_actions",
+            names.WATCHDOG_ACTIONS_TOTAL,
             "Containers the watchdog found over their limit per NVML, and hidden GPU processes: "
             "reported, or killed.",
             ["action"],
@@ -121,19 +123,19 @@ class Metrics:
             self._watchdog.labels(action)
         # Registered at the watchdog's first scan: no figure before it.
         self._unowned_processes = Gauge(
-            f"{NAMESPACE}_watchdog_unowned_processes",
+            names.WATCHDOG_UNOWNED_PROCESSES,
             "GPU processes that belong to no gpufrac container (last watchdog scan).",
             registry=None,
         )
         self._unowned_bytes = Gauge(
-            f"{NAMESPACE}_watchdog_unowned_bytes",
+            names.WATCHDOG_UNOWNED_BYTES,
             "GPU memory those processes use, per NVML (last watchdog scan).",
             registry=None,
         )
         self._unowned_shown = False
         self._unowned_lock = threading.Lock()
         self._usage_mismatches = Counter(
-            f"{NAMESPACE}_usage_file_mismatches",
+            names.USAGE_FILE_MISMATCHES,
             "Times a container's memguard usage file disagreed with NVML's per-process count beyond the "
             "context allowance (a Warning Event names the pod; decisions used the larger figure).",
             registry=counted,

@@ -17,8 +17,9 @@ from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gpufrac.agent.metrics import names
 from gpufrac.agent.metrics.containers import ContainerCounts
-from gpufrac.agent.metrics.names import CONTAINER_LABELS, GPU_LABELS, NAMESPACE, SWAP_DIRECTIONS
+from gpufrac.agent.metrics.names import CONTAINER_LABELS, GPU_LABELS, SWAP_DIRECTIONS
 from gpufrac.agent.status.enrich import enrich
 from gpufrac.agent.status.model import NodeStatus, UsageView
 
@@ -65,39 +66,41 @@ class NodeCollector(Collector):
 
 def agent_families(snap: NodeStatus | None) -> Iterator[Metric]:
     regs = CounterMetricFamily(
-        f"{NAMESPACE}_registrations", "Device-plugin registrations with the kubelet.", labels=["resource"]
+        names.REGISTRATIONS, "Device-plugin registrations with the kubelet.", labels=["resource"]
     )
     if snap is not None:
         for resource, n in snap.registrations.items():
             regs.add_metric([resource], n)
     yield regs
-    ready = GaugeMetricFamily(f"{NAMESPACE}_ready", "1 when the agent is ready (registered, inventory read).")
+    ready = GaugeMetricFamily(names.READY, "1 when the agent is ready (registered, inventory read).")
     ready.add_metric([], 1 if snap is not None and snap.ready else 0)
     yield ready
 
 
 def gpu_families(snap: NodeStatus) -> Iterator[Metric]:
     def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:
-        return GaugeMetricFamily(f"{NAMESPACE}_gpu_{name}", doc, labels=[*GPU_LABELS, *extra])
+        return GaugeMetricFamily(name, doc, labels=[*GPU_LABELS, *extra])
 
-    total = gauge("memory_total_bytes", "Physical memory of the GPU.")
-    alloc = gauge("memory_allocatable_bytes", "GPU memory gpufrac hands out: total minus reservedPerGpu.")
-    req = gauge("memory_requested_bytes", "Sum of the guaranteed requests placed on the GPU.")
-    used = gauge("memory_used_bytes", "GPU memory in use, as NVML reports it.")
-    burst = gauge("memory_burst_granted_bytes", "Burst grants outstanding above the requests on the GPU.")
-    util = gauge("utilization_ratio", "SM utilisation of the GPU, 0 to 1 (NVML).")
-    healthy = gauge("healthy", "1 while the GPU is Healthy, 0 while Unhealthy.")
+    total = gauge(names.GPU_MEMORY_TOTAL, "Physical memory of the GPU.")
+    alloc = gauge(names.GPU_MEMORY_ALLOCATABLE, "GPU memory gpufrac hands out: total minus reservedPerGpu.")
+    req = gauge(names.GPU_MEMORY_REQUESTED, "Sum of the guaranteed requests placed on the GPU.")
+    used = gauge(names.GPU_MEMORY_USED, "GPU memory in use, as NVML reports it.")
+    burst = gauge(names.GPU_MEMORY_BURST_GRANTED, "Burst grants outstanding above the requests on the GPU.")
+    util = gauge(names.GPU_UTILIZATION, "SM utilisation of the GPU, 0 to 1 (NVML).")
+    healthy = gauge(names.GPU_HEALTHY, "1 while the GPU is Healthy, 0 while Unhealthy.")
     free = gauge(
-        "free_slices", "Unallocated slices the kubelet may still admit, per resource.", ("resource",)
+        names.GPU_FREE_SLICES, "Unallocated slices the kubelet may still admit, per resource.", ("resource",)
     )
-    nvlink = gauge("nvlink_links", "Active NVLink links from the GPU to each peer GPU.", ("peer_uuid",))
+    nvlink = gauge(
+        names.GPU_NVLINK_LINKS, "Active NVLink links from the GPU to each peer GPU.", ("peer_uuid",)
+    )
     xid = CounterMetricFamily(
-        f"{NAMESPACE}_gpu_xid_errors",
+        names.GPU_XID_ERRORS,
         "XID errors NVML reported for the GPU since the agent started (ignored XIDs included).",
         labels=[*GPU_LABELS, "xid"],
     )
     mig = gauge(
-        "mig_enabled",
+        names.GPU_MIG_ENABLED,
         "1 for a GPU in MIG mode, which gpufrac does not share (left to the MIG-aware device plugin).",
     )
     for m in snap.mig:
@@ -161,6 +164,7 @@ def container_families(
         wait_buckets: dict[str, float] = field(default_factory=dict)  # le -> cumulative count
         wait_sum: float = 0.0
         primary: bool = False  # the first GPU of some container: usage and counters shown here
+        compute: tuple[float, float, float, bool] | None = None  # share, used, throttled s, paced
 
     rows: dict[tuple[str, ...], Row] = {}
     for c in snap.containers:
@@ -179,6 +183,8 @@ def container_families(
             if view is not None:
                 row.used = (row.used or 0) + view.used_bytes
                 row.swapped += view.swapped_bytes
+            if c.compute_share is not None and c.compute_used is not None:
+                row.compute = (c.compute_share, c.compute_used, c.compute_throttled_seconds, c.compute_paced)
             if c.idle_seconds is not None:  # enrich: the activity tracker's or the usage file's
                 row.idle = c.idle_seconds if row.idle is None else min(row.idle, c.idle_seconds)
             row.oom += counted.oom_total(view.slot_refusals if view is not None else None)
@@ -191,26 +197,50 @@ def container_families(
             row.wait_sum += total
 
     def gauge(name: str, doc: str) -> GaugeMetricFamily:
-        return GaugeMetricFamily(f"{NAMESPACE}_container_{name}", doc, labels=CONTAINER_LABELS)
+        return GaugeMetricFamily(name, doc, labels=CONTAINER_LABELS)
 
     def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> CounterMetricFamily:
-        return CounterMetricFamily(f"{NAMESPACE}_container_{name}", doc, labels=[*CONTAINER_LABELS, *extra])
+        return CounterMetricFamily(name, doc, labels=[*CONTAINER_LABELS, *extra])
 
-    req = gauge("memory_request_bytes", "Guaranteed GPU memory of the container on the GPU.")
-    lim = gauge("memory_limit_bytes", "Burst ceiling of the container's GPU memory.")
+    req = gauge(names.CONTAINER_MEMORY_REQUEST, "Guaranteed GPU memory of the container on the GPU.")
+    lim = gauge(names.CONTAINER_MEMORY_LIMIT, "Burst ceiling of the container's GPU memory.")
     used = gauge(
-        "memory_used_bytes", "GPU memory the container uses, all its processes (memguard usage file)."
+        names.CONTAINER_MEMORY_USED, "GPU memory the container uses, all its processes (memguard usage file)."
     )
-    burst = gauge("memory_burst_granted_bytes", "The container's current burst grant above its request.")
-    swapped = gauge("swapped_bytes", "The container's GPU memory currently held in host RAM.")
-    idle = gauge("idle_seconds", "Seconds since the container's last GPU work (a launch, or NVML activity).")
-    evictions = counter("evictions", "Times the container's processes were evicted to free GPU memory.")
+    burst = gauge(
+        names.CONTAINER_MEMORY_BURST_GRANTED, "The container's current burst grant above its request."
+    )
+    swapped = gauge(names.CONTAINER_SWAPPED, "The container's GPU memory currently held in host RAM.")
+    idle = gauge(
+        names.CONTAINER_IDLE, "Seconds since the container's last GPU work (a launch, or NVML activity)."
+    )
+    evictions = counter(
+        names.CONTAINER_EVICTIONS, "Times the container's processes were evicted to free GPU memory."
+    )
     swaps = counter(
-        "swaps", "Swaps of the container's GPU memory to host RAM (out) and back (in).", ("direction",)
+        names.CONTAINER_SWAPS,
+        "Swaps of the container's GPU memory to host RAM (out) and back (in).",
+        ("direction",),
     )
-    oom = counter("oom_refusals", "Allocations of the container refused with CUDA_ERROR_OUT_OF_MEMORY.")
+    oom = counter(
+        names.CONTAINER_OOM_REFUSALS, "Allocations of the container refused with CUDA_ERROR_OUT_OF_MEMORY."
+    )
+    share = gauge(
+        names.CONTAINER_COMPUTE_SHARE, "The container's compute share of its GPU, 0 to 1 (docs/compute.md)."
+    )
+    cused = gauge(
+        names.CONTAINER_COMPUTE_UTILIZATION,
+        "The container's use of its GPU's compute as the driver measures it (NVML per process), 0 to 1.",
+    )
+    paced = gauge(
+        names.CONTAINER_COMPUTE_PACED, "1 while the container's launches are paced to hold it to its share."
+    )
+    throttled = counter(
+        names.CONTAINER_COMPUTE_THROTTLED,
+        "Time the container's launches were paced, since the agent started.",
+    )
     waits = HistogramMetricFamily(
-        f"{NAMESPACE}_container_wait_seconds",
+        names.CONTAINER_WAIT_SECONDS,
         "Time the container's allocations waited in the wait resolver for memory to be freed.",
         labels=CONTAINER_LABELS,
     )
@@ -231,4 +261,10 @@ def container_families(
             swaps.add_metric([*lv, d], r.swaps[d])
         oom.add_metric(lv, r.oom)
         waits.add_metric(lv, list(r.wait_buckets.items()), r.wait_sum)
+        if r.compute is not None:
+            share.add_metric(lv, r.compute[0])
+            cused.add_metric(lv, r.compute[1])
+            throttled.add_metric(lv, r.compute[2])
+            paced.add_metric(lv, 1 if r.compute[3] else 0)
     yield from (req, lim, used, burst, swapped, idle, evictions, swaps, oom, waits)
+    yield from (share, cused, paced, throttled)

@@ -13,13 +13,14 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import gpufrac
-from gpufrac.agent.gpu_commands import mig_to_dict
 from gpufrac.agent.status.model import ContainerStatus, GpuStatus, NodeStatus
 from gpufrac.core import slices
+from gpufrac.core.gpus import mig_to_dict
 from gpufrac.memguard import abi
 
 if TYPE_CHECKING:
-    from gpufrac.agent.ledger import ContainerAlloc
+    from gpufrac.agent.booking.ledger import ContainerAlloc
+    from gpufrac.agent.compute.loop import ComputeFigures
     from gpufrac.core.config import Config
     from gpufrac.core.gpus import GpuHealth, Inventory
     from gpufrac.core.slices import GpuGeometry
@@ -45,7 +46,7 @@ class Registration(Protocol):
 
 
 class LedgerView(Protocol):
-    """The bookings, read-only (gpufrac.agent.ledger.Ledger)."""
+    """The bookings, read-only (gpufrac.agent.booking.ledger.Ledger)."""
 
     @property
     def geometry(self) -> Mapping[str, GpuGeometry]: ...
@@ -62,7 +63,7 @@ class LedgerView(Protocol):
 
 
 class HealthView(Protocol):
-    """The GPU health monitor's findings (gpufrac.agent.health.HealthMonitor)."""
+    """The GPU health monitor's findings (gpufrac.agent.gpu.health.HealthMonitor)."""
 
     def current(self) -> Mapping[str, GpuHealth]: ...
 
@@ -70,9 +71,15 @@ class HealthView(Protocol):
 
 
 class IdleClock(Protocol):
-    """Seconds since a container's last GPU work (gpufrac.agent.activity.ActivityTracker)."""
+    """Seconds since a container's last GPU work (gpufrac.agent.gpu.activity.ActivityTracker)."""
 
     def idle_seconds(self, key: str) -> float | None: ...
+
+
+class ComputeView(Protocol):
+    """Each container's compute share as measured and held (compute/loop.py ComputeLoop)."""
+
+    def figures(self, key: str) -> ComputeFigures | None: ...
 
 
 class Observed(Protocol):
@@ -93,6 +100,9 @@ class Observed(Protocol):
 
     @property
     def activity(self) -> IdleClock | None: ...
+
+    @property
+    def compute(self) -> ComputeView | None: ...
 
     @property
     def servers(self) -> Mapping[str, Registration]: ...  # by resource name
@@ -184,30 +194,43 @@ def capture(agent: Observed) -> NodeStatus:
             )
         )
     activity = agent.activity  # launches + NVML, tracked on the loop
+    compute = agent.compute
     for a in allocs:
         c = a.config
-        status.containers.append(
-            ContainerStatus(
-                key=a.key,
-                resource=a.resource,
-                namespace=a.namespace or "",
-                pod=a.pod or "",
-                container=a.container or "",
-                gpus=list(a.gpus),
-                slices=a.slice_count,
-                whole_gpu=a.whole_gpu,
-                request_bytes=a.request_bytes,
-                limit_bytes=c.limit_bytes,
-                burst_granted_bytes=c.grant_bytes,
-                workload_class=abi.CLASS_BY_NUMBER.get(c.workload_class, str(c.workload_class)),
-                priority=c.priority,
-                created=a.created,
-                directory=a.directory,
-                idle_seconds=activity.idle_seconds(a.key) if activity is not None else None,
-                claim=a.claim.name if a.claim is not None else "",
-            )
+        shares = compute.figures(a.key) if compute is not None else None
+        cs = ContainerStatus(
+            key=a.key,
+            resource=a.resource,
+            namespace=a.namespace or "",
+            pod=a.pod or "",
+            container=a.container or "",
+            gpus=list(a.gpus),
+            slices=a.slice_count,
+            whole_gpu=a.whole_gpu,
+            request_bytes=a.request_bytes,
+            limit_bytes=c.limit_bytes,
+            burst_granted_bytes=c.grant_bytes,
+            workload_class=abi.CLASS_BY_NUMBER.get(c.workload_class, str(c.workload_class)),
+            priority=c.priority,
+            created=a.created,
+            directory=a.directory,
+            idle_seconds=activity.idle_seconds(a.key) if activity is not None else None,
+            claim=a.claim.name if a.claim is not None else "",
         )
+        if shares is not None:
+            _set_compute(cs, shares)
+        status.containers.append(cs)
     return status
+
+
+def _set_compute(cs: ContainerStatus, f: ComputeFigures) -> None:
+    cs.compute_share = f.share
+    cs.compute_mode = f.mode
+    cs.compute_used = round(f.used, 4)
+    cs.compute_target = round(f.target, 4)
+    cs.compute_paced = f.pace_ns > 0
+    cs.compute_throttled_seconds = round(f.throttled_s, 3)
+    cs.compute_unheld = f.unheld
 
 
 def capture_threadsafe(

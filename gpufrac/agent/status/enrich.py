@@ -20,7 +20,7 @@ def read_gpu_live(uuids: Iterable[str]) -> dict[str, tuple[int | None, float | N
     # inventory does, so that importing the status model needs no driver.
     import pynvml
 
-    from gpufrac.agent.inventory import NvmlError, query_gpus
+    from gpufrac.agent.gpu.inventory import NvmlError, query_gpus
 
     def live(h: object) -> tuple[int, float]:
         used = int(pynvml.nvmlDeviceGetMemoryInfo(h).used)

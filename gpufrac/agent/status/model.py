@@ -55,6 +55,15 @@ class ContainerStatus:
     swapped_bytes: int = 0
     # A DRA claim's booking: the ResourceClaim's name (in `namespace`); "" for a container.
     claim: str = ""
+    # Its compute share (gpufrac.agent.compute, docs/compute.md); None while compute shares are
+    # off, and for whole GPUs (their containers' own).
+    compute_share: float | None = None  # of its GPU, 0..1
+    compute_mode: str = ""  # fair or strict
+    compute_used: float | None = None  # measured use of its GPU by the driver, about the last second
+    compute_target: float | None = None  # what it may use now
+    compute_paced: bool = False  # its launches are held back now
+    compute_throttled_seconds: float = 0.0  # time its launches were paced since the agent started
+    compute_unheld: bool = False  # over what it may use though paced to the slowest
 
     @property
     def known(self) -> bool:
@@ -74,7 +83,7 @@ class NodeStatus:
     gpus: list[GpuStatus] = field(default_factory=list)
     containers: list[ContainerStatus] = field(default_factory=list)
     unreachable: dict[int, str] = field(default_factory=dict)
-    # GPUs in MIG mode, left to the MIG-aware plugin (gpufrac.agent.gpu_commands.mig_to_dict).
+    # GPUs in MIG mode, left to the MIG-aware plugin (gpufrac.core.gpus.mig_to_dict).
     mig: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The status endpoint: GET / returns the node's status as JSON, on a unix socket (config
 statusSocket), for `gpufrac status` and `curl --unix-socket`. It has no write operation.
 
-Served by the same HTTP stack as /metrics (gpufrac.agent.httpd), in its own threads: each
+Served by the same HTTP stack as /metrics (gpufrac.agent.status.httpd), in its own threads: each
 request takes a snapshot on the agent's loop (capture) and reads NVML and the usage files
 in its thread (enrich).
 """
@@ -21,9 +21,9 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from gpufrac.agent.httpd import QuietHandler, Served, serve_unix
 from gpufrac.agent.status.capture import Observed, capture_threadsafe
 from gpufrac.agent.status.enrich import enrich
+from gpufrac.agent.status.httpd import QuietHandler, Served, serve_unix
 
 if TYPE_CHECKING:  # typeshed's WSGI types (wsgiref.types is Python 3.11+): annotations only
     from _typeshed.wsgi import StartResponse, WSGIEnvironment

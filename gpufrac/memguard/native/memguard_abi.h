@@ -7,6 +7,10 @@
  *             PROT_READ. Updated in place under a seqlock (odd seq = writing).
  *   usage   - written by the shim (every process of the container); one slot
  *             per process plus the container-wide total, all C11 atomics.
+ *   compute - written by the shim (every process of the container): the container's
+ *             launch clock while its compute share holds its launches back (the pace
+ *             itself is the agent's, in config). Optional: without it (a container
+ *             admitted by an older agent) each process keeps a clock of its own.
  *   arbiter/arbiter.sock - the agent's unix socket for the slow path (bursts,
  *             swap-in), the container's own, in a directory mounted read-only: a restarted
  *             agent binds a new socket (a new inode) there, which a mount of the
@@ -27,6 +31,7 @@
 
 #define MG_CONFIG_MAGIC 0x3147464347464d47ULL /* "GMFGCFG1" little-endian */
 #define MG_USAGE_MAGIC 0x3147534547464d47ULL  /* "GMFGESG1" little-endian */
+#define MG_COMPUTE_MAGIC 0x3150434347464d47ULL /* "GMFGCCP1" little-endian */
 #define MG_ABI_VERSION 1u
 
 #define MG_MAX_PROCS 256
@@ -35,6 +40,7 @@
 
 #define MG_CONFIG_FILE "config"
 #define MG_USAGE_FILE "usage"
+#define MG_COMPUTE_FILE "compute"
 #define MG_SOCKET_DIR "arbiter"
 #define MG_SOCKET_FILE "arbiter.sock"
 #define MG_DEFAULT_DIR "/var/run/gpufrac"
@@ -45,6 +51,12 @@
 #define MG_FLAG_SWAPPABLE (1u << 2)   /* may be swapped to host RAM */
 #define MG_FLAG_WHOLE_GPU (1u << 3)   /* whole GPU(s): account, never limit */
 #define MG_FLAG_DISABLED (1u << 4)    /* agent revoked the container: refuse all allocations */
+
+/* The least config.arbiter_timeout_ms the agent writes (its config refuses less: the agent must
+ * read a request within it, gpufrac/core/units.py); the shim reads a smaller value as this one.
+ * Both timeouts are otherwise read as written, the whole u32 range (the agent's read timeout and
+ * wait resolver use the same figures). */
+#define MG_MIN_ARBITER_TIMEOUT_MS 100u
 
 /* config.workload_class */
 #define MG_CLASS_BATCH 0
@@ -66,7 +78,11 @@ typedef struct {
     uint32_t arbiter_timeout_ms;     /* give up on the agent after this long */
     uint32_t wait_timeout_ms;        /* wait resolver bound for this container */
     int32_t priority;                /* pod.spec.priority */
-    uint32_t pad0;
+    /* The container's compute share as a launch pace: while non-zero, its kernel and graph
+     * launches (all its processes together) start at least this many ns apart. Written by
+     * the agent alone, outside the seqlock (one aligned word, read with one atomic load on
+     * every launch); 0 = launches pass at once. Was padding: an older shim ignores it. */
+    _Atomic uint32_t compute_pace_ns;
     /* informational, for `gpufrac memguard inspect` and logs */
     char namespace_[64];
     char pod[MG_NAME_LEN];
@@ -76,7 +92,8 @@ typedef struct {
 
 typedef struct {
     _Atomic int32_t pid;             /* 0 free, -1 being reaped, >0 owner (container pid ns) */
-    uint32_t pad0;
+    _Atomic int32_t host_pid;        /* its pid as NVML names it, from the agent (0: not known);
+                                        what was padding: same layout, same ABI version */
     uint64_t start_time;             /* /proc/self/stat starttime (ticks since boot) */
     _Atomic uint64_t used_bytes;     /* this process's counted GPU memory */
     _Atomic uint64_t peak_bytes;
@@ -95,6 +112,19 @@ typedef struct {
     _Atomic uint64_t grant_returned; /* bytes of grant the shim no longer needs (agent reclaims) */
     mg_proc_slot_t slots[MG_MAX_PROCS];
 } mg_usage_t;
+
+/* The compute file: the shim's launch clock, shared by the container's processes. The
+ * tenant can write it, so it steers only the tenant's own launches; what the agent
+ * decides rests on the driver's utilisation figures (docs/compute.md). */
+typedef struct {
+    uint64_t magic;                  /* MG_COMPUTE_MAGIC */
+    uint32_t abi_version;            /* MG_ABI_VERSION */
+    uint32_t file_size;              /* sizeof(mg_compute_t) */
+    _Atomic uint64_t next_ns;        /* CLOCK_MONOTONIC ns: the next free launch slot while paced */
+    _Atomic uint64_t held_ns;        /* time launches waited for their slot, all processes */
+    _Atomic uint64_t held_launches;  /* launches that waited */
+    _Atomic uint64_t paced_launches; /* launches that took a slot */
+} mg_compute_t;
 
 /*
  * Slow path on arbiter/arbiter.sock (the agent's side: gpufrac/agent/arbiter/,
@@ -126,6 +156,9 @@ typedef struct {
 /* The caller's container is over its per-container arbiter limits (connections,
  * requests in flight, request rate): refused at once, like every status but GRANTED. */
 #define MG_BURST_BUSY 5u
+/* IDENTIFY: the caller asks for its own pid as the agent sees it (SO_PEERCRED, the host's
+ * pid namespace, where NVML's pids are): GRANTED carries it in the reply's `generation`. */
+#define MG_BURST_OP_IDENTIFY 5u
 
 typedef struct {
     uint32_t magic;        /* MG_BURST_MAGIC */

@@ -123,28 +123,45 @@ void mg_force_charge(uint64_t bytes) {
     mg_slot_add(s, bytes);
 }
 
+/* The bytes the container may hold without asking: request + grant, within the
+ * limit (a grant never lifts it past; a sum that wraps is the limit). */
+static inline uint64_t mg_fast_ceiling(const mg_limits_t *l) {
+    uint64_t fast = l->request + l->grant;
+    return fast > l->limit || fast < l->request ? l->limit : fast;
+}
+
+/* Where mg_charge and mg_admit stand past the fast ceiling. */
+typedef struct {
+    int reaped, asked;
+} mg_past_t;
+
+/* Past the fast ceiling, `want` bytes in all: first the slots of dead processes
+ * are reaped once (they may still count bytes), then the arbiter is asked once.
+ * 1: read the limits and look again; 0: refused. */
+static MG_COLD int mg_past_ceiling(mg_past_t *p, uint64_t bytes, uint64_t want, mg_limits_t *l) {
+    if (!p->reaped) {
+        p->reaped = 1;
+        if (mg_reap(1) > 0) return 1;
+    }
+    if (want > l->limit || p->asked) return 0;
+    p->asked = 1;
+    return mg_ask_arbiter(MG_BURST_OP_BURST, bytes, want, l);
+}
+
 /* `bytes` were counted by force (the driver had already reserved them): may
  * the container keep them? Yes within request + grant; past it, the arbiter
  * decides as for any burst (the total already holds them); past the limit, no. */
 MG_COLD int mg_admit(uint64_t bytes) {
     mg_proc_slot_t *s = mg_slot();
     if (!s) return 0;
-    int reaped = 0, asked = 0;
+    mg_past_t past = {0, 0};
     for (;;) {
         mg_limits_t l;
         if (mg_read_limits(&l) != 0 || (l.flags & MG_FLAG_DISABLED)) return 0;
         if (l.flags & MG_FLAG_WHOLE_GPU) return 1;
-        uint64_t fast = l.request + l.grant;
-        if (fast > l.limit || fast < l.request) fast = l.limit;
         uint64_t cur = atomic_load_explicit(&g_usage->total_used, memory_order_relaxed);
-        if (cur <= fast) return 1;
-        if (!reaped) {
-            reaped = 1;
-            if (mg_reap(1) > 0) continue;
-        }
-        if (cur > l.limit || asked) return 0;
-        asked = 1;
-        if (!mg_ask_arbiter(MG_BURST_OP_BURST, bytes, cur, &l)) return 0;
+        if (cur <= mg_fast_ceiling(&l)) return 1;
+        if (!mg_past_ceiling(&past, bytes, cur, &l)) return 0;
     }
 }
 
@@ -155,12 +172,11 @@ CUresult mg_charge(uint64_t bytes) {
     if (MG_UNLIKELY(atomic_load_explicit(&s->swapped, memory_order_acquire))) mg_swap_in(s);
     if (bytes == 0) return CUDA_SUCCESS;
     _Atomic uint64_t *total = &g_usage->total_used;
-    int reaped = 0, asked = 0;
+    mg_past_t past = {0, 0};
     for (;;) {
         mg_limits_t l;
         if (MG_UNLIKELY(mg_read_limits(&l) != 0) || MG_UNLIKELY(l.flags & MG_FLAG_DISABLED)) return mg_refuse(s);
-        uint64_t fast = l.request + l.grant;
-        if (fast > l.limit || fast < l.request) fast = l.limit;
+        uint64_t fast = mg_fast_ceiling(&l);
         if (l.flags & MG_FLAG_WHOLE_GPU) fast = l.limit = UINT64_MAX; /* count, never limit */
         uint64_t cur = atomic_load_explicit(total, memory_order_relaxed), want;
         for (;;) {
@@ -172,14 +188,7 @@ CUresult mg_charge(uint64_t bytes) {
                 return CUDA_SUCCESS;
             }
         }
-        /* Slow path: dead processes may still hold bytes; then the arbiter. */
-        if (!reaped) {
-            reaped = 1;
-            if (mg_reap(1) > 0) continue;
-        }
-        if (want > l.limit || asked) return mg_refuse(s);
-        asked = 1;
-        if (!mg_ask_arbiter(MG_BURST_OP_BURST, bytes, want, &l)) return mg_refuse(s);
+        if (!mg_past_ceiling(&past, bytes, want, &l)) return mg_refuse(s);
     }
 }
 

@@ -1,10 +1,11 @@
 /*
  * memguard: the slow path, the arbiter client (docs/arbiter-protocol.md):
  * bursts past request + grant, reclaims of the guarantee, grants flowing back
- * (RELEASE) and swap-in. Never on the fast path.
+ * (RELEASE), swap-in and the process's own host pid (IDENTIFY). Never on the fast path.
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <poll.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -16,26 +17,31 @@
 
 #include "mg_internal.h"
 
-/* Wait up to `ms` for `events` on fd. */
-static int mg_poll(int fd, short events, int ms) {
-    struct pollfd p = {.fd = fd, .events = events};
-    int r;
-    do {
-        r = poll(&p, 1, ms);
-    } while (r < 0 && errno == EINTR);
-    return r == 1 && (p.revents & events) ? 0 : -1;
-}
-
 static uint64_t mg_now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
 
-/* Milliseconds left until `deadline` (mg_now_ms() clock), 0 once it passed. */
+/* Milliseconds left until `deadline` (mg_now_ms() clock), 0 once it passed; at most INT_MAX
+ * (a wait longer than that, up to the u32 fields' 49.7 days, is taken in parts). */
 static int mg_left_ms(uint64_t deadline) {
     uint64_t now = mg_now_ms();
-    return now >= deadline ? 0 : (int)(deadline - now);
+    if (now >= deadline) return 0;
+    return deadline - now > (uint64_t)INT_MAX ? INT_MAX : (int)(deadline - now);
+}
+
+/* Wait until `deadline` for `events` on fd: 0 once they came, -1 when the deadline passed or
+ * the socket failed or hung up without them. */
+static int mg_wait_by(int fd, short events, uint64_t deadline) {
+    for (;;) {
+        int left = mg_left_ms(deadline);
+        if (left <= 0) return -1;
+        struct pollfd p = {.fd = fd, .events = events};
+        int r = poll(&p, 1, left);
+        if (r == 0 || (r < 0 && errno == EINTR)) continue; /* the deadline decides */
+        return r == 1 && (p.revents & events) ? 0 : -1;
+    }
 }
 
 /* Connect the (blocking) socket fd by `deadline`. On a unix socket a full listen
@@ -91,15 +97,17 @@ static MG_COLD const char *mg_sock(void) {
 }
 
 static MG_COLD int mg_arbiter_io(uint16_t op, uint64_t bytes, uint64_t total_after, const mg_limits_t *l,
-                                 int await_reply) {
+                                 int await_reply, uint64_t *reply_generation) {
     const char *path = mg_sock();
     if (!path) return 0;
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | (await_reply ? 0 : SOCK_NONBLOCK), 0);
     if (fd < 0) return 0;
     int granted = 0;
-    int timeout = l->arbiter_timeout_ms ? (int)(l->arbiter_timeout_ms > 600000 ? 600000 : l->arbiter_timeout_ms) : 2000;
-    int reply_timeout = timeout + (int)(l->wait_timeout_ms > 600000 ? 600000 : l->wait_timeout_ms);
-    uint64_t deadline = mg_now_ms() + (uint64_t)timeout;
+    /* Read as the agent reads them (memguard_abi.h MG_MIN_ARBITER_TIMEOUT_MS): the agent never
+     * writes less than the least, and both as written, whatever their size. */
+    uint64_t timeout = l->arbiter_timeout_ms < MG_MIN_ARBITER_TIMEOUT_MS ? MG_MIN_ARBITER_TIMEOUT_MS
+                                                                         : l->arbiter_timeout_ms;
+    uint64_t deadline = mg_now_ms() + timeout;
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
     memcpy(addr.sun_path, path, strlen(path) + 1);
     if (!await_reply) {
@@ -109,17 +117,17 @@ static MG_COLD int mg_arbiter_io(uint16_t op, uint64_t bytes, uint64_t total_aft
     }
     mg_burst_req_t req = {.magic = MG_BURST_MAGIC, .version = MG_ABI_VERSION, .op = op,
                           .pid = g_pid, .bytes = bytes, .total_after = total_after, .generation = l->generation};
-    if (mg_poll(fd, POLLOUT, mg_left_ms(deadline)) != 0 ||
-        send(fd, &req, sizeof req, MSG_NOSIGNAL) != (ssize_t)sizeof req)
+    if (mg_wait_by(fd, POLLOUT, deadline) != 0 || send(fd, &req, sizeof req, MSG_NOSIGNAL) != (ssize_t)sizeof req)
         goto out;
     if (!await_reply) {
         granted = 1; /* sent: the agent reads it after we close (a unix socket keeps queued bytes) */
         goto out;
     }
+    uint64_t reply_by = mg_now_ms() + timeout + l->wait_timeout_ms;
     mg_burst_rep_t rep;
     size_t got = 0;
     while (got < sizeof rep) {
-        if (mg_poll(fd, POLLIN, reply_timeout) != 0) goto out;
+        if (mg_wait_by(fd, POLLIN, reply_by) != 0) goto out;
         ssize_t n = recv(fd, (char *)&rep + got, sizeof rep - got, 0);
         if (n <= 0) {
             if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
@@ -128,6 +136,7 @@ static MG_COLD int mg_arbiter_io(uint16_t op, uint64_t bytes, uint64_t total_aft
         got += (size_t)n;
     }
     granted = rep.magic == MG_BURST_MAGIC && rep.status == MG_BURST_GRANTED;
+    if (granted && reply_generation) *reply_generation = rep.generation;
 out:
     close(fd);
     return granted;
@@ -135,7 +144,18 @@ out:
 
 /* A request that waits for the agent's answer: 1 if granted. */
 MG_COLD int mg_ask_arbiter(uint16_t op, uint64_t bytes, uint64_t total_after, const mg_limits_t *l) {
-    return mg_arbiter_io(op, bytes, total_after, l, 1);
+    return mg_arbiter_io(op, bytes, total_after, l, 1, NULL);
+}
+
+/* This process's pid as the agent sees it (op IDENTIFY): the kernel's SO_PEERCRED, in the
+ * host's pid namespace, where NVML names processes. Nothing this process can write names
+ * another's: the agent reads who connected. 0 when the agent cannot tell (away, an older one). */
+MG_COLD uint32_t mg_ask_host_pid(void) {
+    mg_limits_t l;
+    if (mg_read_limits(&l) != 0) memset(&l, 0, sizeof l);
+    uint64_t pid = 0;
+    if (!mg_arbiter_io(MG_BURST_OP_IDENTIFY, 0, 0, &l, 1, &pid)) return 0;
+    return pid > 0 && pid <= INT32_MAX ? (uint32_t)pid : 0;
 }
 
 /* Grants flow back (docs/arbiter-protocol.md, RELEASE). When a free leaves the
@@ -181,7 +201,7 @@ void mg_maybe_return_grant(void) {
         !atomic_compare_exchange_strong_explicit(&g_returned_gen, &gen, l.generation, memory_order_relaxed,
                                                  memory_order_relaxed))
         return; /* sent for this generation already, or another thread is sending now */
-    if (!mg_arbiter_io(MG_BURST_OP_RELEASE, unused, used, &l, 0))
+    if (!mg_arbiter_io(MG_BURST_OP_RELEASE, unused, used, &l, 0, NULL))
         atomic_fetch_add_explicit(&g_usage->grant_returned, unused, memory_order_relaxed);
 }
 
@@ -194,7 +214,7 @@ void mg_exit_return_grant(void) {
     if (unused) atomic_fetch_add_explicit(&g_usage->grant_returned, unused, memory_order_relaxed);
 }
 
-/* Swap-in (gpufrac/agent/swap.py): the agent moved this process's GPU
+/* Swap-in (gpufrac/agent/arbiter/swap/resolver.py): the agent moved this process's GPU
  * memory to host RAM (slot->swapped) and its CUDA calls block in the driver
  * until it is restored. So before the next launch or allocation, ask the agent
  * to bring it back (op SWAP_IN, arbitrated like a burst); the agent restores,

@@ -25,6 +25,13 @@
  *   hold                                     -> print "hold" and wait for stdin
  *   exec                                     -> exec this program with the rest of the script
  *                                               (a new image: same pid, no destructors)
+ *   lstress KIND THREADS N US                -> THREADS threads each making N launches of busy_us(US)
+ *                                               by KIND (launch, launchex, coop, graph); prints
+ *                                               ok=<launches that succeeded> ms=<wall time>
+ *   forklaunch N                             -> fork while a thread launches: the child (as a CUDA
+ *                                               program must: a forked child cannot use its
+ *                                               parent's CUDA) execs this program to make N
+ *                                               launches; prints child=<its exit status>
  *   stress THREADS ITERS MAXBYTES SEED       -> threads allocating/freeing at random
  *   loop N BYTES                             -> N alloc+free pairs (kill target)
  *   pstress THREADS ITERS MAXBYTES SEED      -> threads allocating/freeing from two new pools
@@ -35,6 +42,8 @@
  *   getproc NAME VER FLAGS WANT | getproc1 ... -> cuGetProcAddress_v2 / legacy: is the
  *                                               answer the export WANT, and memguard's?
  *   dlsym NAME                               -> dlsym on a libcuda handle: memguard's?
+ *   global NAME                              -> dlsym(RTLD_DEFAULT) (the scope this program binds
+ *                                               in): found, and memguard's?
  *   defpool | mkpool THRESHOLD               -> push the device's default pool / a new pool
  *                                               (cuMemPoolCreate) with that release threshold
  *   thresh T                                 -> set the top pool's release threshold
@@ -63,6 +72,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cuda_abi.h" /* simgpu's declaration of the driver ABI */
@@ -255,6 +266,48 @@ static CUresult do_graph(int ptsz) {
     if (!rc) rc = cuGraphInstantiateWithFlags(&e, g, 0);
     if (!rc) rc = ptsz ? cuGraphLaunch_ptsz(e, NULL) : cuGraphLaunch(e, NULL);
     return rc;
+}
+
+/* One launch of busy_us(us) by entry point `kind`: launch, launchex, coop, graph. */
+static CUresult launch_kind(const char *kind, unsigned long long us) {
+    void *params[] = {&us};
+    CUlaunchConfig cfg = {1, 1, 1, 1, 1, 1, 0, NULL, NULL, 0};
+    if (!strcmp(kind, "launchex")) return cuLaunchKernelEx(&cfg, kernel(), params, NULL);
+    if (!strcmp(kind, "coop")) return cuLaunchCooperativeKernel(kernel(), 1, 1, 1, 1, 1, 1, 0, NULL, params);
+    if (!strcmp(kind, "graph")) {
+        static __thread CUgraphExec e;
+        if (!e) {
+            CUDA_KERNEL_NODE_PARAMS_v1 p = {kernel(), 1, 1, 1, 1, 1, 1, 0, params, NULL};
+            CUgraph g;
+            CUgraphNode n;
+            CUresult rc = cuGraphCreate(&g, 0);
+            if (!rc) rc = cuGraphAddKernelNode(&n, g, NULL, 0, &p);
+            if (!rc) rc = cuGraphInstantiateWithFlags(&e, g, 0);
+            if (rc) return rc;
+        }
+        return cuGraphLaunch(e, NULL);
+    }
+    return cuLaunchKernel(kernel(), 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL);
+}
+
+typedef struct {
+    const char *kind;
+    unsigned n;
+    unsigned long long us;
+    unsigned long ok;
+} lstress_arg_t;
+
+static void *lstress_thread(void *p) {
+    lstress_arg_t *a = p;
+    cuCtxSetCurrent(ctx); /* the current context is per thread */
+    for (unsigned i = 0; i < a->n; i++) a->ok += launch_kind(a->kind, a->us) == 0;
+    return NULL;
+}
+
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
 }
 
 typedef struct {
@@ -619,6 +672,10 @@ int main(int argc, char **argv) {
             void *p = h ? dlsym(h, a1) : NULL;
             printf("dlsym %d found=%d shim=%d\n", h ? 0 : 1, p != NULL, in_shim(p));
             i++;
+        } else if (!strcmp(c, "global")) {
+            void *p = dlsym(RTLD_DEFAULT, a1);
+            printf("global 0 found=%d shim=%d\n", p != NULL, in_shim(p));
+            i++;
         } else if (!strcmp(c, "exec")) {
             /* The rest of the script runs in a new image of this same process
              * (same pid and start time; exec runs no destructor). */
@@ -647,6 +704,45 @@ int main(int argc, char **argv) {
         } else if (!strcmp(c, "pstress")) {
             pstress((unsigned)num(a1), (unsigned)num(a2), num(a3), (unsigned)num(a4));
             i += 4;
+        } else if (!strcmp(c, "lstress")) {
+            unsigned nt = (unsigned)num(a2);
+            if (nt < 1) nt = 1;
+            if (nt > 64) nt = 64;
+            pthread_t th[64];
+            lstress_arg_t args[64];
+            double t0 = now_ms();
+            unsigned long ok = 0;
+            for (unsigned t = 0; t < nt; t++) {
+                args[t] = (lstress_arg_t){a1, (unsigned)num(a3), num(a4), 0};
+                pthread_create(&th[t], NULL, lstress_thread, &args[t]);
+            }
+            for (unsigned t = 0; t < nt; t++) {
+                pthread_join(th[t], NULL);
+                ok += args[t].ok;
+            }
+            printf("lstress 0 ok=%lu ms=%.3f\n", ok, now_ms() - t0);
+            fflush(stdout);
+            i += 4;
+        } else if (!strcmp(c, "forklaunch")) {
+            /* A thread keeps launching (paced) while the main thread forks: the child inherits
+             * nothing held, and its new image launches through the same hooks and clock. */
+            lstress_arg_t bg = {"launch", 4, 1, 0};
+            pthread_t th;
+            pthread_create(&th, NULL, lstress_thread, &bg);
+            fflush(stdout);
+            pid_t pid = fork();
+            if (pid == 0) {
+                char *args[] = {argv[0], "lstress", "launch", "1", (char *)a1, "1", NULL};
+                execv("/proc/self/exe", args);
+                _exit(127);
+            }
+            int status = -1;
+            if (pid > 0) waitpid(pid, &status, 0);
+            pthread_join(th, NULL);
+            printf("forklaunch %d child=%d\n", pid > 0 ? 0 : 1,
+                   pid > 0 && WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+            fflush(stdout);
+            i += 1;
         } else if (!strcmp(c, "stress")) {
             unsigned nt = (unsigned)num(a1);
             if (nt < 1) nt = 1;

@@ -135,6 +135,7 @@ static int mg_do_init(void) {
         return MODE_BROKEN;
     }
     g_usage = usage;
+    mg_compute_attach(g_dir);
     unsigned bits = mg_track_bits();
     if (mg_tab_init(&g_ptrs, bits) || mg_tab_init(&g_arrays, bits > 16 ? 16 : bits) ||
         mg_tab_init(&g_handles, bits) || mg_tab_init(&g_maps, bits) || mg_tab_init(&g_hostpools, 10)) {
@@ -172,6 +173,8 @@ static void mg_atfork_child(void) {
     g_pid = (int32_t)getpid();
     g_start = 0;
     atomic_store(&g_slot, NULL);
+    mg_gate_atfork_child();
+    mg_nvml_atfork_child();
     if (atomic_load(&g_mode) == MODE_ON) {
         mg_tab_reset(&g_ptrs);
         mg_tab_reset(&g_arrays);
@@ -187,6 +190,7 @@ __attribute__((destructor)) static void mg_destructor(void) {
      * calls during teardown pass through uncounted. */
     if (atomic_load(&g_mode) != MODE_ON) return;
     atomic_store(&g_mode, MODE_DONE);
+    mg_gate_follow(NULL); /* the slot may go to another process, and its flag with it */
     mg_proc_slot_t *s = atomic_exchange(&g_slot, NULL);
     if (s && (int32_t)getpid() == g_pid && mg_release_slot(s, g_pid) > 1) mg_exit_return_grant();
 }

@@ -11,6 +11,7 @@
  * declared here is hidden: only the hooks are exported, each by its own source
  * under the driver's name (MG_XALIAS). The sources, one job each:
  *   mg_symbols.c  the hook table, real-symbol resolution, dlsym and cuGetProcAddress
+ *   mg_gate.c     the swap-in gate of every entry point the shim does not hook (trampolines)
  *   mg_init.c     process state, the two files, init, fork and exit
  *   mg_slots.c    process slots in the usage file: claim, release, reap the dead
  *   mg_tab.c      lock-free handle -> counted size tables
@@ -22,7 +23,8 @@
  *   mg_array.c    CUDA arrays and mipmapped arrays
  *   mg_view.c     memory queries: the container's total and free memory
  *   mg_nvml.c     NVML's process lists, utilisation and BAR1, the container's view
- *   mg_launch.c   kernel and graph launches: activity and the swap-in gate
+ *   mg_launch.c   kernel and graph launches: activity, the swap-in gate, the compute pace
+ *   mg_compute.c  the compute share's launch pace: the container's launch clock
  *   mg_copy.c     copies, memsets, stream and event queries: the swap-in gate alone
  *   mg_ctx.c      contexts, modules, libraries and cuCtxSetLimit memory
  *   mg_measure.c  how much memory such a call took, measured around it
@@ -35,8 +37,9 @@
  * also count what a pool keeps reserved after frees (mg_pool.c): those calls
  * take a process-local mutex (never one in a shared file) and read the pool's
  * attributes through the driver. Context and graph calls take process-local
- * mutexes of their own (mg_ctx.c, mg_graph.c); measuring a context also takes
- * turns by a lock the kernel drops when its holder dies (mg_measure.c). The
+ * mutexes of their own (mg_ctx.c, mg_graph.c); measuring a context device-wide
+ * (no per-process figure) also takes turns by a lock the kernel drops when its
+ * holder dies (mg_measure.c). The
  * fast path's helpers (mg_mode, mg_slot, mg_real) are inline here so it stays
  * one load each across sources.
  *
@@ -231,6 +234,9 @@ MG_HIDDEN void mg_freed(mg_tab_t *t, CUresult rc, uint64_t key, int found, uint6
 MG_HIDDEN uint64_t mg_container_total(void);
 MG_HIDDEN uint64_t mg_process_counted(void); /* this process's slot: bytes counted for it */
 MG_HIDDEN unsigned mg_nvml_self_pid(void);   /* this process's pid as NVML reports it, or 0 if unknown */
+MG_HIDDEN void mg_nvml_learn_self(void);     /* ask the agent for it where NVML's pids are the host's */
+MG_HIDDEN void mg_nvml_unlearn_self(void);   /* NVML does not list it under that pid: forget it */
+MG_HIDDEN void mg_nvml_atfork_child(void);
 MG_HIDDEN int mg_nvml_pids_foreign(void);    /* NVML's pids are the host's: this process's may be learnt */
 MG_HIDDEN const char *mg_container_dir(void); /* $GPUFRAC_CONTAINER_DIR as the shim uses it */
 
@@ -239,6 +245,7 @@ MG_HIDDEN MG_COLD int mg_ask_arbiter(uint16_t op, uint64_t bytes, uint64_t total
 MG_HIDDEN void mg_maybe_return_grant(void);
 MG_HIDDEN void mg_exit_return_grant(void);
 MG_HIDDEN MG_COLD void mg_swap_in(mg_proc_slot_t *s);
+MG_HIDDEN MG_COLD uint32_t mg_ask_host_pid(void);
 
 /* The swap-in gate. While the agent holds this process swapped out (its slot's
  * flag), the driver blocks every CUDA call of it until it is restored, and only the
@@ -249,12 +256,25 @@ MG_HIDDEN MG_COLD void mg_swap_in(mg_proc_slot_t *s);
  * mg_charge and the launches check the flag themselves: the allocation hooks that
  * charge before any driver call (ALLOC_HOOK, the pitched ones) rely on it; every
  * other hook (frees, pools, VMM map/unmap/release/retain, contexts, modules,
- * graphs, copies, waits, queries, cuGetProcAddress) calls this. NVML is not the
+ * graphs, copies, waits, queries, cuGetProcAddress) calls this, and so does every
+ * other driver entry point, through mg_gate.c's trampolines. NVML is not the
  * CUDA driver and a locked process's NVML calls go through: not gated. */
 static inline void mg_swap_gate(void) {
     mg_proc_slot_t *s = atomic_load_explicit(&g_slot, memory_order_acquire);
     if (MG_UNLIKELY(s != NULL && atomic_load_explicit(&s->swapped, memory_order_acquire))) mg_swap_in(s);
 }
+
+/* The gated trampolines of every other driver entry point (mg_gate.c): they test the
+ * flag of the slot mg_gate_follow names (none: a zero word), one load past its address. */
+MG_HIDDEN void mg_gate_follow(mg_proc_slot_t *s);
+MG_HIDDEN void *mg_gate_wrap(const char *name, void *p);   /* a trampoline for the driver's `p` */
+MG_HIDDEN int mg_gate_is_stub(const void *p);
+MG_HIDDEN void mg_gate_atfork_child(void);
+/* The compute share (mg_compute.c): the compute file, mapped at init when it is there,
+ * and the paced path of a launch (`weight` launch slots: 1 for a kernel or a graph). */
+extern MG_HIDDEN mg_compute_t *g_compute;
+MG_HIDDEN void mg_compute_attach(const char *dir);
+MG_HIDDEN MG_COLD void mg_pace_launch(uint32_t pace_ns, uint32_t weight);
 
 /* ------------------------------------------------------------------------ */
 /* What the hook sources offer each other.                                   */

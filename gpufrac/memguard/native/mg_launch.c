@@ -1,6 +1,9 @@
 /*
  * memguard: kernel and graph launches: activity for the idle detector, the
- * swap-in gate, and a graph's memory checked before its first launch.
+ * swap-in gate, the compute share's pace (mg_compute.c), and a graph's memory
+ * checked before its first launch. Every launch entry point the driver has
+ * (cuLaunchKernel, ...Ex, cooperative, cuGraphLaunch, and their _ptsz twins, which
+ * the CUDA runtime resolves through cuGetProcAddress) passes here.
  */
 #include "mg_internal.h"
 
@@ -14,6 +17,9 @@ static inline void mg_activity(void) {
                           memory_order_relaxed);
     atomic_store_explicit(&s->last_activity_ns, mg_coarse_now_ns(), memory_order_relaxed);
     if (MG_UNLIKELY(atomic_load_explicit(&s->swapped, memory_order_acquire))) mg_swap_in(s);
+    /* The compute share: one atomic load while the container is not paced. */
+    uint32_t pace = atomic_load_explicit(&g_cfg->compute_pace_ns, memory_order_relaxed);
+    if (MG_UNLIKELY(pace != 0)) mg_pace_launch(pace, 1);
 }
 
 #define LAUNCH_ARGS \

@@ -16,8 +16,10 @@
  * per-process used memory of this process (nvmlDeviceGetComputeRunningProcesses),
  * before and after, less what this process's other threads had counted
  * meanwhile: exact, whatever other processes on the GPU take or free during the
- * call. NVML names it when its pids are this pid namespace's (mg_nvml_self_pid),
- * or once it is learnt: NVML's pids are the host's (a container), but a process
+ * call, and with no turns to take. NVML names it when its pids
+ * are this pid namespace's (mg_nvml_self_pid), or by the host pid the agent told
+ * it (op IDENTIFY, asked at the first measured call: mg_nvml_learn_self), or,
+ * with no agent to ask, once it is learnt: NVML's pids are the host's (a container), but a process
  * holding no context is not listed, so at its first context creation every
  * process listed before is another; if exactly one process is listed new after
  * it and its figure accounts for the device's whole change beyond the others'
@@ -28,7 +30,8 @@
  * after which NVML does not list this process, or gives no figure, falls back
  * to the device-wide reading below.
  *
- * Device-wide, bounded. Otherwise the reading is the device's used memory, and
+ * Device-wide, bounded. Otherwise (no per-process figure at the call's start) the
+ * reading is the device's used memory, and
  * memory other processes take or give back during the call would land on this
  * object (a neighbour allocating GiBs during a victim's context creation would
  * give the victim a false OOM). What bounds it:
@@ -214,11 +217,16 @@ static int turn_take(CUdevice dev) {
  * measuring next must see them in the container's total before its window. */
 void mg_meas_begin(mg_meas_t *m, CUdevice dev) {
     m->dev = dev;
-    m->turn = turn_take(dev);
     m->lo = INT64_MIN, m->hi = INT64_MAX;
     m->l0 = NULL, m->n0 = 0;
+    mg_nvml_learn_self(); /* its host pid from the agent, in a pid namespace */
     m->mine0 = mg_process_counted();
+    /* Read even before a first context: NVML may still count memory under this pid (an
+     * earlier image of this process, before an exec the driver has not seen the end of). */
     m->own_ok = mg_own_mem(dev, &m->own0) >= 0;
+    /* Exact per process: no turns. Only a device-wide reading needs the container's
+     * processes to take turns, so that they do not count each other's contexts. */
+    m->turn = m->own_ok ? 0 : turn_take(dev);
     m->total0 = mg_container_total();
     m->ok = mg_dev_mem(dev, &m->used0, &m->free0) == 0;
 }
@@ -310,10 +318,14 @@ int64_t mg_meas_end(mg_meas_t *m, CUresult rc) {
     uint64_t used1 = 0, free1, own1 = 0;
     if (rc != CUDA_SUCCESS) return 0;
     /* Per process: exact (see top). */
-    if (m->own_ok && mg_own_mem(m->dev, &own1) > 0) {
+    int listed_self = m->own_ok ? mg_own_mem(m->dev, &own1) : -1;
+    if (listed_self > 0) {
         uint64_t mine1 = mg_process_counted();
         return (int64_t)(own1 - m->own0) - (int64_t)(mine1 - m->mine0);
     }
+    /* After a call that succeeded this process holds a context here, so NVML lists it: a
+     * pid it does not list is not its own (an agent outside the host's pid namespace). */
+    if (listed_self == 0) mg_nvml_unlearn_self();
     int ok = m->ok && mg_dev_mem(m->dev, &used1, &free1) == 0;
     uint64_t total1 = mg_container_total();
     int64_t listed = 0; /* the change of processes known to be others */

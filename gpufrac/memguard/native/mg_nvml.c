@@ -9,14 +9,19 @@
  * not held to the limit either). Entries of other containers are never shown.
  *
  * Pids: NVML reports pids as the kernel's initial pid namespace sees them; the
- * slots hold pids of the container's namespace. They compare only when the two
- * are the same: a process in the initial pid namespace (hostPID, a simulated
- * node on a host), or MEMGUARD_NVML_PIDS=local, set where NVML reports pids of
- * the caller's namespace (simgpu in a container); =none: never; =host: NVML's pids
- * are another namespace's even here (as in a container). Elsewhere the shim cannot
- * tell which host pid is whose, so it lists no process at all (never a
- * neighbour's: a container pid can equal a neighbour's host pid), and says so
- * once in the log.
+ * slots hold pids of the container's namespace. They are the same for a process in
+ * the initial pid namespace (hostPID, a simulated node on a host), or where
+ * MEMGUARD_NVML_PIDS=local says NVML reports pids of the caller's namespace (simgpu
+ * in a container); =none: never matched; =host: NVML's pids are another
+ * namespace's even here. Elsewhere (every ordinary pod) each process asks the agent
+ * for its own pid as the host sees it (op IDENTIFY: the agent reads it off the
+ * connection with SO_PEERCRED, so a process learns only its own) at its first
+ * measured call, before its first context, and keeps it in its slot (host_pid): an
+ * NVML entry is this container's when a live slot's process has that pid, and it
+ * is shown under the slot's pid, the one the container's processes know it by.
+ * A process the agent could not tell (away, an older agent) is not listed, and
+ * says so once in the log; an entry no slot names is never shown (a container pid
+ * can equal a neighbour's host pid).
  *
  * This is a view, not a wall: a process that does not load the shim calls NVML
  * directly and sees what the driver shows (docs/architecture.md, the shim's model).
@@ -45,8 +50,57 @@ int mg_nvml_pids_local(void) {
     return strcmp(buf, "pid:[" PROC_NS_INIT_INO "]") == 0;
 }
 
-/* NVML's pids are this namespace's (see the top of this file): ours is getpid(). */
-unsigned mg_nvml_self_pid(void) { return g_nvml_pids_local && g_pid > 0 ? (unsigned)g_pid : 0; }
+/* This process's pid as the host (and NVML) names it, from the agent; 0 until known. */
+static _Atomic uint32_t g_host_pid;
+static _Atomic uint64_t g_host_pid_asked_ns; /* when the agent last failed to tell it */
+static _Atomic int g_warned_host_pid;
+static _Atomic int g_agent_pid_wrong; /* NVML did not list this process under the agent's pid */
+#define MG_ASK_AGAIN_NS (10ull * 1000000000ull) /* an agent away is not asked at every context */
+
+/* This process's pid as NVML reports it: getpid() where NVML's pids are this namespace's
+ * (see the top of this file), else what the agent told it; 0 if unknown. */
+unsigned mg_nvml_self_pid(void) {
+    if (g_nvml_pids_local) return g_pid > 0 ? (unsigned)g_pid : 0;
+    return atomic_load_explicit(&g_host_pid, memory_order_acquire);
+}
+
+/* Before a measured call: where NVML's pids are the host's and this process's is not known,
+ * ask the agent (a connection on its socket; one failure waits MG_ASK_AGAIN_NS). Kept in the
+ * slot too, for the container's NVML view. */
+MG_COLD void mg_nvml_learn_self(void) {
+    if (g_nvml_pids_local || atomic_load_explicit(&g_host_pid, memory_order_acquire) || !mg_nvml_pids_foreign() ||
+        atomic_load(&g_agent_pid_wrong))
+        return;
+    uint64_t last = atomic_load_explicit(&g_host_pid_asked_ns, memory_order_relaxed);
+    if (last && mg_coarse_now_ns() - last < MG_ASK_AGAIN_NS) return;
+    uint32_t p = mg_ask_host_pid();
+    if (!p) {
+        atomic_store_explicit(&g_host_pid_asked_ns, mg_coarse_now_ns() | 1, memory_order_relaxed);
+        MG_WARN_ONCE(g_warned_host_pid, "the agent did not tell this process its host pid: its contexts are "
+                                        "measured device-wide, and NVML process lists omit it");
+        return;
+    }
+    atomic_store_explicit(&g_host_pid, p, memory_order_release);
+    mg_proc_slot_t *s = atomic_load_explicit(&g_slot, memory_order_acquire);
+    if (s) atomic_store_explicit(&s->host_pid, (int32_t)p, memory_order_release);
+}
+
+/* NVML does not list this process under the pid the agent told it, though it holds a
+ * context: the agent's pids are not NVML's. Forgotten, and not asked again. */
+MG_COLD void mg_nvml_unlearn_self(void) {
+    if (g_nvml_pids_local || !atomic_exchange(&g_host_pid, 0)) return;
+    atomic_store(&g_agent_pid_wrong, 1);
+    mg_proc_slot_t *s = atomic_load_explicit(&g_slot, memory_order_acquire);
+    if (s) atomic_store_explicit(&s->host_pid, 0, memory_order_release);
+    mg_log("NVML does not list this process under the pid the agent names it by (is the agent outside "
+           "the host's pid namespace?): contexts are measured device-wide");
+}
+
+/* A forked child is another process: its own pid, to be asked for anew. */
+void mg_nvml_atfork_child(void) {
+    atomic_store(&g_host_pid, 0);
+    atomic_store(&g_host_pid_asked_ns, 0);
+}
 
 /* NVML's pids are another namespace's (the host's): mg_ctx.c may learn which is
  * this process's; not under MEMGUARD_NVML_PIDS=none (no per-process figures). */
@@ -55,33 +109,29 @@ int mg_nvml_pids_foreign(void) {
     return !g_nvml_pids_local && !(e && strcmp(e, "none") == 0);
 }
 
-/* May this process see NVML's entry for `pid`? A slot left by a dead process
- * whose pid another (a neighbour's) now has does not count: the start time
- * recorded in the slot must be that pid's. */
-static int mg_nvml_ours(unsigned int pid) {
-    if (!g_usage || !g_nvml_pids_local || pid == 0 || pid > INT32_MAX) return 0;
+/* NVML's entry for `nvml_pid`, if it is one of this container's processes: that process's
+ * pid here (the slot's), else 0. A slot counts only while its own process lives (the start
+ * time recorded in it is its pid's now, read in this namespace's /proc): a slot left by a
+ * dead process never names whoever has its pids next. */
+static unsigned mg_nvml_ours(unsigned int nvml_pid) {
+    if (!g_usage || nvml_pid == 0 || nvml_pid > INT32_MAX) return 0;
     for (int i = 0; i < MG_MAX_PROCS; i++) {
         const mg_proc_slot_t *s = &g_usage->slots[i];
-        if (atomic_load_explicit(&s->pid, memory_order_acquire) != (int32_t)pid) continue;
+        int32_t pid = atomic_load_explicit(&s->pid, memory_order_acquire);
+        if (pid <= 0) continue;
+        int32_t host = atomic_load_explicit(&s->host_pid, memory_order_acquire);
+        int32_t as_nvml = g_nvml_pids_local ? pid : host; /* how NVML names the slot's process */
+        if (as_nvml != (int32_t)nvml_pid) continue;
         uint64_t recorded = __atomic_load_n(&s->start_time, __ATOMIC_ACQUIRE);
-        uint64_t now = recorded ? mg_proc_start((int32_t)pid, NULL) : 0;
-        if (!recorded || now == recorded) return 1; /* 0: being claimed right now, by the pid itself */
+        uint64_t now = recorded ? mg_proc_start(pid, NULL) : 0;
+        if (!recorded || now == recorded) return (unsigned)pid; /* 0: being claimed right now, by the pid itself */
     }
     return 0;
 }
 
 /* Filter NVML's answers? Not for a process the shim does not manage (no
  * config: not a gpufrac container); always once it has a usage file. */
-static _Atomic int g_warned_nvml_ns;
-
-static int mg_nvml_filtering(void) {
-    int m = mg_mode();
-    if (m == MODE_OFF) return 0;
-    if (m != MODE_BROKEN && !g_nvml_pids_local)
-        MG_WARN_ONCE(g_warned_nvml_ns, "NVML reports host pids, which this pid namespace cannot match to the "
-                                       "container's processes: NVML process lists show none");
-    return 1;
-}
+static int mg_nvml_filtering(void) { return mg_mode() != MODE_OFF; }
 
 /* One NVML list call into `buf` holding `*n` records (buf NULL: a size query). */
 typedef nvmlReturn_t (*mg_nvml_fill_fn)(const void *ctx, void *buf, unsigned int *n);
@@ -116,8 +166,10 @@ static MG_COLD nvmlReturn_t mg_nvml_filter(mg_nvml_fill_fn fill, const void *ctx
     for (unsigned int i = 0; i < n && buf; i++) {
         unsigned int pid;
         memcpy(&pid, buf + (size_t)i * esz + pid_off, sizeof pid);
-        if (!mg_nvml_ours(pid)) continue;
+        unsigned here = mg_nvml_ours(pid);
+        if (!here) continue;
         if (kept != i) memmove(buf + (size_t)kept * esz, buf + (size_t)i * esz, esz);
+        memcpy(buf + (size_t)kept * esz + pid_off, &here, sizeof here); /* as this container knows it */
         kept++;
     }
     if (kept == 0) {

@@ -514,9 +514,6 @@ HOOK CUresult mg_h_cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep) {
     return rc;
 }
 
-/* The driver frees a destroyed pool's memory at once if nothing allocated from
- * it is outstanding, else with the last outstanding allocation: its idle stays
- * counted until then (the driver's reservation cannot be read any more). */
 /* Pools on a host location are remembered so their allocations pass uncounted. */
 HOOK CUresult mg_h_cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props) {
     mg_swap_gate();
@@ -527,6 +524,9 @@ HOOK CUresult mg_h_cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *pro
     return rc;
 }
 
+/* The driver frees a destroyed pool's memory at once if nothing allocated from
+ * it is outstanding, else with the last outstanding allocation: its idle stays
+ * counted until then (the driver's reservation cannot be read any more). */
 HOOK CUresult mg_h_cuMemPoolDestroy(CUmemoryPool pool) {
     mg_swap_gate();
     if (!mg_on()) return CALL_REAL(cuMemPoolDestroy, pool);

@@ -67,6 +67,7 @@ uint64_t mg_release_slot(mg_proc_slot_t *s, int32_t pid) {
     atomic_store_explicit(&s->last_activity_ns, 0, memory_order_relaxed);
     atomic_store_explicit(&s->oom_refusals, 0, memory_order_relaxed);
     atomic_store_explicit(&s->swapped, 0, memory_order_relaxed);
+    atomic_store_explicit(&s->host_pid, 0, memory_order_relaxed);
     atomic_store_explicit(&s->pid, 0, memory_order_release);
     return used + 1; /* non-zero: a slot was reclaimed even if it held no bytes */
 }
@@ -126,6 +127,7 @@ static mg_proc_slot_t *mg_try_claim(uint64_t start) {
         atomic_store_explicit(&s->launches, 0, memory_order_relaxed);
         atomic_store_explicit(&s->oom_refusals, 0, memory_order_relaxed);
         atomic_store_explicit(&s->swapped, 0, memory_order_relaxed);
+        atomic_store_explicit(&s->host_pid, (int32_t)mg_nvml_self_pid(), memory_order_relaxed);
         atomic_store_explicit(&s->last_activity_ns, mg_coarse_now_ns(), memory_order_relaxed);
         __atomic_store_n(&s->start_time, start, __ATOMIC_RELEASE);
         return s;
@@ -143,9 +145,10 @@ MG_COLD mg_proc_slot_t *mg_claim_slot(void) {
         mg_reap(0);
         s = mg_try_claim(start);
         if (!s && mg_reap(1) > 0) s = mg_try_claim(start);
-        if (s)
+        if (s) {
             atomic_store_explicit(&g_slot, s, memory_order_release);
-        else
+            mg_gate_follow(s);
+        } else
             MG_WARN_ONCE(g_warned_slots, "%s/%s: all %d process slots are taken; refusing GPU allocations",
                          g_dir, MG_USAGE_FILE, MG_MAX_PROCS);
     }

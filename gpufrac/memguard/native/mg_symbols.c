@@ -16,6 +16,9 @@
  *      runs first, so the driver keeps deciding which variant (legacy, _v2,
  *      _ptsz) a (name, version, flags) means; the answer is swapped for the
  *      hook of that variant (matched by address, else by the table's versions).
+ * Every other driver function reached any of these ways is a gated trampoline
+ * (mg_gate.c): an export of the shim under its name, or one bound to the address
+ * the driver answered, so a swapped-out process comes back whatever it calls.
  * The real function behind each entry is resolved once, by name, from the
  * already-loaded driver library, and cached in g_real[].
  */
@@ -80,8 +83,7 @@ static inline MG_NOSAN dlsym_fn mg_real_dlsym(void) {
 static void *mg_lib(int lib) {
     void *h = atomic_load_explicit(&g_lib_handle[lib], memory_order_acquire);
     if (h) return h;
-    h = dlopen(g_lib_names[lib], RTLD_LAZY | RTLD_NOLOAD);
-    if (!h) h = dlopen(g_lib_names[lib], RTLD_LAZY); /* direct call before the app loaded it */
+    h = dlopen(g_lib_names[lib], RTLD_LAZY); /* the one loaded already, or loaded now (a direct call first) */
     if (!h) return NULL;
     void *expected = NULL;
     if (!atomic_compare_exchange_strong(&g_lib_handle[lib], &expected, h)) dlclose(h);
@@ -148,7 +150,8 @@ static void *mg_proc_hook(const char *symbol, void *p, int version, cuuint64_t f
         if (!e->ptds && (best_any < 0 || e->version > g_syms[best_any].version)) best_any = i;
     }
     if (best < 0) best = best_any; /* no per-thread variant of this function */
-    if (best < 0) return p;        /* older than anything hooked: the driver's legacy answer */
+    /* Not hooked, or older than anything hooked (the driver's legacy answer): gated alone. */
+    if (best < 0) return mg_gate_wrap(symbol, p);
     /* The driver answered with an address no export has (an internal entry):
      * use it as the real function of the variant the table names. */
     void *expected = NULL;
@@ -171,14 +174,44 @@ HOOK CUresult mg_h_cuGetProcAddress(const char *symbol, void **pfn, int cudaVers
     return rc;
 }
 
+/* Does `p` lie in the driver library (loaded by now: a lookup found it)? */
+static _Atomic uintptr_t g_cuda_base;
+
+static MG_COLD int mg_in_driver(const void *p) {
+    uintptr_t base = atomic_load_explicit(&g_cuda_base, memory_order_acquire);
+    Dl_info di;
+    if (!base) {
+        void *h = dlopen(g_lib_names[LIB_CUDA], RTLD_LAZY | RTLD_NOLOAD);
+        dlsym_fn real = mg_real_dlsym();
+        void *f = h && real ? real(h, "cuInit") : NULL;
+        if (f && dladdr(f, &di)) base = (uintptr_t)di.dli_fbase;
+        if (h) dlclose(h);
+        if (!base) return 0;
+        atomic_store_explicit(&g_cuda_base, base, memory_order_release);
+    }
+    return dladdr(p, &di) && (uintptr_t)di.dli_fbase == base;
+}
+
 static MG_COLD void *mg_dlsym_hooked(void *handle, const char *name) {
     dlsym_fn real = mg_real_dlsym();
     void *p = real ? real(handle, name) : NULL;
     if (!p) return p;
     int i = mg_find(name);
-    if (i < 0 || p == g_syms[i].hook) return p;
-    /* Hand out the hook only for the driver library's own function. */
-    return mg_real(i) == p ? g_syms[i].hook : p;
+    if (i >= 0) {
+        if (p == g_syms[i].hook) return p;
+        /* Hand out the hook only for the driver library's own function. */
+        return mg_real(i) == p ? g_syms[i].hook : p;
+    }
+    if (name[0] != 'c') return p; /* NVML: not the CUDA driver, not gated */
+    if (mg_gate_is_stub(p)) {
+        /* The shim's own export, found in the global scope: there only if the driver is
+         * (what the lookup would have found past the shim), so a probe for a function
+         * the driver lacks still finds nothing. */
+        void *q = real(RTLD_NEXT, name);
+        return q && mg_in_driver(q) ? p : q;
+    }
+    /* Any other function of the driver (not of cuBLAS, cudart, ...): gated. */
+    return mg_in_driver(p) ? mg_gate_wrap(name, p) : p;
 }
 
 /* dlsym itself: the way ctypes, pynvml and cudart's bootstrap find driver

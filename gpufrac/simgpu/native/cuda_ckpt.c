@@ -52,7 +52,7 @@ __attribute__((constructor)) static void gate_init(void) { pthread_atfork(NULL, 
 __attribute__((destructor)) static void release_slots_at_exit(void) {
     simgpu_node_t *n = cu_node();
     if (!n) return;
-    int32_t me = (int32_t)getpid();
+    int32_t me = sim_self_pid();
     for (int i = 0; i < SIMGPU_MAX_PROCS; i++) {
         simgpu_proc_t *s = &n->procs[i];
         int32_t pid = me;
@@ -60,6 +60,7 @@ __attribute__((destructor)) static void release_slots_at_exit(void) {
         uint64_t used = atomic_exchange(&s->used_bytes, 0);
         if (used && s->gpu < n->gpu_count) sim_mem_give(n, s->gpu, used);
         atomic_store(&s->swapped_bytes, 0);
+        sim_slot_unlock(n, s);
         atomic_store(&s->pid, SIMGPU_PID_FREE);
     }
 }
@@ -131,7 +132,7 @@ CU_API CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args) {
         uint64_t inflight = 0;
         for (int i = 0; i < t.count; i++) inflight += atomic_load(&t.slot[i]->api_inflight);
         if (inflight == 0) return CUDA_SUCCESS;
-        if (kill(pid, 0) != 0 && errno == ESRCH) return CUDA_ERROR_INVALID_VALUE; /* it died meanwhile */
+        if (!sim_pid_exists(pid)) return CUDA_ERROR_INVALID_VALUE; /* it died meanwhile */
         if (sim_now_ns() >= deadline) {
             target_set(&t, SIMGPU_CKPT_RUNNING); /* on timeout the target stays RUNNING */
             return CUDA_ERROR_TIMEOUT;
@@ -146,12 +147,8 @@ CU_API CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArg
     CUresult r = target_find(pid, &t);
     if (r) return r;
     if (target_state(&t) != SIMGPU_CKPT_LOCKED) return CUDA_ERROR_ILLEGAL_STATE;
-    uint64_t busy = 0; /* submitted work completes first */
-    for (int i = 0; i < t.count; i++) {
-        uint64_t b = atomic_load(&t.slot[i]->busy_until_ns);
-        if (b > busy) busy = b;
-    }
-    while (sim_now_ns() < busy) nap_us(100);
+    for (int i = 0; i < t.count; i++) /* submitted work completes first */
+        while (!sim_sched_idle(t.n, t.slot[i]->gpu, t.slot[i])) nap_us(100);
     for (int i = 0; i < t.count; i++) {
         simgpu_proc_t *s = t.slot[i];
         uint64_t used = atomic_exchange(&s->used_bytes, 0);

@@ -30,7 +30,7 @@ static CUresult order(CUstream h, int async) {
     CU_STREAM(async ? h : NULL, c, s);
     if (c->sticky) return c->sticky;
     if (s->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-    if (!async) cu_sleep_until(atomic_load(&s->done_ns));
+    if (!async) cu_ctx_wait(c, atomic_load(&s->done_ctx));
     return CUDA_SUCCESS;
 }
 

@@ -3,11 +3,13 @@
  * module and kernel launches are cuda_launch.c).
  *
  * Time model: work runs on the host when it is submitted (kernels write real
- * bytes at once), but each kernel also occupies its stream for a simulated
- * duration. A stream's done_ns is when its last work completes; synchronize
- * waits for it, query and events compare against it, and every launch updates
- * the process's node-state slot (launches, last_launch_ns, busy_until_ns,
- * busy_ns_total) so NVML shows utilisation.
+ * bytes at once), but each kernel also takes simulated time on the GPU, placed by
+ * the node's compute model (simstate.h sim_sched_*: contexts time-slice the GPU,
+ * a context's kernels share its SMs). A stream's done_ctx is the context time at
+ * which its last work completes; synchronize waits for the context to reach it,
+ * query and events compare against it, and every launch counts in the process's
+ * node-state slot (launches, last_launch_ns; the model keeps busy_ns_total and
+ * busy_until_ns) so NVML shows utilisation.
  */
 #include <stdlib.h>
 #include <time.h>
@@ -43,18 +45,27 @@ CUresult cu_stream_get(CUstream h, struct CUctx_st **ctx, struct CUstream_st **s
     return CUDA_SUCCESS;
 }
 
-void cu_stream_work(struct CUctx_st *ctx, struct CUstream_st *s, uint64_t dur_ns, int launch) {
-    uint64_t now = sim_now_ns(), start = atomic_load(&s->done_ns);
-    if (start < now) start = now;
-    atomic_store(&s->done_ns, start + dur_ns);
-    atomic_max(&ctx->done_ns, start + dur_ns);
-    if (!launch) return;
+void cu_stream_kernel(struct CUctx_st *ctx, struct CUstream_st *s, uint64_t dur_ns, uint64_t blocks) {
+    simgpu_node_t *n = cu_node();
     simgpu_proc_t *slot = cu_slot(ctx->gpu);
-    if (!slot) return;
+    if (!slot) return; /* the node's process table is full: the kernel takes no GPU time */
+    uint64_t now = sim_sched_enter(n, ctx->gpu);
+    uint64_t end = sim_sched_kernel(n, ctx->gpu, slot, atomic_load(&s->done_ctx), dur_ns, blocks);
+    sim_sched_leave(n, ctx->gpu);
+    atomic_max(&s->done_ctx, end);
+    atomic_max(&ctx->done_ctx, end);
     atomic_fetch_add(&slot->launches, 1);
     atomic_store(&slot->last_launch_ns, now);
-    atomic_max(&slot->busy_until_ns, start + dur_ns);
-    atomic_fetch_add(&slot->busy_ns_total, dur_ns);
+}
+
+int cu_ctx_reached(struct CUctx_st *ctx, uint64_t target) {
+    simgpu_proc_t *slot = target ? cu_slot(ctx->gpu) : NULL;
+    return !slot || sim_sched_reached(cu_node(), ctx->gpu, slot, target);
+}
+
+void cu_ctx_wait(struct CUctx_st *ctx, uint64_t target) {
+    simgpu_proc_t *slot = target ? cu_slot(ctx->gpu) : NULL;
+    if (slot) sim_sched_wait(cu_node(), ctx->gpu, slot, target);
 }
 
 static _Atomic uint64_t g_stream_ids = 2; /* 0-2 read as the implicit streams */
@@ -96,7 +107,7 @@ CU_API CUresult cuStreamSynchronize(CUstream hStream) {
     CU_ENTER();
     CU_STREAM(hStream, c, s);
     if (s->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-    cu_sleep_until(atomic_load(&s->done_ns));
+    cu_ctx_wait(c, atomic_load(&s->done_ctx));
     cu_pools_release();
     return c->sticky;
 }
@@ -106,7 +117,7 @@ CU_API CUresult cuStreamQuery(CUstream hStream) {
     CU_STREAM(hStream, c, s);
     if (s->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     if (c->sticky) return c->sticky;
-    return atomic_load(&s->done_ns) <= sim_now_ns() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+    return cu_ctx_reached(c, atomic_load(&s->done_ctx)) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
 CU_API CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags) {
@@ -114,7 +125,8 @@ CU_API CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int
     CU_STREAM(hStream, c, s);
     if (!cu_obj_ok(hEvent, OBJ_EVENT)) return CUDA_ERROR_INVALID_HANDLE;
     if (Flags & ~1u) return CUDA_ERROR_INVALID_VALUE;
-    if (hEvent->recorded) atomic_max(&s->done_ns, hEvent->at_ns);
+    /* Another GPU's event orders nothing here: each GPU keeps its own context time (a simplification). */
+    if (hEvent->recorded && hEvent->gpu == c->gpu) atomic_max(&s->done_ctx, hEvent->at_ctx);
     return CUDA_SUCCESS;
 }
 
@@ -173,6 +185,18 @@ void cu_ctx_streams_destroy(struct CUctx_st *ctx) {
 
 #define CU_EVENT_DISABLE_TIMING 0x2
 
+/* When the work an event was recorded after completed (wall time), found once it has;
+ * 1 for an event never recorded (complete); 0 while its work is still to run. */
+static uint64_t event_wall(struct CUevent_st *e) {
+    if (!e->recorded) return 1;
+    uint64_t w = atomic_load(&e->at_wall);
+    if (w) return w;
+    simgpu_proc_t *slot = cu_slot(e->gpu);
+    w = slot ? sim_sched_wall_at(cu_node(), e->gpu, slot, e->at_ctx) : sim_now_ns();
+    if (w) atomic_store(&e->at_wall, w);
+    return w;
+}
+
 CU_API CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags) {
     CU_ENTER();
     struct CUctx_st *c;
@@ -192,8 +216,11 @@ CU_API CUresult cuEventRecordWithFlags(CUevent hEvent, CUstream hStream, unsigne
     CU_STREAM(hStream, c, s);
     if (!cu_obj_ok(hEvent, OBJ_EVENT) || hEvent->hdr.ctx != c) return CUDA_ERROR_INVALID_HANDLE;
     if (flags & ~1u) return CUDA_ERROR_INVALID_VALUE;
-    uint64_t now = sim_now_ns(), done = atomic_load(&s->done_ns);
-    hEvent->at_ns = done > now ? done : now;
+    /* Recorded behind work still to run: it completes when that does; else now. */
+    uint64_t done = atomic_load(&s->done_ctx);
+    hEvent->gpu = c->gpu;
+    hEvent->at_ctx = done;
+    atomic_store(&hEvent->at_wall, cu_ctx_reached(c, done) ? sim_now_ns() : 0);
     hEvent->recorded = 1;
     return CUDA_SUCCESS;
 }
@@ -203,13 +230,13 @@ CU_API CUresult cuEventRecord(CUevent hEvent, CUstream hStream) { return cuEvent
 CU_API CUresult cuEventQuery(CUevent hEvent) {
     CU_ENTER();
     if (!cu_obj_ok(hEvent, OBJ_EVENT)) return CUDA_ERROR_INVALID_HANDLE;
-    return !hEvent->recorded || hEvent->at_ns <= sim_now_ns() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+    return event_wall(hEvent) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
 CU_API CUresult cuEventSynchronize(CUevent hEvent) {
     CU_ENTER();
     if (!cu_obj_ok(hEvent, OBJ_EVENT)) return CUDA_ERROR_INVALID_HANDLE;
-    if (hEvent->recorded) cu_sleep_until(hEvent->at_ns);
+    if (hEvent->recorded && !atomic_load(&hEvent->at_wall)) cu_ctx_wait(hEvent->hdr.ctx, hEvent->at_ctx);
     cu_pools_release();
     return hEvent->hdr.ctx->sticky;
 }
@@ -220,9 +247,9 @@ CU_API CUresult cuEventElapsedTime_v2(float *pMilliseconds, CUevent hStart, CUev
     if (!cu_obj_ok(hStart, OBJ_EVENT) || !cu_obj_ok(hEnd, OBJ_EVENT)) return CUDA_ERROR_INVALID_HANDLE;
     if ((hStart->flags | hEnd->flags) & CU_EVENT_DISABLE_TIMING) return CUDA_ERROR_INVALID_HANDLE;
     if (!hStart->recorded || !hEnd->recorded) return CUDA_ERROR_INVALID_HANDLE;
-    uint64_t now = sim_now_ns();
-    if (hStart->at_ns > now || hEnd->at_ns > now) return CUDA_ERROR_NOT_READY;
-    *pMilliseconds = (float)(((double)hEnd->at_ns - (double)hStart->at_ns) / 1e6);
+    uint64_t t0 = event_wall(hStart), t1 = event_wall(hEnd);
+    if (!t0 || !t1) return CUDA_ERROR_NOT_READY;
+    *pMilliseconds = (float)(((double)t1 - (double)t0) / 1e6);
     return CUDA_SUCCESS;
 }
 CU_API CUresult cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd) {
@@ -238,7 +265,7 @@ CU_API CUresult cuEventDestroy_v2(CUevent hEvent) {
 CU_API CUresult cuEventDestroy(CUevent hEvent) { return cuEventDestroy_v2(hEvent); }
 
 static CUresult ctx_sync(struct CUctx_st *c) {
-    cu_sleep_until(atomic_load(&c->done_ns));
+    cu_ctx_wait(c, atomic_load(&c->done_ctx));
     cu_pools_release();
     return c->sticky;
 }

@@ -56,8 +56,9 @@ static CUresult add_node_full(struct CUgraph_st *g, struct CUgraphNode_st *proto
     return CUDA_SUCCESS;
 }
 
-static CUresult add_node(struct CUgraph_st *g, int kernel, const unsigned char *buf, CUgraphNode *out) {
-    struct CUgraphNode_st proto = {.type = CU_GRAPH_NODE_TYPE_KERNEL, .kernel = kernel};
+static CUresult add_node(struct CUgraph_st *g, int kernel, uint64_t blocks, const unsigned char *buf,
+                         CUgraphNode *out) {
+    struct CUgraphNode_st proto = {.type = CU_GRAPH_NODE_TYPE_KERNEL, .kernel = kernel, .blocks = blocks};
     memcpy(proto.buf, buf, KERN_MAX_PARAM_BYTES);
     return add_node_full(g, &proto, out);
 }
@@ -128,8 +129,9 @@ static struct CUgraph_st *graph_new(void) {
     return g;
 }
 
-CUresult cu_graph_capture_kernel(struct CUgraph_st *g, const struct CUfunc_st *f, const unsigned char *buf) {
-    return add_node(g, f->kernel, buf, NULL);
+CUresult cu_graph_capture_kernel(struct CUgraph_st *g, const struct CUfunc_st *f, uint64_t blocks,
+                                 const unsigned char *buf) {
+    return add_node(g, f->kernel, blocks, buf, NULL);
 }
 
 /* ------------------------------------------------------------------ stream capture */
@@ -179,6 +181,11 @@ CU_API CUresult cuGraphCreate(CUgraph *phGraph, unsigned int flags) {
     return (*phGraph = graph_new()) ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }
 
+/* The thread blocks a kernel node's grid asks for (a zero dimension counts as 1). */
+#define KERNEL_BLOCKS(p)                                                                              \
+    ((uint64_t)((p)->gridDimX ? (p)->gridDimX : 1) * ((p)->gridDimY ? (p)->gridDimY : 1) *          \
+     ((p)->gridDimZ ? (p)->gridDimZ : 1))
+
 static CUresult check_deps(CUgraphNode *phNode, CUgraph g, const CUgraphNode *deps, size_t ndeps) {
     if (!phNode || (ndeps && !deps)) return CUDA_ERROR_INVALID_VALUE;
     if (!cu_obj_ok(g, OBJ_GRAPH)) return CUDA_ERROR_INVALID_VALUE;
@@ -188,20 +195,20 @@ static CUresult check_deps(CUgraphNode *phNode, CUgraph g, const CUgraphNode *de
 }
 
 static CUresult add_kernel(CUgraphNode *phNode, CUgraph g, const CUgraphNode *deps, size_t ndeps, CUfunction f,
-                           void **params, void **extra) {
+                           uint64_t blocks, void **params, void **extra) {
     unsigned char buf[KERN_MAX_PARAM_BYTES];
     CUresult r0 = check_deps(phNode, g, deps, ndeps);
     if (r0) return r0;
     if (!cu_obj_ok(f, OBJ_FUNC)) return CUDA_ERROR_INVALID_VALUE;
     CUresult r = cu_kernel_pack(f, params, extra, buf);
-    return r ? r : add_node(g, f->kernel, buf, phNode);
+    return r ? r : add_node(g, f->kernel, blocks ? blocks : 1, buf, phNode);
 }
 
 CU_API CUresult cuGraphAddKernelNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
                                         size_t numDependencies, const CUDA_KERNEL_NODE_PARAMS_v2 *nodeParams) {
     CU_ENTER();
     if (!nodeParams) return CUDA_ERROR_INVALID_VALUE;
-    return add_kernel(phGraphNode, hGraph, dependencies, numDependencies, nodeParams->func,
+    return add_kernel(phGraphNode, hGraph, dependencies, numDependencies, nodeParams->func, KERNEL_BLOCKS(nodeParams),
                       nodeParams->kernelParams, nodeParams->extra);
 }
 
@@ -209,7 +216,7 @@ CU_API CUresult cuGraphAddKernelNode(CUgraphNode *phGraphNode, CUgraph hGraph, c
                                      size_t numDependencies, const CUDA_KERNEL_NODE_PARAMS_v1 *nodeParams) {
     CU_ENTER();
     if (!nodeParams) return CUDA_ERROR_INVALID_VALUE;
-    return add_kernel(phGraphNode, hGraph, dependencies, numDependencies, nodeParams->func,
+    return add_kernel(phGraphNode, hGraph, dependencies, numDependencies, nodeParams->func, KERNEL_BLOCKS(nodeParams),
                       nodeParams->kernelParams, nodeParams->extra);
 }
 
@@ -259,7 +266,8 @@ static CUresult add_generic(CUgraphNode *ph, CUgraph g, const CUgraphNode *deps,
     if (!p) return CUDA_ERROR_INVALID_VALUE;
     switch (p->type) {
     case CU_GRAPH_NODE_TYPE_KERNEL:
-        return add_kernel(ph, g, deps, n, p->u.kernel.func, p->u.kernel.kernelParams, p->u.kernel.extra);
+        return add_kernel(ph, g, deps, n, p->u.kernel.func, KERNEL_BLOCKS(&p->u.kernel), p->u.kernel.kernelParams,
+                          p->u.kernel.extra);
     case CU_GRAPH_NODE_TYPE_MEM_ALLOC: {
         CUresult r = check_deps(ph, g, deps, n);
         if (r) return r;

@@ -19,6 +19,7 @@ struct CUgraphNode_st {
     struct CUgraph_st *graph;
     int type; /* CU_GRAPH_NODE_TYPE_* */
     int kernel;
+    uint64_t blocks; /* KERNEL: thread blocks of its grid */
     unsigned char buf[KERN_MAX_PARAM_BYTES];
     gmem_t *mem;                      /* MEM_ALLOC */
     int dev;                          /* MEM_ALLOC: device ordinal */

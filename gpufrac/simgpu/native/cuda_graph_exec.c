@@ -11,6 +11,7 @@
 
 typedef struct {
     int kernel;
+    uint64_t blocks;
     unsigned char buf[KERN_MAX_PARAM_BYTES];
 } exec_kernel_t;
 
@@ -23,7 +24,8 @@ struct CUgraphExec_st {
     uint64_t need; /* bytes of graph memory it holds while mapped */
     int dev;
     int mapped;
-    uint64_t done_ns; /* when its last launch's work completes (under cu_graph_lock) */
+    uint64_t done_ctx; /* context time its last launch's work completes at (under cu_graph_lock) */
+    struct CUctx_st *ran_in; /* the context of its last launch (NULL: never launched) */
     struct CUgraph_st *graph;
 };
 
@@ -56,6 +58,7 @@ static CUresult instantiate(CUgraphExec *phGraphExec, CUgraph hGraph) {
             struct CUgraphNode_st *nd = hGraph->nodes[i];
             if (nd->type == CU_GRAPH_NODE_TYPE_KERNEL) {
                 e->k[e->n].kernel = nd->kernel;
+                e->k[e->n].blocks = nd->blocks;
                 memcpy(e->k[e->n++].buf, nd->buf, KERN_MAX_PARAM_BYTES);
             } else if (nd->type == CU_GRAPH_NODE_TYPE_MEM_ALLOC) {
                 nd->mem->refs++;
@@ -145,10 +148,13 @@ CU_API CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) {
     r = exec_map(hGraphExec);
     pthread_mutex_unlock(&cu_graph_lock);
     if (r) return r; /* its memory does not fit: nothing runs */
-    for (size_t i = 0; i < hGraphExec->n; i++) cu_kernel_exec(c, s, hGraphExec->k[i].kernel, hGraphExec->k[i].buf);
-    uint64_t done = atomic_load(&s->done_ns), now = sim_now_ns();
+    /* Its kernel nodes in order, on the stream (each a launch); a graph's own dependencies
+     * are not simulated, so they run one after another. */
+    for (size_t i = 0; i < hGraphExec->n; i++)
+        cu_kernel_exec(c, s, hGraphExec->k[i].kernel, hGraphExec->k[i].blocks, hGraphExec->k[i].buf);
     pthread_mutex_lock(&cu_graph_lock);
-    hGraphExec->done_ns = done > now ? done : now;
+    hGraphExec->done_ctx = atomic_load(&s->done_ctx);
+    hGraphExec->ran_in = c;
     pthread_mutex_unlock(&cu_graph_lock);
     return CUDA_SUCCESS;
 }
@@ -204,10 +210,11 @@ CU_API CUresult cuDeviceGraphMemTrim(CUdevice device) {
     void *execs[256];
     size_t n = cu_obj_owned(OBJ_GRAPH_EXEC, NULL, execs, 256);
     pthread_mutex_lock(&cu_graph_lock);
-    uint64_t now = sim_now_ns();
     for (size_t i = 0; i < n; i++) {
         struct CUgraphExec_st *e = execs[i];
-        if (cu_obj_ok(e, OBJ_GRAPH_EXEC) && e->dev == device && e->mapped && e->done_ns <= now) exec_unmap(e);
+        if (cu_obj_ok(e, OBJ_GRAPH_EXEC) && e->dev == device && e->mapped &&
+            (!e->ran_in || !cu_obj_ok(e->ran_in, OBJ_CTX) || cu_ctx_reached(e->ran_in, e->done_ctx)))
+            exec_unmap(e);
     }
     gpool_t *p = &g_gpool[device];
     if (p->reserved > p->used) {

@@ -43,7 +43,7 @@ struct CUstream_st {
     unsigned int flags;
     int priority;
     uint64_t id;
-    _Atomic uint64_t done_ns;
+    _Atomic uint64_t done_ctx; /* context time at which its last work completes (the compute model) */
     struct CUgraph_st *capture; /* non-NULL while capturing */
 };
 
@@ -57,7 +57,7 @@ struct CUctx_st {
     int primary;
     int refs;           /* primary: retain count; 0 = inactive */
     CUresult sticky;    /* a kernel fault poisons the context, as on a real GPU */
-    _Atomic uint64_t done_ns; /* when the last work submitted in this context completes */
+    _Atomic uint64_t done_ctx; /* context time at which the last work submitted in it completes */
     uint64_t id;
     uint64_t charged;   /* device memory the context itself holds (cu_ctx_charge) */
     size_t limits[CU_NLIMITS]; /* cuCtxSetLimit values */
@@ -69,7 +69,9 @@ struct CUevent_st {
     cu_obj_t hdr;
     unsigned int flags;
     int recorded;
-    uint64_t at_ns; /* completion time of the work it was recorded after */
+    uint32_t gpu;     /* the GPU of the stream it was recorded on */
+    uint64_t at_ctx;  /* context time of the work it was recorded after */
+    _Atomic uint64_t at_wall; /* wall time that work completed; 0 while not known yet */
 };
 
 struct CUfunc_st {
@@ -178,16 +180,21 @@ SIM_HIDDEN CUresult cu_stream_get(CUstream h, struct CUctx_st **ctx, struct CUst
         CUresult stream_r_ = cu_stream_get((h), &c, &s); \
         if (stream_r_) return stream_r_;                \
     } while (0)
-/* Account simulated busy time for work submitted to a stream. */
-SIM_HIDDEN void cu_stream_work(struct CUctx_st *ctx, struct CUstream_st *s, uint64_t dur_ns, int launch);
+/* Submit a kernel of `dur_ns` asking for `blocks` thread blocks to a stream: the compute
+ * model (simstate.h sim_sched_*) places it, and the process's slot counts the launch. */
+SIM_HIDDEN void cu_stream_kernel(struct CUctx_st *ctx, struct CUstream_st *s, uint64_t dur_ns, uint64_t blocks);
+/* Has the context's GPU work reached context time `target`? Sleep until it has. */
+SIM_HIDDEN int cu_ctx_reached(struct CUctx_st *ctx, uint64_t target);
+SIM_HIDDEN void cu_ctx_wait(struct CUctx_st *ctx, uint64_t target);
 SIM_HIDDEN void cu_sleep_until(uint64_t t_ns);
 /* Gather a launch's arguments (kernelParams or the packed `extra` buffer) into buf. */
 SIM_HIDDEN CUresult cu_kernel_pack(const struct CUfunc_st *f, void **params, void **extra,
                                    unsigned char buf[KERN_MAX_PARAM_BYTES]);
-/* Run a fake kernel on a stream: real bytes now, simulated busy time on the stream. */
-SIM_HIDDEN void cu_kernel_exec(struct CUctx_st *ctx, struct CUstream_st *s, int kernel, const unsigned char *buf);
+/* Run a fake kernel of `blocks` thread blocks on a stream: real bytes now, simulated time on the GPU. */
+SIM_HIDDEN void cu_kernel_exec(struct CUctx_st *ctx, struct CUstream_st *s, int kernel, uint64_t blocks,
+                               const unsigned char *buf);
 /* Record a kernel launch into a graph being captured (cuda_graph.c). */
-SIM_HIDDEN CUresult cu_graph_capture_kernel(struct CUgraph_st *g, const struct CUfunc_st *f,
+SIM_HIDDEN CUresult cu_graph_capture_kernel(struct CUgraph_st *g, const struct CUfunc_st *f, uint64_t blocks,
                                             const unsigned char *buf);
 SIM_HIDDEN void cu_ctx_streams_destroy(struct CUctx_st *ctx);
 /* Stream-ordered allocation / free on a capturing stream: a memory node (cuda_graph.c). */

@@ -1,8 +1,9 @@
 /*
  * simgpu fake libcuda.so.1 — the built-in fake module and kernel launches
  * (cuLaunchKernel, ...Ex, cooperative). A launch runs its kernel on the host at
- * once and occupies its stream for the kernel's simulated duration
- * (cu_stream_work in cuda_exec.c has the time model).
+ * once and hands its simulated duration and grid to the compute model
+ * (cu_stream_kernel in cuda_exec.c; simstate.h sim_sched_*), which decides when on
+ * the GPU it runs.
  *
  * The fake module: any image starting with "SIMGPU-MODULE". Its kernels and
  * their parameters are documented in docs/simgpu.md.
@@ -168,7 +169,8 @@ CUresult cu_kernel_pack(const struct CUfunc_st *f, void **params, void **extra,
     return CUDA_SUCCESS;
 }
 
-void cu_kernel_exec(struct CUctx_st *ctx, struct CUstream_st *s, int kernel, const unsigned char *buf) {
+void cu_kernel_exec(struct CUctx_st *ctx, struct CUstream_st *s, int kernel, uint64_t blocks,
+                    const unsigned char *buf) {
     uint64_t ptr, count, result, us;
     uint32_t value;
     uint64_t dur = 3000; /* launch latency */
@@ -190,7 +192,7 @@ void cu_kernel_exec(struct CUctx_st *ctx, struct CUstream_st *s, int kernel, con
         }
         dur += count * 4 / 2000; /* ~2 TB/s */
     }
-    cu_stream_work(ctx, s, dur, 1);
+    cu_stream_kernel(ctx, s, dur, blocks);
 }
 
 static CUresult launch(CUfunction f, const unsigned int dims[6], CUstream h, void **params, void **extra,
@@ -210,8 +212,9 @@ static CUresult launch(CUfunction f, const unsigned int dims[6], CUstream h, voi
         return CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE;
     if (params && extra) return CUDA_ERROR_INVALID_VALUE;
     if ((r = cu_kernel_pack(f, params, extra, buf))) return r;
-    if (s->capture) return cu_graph_capture_kernel(s->capture, f, buf);
-    cu_kernel_exec(c, s, f->kernel, buf);
+    uint64_t blocks = (uint64_t)dims[0] * dims[1] * dims[2];
+    if (s->capture) return cu_graph_capture_kernel(s->capture, f, blocks, buf);
+    cu_kernel_exec(c, s, f->kernel, blocks, buf);
     return CUDA_SUCCESS;
 }
 

@@ -1,7 +1,7 @@
 /*
  * simgpu fake libcuda.so.1 — memory: the allocation registry, charging the
  * simulated GPU, cuMemAlloc/Free, pitch, managed, pinned host memory,
- * cuMemGetInfo, cuMemGetAddressRange and cuPointerGetAttribute.
+ * cuMemGetInfo, cuMemGetAddressRange and cuPointerGetAttribute(s).
  *
  * Device memory is host memory mapped MAP_NORESERVE (so a simulated 80 GiB GPU
  * costs nothing until touched). Each physical allocation is charged to the GPU's
@@ -365,25 +365,46 @@ CU_API CUresult cuMemHostGetFlags(unsigned int *pFlags, void *p) {
 
 /* ------------------------------------------------------------------ pointer attributes */
 
+/* One attribute of an allocation (`a`), or of a pointer nobody allocated (`a` NULL: the
+ * defaults cuPointerGetAttributes gives, zeroes of the attribute's size). */
+static CUresult pointer_attr(const cu_alloc_t *a, CUdeviceptr ptr, int attribute, void *data) {
+    int ordinal = 0;
+    for (int i = 0; a && i < cu_g_ndev; i++)
+        if (cu_g_devs[i] == a->gpu) ordinal = i;
+    switch (attribute) {
+    case 1: *(CUcontext *)data = a ? a->ctx : NULL; break;                         /* CONTEXT */
+    case 2: *(unsigned int *)data = !a ? 0 : a->kind == MEM_HOST ? 1 : 2; break;    /* MEMORY_TYPE */
+    case 3: case 4: *(void **)data = a ? (void *)(uintptr_t)ptr : NULL; break;     /* DEVICE/HOST_POINTER */
+    case 8: *(int *)data = a && a->kind == MEM_MANAGED; break;                     /* IS_MANAGED */
+    case 9: *(int *)data = a ? ordinal : 0; break;                                 /* DEVICE_ORDINAL */
+    case 11: *(CUdeviceptr *)data = a ? a->base : 0; break;                        /* RANGE_START_ADDR */
+    case 12: *(size_t *)data = a ? a->size : 0; break;                             /* RANGE_SIZE */
+    case 13: *(int *)data = a != NULL; break;                                      /* MAPPED */
+    case 17: *(void **)data = a && a->kind == MEM_POOL ? a->owner : NULL; break;   /* MEMPOOL_HANDLE */
+    default: return CUDA_ERROR_INVALID_VALUE;
+    }
+    return CUDA_SUCCESS;
+}
+
 CU_API CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr) {
     CU_ENTER();
     cu_alloc_t a;
     if (!data) return CUDA_ERROR_INVALID_VALUE;
     if (cu_reg_find((uintptr_t)ptr, &a) != 0 || a.kind == MEM_ARRAY) return CUDA_ERROR_INVALID_VALUE;
-    int ordinal = 0;
-    for (int i = 0; i < cu_g_ndev; i++)
-        if (cu_g_devs[i] == a.gpu) ordinal = i;
-    switch (attribute) {
-    case 1: *(CUcontext *)data = a.ctx; break;                                 /* CONTEXT */
-    case 2: *(unsigned int *)data = a.kind == MEM_HOST ? 1 : 2; break;         /* MEMORY_TYPE */
-    case 3: case 4: *(void **)data = (void *)(uintptr_t)ptr; break;            /* DEVICE/HOST_POINTER */
-    case 8: *(int *)data = a.kind == MEM_MANAGED; break;                       /* IS_MANAGED */
-    case 9: *(int *)data = ordinal; break;                                     /* DEVICE_ORDINAL */
-    case 11: *(CUdeviceptr *)data = a.base; break;                             /* RANGE_START_ADDR */
-    case 12: *(size_t *)data = a.size; break;                                  /* RANGE_SIZE */
-    case 13: *(int *)data = 1; break;                                          /* MAPPED */
-    case 17: *(void **)data = a.kind == MEM_POOL ? a.owner : NULL; break;      /* MEMPOOL_HANDLE */
-    default: return CUDA_ERROR_INVALID_VALUE;
+    return pointer_attr(&a, ptr, attribute, data);
+}
+
+/* Several attributes at once (cudaPointerGetAttributes calls it). Unlike the single query, a
+ * pointer the driver does not know is no error: every attribute gets its default. */
+CU_API CUresult cuPointerGetAttributes(unsigned int numAttributes, int *attributes, void **data, CUdeviceptr ptr) {
+    CU_ENTER();
+    if (!attributes || !data) return CUDA_ERROR_INVALID_VALUE;
+    cu_alloc_t a;
+    int known = cu_reg_find((uintptr_t)ptr, &a) == 0 && a.kind != MEM_ARRAY;
+    for (unsigned int i = 0; i < numAttributes; i++) {
+        if (!data[i]) return CUDA_ERROR_INVALID_VALUE;
+        CUresult r = pointer_attr(known ? &a : NULL, ptr, attributes[i], data[i]);
+        if (r != CUDA_SUCCESS) return r;
     }
     return CUDA_SUCCESS;
 }
@@ -404,5 +425,6 @@ const cu_sym_t cu_syms_mem[] = {
     CU_SYM("cuMemHostGetDevicePointer", 3020, cuMemHostGetDevicePointer_v2),
     CU_SYM("cuMemHostGetFlags", 2030, cuMemHostGetFlags),
     CU_SYM("cuPointerGetAttribute", 4000, cuPointerGetAttribute),
+    CU_SYM("cuPointerGetAttributes", 7000, cuPointerGetAttributes),
 };
 const size_t cu_syms_mem_n = sizeof cu_syms_mem / sizeof cu_syms_mem[0];

@@ -12,6 +12,9 @@
  * any instruction leaves nothing locked. Process slots are claimed by CAS on
  * `pid`; a slot whose process is gone is reaped by whoever notices first
  * (CAS pid -> SIMGPU_PID_REAPING), which subtracts its usage exactly once.
+ * The one exception is each GPU's compute schedule (which context runs when):
+ * played under the GPU's sched_lock, a robust mutex, which the kernel hands on
+ * (EOWNERDEAD) when a holder dies, so nothing stays locked there either.
  */
 #ifndef GPUFRAC_SIMGPU_NODESTATE_H
 #define GPUFRAC_SIMGPU_NODESTATE_H
@@ -20,13 +23,17 @@
 #include <stdint.h>
 
 #define SIMGPU_MAGIC 0x31305550474d4953ULL /* "SIMGPU01" little-endian */
-#define SIMGPU_ABI_VERSION 1u
+#define SIMGPU_ABI_VERSION 2u /* 2: the compute model (time slices, context time) */
 
 #define SIMGPU_MAX_GPUS 16
 #define SIMGPU_MAX_NVLINKS 18
 #define SIMGPU_MAX_PROCS 1024
 #define SIMGPU_EVENT_RING 64
 #define SIMGPU_CPU_WORDS 4 /* CPU affinity bitmask: 256 CPUs */
+#define SIMGPU_SEG_RING 32 /* runs of a context kept to map its context time to wall time */
+#define SIMGPU_SCHED_LOCK_BYTES 64 /* room for a pthread_mutex_t on every Linux ABI */
+#define SIMGPU_SCHED_READY 0xffffffffu /* simgpu_gpu_t.sched_init once its lock is made */
+#define SIMGPU_TIMESLICE_US 2000 /* the time slice when a spec names none (a guess: docs/simgpu.md) */
 
 #define SIMGPU_UUID_LEN 80
 #define SIMGPU_NAME_LEN 96
@@ -92,7 +99,26 @@ typedef struct {
     _Atomic uint32_t pad1;
     _Atomic uint64_t event_seq;         /* last event sequence number written */
     simgpu_event_t events[SIMGPU_EVENT_RING]; /* ring: events[(seq-1) % RING] */
+    /* --- compute model (simstate.c, sim_sched_*; docs/simgpu.md "Compute model") --- */
+    uint32_t timeslice_us;              /* static: how long the driver lets one context hold the GPU
+                                           while another has work */
+    _Atomic uint32_t sched_init;        /* 0: lock not made; SIMGPU_SCHED_READY: made; else the maker's pid */
+    uint32_t holder;                    /* 1 + the proc slot index whose context holds the GPU; 0 = none */
+    uint32_t pad2;
+    uint64_t sched_now_ns;              /* CLOCK_REALTIME ns up to which the schedule has been played */
+    uint64_t slice_end_ns;              /* when the holder's time slice ends */
+    _Atomic uint64_t busy_ns_total;     /* time some context's work ran (the device's busy time) */
+    _Atomic uint64_t switches;          /* context switches played */
+    unsigned char sched_lock[SIMGPU_SCHED_LOCK_BYTES]; /* pthread_mutex_t: robust, process-shared */
 } simgpu_gpu_t;
+
+/* One run of a context on the GPU: wall time [wall_ns, wall_ns + len_ns) was its
+ * context time [ctx_ns, ctx_ns + len_ns). */
+typedef struct {
+    uint64_t wall_ns;
+    uint64_t ctx_ns;
+    uint64_t len_ns;
+} simgpu_seg_t;
 
 /* One slot per (process, GPU) that has touched the GPU. */
 typedef struct {
@@ -102,11 +128,17 @@ typedef struct {
     _Atomic uint64_t swapped_bytes;     /* memory moved to host by a checkpoint */
     _Atomic uint64_t launches;          /* kernel launches, total */
     _Atomic uint64_t last_launch_ns;    /* CLOCK_REALTIME ns of the last launch; 0 = never */
-    _Atomic uint64_t busy_until_ns;     /* CLOCK_REALTIME ns until which the GPU is busy for it */
-    _Atomic uint64_t busy_ns_total;     /* accumulated busy time, for utilisation */
+    _Atomic uint64_t busy_until_ns;     /* CLOCK_REALTIME ns its last run on the GPU ended (played so far) */
+    _Atomic uint64_t busy_ns_total;     /* time its work ran on the GPU (played so far), for utilisation */
     _Atomic uint32_t ckpt_state;        /* SIMGPU_CKPT_* (per process: same in all its slots) */
     _Atomic uint32_t api_inflight;      /* fake libcuda: API calls in progress (checkpoint lock waits for 0) */
     uint64_t start_time;                /* /proc/<pid>/stat starttime: guards against pid reuse */
+    /* --- compute model: written under the GPU's sched_lock --- */
+    uint64_t ctx_ns;                    /* context time: how long its work has held the GPU */
+    uint64_t work_end_ns;               /* context time at which all its submitted work is done */
+    uint64_t sm_end_ns;                 /* context time at which its kernels' SM work is done */
+    uint64_t seg_count;                 /* runs recorded; the newest is segs[(seg_count-1) % RING] */
+    simgpu_seg_t segs[SIMGPU_SEG_RING];
 } simgpu_proc_t;
 
 typedef struct {

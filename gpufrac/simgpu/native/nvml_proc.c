@@ -4,14 +4,16 @@
  */
 #include <pthread.h>
 #include <stdatomic.h>
+#include <string.h>
 
 #include "nvml_internal.h"
 
 /* ------------------------------------------------------------------ utilisation */
 
 /* Utilisation is measured like NVML's sampler: busy time between two queries from
- * this process. A slot's busy time up to now is its total minus the part of the
- * last kernel that still lies in the future. */
+ * this process, from the compute model (simstate.h sim_sched_*), played up to now
+ * first. A slot's busy time up to now is its total minus any part a test wrote as
+ * lying in the future. */
 static uint64_t busy_to_now(simgpu_proc_t *s, uint64_t now) {
     uint64_t total = atomic_load(&s->busy_ns_total), until = atomic_load(&s->busy_until_ns);
     uint64_t ahead = until > now ? until - now : 0;
@@ -27,19 +29,19 @@ static sample_t g_proc_sample[SIMGPU_MAX_PROCS];
 static sample_t g_gpu_sample[SIMGPU_MAX_GPUS];
 static pthread_mutex_t g_sample_lock = PTHREAD_MUTEX_INITIALIZER;
 
-/* Percent busy since this process's previous sample of the same key; on the first
- * sample, whether it is busy right now. Updates the sample. */
-static unsigned int percent_since(sample_t *prev, simgpu_node_t *n, int32_t pid, uint64_t st, uint64_t busy,
-                                  uint64_t now, int busy_now) {
+/* Percent busy since this process's previous sample of the same key (`prev`); on the
+ * first sample, whether it is busy right now. The new sample goes to `next`. */
+static unsigned int percent_since(const sample_t *prev, sample_t *next, simgpu_node_t *n, int32_t pid, uint64_t st,
+                                  uint64_t busy, uint64_t now, int busy_now) {
     unsigned int pct;
     if (prev->node == n && prev->pid == pid && prev->start_time == st && now > prev->at) {
         uint64_t d = busy > prev->busy ? busy - prev->busy : 0;
         uint64_t span = now - prev->at;
-        pct = d >= span ? 100 : (unsigned int)(d * 100 / span);
+        pct = d >= span ? 100 : (unsigned int)((d * 100 + span / 2) / span); /* to the nearest percent */
     } else {
         pct = busy_now ? 100 : 0;
     }
-    *prev = (sample_t){n, pid, st, busy, now};
+    *next = (sample_t){n, pid, st, busy, now};
     return pct;
 }
 
@@ -54,16 +56,14 @@ NVML_API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUti
     DEV(device, g, idx);
     if (!utilization) return NVML_ERROR_INVALID_ARGUMENT;
     simgpu_node_t *n = nv_node_if_init();
-    uint64_t now = sim_now_ns(), busy = 0;
-    int busy_now = 0;
-    for (int i = 0; i < SIMGPU_MAX_PROCS; i++) {
-        int32_t pid;
-        if (!slot_on(&n->procs[i], idx, &pid)) continue;
-        busy += busy_to_now(&n->procs[i], now);
-        busy_now |= atomic_load(&n->procs[i].busy_until_ns) > now;
-    }
+    /* The device is busy while any context's work runs: its own busy clock, which a
+     * process leaving the node does not take back. */
+    uint64_t now = sim_sched_enter(n, idx);
+    uint64_t busy = atomic_load(&g->busy_ns_total);
+    int busy_now = sim_sched_running(n, idx, NULL, now);
+    sim_sched_leave(n, idx);
     pthread_mutex_lock(&g_sample_lock);
-    unsigned int pct = percent_since(&g_gpu_sample[idx], n, 0, 0, busy, now, busy_now);
+    unsigned int pct = percent_since(&g_gpu_sample[idx], &g_gpu_sample[idx], n, 0, 0, busy, now, busy_now);
     pthread_mutex_unlock(&g_sample_lock);
     uint32_t og = atomic_load(&g->util_gpu_override), om = atomic_load(&g->util_mem_override);
     /* 0 = derive from kernel activity; otherwise the test's value + 1. Memory
@@ -78,12 +78,22 @@ typedef struct {
     unsigned long long ts;
 } proc_util_t;
 
-/* Per-process samples newer than lastSeen (microseconds); returns the count. */
+/* Per-process samples newer than lastSeen (microseconds); returns the count. The new
+ * sample windows are only staged: process_samples keeps them when the caller's array
+ * took the samples, so a query that only asks how many uses nothing up (as NVML's
+ * buffered samples are not used up by it). Callers hold process_samples' lock. */
+static sample_t g_staged[SIMGPU_MAX_PROCS];
+static unsigned char g_is_staged[SIMGPU_MAX_PROCS];
 static unsigned int collect_proc_util(simgpu_node_t *n, uint32_t gpu, unsigned long long lastSeen,
                                       proc_util_t out[SIMGPU_MAX_PROCS]) {
     sim_reap_dead(n);
-    uint64_t now = sim_now_ns();
+    uint64_t now = sim_sched_enter(n, gpu);
+    /* Whether each slot's work is on the GPU now, read under the schedule's lock. */
+    static unsigned char running[SIMGPU_MAX_PROCS];
+    for (int i = 0; i < SIMGPU_MAX_PROCS; i++) running[i] = (unsigned char)sim_sched_running(n, gpu, &n->procs[i], now);
+    sim_sched_leave(n, gpu);
     unsigned int count = 0;
+    memset(g_is_staged, 0, sizeof g_is_staged);
     pthread_mutex_lock(&g_sample_lock);
     for (int i = 0; i < SIMGPU_MAX_PROCS; i++) {
         simgpu_proc_t *s = &n->procs[i];
@@ -93,8 +103,9 @@ static unsigned int collect_proc_util(simgpu_node_t *n, uint32_t gpu, unsigned l
         if (last == 0) continue; /* never ran a kernel: no sample */
         uint64_t active = until > now ? now : (until > last ? until : last);
         unsigned long long ts = active / 1000;
-        unsigned int pct = percent_since(&g_proc_sample[i], n, pid, s->start_time, busy_to_now(s, now), now,
-                                         until > now);
+        unsigned int pct = percent_since(&g_proc_sample[i], &g_staged[i], n, pid, s->start_time, busy_to_now(s, now),
+                                         now, running[i]);
+        g_is_staged[i] = 1;
         if (ts <= lastSeen) continue;
         out[count++] = (proc_util_t){(unsigned)pid, pct, pct / 2, ts};
     }
@@ -120,6 +131,12 @@ static nvmlReturn_t process_samples(uint32_t gpu, unsigned long long last_seen, 
     } else {
         for (unsigned int i = 0; i < found; i++) put(array, i, &buf[i]);
         *count = found;
+    }
+    if (r != NVML_ERROR_INSUFFICIENT_SIZE) { /* the samples were taken (or there were none): keep the windows */
+        pthread_mutex_lock(&g_sample_lock);
+        for (int i = 0; i < SIMGPU_MAX_PROCS; i++)
+            if (g_is_staged[i]) g_proc_sample[i] = g_staged[i];
+        pthread_mutex_unlock(&g_sample_lock);
     }
     pthread_mutex_unlock(&buf_lock);
     return r;

@@ -6,18 +6,25 @@
                                     cudaMalloc / cudaFree
     python overhead.py cuda-alloc   cuMemAlloc / cuMemFree pairs of varied sizes (cuda-python)
 
-tests/gpu/test_shim_gpu.py runs each with and without the shim, interleaved, in the
-same run. Sizes: GPUFRAC_BENCH_STEPS (loop length), defaults below. Each loop is
-warmed up first and timed between device synchronisations; "usage_after" is the
-container's counted bytes once everything was freed (None without the shim).
+tests/gpu/test_overhead_gpu.py runs each with and without the shim, interleaved, in the
+same run. Sizes: GPUFRAC_BENCH_STEPS (loop length) and GPUFRAC_BENCH_ROUNDS (timed rounds
+in this process), defaults below. Each loop is warmed up first and every round timed
+between device synchronisations; "per_iter" is the median round's, "rounds" all of them.
+"usage_ready" and "usage_after" are the container's counted bytes once the warm-up's and
+the loop's allocations were freed (what is left: the context the shim charged; None without
+the shim). "t_ready" (time.monotonic(), CLOCK_MONOTONIC: the same clock in the parent) is
+when the process had its CUDA context and first allocation: the parent takes its start-up
+time from it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 3 << 20, 16 << 20, 64 << 20]  # bytes, cycled
@@ -27,7 +34,20 @@ def steps(default: int) -> int:
     return int(os.environ.get("GPUFRAC_BENCH_STEPS", default))
 
 
-def usage_after() -> int | None:
+def timed(n: int, one: Callable[[int], object], sync: Callable[[], object]) -> dict[str, Any]:
+    """ROUNDS rounds of `n` calls of one(i), each timed between synchronisations."""
+    rounds = []
+    for _ in range(int(os.environ.get("GPUFRAC_BENCH_ROUNDS", "5"))):
+        sync()
+        t0 = time.perf_counter()
+        for i in range(n):
+            one(i)
+        sync()
+        rounds.append((time.perf_counter() - t0) / n)
+    return {"per_iter": statistics.median(rounds), "rounds": rounds, "iters": n}
+
+
+def usage() -> int | None:
     cdir = os.environ.get("GPUFRAC_CONTAINER_DIR")
     if not cdir:
         return None
@@ -41,6 +61,9 @@ def train() -> dict[str, Any]:
 
     torch.manual_seed(0)
     dev = torch.device("cuda", 0)
+    torch.zeros(1, device=dev)
+    torch.cuda.synchronize(dev)
+    t_ready = time.monotonic()
     model = torch.nn.Sequential(
         torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
         torch.nn.Linear(512, 64),
@@ -61,14 +84,9 @@ def train() -> dict[str, Any]:
     first = float(step())
     for _ in range(50):
         step()
-    torch.cuda.synchronize(dev)
-    n = steps(2000)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        loss = step()
-    torch.cuda.synchronize(dev)
-    secs = time.perf_counter() - t0
-    return {"unit": "s/step", "per_iter": secs / n, "iters": n, "loss_first": first, "loss_last": float(loss)}
+    out = timed(steps(500), lambda i: step(), lambda: torch.cuda.synchronize(dev))
+    last = float(step())
+    return {"unit": "s/step", **out, "loss_first": first, "loss_last": last, "t_ready": t_ready}
 
 
 def torch_alloc() -> dict[str, Any]:
@@ -82,14 +100,14 @@ def torch_alloc() -> dict[str, Any]:
         del_me = torch.empty(s, dtype=torch.uint8, device=dev)
         del del_me
     torch.cuda.synchronize(dev)
-    n = steps(3000)
-    t0 = time.perf_counter()
-    for i in range(n):
+    t_ready, ready = time.monotonic(), usage()
+
+    def pair(i: int) -> None:
         t = torch.empty(SIZES[i % len(SIZES)], dtype=torch.uint8, device=dev)
         del t
-    torch.cuda.synchronize(dev)
-    secs = time.perf_counter() - t0
-    return {"unit": "s/pair", "per_iter": secs / n, "iters": n, "usage_after": usage_after()}
+
+    out = timed(steps(1000), pair, lambda: torch.cuda.synchronize(dev))
+    return {"unit": "s/pair", **out, "usage_ready": ready, "usage_after": usage(), "t_ready": t_ready}
 
 
 def cuda_alloc() -> dict[str, Any]:
@@ -107,16 +125,16 @@ def cuda_alloc() -> dict[str, Any]:
     alloc, free = cu.cuMemAlloc, cu.cuMemFree
     for s in SIZES:
         chk(free(chk(alloc(s))))
-    n = steps(5000)
-    t0 = time.perf_counter()
-    for i in range(n):
+    t_ready, ready = time.monotonic(), usage()
+
+    def pair(i: int) -> None:
         err, p = alloc(SIZES[i % len(SIZES)])
         if int(err) != 0:
             raise SystemExit(f"cuMemAlloc: {err!r}")
         chk(free(p))
-    chk(cu.cuCtxSynchronize())
-    secs = time.perf_counter() - t0
-    return {"unit": "s/pair", "per_iter": secs / n, "iters": n, "usage_after": usage_after()}
+
+    out = timed(steps(2000), pair, lambda: chk(cu.cuCtxSynchronize()))
+    return {"unit": "s/pair", **out, "usage_ready": ready, "usage_after": usage(), "t_ready": t_ready}
 
 
 MODES = {"train": train, "torch-alloc": torch_alloc, "cuda-alloc": cuda_alloc}
