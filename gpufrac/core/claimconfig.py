@@ -17,6 +17,7 @@ pod says with annotations (docs/design.md section 1):
           maxRuntime: 12h
           idleExempt: false
           waitTimeout: 45s
+          computeShare: 25         # percent of its GPU's compute (docs/compute.md)
 
 The scheduler copies the class's config and then the claim's into the allocation; a later
 object overrides an earlier one field by field. Each field is read exactly as its annotation
@@ -52,6 +53,7 @@ FIELDS = {
     "maxRuntime": ann.MAX_RUNTIME,
     "idleExempt": ann.IDLE_EXEMPT,
     "waitTimeout": ann.WAIT_TIMEOUT,
+    "computeShare": ann.COMPUTE_SHARE,
 }
 _FIELD_OF = {v: k for k, v in FIELDS.items()}
 _BOOLEAN = frozenset({"preemptible", "swappable", "idleExempt"})
@@ -104,7 +106,7 @@ def _typed(name: str, value: Any) -> tuple[str, str | None]:
         return _WRONG_TYPE, "must be a duration string like 30m, 1h30m or 45s"
     if name == "workloadClass":
         return (value, None) if isinstance(value, str) else (_WRONG_TYPE, "must be a string")
-    # memoryLimit (a quantity) and fractionLimit (a percentage): a string or a number.
+    # memoryLimit (a quantity), fractionLimit and computeShare (percentages): a string or a number.
     if isinstance(value, str) or (isinstance(value, int | float) and not isinstance(value, bool)):
         return str(value), None
     return _WRONG_TYPE, "must be a quantity string like 24Gi, or a number"
@@ -176,6 +178,9 @@ def claim_policy(
     policy = result.policy
     if policy.limit_key is not None:
         policy = dataclasses.replace(policy, limit_key=_FIELD_OF.get(policy.limit_key, policy.limit_key))
+    if policy.compute_share_key is not None:
+        key = policy.compute_share_key
+        policy = dataclasses.replace(policy, compute_share_key=_FIELD_OF.get(key, key))
     return policy, problems[: ann.MAX_PROBLEMS]
 
 

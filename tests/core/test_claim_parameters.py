@@ -57,6 +57,17 @@ def test_fields_set_the_policy_as_their_annotations_do() -> None:
     assert decide(obj(fractionLimit=50))[0].limit_bytes == int(79 * GiB * 50 / 100)
 
 
+def test_a_compute_share_is_read_as_its_annotation_is() -> None:
+    policy, problems = decide(obj(computeShare=25))
+    assert problems == [] and (policy.compute_share, policy.compute_share_key) == (0.25, "computeShare")
+    # None given: the claim's memory share of its GPU (8 of 79 GiB).
+    assert decide(obj())[0].compute_share == pytest.approx(8 / 79)
+    policy, problems = decide(obj(computeShare="lots"))
+    assert policy.compute_share == pytest.approx(8 / 79) and policy.compute_share_key is None
+    assert len(problems) == 1 and problems[0].startswith('claim parameter computeShare="lots" ignored')
+    assert "applied the safe default the memory share" in problems[0]
+
+
 def test_a_later_object_overrides_an_earlier_one_field_by_field() -> None:
     policy, _ = decide(obj(memoryLimit="24Gi", workloadClass="inference"), obj(memoryLimit="16Gi"))
     assert (policy.limit_bytes, policy.workload_class) == (16 * GiB, "inference")
