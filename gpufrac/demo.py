@@ -6,7 +6,10 @@ agent as its own process, the kubelet emulator driving it over the device-plugin
 gRPC API, kmock's apiserver emulator holding the pods, and "containers" that are
 real processes in real cgroups running CUDA (cuda-python over simgpu's fake
 libcuda) under the memguard shim. It then walks through sharing, bursting and
-collisions, printing each step, and serves the agent's metrics on localhost.
+collisions, printing each step, and serves the agent's metrics on localhost. A second
+simulated node runs the agent in DRA mode (a DRA driver, started alongside the first so its
+start costs no time): a claim is placed on the GPU that has room, held to its limit, and
+bursts.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from gpufrac.core.units import format_bytes
 
 KUBELET_SOCKET = "/var/lib/kubelet/device-plugins/kubelet.sock"
 NODE = "sim-node"
+DRA_NODE = "sim-dra-node"  # a second simulated node, in DRA mode
+DRA_PRESET = "a100x2-nvlink"
+DRIVER = "gpufrac.dev"
 GiB = 1 << 30
 FRACTION = "gpufrac.dev/gpu-fraction"
 MEMORY = "gpufrac.dev/gpu-memory"
@@ -239,6 +245,48 @@ class SimNode:
 
         return fetch(str(self.status_socket))
 
+    def start_dra(self, stack: contextlib.ExitStack) -> None:
+        """The second node, in DRA mode: its own GPUs, the kubelet's DRA side, the agent as a
+        DRA driver; only started here, awaited by the DRA section."""
+        from kubernetes import client
+
+        from gpufrac.simgpu.dra_scheduler import Allocator
+        from gpufrac.simgpu.kubelet import AgentProcess
+        from gpufrac.simgpu.kubelet.dra import DraKubelet
+        from gpufrac.simgpu.spec import create_node, load_preset
+
+        root = self.root / "dra"
+        self.dra_state = root / "node.state"
+        create_node(load_preset(DRA_PRESET, node_name=DRA_NODE), self.dra_state)
+        api = self.api.api_client()
+        self.resource = client.ResourceV1Api(api)
+        # What an install creates (deploy/dra/deviceclasses.yaml): a share of a GPU's memory.
+        device_class = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "DeviceClass",
+            "metadata": {"name": f"gpu-memory.{DRIVER}"},
+            "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
+        }
+        self.resource.create_device_class(device_class, _preload_content=False)  # type: ignore[arg-type]  # a dict body
+        self.dra_kubelet = DraKubelet(root / "k", api, DRA_NODE, cdi_dir=root / "cdi").start()
+        stack.callback(self.dra_kubelet.stop)
+        self.allocator = Allocator(api)
+        self.dra_agent = AgentProcess(
+            root / "a",
+            self.dra_state,
+            root / "k",
+            {
+                "mode": "dra",
+                "nodeName": DRA_NODE,
+                "apiServer": self.api.url,
+                "statusSocket": str(root / "status.sock"),
+                "metrics": {"port": free_port(9411), "bindAddress": "127.0.0.1"},
+                "dra": {"cdiSpecDir": str(root / "cdi")},
+            },
+        )
+        stack.callback(self.dra_agent.stop)
+        self.dra_agent.start()
+
     def container(self, p: DemoPod) -> dict[str, Any] | None:
         for c in self.status().get("containers", []):
             if c.get("pod") == p.name and c.get("namespace") == p.namespace:
@@ -275,7 +323,9 @@ def gib(n: float) -> int:
 def simulated_node(preset: str) -> Iterator[SimNode]:
     # Short root: unix socket paths must stay under 108 bytes.
     with tempfile.TemporaryDirectory(prefix="gfdemo", dir="/tmp") as tmp, contextlib.ExitStack() as stack:
-        yield SimNode(preset, Path(tmp), stack)
+        node = SimNode(preset, Path(tmp), stack)
+        node.start_dra(stack)
+        yield node
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -413,6 +463,7 @@ def _walkthrough(node: SimNode, args: argparse.Namespace) -> int:
     show_events(node, seen)
 
     compute_shares(node)
+    dra_section(node)
 
     banner("gpufrac status")
     say(format_status(node.status()).rstrip())
@@ -472,6 +523,118 @@ def compute_shares(node: SimNode) -> None:
     for p in (big, small):
         p.workload.do("stop")
         p.workload.close()
+
+
+def dra_section(node: SimNode) -> None:
+    """DRA mode on the second node: the scheduler sees each GPU, so a claim lands on one with
+    room; the agent prepares it (the claim's CDI spec: GPU, shim, directory), and the shim
+    holds its container to the claim's limit while the arbiter grants its burst."""
+    import json
+
+    from gpufrac.simgpu.kubelet.dra import ClaimPod, ClaimUse
+    from gpufrac.simgpu.workload import WorkloadProcess
+
+    banner(f"DRA mode ({DRA_NODE}, {DRA_PRESET}): the scheduler sees each GPU")
+    until(lambda: node.dra_kubelet.registered(DRIVER), "the DRA driver's registration")
+
+    def published() -> list[dict[str, Any]]:
+        raw: Any = node.resource.list_resource_slice(_preload_content=False)  # the response, not a model
+        slices = json.loads(raw.data)["items"]
+        return [d for s in slices if s["spec"]["nodeName"] == DRA_NODE for d in s["spec"]["devices"]]
+
+    until(lambda: bool(published()), "the ResourceSlice")
+    for d in published():
+        mem = d["capacity"]["memory"]
+        step = format_bytes(int(mem["requestPolicy"]["validRange"]["step"]))
+        say(f"  device {d['name']}: memory {format_bytes(int(mem['value']))}, shared in {step} steps")
+
+    def claim(name: str, memory: str, **params: Any) -> None:
+        devices: dict[str, Any] = {
+            "requests": [
+                {
+                    "name": "gpu",
+                    "exactly": {
+                        "deviceClassName": f"gpu-memory.{DRIVER}",
+                        "capacity": {"requests": {"memory": memory}},
+                    },
+                }
+            ]
+        }
+        if params:
+            parameters = {"apiVersion": "gpufrac.dev/v1alpha1", "kind": "GpuClaimParameters", **params}
+            devices["config"] = [{"opaque": {"driver": DRIVER, "parameters": parameters}}]
+        body = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name},
+            "spec": {"devices": devices},
+        }
+        node.resource.create_namespaced_resource_claim("inference", body, _preload_content=False)  # type: ignore[arg-type]
+
+    def run(name: str) -> ClaimPod:
+        """The scheduler allocates the pod's claim on any node, the kubelet prepares it."""
+        status = node.allocator.allocate("inference", name, node=None)
+        (r,) = status["allocation"]["devices"]["results"]
+        say(f"  claim {name}: {r['consumedCapacity']['memory']} of {r['pool']}/{r['device']}")
+        pod = ClaimPod(
+            "inference",
+            name,
+            f"00000000-0000-4000-8000-{len(name):012d}",
+            [ClaimUse("gpu", name)],
+            {"main": ["gpu"]},
+        )
+        node.allocator.reserve("inference", name, (pod.name, pod.uid))
+        spec = {
+            "nodeName": DRA_NODE,
+            "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
+            "containers": [{"name": "main", "image": "app", "resources": {"claims": [{"name": "gpu"}]}}],
+        }
+        manifest = {"metadata": {"name": name, "namespace": "inference", "uid": pod.uid}, "spec": spec}
+        node.v1.create_namespaced_pod("inference", manifest)  # type: ignore[arg-type]  # a dict body
+        node.dra_kubelet.run_pod(pod)
+        return pod
+
+    claim("batch-job", "32Gi")
+    run("batch-job")
+    claim("llm-server-dra", "8Gi", memoryLimit="24Gi", workloadClass="inference")
+    pod = run("llm-server-dra")  # gpu-0 has 7Gi unconsumed: it goes where 8Gi fits
+    env, mounts = node.dra_kubelet.container_edits(pod.uid, "main")
+    say(f"  its CDI devices give the container LD_PRELOAD={env['LD_PRELOAD']} and {len(mounts)} mounts")
+    base = dict(node.env, SIMGPU_STATE=str(node.dra_state))
+    c = node.runtime.start(
+        pod.uid, "main", WorkloadProcess.argv(), env=base, envs=env, mounts=mounts,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    cs = {"name": "main", "containerID": c.runtime_id, "image": "app", "imageID": "app", "ready": True}
+    node.v1.patch_namespaced_pod(
+        pod.name,
+        "inference",
+        {"status": {"phase": "Running", "containerStatuses": [{**cs, "restartCount": 0}]}},
+    )
+    app = WorkloadProcess(c.proc, pod.name)
+    try:
+        for what, cmd in (
+            ("cuMemGetInfo (total = the claim's 24Gi limit)", "info"),
+            ("allocates 6Gi, within its 8Gi request", f"alloc {gib(6)}"),
+            ("bursts 10Gi past its request (the arbiter grants)", f"alloc {gib(10)}"),
+            ("asks 8Gi more: past its 24Gi limit", f"alloc {gib(8)}"),
+        ):
+            answer = app.do(cmd, timeout=120)
+            if answer.startswith("free "):
+                _, free, _, total = answer.split()
+                answer = f"free {format_bytes(int(free))}, total {format_bytes(int(total))}"
+            say(f"  {pod.name:14} {what:50} -> {answer}")
+        from gpufrac.agent.status.client import fetch
+
+        (held,) = [
+            c for c in fetch(str(node.root / "dra" / "status.sock"))["containers"] if c["claim"] == pod.name
+        ]
+        request, limit = format_bytes(held["request_bytes"]), format_bytes(held["limit_bytes"])
+        granted = format_bytes(held["burst_granted_bytes"])
+        who = f"{held['namespace']}/{held['claim']}"
+        say(f"  the agent: claim {who} request {request}, limit {limit}, burst granted {granted}")
+    finally:
+        app.close(timeout=2)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

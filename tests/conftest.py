@@ -7,6 +7,7 @@
 #   a container under the shim   container, shim, flavour (fixtures/memguard.py)
 #   the agent, a subprocess  make_sim, sim: with the kubelet emulator (fixtures/agentsim.py);
 #                            e2e_node: plus the apiserver, runtime and workloads (fixtures/e2e.py)
+#   the agent in DRA mode    dra_node: the kubelet's DRA side, the scheduler's (fixtures/dra.py)
 #   the agent, in-process    node: with metrics and status served (fixtures/metrics.py)
 #   the arbiter's parts      make_node: ledger, identity, arbiter on a loop (fixtures/arbiter_harness.py)
 #   real cgroups alone       runtime: a container runtime (fixtures/hostile_tenant.py, with
@@ -18,6 +19,7 @@ pytest_plugins = [
     "tests.fixtures.memguard",
     "tests.fixtures.agentsim",
     "tests.fixtures.e2e",
+    "tests.fixtures.dra",
     "tests.fixtures.arbiter_harness",
     "tests.fixtures.metrics",
     "tests.fixtures.hostile_tenant",

@@ -11,7 +11,10 @@ needs them); Agent.stop() stops them in order. Parts that may be missing on a no
 `X | None`, decided here: no apiserver (kube.connect fails) leaves the pod cache, the Event
 recorder, the evictor and the node labeler out; no arbiter socket leaves the arbiter out.
 No part reaches into the Agent or sets attributes on it. The device-plugin servers are
-the front end of the allocation service (gpufrac.agent.booking.allocation_service).
+the front end of the allocation service (gpufrac.agent.booking.allocation_service); in mode
+dra the DRA driver (gpufrac.dra.server) is, over the same service, with the claims' parts
+(gpufrac.agent.booking.claims, claim_identity, cdi) and the node's ResourceSlice
+(gpufrac.agent.gpu.dra_slices): a node is in one mode, never both.
 
 Run it with `gpufrac agent --config node.yaml` or `python -m gpufrac.agent.main`;
 tests, the bench and the demo may also run `Agent` in-process (gpufrac.agent.runner).
@@ -34,15 +37,25 @@ from gpufrac.agent.arbiter.admission import Admission
 from gpufrac.agent.arbiter.recovery import adopt_grants, published_grants
 from gpufrac.agent.arbiter.service import Arbiter
 from gpufrac.agent.booking.allocation_service import AllocationService
+from gpufrac.agent.booking.cdi import CdiSpecs
+from gpufrac.agent.booking.claim_identity import ClaimIdentity
+from gpufrac.agent.booking.claims import ClaimService
 from gpufrac.agent.booking.container_dirs import ContainerDirs
-from gpufrac.agent.booking.ledger import Ledger
-from gpufrac.agent.booking.ledger_store import StateStore, restore
+from gpufrac.agent.booking.ledger import ContainerAlloc, Ledger
+from gpufrac.agent.booking.ledger_store import (
+    StateStore,
+    read_claim_records,
+    restore,
+    restore_claim_records,
+    write_claim_record,
+)
 from gpufrac.agent.booking.persist import Persister
 from gpufrac.agent.booking.pods import PodIdentity
 from gpufrac.agent.booking.reconcile import RECONCILE_INTERVAL, RELEASE_GRACE, ReconcileLoop, Reconciler
 from gpufrac.agent.compute.loop import ComputeLoop
 from gpufrac.agent.gpu import nodelabels
 from gpufrac.agent.gpu.activity import ActivityTracker
+from gpufrac.agent.gpu.dra_slices import SliceKeeper
 from gpufrac.agent.gpu.health import HealthMonitor
 from gpufrac.agent.gpu.healthsync import HealthSource, HealthSync
 from gpufrac.agent.gpu.inventory import NvmlError, read_inventory
@@ -51,21 +64,24 @@ from gpufrac.agent.gpu.utilisation import UtilisationFeed
 from gpufrac.agent.idle import reaper as idle
 from gpufrac.agent.idle.actions import swap_via
 from gpufrac.agent.idle.reaper import IdleReaper
+from gpufrac.agent.kube.claims import ClaimReader
 from gpufrac.agent.kube.client import KubeConfigError, connect
 from gpufrac.agent.kube.evict import PodEvictor
 from gpufrac.agent.kube.nodes import NodeLabeler
 from gpufrac.agent.kube.podcache import PodCache
 from gpufrac.agent.kube.recorder import EventRecorder
+from gpufrac.agent.kube.resourceslices import SlicePublisher
 from gpufrac.agent.metrics.registry import Metrics
 from gpufrac.agent.processes.callers import PeerLookup, namer_from_pods
 from gpufrac.agent.status import server as status_mod
 from gpufrac.agent.watchdog.service import Watchdog
 from gpufrac.core import config as config_mod
 from gpufrac.core import eventloop, logs, slices
-from gpufrac.core.config import Config, arbiter_socket
+from gpufrac.core.config import Config, arbiter_socket, dra_plugin_socket, dra_registration_socket
 from gpufrac.core.gpus import GpuHealth, Inventory
 from gpufrac.deviceplugin.podresources import PodResourcesClient
 from gpufrac.deviceplugin.server import DevicePlugin, PluginServer
+from gpufrac.dra.server import DraPluginServer
 
 log = logging.getLogger("gpufrac.agent")
 # How long start() waits for the apiserver client before it goes on without one.
@@ -103,7 +119,9 @@ class Agent:
         self.state = StateStore(config.paths.state_dir)
         self.pod_resources = PodResourcesClient(config.paths.pod_resources_socket)
         self.plugins: dict[str, DevicePlugin] = {}
-        self.servers: dict[str, PluginServer] = {}
+        # The front ends registered with the kubelet: a device-plugin server per resource, or
+        # (mode dra) the DRA driver under its name.
+        self.servers: dict[str, PluginServer | DraPluginServer] = {}
         self.started = asyncio.Event()
         self._stopping = asyncio.Event()
         # Container directories: written, deleted and swept in order, off the loop.
@@ -130,7 +148,14 @@ class Agent:
         self.reaper: IdleReaper | None = None  # gives the GPU back from idle pods
         self.admission: Admission | None = None  # reclaim at admission
         self.node_labels: NodeLabels | None = None  # gpufrac.dev/ labels on this Node
-        self.service: AllocationService | None = None  # the device-plugin servers' Backend
+        self.service: AllocationService | None = None  # the front ends' Backend
+        # Mode dra: the claims' bookings, their policies and consumers, the node's ResourceSlice
+        # and the DRA driver's servers (None in device-plugin mode, and the slice without an apiserver).
+        self.claims: ClaimService | None = None
+        self.claim_identity: ClaimIdentity | None = None
+        self.slices: SliceKeeper | None = None
+        self.slice_publisher: SlicePublisher | None = None
+        self.dra: DraPluginServer | None = None
 
     # -- lifetime --------------------------------------------------------------------
 
@@ -159,6 +184,7 @@ class Agent:
             cfg.reserved_per_gpu,
         )
         await self._recover(ledger, reconciler)
+        self._other_mode(ledger)
         persister = self.persister = Persister(ledger, self.state)
         ledger.add_listener(self._on_change)
         ledger.add_listener(persister.changed)
@@ -189,20 +215,49 @@ class Agent:
         self.activity = await self._open_activity(self.utilisation)
         await self._start_arbiter(ledger, pod_cache, self.activity)  # before any container can ask
         self._start_watchdog(ledger, pod_cache)
-        self._start_compute(ledger, self.pods, pod_cache, self.utilisation)
-        reaper = self._open_reaper(ledger, self.pods, self.activity, api, no_api)
+        if cfg.mode == "dra":
+            # Claims' policies come from their parameters, device-plugin containers' from their
+            # pods: the reaper and compute shares ask both through this one.
+            self.claim_identity = ClaimIdentity(
+                cfg, ledger, pod_cache, self.events, metrics=self.metrics, fallback=self.pods
+            )
+        identity = self.claim_identity or self.pods
+        self._start_compute(ledger, identity, pod_cache, self.utilisation)
+        reaper = self._open_reaper(ledger, identity, self.activity, api, no_api)
         self.admission = Admission(self.arbiter.resolution if self.arbiter else None, ledger, self.events)
         if api is None:
             log.error("node labels unavailable: %s", no_api)
         labeler = NodeLabeler(api, cfg.node_name, nodelabels.OWNED) if api is not None else None
         self.node_labels = NodeLabels(cfg, inventory, ledger.healthy, labeler)
+        if self.claim_identity is not None:
+            self.claims = await self._open_claims(ledger, inventory, persister, self.claim_identity, api)
         self.service = AllocationService(
-            cfg, ledger, inventory, reconciler, self.dirs, self.admission, self.reconcile_loop
+            cfg,
+            ledger,
+            inventory,
+            reconciler,
+            self.dirs,
+            self.admission,
+            self.reconcile_loop,
+            claims=self.claims,
         )
-        for resource in slices.RESOURCES:
-            plugin = self.plugins[resource] = DevicePlugin(resource, self.service)
-            server = self.servers[resource] = PluginServer(plugin, cfg.paths.device_plugin_dir)
-            await server.start()
+        if self.claims is not None:  # mode dra: the DRA driver is the front end, no device plugin
+            self.dra = DraPluginServer(
+                self.service,
+                driver_name=cfg.dra.driver_name,
+                plugin_socket=dra_plugin_socket(cfg),
+                registration_socket=dra_registration_socket(cfg),
+            )
+            self.servers[cfg.dra.driver_name] = self.dra
+            await self.dra.start()
+            self._tasks.append(
+                asyncio.create_task(self.claims.run_checks(cfg.dra.claim_check_interval), name="claim-check")
+            )
+        else:
+            for resource in slices.RESOURCES:
+                plugin = self.plugins[resource] = DevicePlugin(resource, self.service)
+                server = self.servers[resource] = PluginServer(plugin, cfg.paths.device_plugin_dir)
+                await server.start()
         self._tasks.append(asyncio.create_task(persister.run(), name="persist"))
         self._tasks.append(asyncio.create_task(self.reconcile_loop.run(), name="reconcile"))
         if reaper is not None:
@@ -212,12 +267,68 @@ class Agent:
         self.node_labels.refresh()
         self.started.set()
 
+    async def _open_claims(
+        self,
+        ledger: Ledger,
+        inventory: Inventory,
+        persister: Persister[Ledger],
+        identity: ClaimIdentity,
+        api: ApiClient | None,
+    ) -> ClaimService:
+        """Mode dra: the node's ResourceSlice (published on the apiserver), the CDI specs and
+        the claim service, its bookings' specs brought in line with the ledger restored."""
+        cfg = self.config
+        if api is not None:
+            self.slice_publisher = SlicePublisher(
+                api, cfg.node_name, cfg.dra.driver_name, check_interval=cfg.dra.slice_check_interval
+            )
+            publisher: SlicePublisher | None = self.slice_publisher
+        else:
+            log.error("DRA driver: no apiserver, so no ResourceSlice and no claim can be read")
+            publisher = None
+        keeper = SliceKeeper(
+            inventory,
+            ledger.geometry,
+            ledger,
+            publisher if publisher is not None else _NoPublisher(),
+            node=cfg.node_name,
+            driver=cfg.dra.driver_name,
+        )
+        if publisher is not None:
+            self.slices = keeper
+            keeper.refresh()
+        specs = CdiSpecs(
+            cfg.dra.cdi_spec_dir,
+            cfg.dra.driver_name,
+            shim_host_path=cfg.paths.shim_host_path,
+            container_dir=cfg.paths.container_dir,
+            nvidia_cdi=cfg.device_list_strategy == "cdi",
+        )
+        service = ClaimService(
+            ledger,
+            inventory,
+            ClaimReader(api) if api is not None else _NoClaims(),
+            self.dirs,
+            specs,
+            _ClaimRecords(),
+            persister,
+            identity,
+            self.admission or Admission(None, ledger, None),
+            self.metrics,
+            driver=cfg.dra.driver_name,
+            pool=cfg.node_name,
+            device_names=keeper.device_names(),
+        )
+        await service.recover()
+        return service
+
     async def _connect(self) -> tuple[ApiClient | None, str]:
         """The agent's one apiserver client, or None and why not (the node runs without one).
         Bounded: a kubeconfig's exec plugin that hangs must not keep the device plugins from
         registering (containers are then admitted with limit = request, as without one)."""
         try:
-            return await asyncio.wait_for(connect(self.config.api_server), CONNECT_TIMEOUT), ""
+            api = connect(self.config.api_server, self.config.kubeconfig)
+            return await asyncio.wait_for(api, CONNECT_TIMEOUT), ""
         except KubeConfigError as e:
             return None, str(e)
         except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
@@ -286,7 +397,11 @@ class Agent:
             return None
 
     def _start_compute(
-        self, ledger: Ledger, pods: PodIdentity, pod_cache: PodCache | None, feed: UtilisationFeed | None
+        self,
+        ledger: Ledger,
+        pods: PodIdentity | ClaimIdentity,
+        pod_cache: PodCache | None,
+        feed: UtilisationFeed | None,
     ) -> None:
         """Compute shares (gpufrac.agent.compute): the driver's measured use, through the
         controller, to each container's launch pace. Containers are told apart as the arbiter
@@ -306,7 +421,7 @@ class Agent:
     def _open_reaper(
         self,
         ledger: Ledger,
-        pods: PodIdentity,
+        pods: PodIdentity | ClaimIdentity,
         tracker: ActivityTracker | None,
         api: ApiClient | None,
         no_api: str,
@@ -352,6 +467,8 @@ class Agent:
         self._stopping.set()
         for server in self.servers.values():
             await server.stop()
+        if self.claims is not None:
+            self.claims.log_summary()
         if self.admission is not None:
             await self.admission.stop()
         if self.arbiter is not None:
@@ -363,6 +480,10 @@ class Agent:
                 await t
         if self.reconcile_loop is not None:
             self.reconcile_loop.close()
+        if self.claim_identity is not None:
+            await self.claim_identity.close()
+        if self.slice_publisher is not None:
+            await self.slice_publisher.close()  # the slice stays: prepared claims live on
         if self.pods is not None:
             with contextlib.suppress(Exception):
                 await self.pods.close()  # the pod cache's watch and the Event recorder
@@ -419,6 +540,11 @@ class Agent:
         restored = restore(ledger, entries or [])
         if restored:
             log.info("state: %d allocations restored from %s", len(restored), self.state.path)
+        # DRA claims prepared after the last state save: their records, in their directories.
+        records = await asyncio.to_thread(read_claim_records, self.config.paths.containers_dir)
+        late = restore_claim_records(ledger, records)
+        if late:
+            log.info("state: %d claims restored from their directories' records", len(late))
         answered = await reconciler.reconcile(grace=0.0, materialize=False)
         if not answered:
             log.warning(
@@ -439,6 +565,21 @@ class Agent:
             await reconciler.sweep_orphans()
         await self.state.save(ledger)
 
+    def _other_mode(self, ledger: Ledger) -> None:
+        """Say so when the state holds bookings of the other mode (a node whose mode changed
+        before it was drained): they are kept, so no GPU memory is booked twice, and the
+        front end of this mode cannot release them."""
+        dra = self.config.mode == "dra"
+        other = [a for a in ledger.containers() if (a.claim is None) == dra]
+        if other:
+            log.warning(
+                "%d bookings of %s are in the state of this node in mode %s: their memory stays booked "
+                '(never twice); drain a node before changing its mode (README.md, "DRA mode")',
+                len(other),
+                "device-plugin containers" if dra else "DRA claims",
+                self.config.mode,
+            )
+
     # -- change propagation -------------------------------------------------------------
 
     def _on_change(self) -> None:
@@ -450,6 +591,10 @@ class Agent:
             self._notified_generation = self.ledger.capacity_generation
             for plugin in self.plugins.values():
                 plugin.notify()
+            if self.dra is not None:
+                self.dra.notify()  # the health stream: device health may have changed
+            if self.slices is not None:
+                self.slices.refresh()  # the ResourceSlice: an unhealthy GPU is tainted
 
     # -- pod identity hook -----------------------------------------------------------------
 
@@ -459,9 +604,30 @@ class Agent:
         self.reconcile_loop.kick()
 
 
+class _ClaimRecords:
+    """A claim booking's record in its directory (gpufrac.agent.booking.ledger_store)."""
+
+    def write(self, alloc: ContainerAlloc) -> None:
+        write_claim_record(alloc)
+
+
+class _NoPublisher:
+    """Where the slice goes without an apiserver: nowhere (said once at start)."""
+
+    def update(self, body: dict[str, Any]) -> None:
+        pass
+
+
+class _NoClaims:
+    """ResourceClaims without an apiserver: none can be read, so none is prepared."""
+
+    async def get(self, namespace: str, name: str) -> dict[str, Any] | None:
+        raise KubeConfigError("no apiserver client: the claim cannot be read")
+
+
 def cmd_agent(args: argparse.Namespace) -> int:
     try:
-        cfg = config_mod.load(args.config)
+        cfg = config_mod.load(args.config, overlays=getattr(args, "config_overlay", None) or ())
     except config_mod.ConfigError as e:
         print(f"gpufrac agent: {e}", file=sys.stderr)
         return 2
@@ -485,6 +651,13 @@ def cmd_agent(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpufrac.agent.main", description="gpufrac node agent")
     parser.add_argument("--config", help="node config YAML (default: built-in defaults)")
+    parser.add_argument(
+        "--config-overlay",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a node config YAML merged over --config",
+    )
     # Timing knobs for tests and the demo (the DaemonSet keeps the defaults).
     parser.add_argument("--reconcile-interval", type=float, help=f"seconds (default {RECONCILE_INTERVAL})")
     parser.add_argument("--release-grace", type=float, help=f"seconds (default {RELEASE_GRACE})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -24,6 +25,8 @@ from gpufrac.core.units import MAX_MS_FIELD_S, MIN_ARBITER_TIMEOUT_MS, parse_byt
 GiB = 1 << 30
 RESOLVERS = ("swap", "evict", "wait")
 MAX_HEAD_OF_LINE_S = 60.0  # headOfLineBound's ceiling (validate says why)
+# A DRA driver name: a DNS subdomain, at most 63 characters (resource.k8s.io validation).
+_DRIVER_NAME = re.compile(r"^(?=.{1,63}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 class ConfigError(ValueError):
@@ -157,6 +160,23 @@ class ComputeConfig:
 
 
 @dataclass
+class DraConfig:
+    """The DRA driver (mode: dra): its name, where the container runtime reads CDI specs,
+    and how often the agent checks what it published and booked against the apiserver."""
+
+    # The driver name of the ResourceSlices, DeviceClasses and claim parameters.
+    driver_name: str = "gpufrac.dev"
+    # The container runtime's CDI spec directory (containerd and CRI-O read /var/run/cdi).
+    cdi_spec_dir: str = "/var/run/cdi"
+    # How often the node's ResourceSlice is checked (the kubelet deletes a node's slices when
+    # it starts; the agent publishes them again).
+    slice_check_interval: float = _seconds(10.0, positive=True)
+    # How often claim bookings are checked against the apiserver: a claim deleted while the
+    # kubelet could not tell the agent (its unprepare lost) is released.
+    claim_check_interval: float = _seconds(60.0, positive=True)
+
+
+@dataclass
 class MetricsConfig:
     port: int = 9410
     bind_address: str = "0.0.0.0"
@@ -165,6 +185,10 @@ class MetricsConfig:
 @dataclass
 class Config:
     node_name: str = field(default_factory=lambda: os.environ.get("NODE_NAME", os.uname().nodename))
+    # How the node's GPUs are offered: "device-plugin" (extended resources, any Kubernetes) or
+    # "dra" (a DRA driver with consumable capacity, Kubernetes 1.34+). A node is in one mode:
+    # the agent books its GPUs for one front end only (docs/architecture.md).
+    mode: str = _choice("device-plugin", "device-plugin", "dra")
     memory_unit: int = _bytes(GiB)
     # What no container is charged for: the driver's reservation and fragmentation (each
     # process's CUDA context is charged to its container by the shim).
@@ -187,6 +211,9 @@ class Config:
     status_socket: str = "/var/run/gpufrac/status.sock"
     # The apiserver URL; empty = the in-cluster service account, else $KUBECONFIG / ~/.kube/config.
     api_server: str = ""
+    # A kubeconfig file to reach the apiserver with (when apiServer is empty); empty = the
+    # in-cluster service account, else $KUBECONFIG or ~/.kube/config.
+    kubeconfig: str = ""
     log_json: bool = False
     log_level: str = _choice("info", "debug", "info", "warning", "error")
     paths: PathsConfig = field(default_factory=PathsConfig)
@@ -198,6 +225,7 @@ class Config:
     # Per-namespace caps on what pod annotations may ask (gpufrac.core.policy parses it).
     policy: PolicyConfig = field(default_factory=PolicyConfig, metadata={"kind": "policy"})
     arbiter_limits: ArbiterLimitsConfig = field(default_factory=ArbiterLimitsConfig)
+    dra: DraConfig = field(default_factory=DraConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
 
     def validate(self) -> None:
@@ -260,6 +288,11 @@ class Config:
                 f"arbiterLimits.connectionsPerContainer: {lim.connections_per_container} is more than "
                 f"maxConnections ({lim.max_connections})"
             )
+        if not _DRIVER_NAME.match(self.dra.driver_name):
+            raise ConfigError(
+                f"dra.driverName: {self.dra.driver_name!r} is not a DNS subdomain of at most 63 "
+                "characters (lowercase letters, digits, '-' and '.')"
+            )
         if not 0.01 <= self.compute.interval <= 10:
             # Shorter than the driver's sampling is noise; longer, a share takes many seconds to hold.
             raise ConfigError(f"compute.interval: {self.compute.interval:g}s must be between 10ms and 10s")
@@ -268,6 +301,18 @@ class Config:
             raise ConfigError(
                 f"idle.reapClasses: unknown workload class(es) {bad}; choose from {sorted(CLASS_NAMES)}"
             )
+
+
+def dra_plugin_socket(config: Config) -> str:
+    """The DRA driver's gRPC socket (the DRAPlugin and DRAResourceHealth services), where the
+    kubelet's registration is told to find it: <kubelet dir>/plugins/<driver>/dra.sock."""
+    return os.path.join(config.paths.kubelet_dir, "plugins", config.dra.driver_name, "dra.sock")
+
+
+def dra_registration_socket(config: Config) -> str:
+    """The DRA driver's registration socket, which the kubelet's plugin watcher finds in
+    <kubelet dir>/plugins_registry/."""
+    return os.path.join(config.paths.kubelet_dir, "plugins_registry", f"{config.dra.driver_name}-reg.sock")
 
 
 def arbiter_socket_dir(config: Config) -> str:
@@ -343,21 +388,31 @@ def _build(cls: type[Any], data: dict[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
-def load(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Load the node config from a YAML file (or defaults), apply overrides, validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path}: top level must be a mapping")
-        data = loaded or {}
+def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping")
+    return loaded or {}
+
+
+def load(
+    path: str | os.PathLike[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    *,
+    overlays: Sequence[str | os.PathLike[str]] = (),
+) -> Config:
+    """Load the node config from a YAML file (or defaults), merge `overlays` (files, in order:
+    the DRA DaemonSet's `mode: dra` over the shipped config) and `overrides` over it, validate."""
+    data: dict[str, Any] = _read(path) if path is not None else {}
+    for overlay in overlays:
+        data = _merge(data, _read(overlay))
     if overrides:
         data = _merge(data, overrides)
     cfg: Config = _build(Config, data)

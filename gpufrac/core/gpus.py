@@ -40,6 +40,7 @@ class Gpu:
     numa_node: int | None
     cpu_affinity: tuple[int, ...]
     minor: int
+    compute_capability: str = ""  # "9.0"; empty where the driver does not say
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from gpufrac.core import logs, slices
 from gpufrac.core.config import Config
 from gpufrac.core.errors import AllocationError, ErrorKind
 from gpufrac.core.slices import container_key
-from gpufrac.memguard import abi
+from gpufrac.memguard import inject
 from gpufrac.proto import deviceplugin_pb2 as pb
 from gpufrac.proto import deviceplugin_pb2_grpc as pb_grpc
 
@@ -47,7 +47,6 @@ HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
 REGISTER_TIMEOUT = 15.0
 # kubelet.sock / own socket / stream checks: well inside 'a couple of seconds', cheap when idle.
 WATCH_INTERVAL = 0.2
-SHIM_NAME = "libmemguard.so"
 # What the kubelet is told, per kind of refusal (gpufrac.core.errors).
 STATUS_CODES = {
     ErrorKind.INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
@@ -103,46 +102,19 @@ class Backend(Protocol):
 
 
 def container_response(alloc: Booking, config: Config) -> pb.ContainerAllocateResponse:
-    """What the kubelet hands the container runtime: the GPU(s) and the shim injection."""
+    """What the kubelet hands the container runtime: the GPU(s) and the shim injection
+    (gpufrac.memguard.inject: the shim, the config read-only, the usage and compute files, the arbiter
+    socket's directory)."""
     resp = pb.ContainerAllocateResponse()
     if config.device_list_strategy == "cdi":
         resp.cdi_devices.extend(pb.CDIDevice(name=f"nvidia.com/gpu={u}") for u in alloc.gpus)
     else:
         resp.envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(alloc.gpus)
     cdir = config.paths.container_dir
-    shim = os.path.join(cdir, SHIM_NAME)
-    resp.envs["LD_PRELOAD"] = shim
-    resp.envs["GPUFRAC_CONTAINER_DIR"] = cdir
-    # File mounts, not the directory: the container may write its usage file, but its
-    # config (limits) is read-only to it. The container's own arbiter socket comes in its
-    # directory's mount: a file mount would pin the socket's inode, dead once the agent
-    # restarts and binds a new one. Read-only: connect() needs no write access to the mount,
-    # and the tenant cannot unlink or replace its socket.
-    host = alloc.directory
+    resp.envs.update(inject.shim_env(cdir))
     resp.mounts.extend(
-        [
-            pb.Mount(container_path=shim, host_path=config.paths.shim_host_path, read_only=True),
-            pb.Mount(
-                container_path=os.path.join(cdir, abi.CONFIG_FILE),
-                host_path=os.path.join(host, abi.CONFIG_FILE),
-                read_only=True,
-            ),
-            pb.Mount(
-                container_path=os.path.join(cdir, abi.USAGE_FILE),
-                host_path=os.path.join(host, abi.USAGE_FILE),
-                read_only=False,
-            ),
-            pb.Mount(  # the shim's launch clock, shared by the container's processes
-                container_path=os.path.join(cdir, abi.COMPUTE_FILE),
-                host_path=os.path.join(host, abi.COMPUTE_FILE),
-                read_only=False,
-            ),
-            pb.Mount(
-                container_path=os.path.join(cdir, abi.SOCKET_DIR),
-                host_path=os.path.join(host, abi.SOCKET_DIR),
-                read_only=True,
-            ),
-        ]
+        pb.Mount(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only)
+        for m in inject.shim_mounts(alloc.directory, config.paths.shim_host_path, cdir)
     )
     return resp
 

@@ -7,8 +7,12 @@ threads) reach it over real HTTP on 127.0.0.1 with the real kubernetes client.
 
 The emulator is extended where the agent depends on apiserver behaviour that
 kmock 0.8 leaves out: field selectors on list/watch (spec.nodeName), uid,
-resourceVersion and creationTimestamp on objects, watch timeoutSeconds, and
-410 Gone for expired resource versions (`KubeServer.expire_watches`).
+resourceVersion and creationTimestamp on objects, watch timeoutSeconds,
+410 Gone for expired resource versions (`KubeServer.expire_watches`), the
+resource.k8s.io/v1 kinds of dynamic resource allocation (ResourceSlices,
+ResourceClaims and their templates, DeviceClasses: stored as given, not
+validated), PUT of a named object (update, with the resourceVersion precondition) and
+DELETE on a collection (deletecollection, with a fieldSelector).
 
 Tests get one per test from the `kube_server` fixture (tests/fixtures/kube.py);
 the demo (`gpufrac run`) starts one itself.
@@ -25,6 +29,7 @@ from asyncio import FIRST_COMPLETED
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any, TypeVar, cast
 
+import aiohttp.web
 import attrs
 import kmock
 from kmock._internal import aiobus, rendering
@@ -33,7 +38,14 @@ from kubernetes import client
 T = TypeVar("T")
 PODS = kmock.resource("v1/pods")
 EVENTS = kmock.resource("v1/events")
+# Dynamic resource allocation (resource.k8s.io/v1): what the DRA driver publishes and reads,
+# and what a DRA install ships (DeviceClasses, claim templates).
+RESOURCE_SLICES = kmock.resource("resource.k8s.io/v1/resourceslices")
+RESOURCE_CLAIMS = kmock.resource("resource.k8s.io/v1/resourceclaims")
+RESOURCE_CLAIM_TEMPLATES = kmock.resource("resource.k8s.io/v1/resourceclaimtemplates")
+DEVICE_CLASSES = kmock.resource("resource.k8s.io/v1/deviceclasses")
 HISTORY = 10_000  # watch events kept per resource for watches that resume from a version
+REQUESTS_KEPT = 16  # requests kmock itself keeps (ApiServerEmulator._handle says why)
 
 
 def _get_path(obj: Mapping[str, Any], dotted: str) -> str:
@@ -71,11 +83,41 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         self.resources["v1/pods"] = kmock.ResourceInfo(namespaced=True, kind="Pod", singular="pod")
         self.resources["v1/events"] = kmock.ResourceInfo(namespaced=True, kind="Event", singular="event")
         self.resources["v1/nodes"] = kmock.ResourceInfo(namespaced=False, kind="Node", singular="node")
+        for path, namespaced, kind in (
+            ("resource.k8s.io/v1/resourceslices", False, "ResourceSlice"),
+            ("resource.k8s.io/v1/resourceclaims", True, "ResourceClaim"),
+            ("resource.k8s.io/v1/resourceclaimtemplates", True, "ResourceClaimTemplate"),
+            ("resource.k8s.io/v1/deviceclasses", False, "DeviceClass"),
+        ):
+            self.resources[path] = kmock.ResourceInfo(namespaced=namespaced, kind=kind, singular=kind.lower())
         self.history: dict[Any, list[tuple[int, Any]]] = collections.defaultdict(list)
         self.history_floor = 0  # watches from before the oldest kept event get 410 Gone
         self._buses = _RecordingBuses(self)
+        self.request_log: list[tuple[str, str, dict[str, str]]] = []  # (method, path, query) of each
 
     async def _handle(self, request: rendering.Request) -> Any:
+        # kmock keeps every request and, to route each new one, runs its reactions' filters over
+        # all of them: a request costs more with every request before it (a few hundred made a
+        # GET take 0.4 s). The apiserver remembers none: kmock's log keeps the last few (the
+        # current one included, as routing needs), and requests() reads a record of our own.
+        self.request_log.append(
+            (str(getattr(request.method, "value", request.method)), request.url.path, dict(request.params))
+        )
+        del self._requests[:-REQUESTS_KEPT]
+        if (
+            request.method == kmock.method.DELETE
+            and request.resource is not None
+            and request.name is None
+            and request.action is None
+        ):
+            return await self._delete_collection(request)
+        if (
+            request.method == kmock.method.PUT
+            and request.resource is not None
+            and request.name is not None
+            and isinstance(request.data, dict)
+        ):
+            return await self._replace(request)
         if request.action == kmock.action.UPDATE and request.name and isinstance(request.data, dict):
             await self._patch_preconditions(request)
         # Stamp what the apiserver sets on every write before kmock stores the object.
@@ -98,6 +140,71 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         elif request.action == kmock.action.DELETE:
             self.resource_version += 1
         return await super()._handle(request)
+
+    async def _delete_collection(self, request: rendering.Request) -> Any:
+        """DELETE on a collection (deletecollection), which kmock does not route: every object of
+        the resource (in the namespace, if the URL names one) that the fieldSelector matches is
+        deleted, each with its DELETED watch event, as the apiserver does (the kubelet deletes its
+        node's ResourceSlices so)."""
+        assert request.resource is not None
+        selector = request.params.get("fieldSelector")
+        gone = 0
+        async with self._lock:
+            for (res, ns, _name), obj in list(self.objects.items()):
+                if res != request.resource or obj.deleted:
+                    continue
+                if request.namespace is not None and ns != request.namespace:
+                    continue
+                if not _selector_matches(_plain(obj.raw), selector):
+                    continue
+                raw = obj.raw
+                obj.delete()
+                self.resource_version += 1
+                await self._buses[request.resource].put({"type": "DELETED", "object": raw})
+                gone += 1
+        return aiohttp.web.json_response(
+            {
+                "apiVersion": "v1",
+                "kind": "Status",
+                "metadata": {},
+                "status": "Success",
+                "details": {"deleted": gone},
+            }
+        )
+
+    async def _replace(self, request: rendering.Request) -> Any:
+        """PUT of a named object (update/replace), which kmock does not route: the object becomes
+        the body (uid and creationTimestamp kept, a new resourceVersion), 409 Conflict when the
+        body names a resourceVersion that is no longer the object's, 404 when there is none."""
+        assert request.resource is not None and request.name is not None
+        key = (request.resource, request.namespace, request.name)
+        body = request.data
+        async with self._lock:
+            try:
+                obj = self.objects[key]
+            except KeyError:
+                obj = None
+            if obj is None or obj.deleted:
+                raise kmock.KubernetesError(404, "NotFound", f"{request.name} not found")
+            stored = _plain(obj.raw)
+            meta, have = body.setdefault("metadata", {}), stored.get("metadata") or {}
+            wanted = meta.get("resourceVersion")
+            if wanted and wanted != have.get("resourceVersion"):
+                raise kmock.KubernetesError(
+                    409,
+                    "Conflict",
+                    f"Operation cannot be fulfilled on {request.name}: the object has been modified; "
+                    "please apply your changes to the latest version and try again",
+                )
+            self.resource_version += 1
+            meta["resourceVersion"] = str(self.resource_version)
+            for field in ("uid", "creationTimestamp", "namespace"):
+                if field in have:
+                    meta[field] = have[field]
+            obj.patch(_replacing(stored, body))
+            raw = obj.raw
+            await self._buses[request.resource].put({"type": "MODIFIED", "object": raw})
+        return aiohttp.web.json_response(_plain(raw))
 
     async def _patch_preconditions(self, request: rendering.Request) -> None:
         """What the apiserver does to a PATCH before it applies it, where kmock's plain
@@ -134,6 +241,21 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                 if isinstance(c, dict):
                     merged[c.get("type")] = {**merged.get(c.get("type"), {}), **c}
             data["status"]["conditions"] = list(merged.values())
+
+    async def _serve_fetch(self, request: rendering.Request) -> Any:
+        # A GET of one object by its key, as the apiserver serves it from its cache: kmock's
+        # own compares the request with every stored object, which makes a node's worth of
+        # ResourceClaims slow to read one by one (the DRA driver reads one per prepare).
+        if request.resource is None or request.name is None:
+            return await super()._serve_fetch(request)
+        async with self._lock:
+            try:
+                obj = self.objects[request.resource, request.namespace, request.name]
+            except KeyError:
+                obj = None
+            if obj is None or obj.deleted:
+                raise kmock.KubernetesError(404, "NotFound", f"{request.name} not found")
+            return obj.raw
 
     async def _serve_list(self, request: rendering.Request) -> Any:
         # kmock answers a list with a dict ({"items": [...], ...}).
@@ -350,9 +472,7 @@ class KubeServer:
         """(method, path, query params) of every request served so far."""
 
         async def snap(emu: ApiServerEmulator) -> list[tuple[str, str, dict[str, str]]]:
-            return [
-                (str(getattr(r.method, "value", r.method)), r.url.path, dict(r.params)) for r in list(emu)
-            ]
+            return list(emu.request_log)
 
         return self.call(snap)
 
@@ -377,6 +497,17 @@ class KubeServer:
                 emu.objects[resource, namespace, name].delete()
 
         self.call(drop)
+
+
+def _replacing(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch (kmock's: a None removes a key) that turns `old` into exactly `new`."""
+    out: dict[str, Any] = {k: None for k in old if k not in new}
+    for k, v in new.items():
+        if isinstance(v, Mapping) and isinstance(old.get(k), Mapping):
+            out[k] = _replacing(old[k], v)
+        else:
+            out[k] = v
+    return out
 
 
 def _plain(value: Any) -> Any:

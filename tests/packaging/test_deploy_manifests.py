@@ -40,9 +40,25 @@ from gpufrac.core.units import parse_bytes
 pytestmark = pytest.mark.tools
 
 DEPLOY = REPO_ROOT / "deploy" / "daemonset"
+# DRA mode's install: the base plus the DRA agent, DeviceClasses and RBAC (a kustomize overlay
+# beside the base, which it includes), and its examples.
+DRA = REPO_ROOT / "deploy" / "dra"
 NAMESPACE = "gpufrac-system"
 # Oldest Kubernetes the manifests claim to support, and the newest the bundled schemas know.
 K8S_VERSIONS = ("1.28.0", kubernetes_validate.latest_version())
+# DRA mode's objects (deploy/dra): resource.k8s.io/v1 with consumable capacity, on by default
+# from 1.36; checked against 1.36 and the newest.
+DRA_K8S_VERSIONS = ("1.36.0", kubernetes_validate.latest_version())
+# What the agent calls in DRA mode besides AGENT_API_CALLS (gpufrac/agent/kube/claims.py and
+# resourceslices.py): deploy/dra/clusterrole.yaml grants exactly these.
+DRA_API_CALLS = {
+    ("resource.k8s.io", "resourceslices", "get"),
+    ("resource.k8s.io", "resourceslices", "list"),
+    ("resource.k8s.io", "resourceslices", "create"),
+    ("resource.k8s.io", "resourceslices", "update"),
+    ("resource.k8s.io", "resourceslices", "delete"),
+    ("resource.k8s.io", "resourceclaims", "get"),
+}
 # Kinds without a schema in kubernetes-validate; each has its own test below.
 CHECKED_ELSEWHERE = {"ServiceMonitor", "KubeSchedulerConfiguration", "DeschedulerPolicy", "Kustomization"}
 # What the agent calls on the API server (gpufrac/agent/kube/, its only door to it):
@@ -89,6 +105,13 @@ def _kustomize(subdir: str = "") -> tuple[dict[str, Any], ...]:
         [_kubectl(), "kustomize", str(DEPLOY / subdir)], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, f"kubectl kustomize deploy/daemonset/{subdir} failed:\n{out.stderr}"
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+
+
+@cache
+def _kustomize_dra() -> tuple[dict[str, Any], ...]:
+    out = subprocess.run([_kubectl(), "kustomize", str(DRA)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"kubectl kustomize deploy/dra failed:\n{out.stderr}"
     return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
 
 
@@ -157,8 +180,24 @@ def _pod_specs() -> Iterator[tuple[Path, dict[str, Any]]]:
 # -- Kubernetes schemas ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("version", K8S_VERSIONS)
-@pytest.mark.parametrize("path", _manifest_files(), ids=lambda p: str(p.relative_to(DEPLOY)))
+def _dra_files() -> list[Path]:
+    """deploy/dra's objects: its resources and examples (its config.yaml is a node config, and
+    its patch a fragment: both are checked through the built overlay)."""
+    skip = {"config.yaml", "device-plugin-affinity.yaml"}
+    return sorted(p for p in DRA.rglob("*.yaml") if p.name not in skip)
+
+
+def _manifest_versions() -> list[Any]:
+    """(file, Kubernetes version) to validate: DRA mode's files against the versions it needs."""
+    return [
+        pytest.param(p, v, id=f"{p.relative_to(DEPLOY.parent)}-{v}")
+        for p, versions in [(p, K8S_VERSIONS) for p in _manifest_files()]
+        + [(p, DRA_K8S_VERSIONS) for p in _dra_files()]
+        for v in versions
+    ]
+
+
+@pytest.mark.parametrize(("path", "version"), _manifest_versions())
 def test_every_manifest_matches_the_kubernetes_schema(path: Path, version: str) -> None:
     docs = _docs(path)
     assert docs, f"{path} holds no objects"
@@ -170,7 +209,7 @@ def test_every_manifest_matches_the_kubernetes_schema(path: Path, version: str) 
         except kubernetes_validate.ValidationError as e:
             where = ".".join(str(p) for p in e.path)
             pytest.fail(
-                f"{path.relative_to(DEPLOY)} {doc['kind']} invalid for Kubernetes {version}: "
+                f"{path.relative_to(DEPLOY.parent)} {doc['kind']} invalid for Kubernetes {version}: "
                 f"{where}: {e.message}"
             )
 
@@ -551,3 +590,135 @@ def test_descheduler_policy_consolidates_gpufrac_nodes_only() -> None:
     for path, pod in _pod_specs():
         opted_in = selector.items() <= pod["metadata"].get("labels", {}).items()
         assert opted_in == (path.name == "inference-server.yaml"), path.name
+
+
+# -- DRA mode (deploy/dra) -----------------------------------------------------------------------------
+
+
+def _dra_daemonsets() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The device-plugin DaemonSet and the DRA one, as `kubectl kustomize deploy/dra` builds them."""
+    objs = _kustomize_dra()
+    sets = {o["metadata"]["name"]: o for o in objs if o["kind"] == "DaemonSet"}
+    assert set(sets) == {"gpufrac-agent", "gpufrac-agent-dra"}
+    return sets["gpufrac-agent"], sets["gpufrac-agent-dra"]
+
+
+def test_dra_overlay_builds_the_base_and_one_mode_per_node() -> None:
+    objs = _kustomize_dra()
+    for o in objs:
+        for version in DRA_K8S_VERSIONS:
+            try:
+                kubernetes_validate.validate(o, version, strict=True)
+            except kubernetes_validate.SchemaNotFoundError:
+                assert o["kind"] in CHECKED_ELSEWHERE
+    # The base, unchanged but for its DaemonSet keeping off nodes in DRA mode.
+    base = {(o["kind"], o["metadata"]["name"]) for o in _kustomize()}
+    assert base <= {(o["kind"], o["metadata"]["name"]) for o in objs}
+    device_plugin, dra = _dra_daemonsets()
+    terms = device_plugin["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert terms == [
+        {"matchExpressions": [{"key": "gpufrac.dev/mode", "operator": "NotIn", "values": ["dra"]}]}
+    ]
+    assert dra["spec"]["template"]["spec"]["nodeSelector"] == {
+        "gpufrac.dev/enabled": "true",
+        "gpufrac.dev/mode": "dra",
+    }
+    assert {o["metadata"]["name"] for o in objs if o["kind"] == "DeviceClass"} == {
+        "gpu-memory.gpufrac.dev",
+        "gpu.gpufrac.dev",
+    }
+
+
+def test_dra_daemonset_is_the_base_one_but_for_its_mode() -> None:
+    """deploy/dra/daemonset.yaml copies the base's: the differences its header lists, no others."""
+    device_plugin, dra = _dra_daemonsets()
+    a, b = json.loads(json.dumps(device_plugin)), json.loads(json.dumps(dra))
+    del a["spec"]["template"]["spec"]["affinity"]  # the overlay's patch of the base
+    for o in (a, b):
+        o["metadata"]["name"] = "x"
+        for labels in (o["metadata"]["labels"], o["spec"]["selector"]["matchLabels"]):
+            labels.pop("gpufrac.dev/mode", None)
+        o["spec"]["template"]["metadata"]["labels"].pop("gpufrac.dev/mode", None)
+        o["spec"]["template"]["spec"].pop("nodeSelector")
+        agent = _container(o["spec"]["template"], "agent")
+        agent.pop("args")
+        keep = {"config", "state", "pod-resources", "run", "tmp"}
+        agent["volumeMounts"] = [m for m in agent["volumeMounts"] if m["name"] in keep]
+        o["spec"]["template"]["spec"]["volumes"] = [
+            v for v in o["spec"]["template"]["spec"]["volumes"] if v["name"] in keep
+        ]
+    assert a == b
+
+
+def test_dra_agent_runs_in_dra_mode_with_the_paths_its_config_names(tmp_path: Path) -> None:
+    _, dra = _dra_daemonsets()
+    pod = dra["spec"]["template"]
+    agent = _container(pod, "agent")
+    parser, handlers = build_parser()
+    args = parser.parse_args([*agent["command"], *agent["args"]][1:])
+    assert handlers[args.command][0] == "gpufrac.agent.main"
+    # The config the agent loads: the base's node config with deploy/dra's overlay over it.
+    mounts = {m["name"]: m["mountPath"] for m in agent["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    maps = {o["metadata"]["name"]: o for o in _kustomize_dra() if o["kind"] == "ConfigMap"}
+    files = {}
+    for name in ("config", "config-dra"):
+        cm = maps[volumes[name]["configMap"]["name"]]
+        (key,) = cm["data"]
+        files[name] = tmp_path / f"{name}.yaml"
+        files[name].write_text(cm["data"][key])
+        assert Path(mounts[name]) / key in (Path(args.config), *map(Path, args.config_overlay))
+    cfg = config.load(files["config"], overlays=[files["config-dra"]])
+    assert cfg.mode == "dra"
+    host = {v["name"]: v["hostPath"]["path"] for v in pod["spec"]["volumes"] if "hostPath" in v}
+    assert set(host.values()) == {
+        cfg.paths.state_dir,
+        str(Path(cfg.paths.pod_resources_socket).parent),
+        str(Path(config.dra_plugin_socket(cfg)).parent),
+        str(Path(config.dra_registration_socket(cfg)).parent),
+        cfg.dra.cdi_spec_dir,
+    }
+    for name, path in host.items():
+        assert mounts[name] == path, f"volume {name}: host {path} mounted at {mounts.get(name)}"
+
+
+def test_dra_rbac_grants_exactly_what_the_agent_calls_in_dra_mode() -> None:
+    objs = _kustomize_dra()
+    roles = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ClusterRole"}
+    assert _rules(roles["gpufrac-agent"]) == AGENT_API_CALLS
+    assert _rules(roles["gpufrac-agent-dra"]) == DRA_API_CALLS
+    binding = next(
+        o for o in objs if o["kind"] == "ClusterRoleBinding" and o["metadata"]["name"].endswith("-dra")
+    )
+    assert binding["roleRef"]["name"] == "gpufrac-agent-dra"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "gpufrac-agent", "namespace": NAMESPACE}
+    ]
+
+
+def test_dra_examples_ask_shipped_classes_with_parameters_the_agent_accepts() -> None:
+    from gpufrac.core.claimconfig import claim_policy
+
+    classes = {o["metadata"]["name"] for o in _kustomize_dra() if o["kind"] == "DeviceClass"}
+    templates = [d for p in sorted((DRA / "examples").glob("*.yaml")) for d in _docs(p)]
+    templates = [d for d in templates if d["kind"] == "ResourceClaimTemplate"]
+    assert {t["metadata"]["name"] for t in templates} == {"llm-inference-gpu", "notebook-gpu", "training-gpu"}
+    for t in templates:
+        devices = t["spec"]["spec"]["devices"]
+        for req in devices["requests"]:
+            assert req["exactly"]["deviceClassName"] in classes
+        params = [
+            c["opaque"]["parameters"]
+            for c in devices.get("config", [])
+            if c["opaque"]["driver"] == "gpufrac.dev"
+        ]
+        _, problems = claim_policy(
+            params,
+            claim=t["metadata"]["name"],
+            request_bytes=parse_bytes("4Gi"),
+            gpu_allocatable=parse_bytes("79Gi"),
+            cfg=config.Config(),
+        )
+        assert problems == [], [p.message(t["metadata"]["name"]) for p in problems]

@@ -74,7 +74,7 @@ def _kustomize(subdir: str = "") -> tuple[Obj, ...]:
     if kubectl is None:
         pytest.fail("kubectl is not installed: run `make tools`")
     out = subprocess.run(
-        [kubectl, "kustomize", str(BASE / subdir)], capture_output=True, text=True, timeout=120
+        [kubectl, "kustomize", str((BASE / subdir).resolve())], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
     return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
@@ -151,6 +151,41 @@ def test_pod_delete_rbac_renders_exactly_the_rbac_kustomization() -> None:
     _assert_same_objects((*_kustomize(), *_kustomize("rbac-pod-delete")), _render(**{"rbac.podDelete": True}))
 
 
+def test_dra_renders_exactly_the_dra_kustomization() -> None:
+    # deploy/dra is the base plus DRA mode's objects: the chart with dra.enabled, the same.
+    _assert_same_objects(_kustomize("../dra"), _render(**{"dra.enabled": True}))
+
+
+def test_dra_keeps_the_device_plugin_agents_off_dra_nodes_whatever_the_affinity() -> None:
+    affinity = OVERRIDES["affinity"]
+    objs = _render(**{"dra.enabled": True, "affinity": affinity, "nodeSelector": {"pool": "gpu"}})
+    sets = {o["metadata"]["name"]: o["spec"]["template"]["spec"] for o in objs if o["kind"] == "DaemonSet"}
+    (term,) = sets["gpufrac-agent"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    # The operator's expression and ours, in one term: both must hold.
+    assert term["matchExpressions"] == [
+        *affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
+            "matchExpressions"
+        ],
+        {"key": "gpufrac.dev/mode", "operator": "NotIn", "values": ["dra"]},
+    ]
+    assert sets["gpufrac-agent-dra"]["affinity"] == affinity
+    assert sets["gpufrac-agent-dra"]["nodeSelector"] == {
+        "gpufrac.dev/enabled": "true",
+        "pool": "gpu",
+        "gpufrac.dev/mode": "dra",
+    }
+    # The DeviceClasses follow the driver's name.
+    renamed = _render(**{"dra.enabled": True, "config": {"dra": {"driverName": "gpu.example.com"}}})
+    classes = [o for o in renamed if o["kind"] == "DeviceClass"]
+    assert {c["metadata"]["name"] for c in classes} == {"gpu-memory.gpu.example.com", "gpu.gpu.example.com"}
+    assert all(
+        c["spec"]["selectors"][0]["cel"]["expression"] == 'device.driver == "gpu.example.com"'
+        for c in classes
+    )
+
+
 def test_the_comparison_catches_drift() -> None:
     # The equality above is only worth something if one changed field breaks it.
     base = _kustomize()
@@ -166,6 +201,8 @@ def test_the_comparison_catches_drift() -> None:
 
 def test_chart_config_file_is_the_bases() -> None:
     assert (CHART / "files" / "config.yaml").read_bytes() == (BASE / "config.yaml").read_bytes()
+    dra = REPO_ROOT / "deploy" / "dra" / "config.yaml"
+    assert (CHART / "files" / "dra-config.yaml").read_bytes() == dra.read_bytes()
 
 
 def test_chart_app_version_is_this_version() -> None:
@@ -213,6 +250,17 @@ def test_rendered_objects_match_the_kubernetes_schema(version: str, values: dict
         except kubernetes_validate.ValidationError as e:
             pytest.fail(f"{o['kind']}/{o['metadata']['name']} invalid for Kubernetes {version}: {e.message}")
     assert {o["kind"] for o in objs} >= {"DaemonSet", "ConfigMap", "ClusterRole", "Namespace"}
+
+
+@pytest.mark.parametrize("version", ("1.36.0", kubernetes_validate.latest_version()))
+def test_dra_objects_match_the_kubernetes_schema(version: str) -> None:
+    for o in _render(**{**OVERRIDES, "dra.enabled": True}):
+        if o["kind"] in NO_SCHEMA:
+            continue
+        try:
+            kubernetes_validate.validate(o, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{o['kind']}/{o['metadata']['name']} invalid for Kubernetes {version}: {e.message}")
 
 
 # -- values --------------------------------------------------------------------------------------------

@@ -72,6 +72,8 @@ class Booked(Protocol):
     def directory(self) -> str: ...
     @property
     def pod_uid(self) -> str | None: ...  # None until the pod is known
+    @property
+    def consumers(self) -> frozenset[tuple[str, str]]: ...  # a claim's: (pod UID, container)
     def who(self) -> str: ...
 
 
@@ -166,9 +168,12 @@ class Listener:
         reaches this socket (a hostPath, a mount gone wrong) must not use this container's
         connections or request rate. Every request is identified when it is read, and refused
         unless it is this container's (gpufrac.agent.arbiter.service.Arbiter.handle)."""
-        pod = self.alloc.pod_uid
-        if not pod:
-            return True
+        # A claim's booking serves the containers of every pod that uses the claim.
+        pods = {uid for uid, _ in self.alloc.consumers}
+        if not pods:
+            if not self.alloc.pod_uid:
+                return True
+            pods = {self.alloc.pod_uid}
         try:
             ident = self.fairness.known.identify(sock)
         except (PeerError, OSError):
@@ -177,7 +182,7 @@ class Listener:
             # charged here, or a container could connect from such processes past its own
             # limit. Its request is refused when it is read.
             return True
-        return ident is not None and ident.pod_uid == pod
+        return ident is not None and ident.pod_uid in pods
 
     def _start(self, conn: Connection, sock: socket.socket) -> None:
         """The connection's transport (uvloop's or asyncio's), made in a task of its own."""

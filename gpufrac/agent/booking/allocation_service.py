@@ -15,7 +15,9 @@ from collections.abc import Callable, Container, Hashable, Iterable, Mapping, Se
 from typing import Protocol
 
 from gpufrac.agent.booking import placement as preferred_mod
+from gpufrac.agent.booking.claims import DeviceHealth, PrepareResult
 from gpufrac.agent.booking.ledger import ContainerAlloc
+from gpufrac.core.claims import ClaimRef
 from gpufrac.core.config import Config
 from gpufrac.core.errors import AllocationError, ErrorKind
 from gpufrac.core.gpus import Inventory
@@ -70,8 +72,17 @@ class IdentityKick(Protocol):
     def kick(self) -> None: ...
 
 
+class ClaimPreparer(Protocol):
+    """Claims prepared and unprepared for the DRA driver (gpufrac.agent.booking.claims.ClaimService)."""
+
+    async def prepare(self, refs: Sequence[ClaimRef]) -> Mapping[str, PrepareResult]: ...
+    async def unprepare(self, refs: Sequence[ClaimRef]) -> Mapping[str, AllocationError | None]: ...
+    def health(self) -> list[DeviceHealth]: ...
+
+
 class AllocationService:
-    """The device-plugin servers' Backend."""
+    """The front ends' Backend: the device-plugin servers' (slices of the two resources) and,
+    on a node in DRA mode, the DRA driver's (claims, through `claims`)."""
 
     def __init__(
         self,
@@ -82,6 +93,7 @@ class AllocationService:
         dirs: DirectoryMaker,
         admission: Admitting,
         identity: IdentityKick,
+        claims: ClaimPreparer | None = None,
     ) -> None:
         self.config = config
         self.ledger = ledger
@@ -90,6 +102,7 @@ class AllocationService:
         self.dirs = dirs
         self.admission = admission
         self.identity = identity
+        self.claims = claims
 
     def device_sections(self, resource: str) -> list[DeviceSection]:
         return list(self.ledger.device_sections(resource))
@@ -168,3 +181,30 @@ class AllocationService:
             alloc.recorded_at = time.monotonic()  # the kubelet records an allocation before any start
         self.identity.kick()
         await self.admission.prestart(alloc)  # never fails the start: at worst it warns
+
+    # -- the DRA driver (docs/architecture.md: a node in mode dra) ------------------------------
+
+    async def prepare_claims(self, refs: Sequence[ClaimRef]) -> Mapping[str, PrepareResult]:
+        """NodePrepareResources: each claim's devices (booked, its directory and CDI spec
+        written, the state saved), or why not."""
+        if self.claims is None:
+            return {r.uid: _not_dra(r) for r in refs}
+        result = await self.claims.prepare(refs)
+        self.identity.kick()
+        return result
+
+    async def unprepare_claims(self, refs: Sequence[ClaimRef]) -> Mapping[str, AllocationError | None]:
+        """NodeUnprepareResources: each claim's booking released (a claim not booked succeeds)."""
+        if self.claims is None:
+            return {r.uid: None for r in refs}  # nothing of a claim is booked on this node
+        return await self.claims.unprepare(refs)
+
+    def device_health(self) -> list[DeviceHealth]:
+        """The health of every device the DRA driver publishes."""
+        return [] if self.claims is None else self.claims.health()
+
+
+def _not_dra(ref: ClaimRef) -> AllocationError:
+    return AllocationError(
+        ErrorKind.STATE_CONFLICT, f"{ref.who()}: this node's agent is in device-plugin mode, not dra"
+    )

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from gpufrac.agent.booking.container_dirs import retire_container_dir, write_container_dir
 from gpufrac.core import slices
+from gpufrac.core.claims import ClaimRef, claim_key
 from gpufrac.core.config import Config
 from gpufrac.core.errors import AllocationError, ErrorKind
 from gpufrac.core.gpus import Inventory
@@ -93,12 +94,27 @@ class ContainerAlloc:
     pod: str | None = None
     container: str | None = None
     pod_uid: str | None = None
+    # A DRA ResourceClaim's booking (gpufrac.agent.booking.claims): released by the kubelet's
+    # NodeUnprepareResources, never by pod-resources; None for a device-plugin container.
+    claim: ClaimRef | None = None
+    # The kubelet containers (pod UID, container name) a claim's booking serves: every
+    # container of every pod that uses the claim is one group for its limits.
+    consumers: frozenset[tuple[str, str]] = frozenset()
 
     @property
     def slice_count(self) -> int:
         return len(self.device_ids)
 
+    def held_by(self, pod_uid: str, container: str) -> bool:
+        """Whether the container (pod UID, name) is this booking's: the one a device-plugin
+        allocation was made for, or a consumer of a claim."""
+        if self.claim is not None:
+            return (pod_uid, container) in self.consumers
+        return self.pod_uid == pod_uid and self.container == container
+
     def who(self) -> str:
+        if self.claim is not None:
+            return self.claim.who()
         if self.pod:
             return f"pod {self.namespace}/{self.pod} container {self.container}"
         return f"container {self.key}"
@@ -119,6 +135,7 @@ class Ledger:
         self.geometry: dict[str, GpuGeometry] = slices.geometry(config, inventory)
         self._allocs: dict[str, ContainerAlloc] = {}
         self._owner: dict[str, str] = {}  # device ID -> container key
+        self._claims: dict[str, str] = {}  # claim UID -> container key
         # Device ID -> when it was last released (a count of releases: higher is later).
         self._released: dict[str, int] = {}
         self._releases = 0
@@ -174,6 +191,11 @@ class Ledger:
         key = self._owner.get(device_id)
         return self._allocs[key] if key else None
 
+    def by_claim(self, uid: str) -> ContainerAlloc | None:
+        """The booking of a ResourceClaim, by its UID."""
+        key = self._claims.get(uid)
+        return self._allocs[key] if key else None
+
     def booked(self) -> Container[str]:
         """Every device ID some container holds (a live view)."""
         return self._owner.keys()
@@ -195,6 +217,10 @@ class Ledger:
 
     def healthy(self, gpu_uuid: str) -> bool:
         return gpu_uuid not in self._unhealthy
+
+    def unhealthy(self) -> Mapping[str, str]:
+        """GPU UUID -> why it is unhealthy, for every unhealthy GPU (a live view)."""
+        return self._unhealthy
 
     def set_compute_pace(self, key: str, pace_ns: int) -> None:
         """The container's launch pace (its compute share: gpufrac.agent.compute), written in its
@@ -352,10 +378,14 @@ class Ledger:
         ignore_health: bool = False,
         config: ContainerConfig | None = None,
         created: float | None = None,
+        claim: ClaimRef | None = None,
     ) -> ContainerAlloc:
-        """Book slices in memory (no files yet); listeners are told."""
+        """Book slices in memory (no files yet); listeners are told. A claim's booking is
+        keyed by its UID (gpufrac.core.claims.claim_key), one booking per claim."""
+        if claim is not None and claim.uid in self._claims:
+            raise _precondition(f"{claim.who()} (uid {claim.uid}) is already booked")
         gpus, request, whole = self.check(resource, device_ids, ignore_health=ignore_health)
-        key = container_key(resource, device_ids)
+        key = container_key(resource, device_ids) if claim is None else claim_key(claim.uid)
         if config is None:
             flags = abi.FLAG_PREEMPTIBLE | (abi.FLAG_WHOLE_GPU if whole else 0)
             if self.config.swap.default_swappable:
@@ -381,7 +411,10 @@ class Ledger:
             whole_gpu=whole,
             config=config,
             created=time.time() if created is None else created,
+            claim=claim,
         )
+        if claim is not None:
+            self._claims[claim.uid] = key
         self._allocs[key] = alloc
         for d in device_ids:
             self._owner[d] = key
@@ -422,6 +455,8 @@ class Ledger:
         alloc = self._allocs.pop(key, None)
         if alloc is None:
             return None
+        if alloc.claim is not None:
+            self._claims.pop(alloc.claim.uid, None)
         self._releases += 1
         for d in alloc.device_ids:
             self._owner.pop(d, None)
@@ -464,6 +499,13 @@ class Ledger:
             ),
         )
         return alloc
+
+    def set_consumers(self, key: str, consumers: frozenset[tuple[str, str]]) -> None:
+        """Record which kubelet containers (pod UID, name) a claim's booking serves."""
+        alloc = self._require(key)
+        if alloc.consumers != consumers:
+            alloc.consumers = consumers
+            self._changed()
 
     def update_config(self, key: str, **fields: object) -> ContainerConfig:
         """Rewrite a container's config with some fields changed (limit, grant, flags, class,

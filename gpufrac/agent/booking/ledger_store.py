@@ -15,11 +15,13 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from gpufrac.agent.booking.ledger import ContainerAlloc, Ledger
+from gpufrac.core.claims import ClaimRef
 from gpufrac.core.errors import AllocationError
 from gpufrac.memguard.abi import ContainerConfig
 
@@ -42,34 +44,53 @@ def encode(ledger: Ledger) -> dict[str, Any]:
     return {
         "version": STATE_VERSION,
         "written": time.time(),
-        "allocations": [
-            {
-                "key": a.key,
-                "resource": a.resource,
-                "device_ids": list(a.device_ids),
-                "created": a.created,
-                "namespace": a.namespace,
-                "pod": a.pod,
-                "container": a.container,
-                "pod_uid": a.pod_uid,
-                "config": {name: getattr(a.config, name) for name in _CONFIG_FIELDS},
-            }
-            for a in ledger.containers()
-        ],
+        "allocations": [_entry(a) for a in ledger.containers()],
     }
 
 
-def write_atomic(path: Path, data: dict[str, Any]) -> None:
+def _entry(a: ContainerAlloc) -> dict[str, Any]:
+    entry = {
+        "key": a.key,
+        "resource": a.resource,
+        "device_ids": list(a.device_ids),
+        "created": a.created,
+        "namespace": a.namespace,
+        "pod": a.pod,
+        "container": a.container,
+        "pod_uid": a.pod_uid,
+        "config": {name: getattr(a.config, name) for name in _CONFIG_FIELDS},
+    }
+    if a.claim is not None:  # a DRA claim's booking (an older agent skips these fields)
+        entry["claim"] = {"namespace": a.claim.namespace, "name": a.claim.name, "uid": a.claim.uid}
+        entry["consumers"] = sorted([uid, name] for uid, name in a.consumers)
+    return entry
+
+
+def write_atomic(path: Path, data: dict[str, Any], *, sync: bool = True, tmp: Path | None = None) -> None:
+    """Replace `path` with `data` as JSON (through `tmp`, by default <path>.tmp). `sync`: the file
+    and the rename reach the disk before it returns (a node crash keeps them); without it they
+    survive the agent's own death (kill -9: the kernel has them), not a crash of the node."""
+    tmp = _write_tmp(path, data, sync=sync, tmp=tmp)
+    os.replace(tmp, path)
+    if sync:
+        _sync_dir(path)
+
+
+def _write_tmp(path: Path, data: dict[str, Any], *, sync: bool, tmp: Path | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = tmp or path.with_name(path.name + ".tmp")
     # json.dumps, not json.dump: dump streams through the pure-Python encoder, dumps uses the
     # C one (~10x faster), and this thread holds the GIL the agent's loop needs meanwhile.
     text = json.dumps(data, separators=(",", ":"))
     with open(tmp, "w") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+    return tmp
+
+
+def _sync_dir(path: Path) -> None:
     dfd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dfd)  # the rename itself survives a crash
@@ -108,13 +129,17 @@ def restore(ledger: Ledger, entries: list[dict[str, Any]]) -> list[ContainerAllo
         try:
             # Fields this agent does not know (written by a newer one) are dropped.
             cfg = ContainerConfig(**{k: v for k, v in e["config"].items() if k in _CONFIG_FIELDS})
+            claim = _claim(e.get("claim"))
             alloc = ledger.reserve(
                 e["resource"],
                 list(e["device_ids"]),
                 ignore_health=True,
                 config=cfg,
                 created=float(e["created"]),
+                claim=claim,
             )
+            if claim is not None:
+                alloc.consumers = frozenset((str(uid), str(name)) for uid, name in e.get("consumers") or [])
         except (AllocationError, AttributeError, KeyError, TypeError, ValueError) as err:
             reason = err.message if isinstance(err, AllocationError) else f"malformed entry ({err!r})"
             log.error("state: dropping allocation %s: %s", e.get("key", "?"), reason)
@@ -125,10 +150,78 @@ def restore(ledger: Ledger, entries: list[dict[str, Any]]) -> list[ContainerAllo
     return out
 
 
+def _claim(raw: Any) -> ClaimRef | None:
+    """A claim's identity as encode wrote it; ValueError when it is not one."""
+    if raw is None:
+        return None
+    ref = ClaimRef(str(raw["namespace"]), str(raw["name"]), str(raw["uid"]))
+    if not (ref.namespace and ref.name and ref.uid):
+        raise ValueError(f"claim {raw!r} lacks its namespace, name or uid")
+    return ref
+
+
+# A claim's own record, in its directory: what the state file says of it, written before the
+# kubelet has its answer (gpufrac.agent.booking.claims), so an agent killed before the next state save
+# finds it there (restore_claim_records).
+CLAIM_RECORD = "claim.json"
+
+
+def write_claim_record(alloc: ContainerAlloc) -> None:
+    """Write a claim booking's record into its directory (temporary file + rename: whole or
+    absent). Not synced: it survives the agent's death; a node crash ends the claim's
+    containers, and the restarted kubelet prepares the claim again. Small: the agent writes it
+    on its loop, as it renames a spare directory into place."""
+    path = Path(alloc.directory) / CLAIM_RECORD
+    tmp = path.with_name(CLAIM_RECORD + ".tmp")
+    tmp.write_text(json.dumps({"version": STATE_VERSION, "allocation": _entry(alloc)}, separators=(",", ":")))
+    os.replace(tmp, path)
+
+
+def read_claim_records(containers_dir: str) -> list[dict[str, Any]]:
+    """The claim records in the containers' directories (blocking: a directory scan); a record
+    that cannot be read is reported and skipped."""
+    out: list[dict[str, Any]] = []
+    try:
+        names = os.listdir(containers_dir)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        path = Path(containers_dir) / name / CLAIM_RECORD
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as e:
+            log.error("claim record %s unreadable (%s): skipped", path, e)
+            continue
+        entry = data.get("allocation") if isinstance(data, dict) else None
+        if data.get("version") != STATE_VERSION or not isinstance(entry, dict) or not entry.get("claim"):
+            log.error("claim record %s is not one this agent reads: skipped", path)
+            continue
+        out.append(entry)
+    return out
+
+
+def restore_claim_records(ledger: Ledger, entries: list[dict[str, Any]]) -> list[ContainerAlloc]:
+    """Book the claims whose records the state file lacks (their prepare answered after its
+    last save); the state file's own entries win."""
+    missing = [
+        e
+        for e in entries
+        if isinstance(e.get("claim"), dict) and ledger.by_claim(str(e["claim"].get("uid"))) is None
+    ]
+    return restore(ledger, missing)
+
+
 class StateStore:
     def __init__(self, state_dir: str) -> None:
         self.path = Path(state_dir) / STATE_FILE
-        self._lock = asyncio.Lock()
+        # Saves are numbered as they are encoded (on the loop, in order) and written side by side,
+        # each to a file of its own: one that must not wait (the DRA driver's, not synced) never
+        # queues behind another's fsync. Only a save newer than the file's replaces it.
+        self._encoded = 0
+        self._renamed = 0
+        self._rename = threading.Lock()
 
     def load(self) -> list[dict[str, Any]] | None:
         """Persisted entries, or None (no file, or a corrupt one moved aside and reported)."""
@@ -144,9 +237,27 @@ class StateStore:
             log.error("state file corrupt: %s; %s; rebuilding allocations from pod-resources", e, where)
             return None
 
-    async def save(self, ledger: Ledger) -> None:
-        # Snapshot taken under the lock: saves are serialised, so the newest state is
-        # always the one written last.
-        async with self._lock:
-            data = encode(ledger)
-            await asyncio.to_thread(write_atomic, self.path, data)
+    async def save(self, ledger: Ledger, *, sync: bool = True) -> None:
+        """Write what the ledger holds now (its snapshot taken at once, on the loop); the file
+        never goes back to an older snapshot than one written before."""
+        self._encoded += 1
+        seq, data = self._encoded, encode(ledger)
+        await asyncio.to_thread(self._write, seq, data, sync)
+
+    def _write(self, seq: int, data: dict[str, Any], sync: bool) -> None:
+        tmp = _write_tmp(self.path, data, sync=sync, tmp=self.path.with_name(f"{self.path.name}.tmp{seq}"))
+        with self._rename:
+            newer = seq < self._renamed
+            if newer:  # a newer snapshot is in place already (one not synced, maybe)
+                os.unlink(tmp)
+            else:
+                os.replace(tmp, self.path)
+                self._renamed = seq
+        if sync:
+            if newer:  # what was asked is that the file on disk be at least this new
+                fd = os.open(self.path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            _sync_dir(self.path)

@@ -39,7 +39,7 @@ class StateFile(Protocol[L_contra]):
     @property
     def path(self) -> Path: ...
 
-    async def save(self, ledger: L_contra) -> None: ...
+    async def save(self, ledger: L_contra, *, sync: bool = True) -> None: ...
 
 
 class Persister(Generic[L]):
@@ -50,6 +50,8 @@ class Persister(Generic[L]):
         self.ledger = ledger
         self.store = store
         self._saved_generation = -1  # the ledger's state_generation the last save request saw
+        self._written = -1  # the state_generation the file is known to hold at least
+        self._saving: asyncio.Future[None] | None = None
         self._dirty = asyncio.Event()
 
     def changed(self) -> None:
@@ -59,13 +61,29 @@ class Persister(Generic[L]):
             self._saved_generation = self.ledger.state_generation
             self._dirty.set()
 
+    async def flush(self) -> None:
+        """Save now, not at the end of the batch, and return once the file holds what the
+        ledger held when called (the DRA driver's releases: an unprepare, a claim check).
+        Callers meanwhile share one save. Not synced to disk (the batched saves are): the file
+        survives the agent's death, kill -9 included. Raises OSError."""
+        want = self.ledger.state_generation
+        while self._written < want:
+            if self._saving is None or self._saving.done():
+                self._saving = asyncio.ensure_future(self._save(sync=False))
+            await asyncio.shield(self._saving)
+
+    async def _save(self, *, sync: bool = True) -> None:
+        generation = self.ledger.state_generation
+        await self.store.save(self.ledger, sync=sync)
+        self._written = max(self._written, generation)
+
     async def run(self) -> None:
         while True:
             await self._dirty.wait()
             await asyncio.sleep(PERSIST_BATCH)
             self._dirty.clear()
             try:
-                await self.store.save(self.ledger)
+                await self._save()
             except OSError as e:
                 log.error("cannot write state file %s: %s", self.store.path, e)
                 await asyncio.sleep(1.0)

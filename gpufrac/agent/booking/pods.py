@@ -134,6 +134,8 @@ class PodIdentity:
         changed = 0
         held = set()
         for alloc in self.ledger.containers():
+            if alloc.claim is not None:
+                continue  # a DRA claim's: its policy comes from the claim (booking.claim_identity)
             held.add(alloc.key)
             try:
                 if await self._resolve_one(alloc, listing.get(alloc.key)):

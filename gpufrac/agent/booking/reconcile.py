@@ -163,8 +163,8 @@ class Reconciler:
         than `grace` and not yet recorded by the kubelet."""
         now = time.time()
         for alloc in self.ledger.containers():
-            if alloc.key in self.listing:
-                continue
+            if alloc.key in self.listing or alloc.claim is not None:
+                continue  # listed; or a DRA claim's, released by NodeUnprepareResources only
             if now - alloc.created >= grace or _recorded_before(alloc, asked):
                 # Too old to be an Allocate the kubelet has yet to record, or recorded
                 # before this List was asked: the kubelet has let it go.

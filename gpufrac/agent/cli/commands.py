@@ -64,6 +64,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     p.add_argument("--keep", action="store_true", help="keep serving after the demo until Ctrl-C")
 
     p = add("agent", "gpufrac.agent.main", "cmd_agent", "run the node agent (the DaemonSet's process)")
+    p.add_argument(
+        "--config-overlay",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a node config YAML merged over --config (repeatable; the DRA DaemonSet's mode: dra)",
+    )
 
     p = add("gpus", "gpufrac.agent.cli.gpus", "cmd_gpus", "list the node's GPUs with memory and health")
     add_output_args(p)

@@ -144,7 +144,7 @@ def format_status(status: Mapping[str, Any], *, wide: bool = False) -> str:
             [
                 c["namespace"] or "?",
                 c["pod"] or f"({c['key']}, pod not known yet)",
-                c["container"] or "?",
+                c["container"] or (f"claim {c['claim']}" if c.get("claim") else "?"),
                 ",".join(str(index_of.get(u, "?")) for u in c["gpus"]),
                 f"{_short_resource(c['resource'])} {c['slices']}",
                 _b(c["request_bytes"]),

@@ -239,7 +239,17 @@ def _read_gpu(index: int, handle: Any) -> Gpu:
         numa_node=numa,
         cpu_affinity=cpus,
         minor=minor,
+        compute_capability=_compute_capability(handle),
     )
+
+
+def _compute_capability(handle: Any) -> str:
+    """ "major.minor", or "" where the driver cannot say (it is an attribute, not a decision)."""
+    try:
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+    except pynvml.NVMLError:
+        return ""
+    return f"{major}.{minor}"
 
 
 def mig_enabled(handle: Any) -> bool:

@@ -7,7 +7,9 @@ what gets evicted: a pod is idle for as long as its least idle container.
 Who may be reaped: pods of class `interactive` (gpufrac.dev/workload-class), and
 of the classes listed in `idle.reapClasses`; never a pod in `idle.exemptNamespaces`
 or annotated gpufrac.dev/idle-exempt: "true"; never a pod whose annotations are not
-known yet (its class is unknown).
+known yet (its class is unknown). In DRA mode a claim's booking is judged as its first
+pod's (its class and timeouts from the claim's parameters), and a claim several pods
+share is never reaped.
 
 When, per pod (annotation first, node config second; docs/design.md section 1):
 * idle: no GPU work for `idle-timeout` -> Warning Event IdleWarning, then after
@@ -204,6 +206,9 @@ class IdleReaper:
             return f"class {p.workload_class} is not reaped (idle.reapClasses)"
         if view.info is not None and view.info.deleting:
             return "the pod is being deleted"
+        shared = [a for a in view.allocs if a.claim is not None and len({u for u, _ in a.consumers}) > 1]
+        if shared:  # its idleness is several pods', and acting on one would cost the others
+            return f"{shared[0].who()} is shared by several pods"
         return None
 
     # -- judging ----------------------------------------------------------------------------------

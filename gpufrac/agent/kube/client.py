@@ -37,12 +37,12 @@ def make_api_client(
     return client.ApiClient(cfg)
 
 
-async def connect(host: str | None) -> client.ApiClient:
+async def connect(host: str | None, kubeconfig: str | None = None) -> client.ApiClient:
     """The agent's one ApiClient (the composition root makes it and hands it down); raises
     KubeConfigError when no apiserver can be reached. Loading a kubeconfig reads files and
     may run an exec credential plugin: done off the loop."""
     try:
-        return await asyncio.to_thread(make_api_client, host=host or None)
+        return await asyncio.to_thread(make_api_client, host=host or None, kubeconfig=kubeconfig or None)
     except KubeConfigError:
         raise
     except Exception as e:  # a kubeconfig the client cannot parse

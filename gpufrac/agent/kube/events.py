@@ -8,9 +8,10 @@ user lost something or must act, Normal otherwise), a structured log line
 
 | reason | type | on | posted by | when |
 |---|---|---|---|---|
-| GpuLimitApplied | Normal | pod | pods | a burst limit from the annotations took effect or changed |
+| GpuLimitApplied | Normal | pod, claim | pods, claims | a burst limit took effect or changed |
 | InvalidAnnotation | Warning | pod | pods | an annotation was refused; the safe default applies |
-| GpuPolicyCapped | Warning | pod | pods | the node's namespace policy capped what an annotation asked |
+| InvalidClaimParameter | Warning | claim | claims | a claim parameter was refused; the safe default applies |
+| GpuPolicyCapped | Warning | pod, claim | pods, claims | the namespace policy capped what was asked |
 | GpuMemoryEvicted | Warning | victim pod | resolvers | its processes were killed to reclaim burst memory |
 | GpuMemoryPreempted | Normal | requester | resolvers | burst memory was reclaimed from another pod for it |
 | GpuMemorySwappedOut | Normal | victim pod | swap | its GPU memory was moved to host RAM (says for whom) |
@@ -32,8 +33,9 @@ user lost something or must act, Normal otherwise), a structured log line
 | GpuComputeOvercommitted | Warning | node, pods | compute | the GPU's compute shares sum past 100 % |
 | GpuComputeUnheld | Warning | pod | compute | over its compute share though paced to the slowest |
 
-A poster in parentheses is reserved: that module does not post the Event yet (it logs
-the decision only).
+"claim" is a ResourceClaim (DRA mode), "claims" gpufrac.agent.booking.claim_identity (from a claim's
+parameters, as pods does from a pod's annotations). A poster in parentheses is reserved:
+that module does not post the Event yet (it logs the decision only).
 
 A collision eviction also sets the pod condition DisruptionTarget=True, reason
 GpuMemoryReclaimed (pods/status, as Kubernetes marks a pod it disrupts), so a Job's
@@ -53,6 +55,7 @@ NORMAL, WARNING = "Normal", "Warning"
 
 REASON_LIMIT_APPLIED = "GpuLimitApplied"
 REASON_INVALID_ANNOTATION = "InvalidAnnotation"
+REASON_INVALID_CLAIM_PARAMETER = "InvalidClaimParameter"
 REASON_POLICY_CAPPED = "GpuPolicyCapped"
 REASON_EVICTED = "GpuMemoryEvicted"
 REASON_PREEMPTED = "GpuMemoryPreempted"

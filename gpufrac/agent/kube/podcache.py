@@ -38,6 +38,10 @@ class PodInfo:
     # status.*ContainerStatuses[].containerID (runtime prefix stripped) -> container name:
     # the arbiter turns a caller's cgroup container ID into its container with it.
     container_ids: Mapping[str, str] = field(default_factory=dict)
+    # Container name -> the ResourceClaims (by name, in the pod's namespace) it uses: its
+    # resources.claims, through spec.resourceClaims (a claim by name) and
+    # status.resourceClaimStatuses (the claim made from a template for this pod).
+    claims: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> PodInfo:
@@ -62,7 +66,27 @@ class PodInfo:
                 for cs in (raw.get("status") or {}).get(key) or []
                 if cs.get("containerID") and cs.get("name")
             },
+            claims=_claims(spec, raw.get("status") or {}),
         )
+
+
+def _claims(spec: Mapping[str, Any], status: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    """Container name -> the names of the ResourceClaims it uses (DRA)."""
+    named: dict[str, str] = {}
+    for rc in spec.get("resourceClaims") or []:
+        if isinstance(rc, Mapping) and rc.get("name") and rc.get("resourceClaimName"):
+            named[rc["name"]] = rc["resourceClaimName"]
+    for rcs in status.get("resourceClaimStatuses") or []:
+        if isinstance(rcs, Mapping) and rcs.get("name") and rcs.get("resourceClaimName"):
+            named.setdefault(rcs["name"], rcs["resourceClaimName"])
+    out: dict[str, tuple[str, ...]] = {}
+    for key in ("initContainers", "containers"):
+        for c in spec.get(key) or []:
+            refs = ((c.get("resources") or {}).get("claims") or []) if isinstance(c, Mapping) else []
+            names = tuple(named[r["name"]] for r in refs if isinstance(r, Mapping) and r.get("name") in named)
+            if names:
+                out[c.get("name", "")] = names
+    return out
 
 
 PodListener = Callable[[str, PodInfo], None]

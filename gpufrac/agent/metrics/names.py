@@ -64,7 +64,8 @@ EXPORTED = frozenset(
 # UUID repeats uuid under the DCGM exporter's label name, so a query joins gpufrac and
 # DCGM series with one on(UUID) (deploy/daemonset/METRICS.md); uuid stays for dashboards.
 GPU_LABELS = ("uuid", "index", "model", "numa_node", "pci_bus_id", "UUID")
-CONTAINER_LABELS = ("namespace", "pod", "container", "uuid", "UUID")
+# claim: a DRA claim's name (its series: `pod` its first pod, `container` empty); "" otherwise.
+CONTAINER_LABELS = ("namespace", "pod", "container", "claim", "uuid", "UUID")
 # Wait-resolver waits: from a free slot a moment later up to the longest wait timeouts.
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 SWAP_DIRECTIONS = ("out", "in")

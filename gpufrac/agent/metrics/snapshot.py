@@ -146,7 +146,7 @@ def container_families(
 ) -> Iterator[Metric]:
     """Call with counts.lock held."""
 
-    # One series per (namespace, pod, container, GPU). A container of a pod not known
+    # One series per (namespace, pod, container, claim, GPU). A container of a pod not known
     # yet has no name to show: it is left out until its pod is (a second or so), so two
     # such containers never collide on empty labels. Where two allocations share a
     # label set (a container holding both resources on one GPU) they are summed.
@@ -173,7 +173,7 @@ def container_families(
         counted = counts.of(c.key)
         view = views.get(c.key)
         for i, uuid in enumerate(c.gpus):
-            row = rows.setdefault((c.namespace, c.pod, c.container, uuid), Row())
+            row = rows.setdefault((c.namespace, c.pod, c.container, c.claim, uuid), Row())
             row.request += c.request_bytes
             row.limit += c.limit_bytes
             row.burst += c.burst_granted_bytes

@@ -402,7 +402,7 @@ class PeerLookup:
         name = self.namer(pod_uid, container_id)
         if name is None:
             raise PeerError(f"container {container_id[:12]} of pod {pod_uid} is not in the pod's status")
-        mine = _pick([a for a in self.ledger.containers() if a.pod_uid == pod_uid and a.container == name])
+        mine = _pick([a for a in self.ledger.containers() if a.held_by(pod_uid, name)])
         if mine is None:
             raise PeerError(f"pod {pod_uid} container {name} holds no gpufrac allocation on this node")
         return mine
@@ -414,16 +414,19 @@ class PeerLookup:
         name = self.namer(pod_uid, container_id)
         if name is None:
             return None
-        pods = [a for a in self.ledger.containers() if a.pod_uid == pod_uid]
+        pods = [a for a in self.ledger.containers() if a.pod_uid == pod_uid or _serves_pod(a, pod_uid)]
         if not pods:
             return None
-        mine = tuple(sorted((a for a in pods if a.container == name), key=lambda a: a.key))
+        mine = tuple(sorted((a for a in pods if a.held_by(pod_uid, name)), key=lambda a: a.key))
         return ContainerOwner(pod_uid, name, mine, pods[0].namespace, pods[0].pod)
 
     def owns(self, alloc: ContainerAlloc, ident: CgroupIdentity) -> bool:
         """Whether a process in the kubelet container `ident` names is the container of
         `alloc` NOW: its pod, and a container ID the pod's status gives that container's name
         (a restarted container has a new ID; an ID seen before is not trusted for it)."""
+        if alloc.claim is not None:
+            name = self.namer(ident.pod_uid, ident.container_id)
+            return name is not None and alloc.held_by(ident.pod_uid, name)
         return (
             bool(alloc.pod_uid and alloc.container)
             and ident.pod_uid == alloc.pod_uid
@@ -436,9 +439,14 @@ class PeerLookup:
         container ID seen before: a restarted container has a new one, and a released key
         may be booked again by another pod. Raises AgentOutOfResources when some process could
         not be looked at (scan_pids)."""
-        if not (alloc.pod_uid and alloc.container):
+        if not (alloc.pod_uid and alloc.container) and not alloc.consumers:
             return []
         return scan_pids(lambda c: self.owns(alloc, c), self.proc)
+
+
+def _serves_pod(alloc: ContainerAlloc, pod_uid: str) -> bool:
+    """Whether a claim's booking serves a container of the pod."""
+    return any(uid == pod_uid for uid, _ in alloc.consumers)
 
 
 def _pick(allocs: list[ContainerAlloc]) -> ContainerAlloc | None:

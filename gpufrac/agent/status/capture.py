@@ -111,13 +111,19 @@ class Observed(Protocol):
     def started(self) -> Flag: ...
 
 
+def _front_ends(agent: Observed) -> list[str]:
+    """What registers with the kubelet: both resources' device plugins, or the DRA driver."""
+    return list(agent.servers) or list(slices.RESOURCES)
+
+
 def readiness(agent: Observed) -> tuple[bool, str]:
-    """Ready = inventory read and both resources registered with the kubelet."""
+    """Ready = inventory read and the front ends registered with the kubelet (both resources'
+    device plugins, or the DRA driver)."""
     if agent.inventory is None or agent.ledger is None:
         return False, "reading the GPU inventory"
     if not agent.started.is_set():
         return False, "starting"
-    missing = [r for r in slices.RESOURCES if not _registered(agent, r)]
+    missing = [r for r in _front_ends(agent) if not _registered(agent, r)]
     if missing:
         return False, "not registered with the kubelet: " + ", ".join(missing)
     return True, "ok"
@@ -138,8 +144,8 @@ def capture(agent: Observed) -> NodeStatus:
         time=time.time(),
         ready=ready,
         ready_reason=why,
-        registered={r: _registered(agent, r) for r in slices.RESOURCES},
-        registrations={r: (servers[r].registrations if r in servers else 0) for r in slices.RESOURCES},
+        registered={r: _registered(agent, r) for r in _front_ends(agent)},
+        registrations={r: (servers[r].registrations if r in servers else 0) for r in _front_ends(agent)},
     )
     inv, ledger, health = agent.inventory, agent.ledger, agent.health
     if inv is None or ledger is None:
@@ -209,6 +215,7 @@ def capture(agent: Observed) -> NodeStatus:
             created=a.created,
             directory=a.directory,
             idle_seconds=activity.idle_seconds(a.key) if activity is not None else None,
+            claim=a.claim.name if a.claim is not None else "",
         )
         if shares is not None:
             _set_compute(cs, shares)

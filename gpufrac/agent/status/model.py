@@ -53,6 +53,8 @@ class ContainerStatus:
     idle_seconds: float | None = None
     oom_refusals: int = 0
     swapped_bytes: int = 0
+    # A DRA claim's booking: the ResourceClaim's name (in `namespace`); "" for a container.
+    claim: str = ""
     # Its compute share (gpufrac.agent.compute, docs/compute.md); None while compute shares are
     # off, and for whole GPUs (their containers' own).
     compute_share: float | None = None  # of its GPU, 0..1

@@ -22,7 +22,9 @@ It behaves as the real kubelet does towards device plugins
 
 model.py holds the records, emulator.py the kubelet (registration, ListAndWatch,
 admission, containers), podresources.py the pod-resources server, agent_process.py
-the agent run as a subprocess against it.
+the agent run as a subprocess against it. dra.py is the kubelet's DRA side (plugin
+registration, NodePrepareResources and NodeUnprepareResources, restarts, the runtime's CDI):
+DraKubelet, for a node in DRA mode.
 
 It runs its own asyncio loop in a background thread; the public methods are
 synchronous and thread-safe (tests and the demo call them from anywhere).

@@ -360,3 +360,16 @@ def test_status_table_shows_compute_shares(tmp_path: Path) -> None:
     assert re.search(r"\s75%\s+strict\s+50%\s+batch", rows["pod-b"]), rows["pod-b"]
     assert re.search(r"\s10%\s+fair\s+60% UNHELD\s+batch", rows["pod-c"]), rows["pod-c"]
     assert "SHARE" in text and "MODE" in text and "COMPUTE" in text
+
+
+def test_a_claims_series_carry_its_name_and_status_shows_it(tmp_path: Path) -> None:
+    # DRA mode: a claim's booking, bound to its first pod, no container of its own.
+    claim = container(tmp_path, "c-1", "server", container="", claim="llm-gpu")
+    plain = container(tmp_path, "m-1", "worker")
+    m = Metrics(source=lambda: node(claim, plain))
+    s = scrape(m)
+    assert value(s, "gpufrac_container_memory_limit_bytes", pod="server", claim="llm-gpu") == 24 * GiB
+    assert value(s, "gpufrac_container_memory_limit_bytes", pod="worker", claim="") == 24 * GiB
+    table = format_status(json.loads(json.dumps(node(claim, plain).to_dict())))
+    (row,) = [line for line in table.splitlines() if "server" in line]
+    assert "claim llm-gpu" in row

@@ -36,9 +36,44 @@ mapped to g,h,k,m,t), so the name matches the kustomize base for the same conten
 and a changed config rolls the agents.
 */}}
 {{- define "gpufrac.configName" -}}
-{{- $enc := dict "data" (dict "config.yaml" (include "gpufrac.configText" .)) "kind" "ConfigMap" "name" "" | toJson -}}
+{{- include "gpufrac.hashedName" (dict "name" "gpufrac-config" "text" (include "gpufrac.configText" .)) -}}
+{{- end }}
+
+{{/* gpufrac-config-dra-<hash>: DRA mode's config overlay (files/dra-config.yaml, deploy/dra/config.yaml). */}}
+{{- define "gpufrac.draConfigName" -}}
+{{- include "gpufrac.hashedName" (dict "name" "gpufrac-config-dra" "text" (.Files.Get "files/dra-config.yaml")) -}}
+{{- end }}
+
+{{/* <name>-<hash> of a ConfigMap holding config.yaml = .text, as kustomize names it. */}}
+{{- define "gpufrac.hashedName" -}}
+{{- $enc := dict "data" (dict "config.yaml" .text) "kind" "ConfigMap" "name" "" | toJson -}}
 {{- $hash := $enc | sha256sum | trunc 10 | replace "0" "g" | replace "1" "h" | replace "3" "k" | replace "a" "m" | replace "e" "t" -}}
-gpufrac-config-{{ $hash }}
+{{ .name }}-{{ $hash }}
+{{- end }}
+
+{{/*
+The agent pods' affinity: .Values.affinity, and with dra.enabled the device-plugin DaemonSet's
+kept off the nodes in DRA mode (gpufrac.dev/mode NotIn [dra], added to each of its required
+node selector terms), as deploy/dra/device-plugin-affinity.yaml does. (dict "root" . "dra" bool)
+*/}}
+{{- define "gpufrac.affinity" -}}
+{{- $aff := deepCopy (.root.Values.affinity | default dict) -}}
+{{- if and .root.Values.dra.enabled (not .dra) -}}
+{{- $expr := dict "key" "gpufrac.dev/mode" "operator" "NotIn" "values" (list "dra") -}}
+{{- $na := get $aff "nodeAffinity" | default dict -}}
+{{- $req := get $na "requiredDuringSchedulingIgnoredDuringExecution" | default dict -}}
+{{- $terms := get $req "nodeSelectorTerms" | default (list dict) -}}
+{{- $new := list -}}
+{{- range $terms -}}
+{{- $t := deepCopy . -}}
+{{- $_ := set $t "matchExpressions" (append (get $t "matchExpressions" | default list) $expr) -}}
+{{- $new = append $new $t -}}
+{{- end -}}
+{{- $_ := set $req "nodeSelectorTerms" $new -}}
+{{- $_ := set $na "requiredDuringSchedulingIgnoredDuringExecution" $req -}}
+{{- $_ := set $aff "nodeAffinity" $na -}}
+{{- end -}}
+{{- if $aff }}{{ toYaml $aff }}{{ end -}}
 {{- end }}
 
 {{- define "gpufrac.image" -}}
