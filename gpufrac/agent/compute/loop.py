@@ -28,7 +28,8 @@ from gpufrac.agent.gpu.processes import read_gpu_processes
 from gpufrac.agent.gpu.utilisation import UtilisationFeed
 from gpufrac.agent.kube import events
 from gpufrac.agent.kube.events import EventSink
-from gpufrac.agent.processes.callers import CgroupIdentity, ContainerOwner, PeerError, read_cgroup
+from gpufrac.agent.processes.callers import CgroupIdentity, ContainerOwner
+from gpufrac.agent.processes.placements import Placements
 from gpufrac.core.annotations import ContainerPolicy, memory_share
 from gpufrac.core.config import Config
 from gpufrac.core.policy import compute_mode
@@ -38,6 +39,10 @@ from gpufrac.memguard import abi
 log = logging.getLogger(__name__)
 
 SMOOTH = 0.2  # weight of the newest period in a container's shown use (about a second's average)
+AT_REST = 1e-3  # a shown or remembered use this small is 0 (a GPU whose every figure is so is at rest)
+# A node at rest is looked at whole (its containers, shares, Events) once in this many periods;
+# in the others the driver alone is asked whether anything ran, and the first that did is whole.
+REST_PERIODS = 10
 
 
 class Bookings(Protocol):
@@ -79,11 +84,11 @@ class ComputeFigures:
 
 @dataclass
 class _Reading:
-    """The blocking part's result."""
+    """The driver's part of a period (blocking): its samples, and where the kernel places the
+    processes they name."""
 
     samples: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # GPU -> (pid, SM %)
     cgroups: dict[int, CgroupIdentity | None] = field(default_factory=dict)
-    launches: dict[str, int] = field(default_factory=dict)  # container -> launches its file counts
     running: list[tuple[int, str]] = field(default_factory=list)  # (pid, GPU) NVML lists (first period)
 
 
@@ -120,6 +125,16 @@ class ComputeLoop:
         self._recovered = False
         self._failing: str | None = None  # the error the last failed period logged
         self._last: float | None = None
+        self._met: set[str] = set()  # containers whose launch count was read at least once
+        # GPU -> its tenants when a period found it quiet: nothing ran on it, nobody is paced, every
+        # figure is at rest. Its next periods are skipped while it stays so (the decisions stand).
+        self._quiet: dict[str, tuple[control.Tenant, ...]] = {}
+        self._placements = Placements()
+        # A node at rest (every shared GPU quiet): the periods left before the next whole one,
+        # and what its periods poll meanwhile (every GPU holding a container; the shared ones).
+        self._rest_left = 0
+        self._watched: list[str] = []
+        self._shared: frozenset[str] = frozenset()
         feed.driven = True
 
     # -- what others read --------------------------------------------------------------------
@@ -167,57 +182,111 @@ class ComputeLoop:
         now = time.monotonic()
         period = self.interval if self._last is None else max(1e-3, now - self._last)
         self._last = now
+        reading = None
+        if self._rest_left > 0:
+            # The node at rest: the driver alone is asked whether anything ran on a shared GPU.
+            reading = await asyncio.to_thread(self._read, self._watched, place=False)
+            if not any(sm > 0 for gpu in self._shared for _, sm in reading.samples.get(gpu, ())):
+                self._rest_left -= 1
+                return []
+            # Something ran: a whole period now, on this reading (a second one would cut the
+            # driver's sample short), its processes placed first.
+            pids = {pid for samples in reading.samples.values() for pid, _ in samples}
+            reading.cgroups = await asyncio.to_thread(self._placements.lookup, pids)
+        self._rest_left = 0
         on_gpu = self.tenants()
-        dirs = {a.key: a.directory for pairs in on_gpu.values() for _, a in pairs}
+        allocs = {a.key: a for pairs in on_gpu.values() for _, a in pairs}
         # Every GPU holding a container is read, whole GPUs too: the activity tracker's view of
         # the feed gets its samples from these reads alone.
-        watched = sorted({g for a in self.bookings.containers() for g in a.gpus})
-        reading = await asyncio.to_thread(self._read, watched, dirs, not self._recovered)
+        self._watched = sorted({g for a in self.bookings.containers() for g in a.gpus})
+        self._shared = frozenset(on_gpu)
+        if reading is None:
+            reading = await asyncio.to_thread(self._read, self._watched, not self._recovered)
         used = self._attribute(reading)
         if not self._recovered:  # processes an earlier agent stopped and never continued
             self._recovered = True
             await asyncio.to_thread(hold.continue_stopped, self._ours(reading))
+        # Launch counts where they can shape a pace: a container that ran something this period
+        # (a pace's first length comes from its recent launches), one that is paced, and each
+        # one once at first sight (the count its first busy period is measured from). An idle
+        # container's count does not move while the driver sees it run nothing, so the next
+        # reading's difference is that period's launches.
+        need = {
+            k: a.directory for k, a in allocs.items() if used.get(k) or k not in self._met or self._paced(k)
+        }
+        counts = await asyncio.to_thread(self._read_launches, need) if need else {}
+        self._met.update(need)
         decisions: list[control.Decision] = []
         for gpu, pairs in on_gpu.items():
-            tenants = [t for t, _ in pairs]
-            launches = self._launch_deltas(reading, [t.key for t in tenants])
-            made = control.step(tenants, used, launches, period, self._state)
-            decisions += made
             self._overcommit(gpu, pairs)
-            allocs = {a.key: a for _, a in pairs}
+            tenants = tuple(t for t, _ in pairs)
+            if self._quiet.get(gpu) == tenants and not any(used.get(t.key) for t in tenants):
+                continue  # nothing ran on it and nothing is held back: the decisions stand
+            made = control.step(tenants, used, self._launch_deltas(counts, tenants), period, self._state)
+            decisions += made
+            allocs_here = {a.key: a for _, a in pairs}
             for d in made:
-                self._apply(d, allocs[d.key])
+                self._apply(d, allocs_here[d.key])
                 if d.hold > 0 and self._pids.get(d.key):
                     await self._hold(self._pids[d.key], d.hold * period)
-        gone = set(self._state) - set(dirs)
+            if self._at_rest(tenants):
+                self._quiet[gpu] = tenants
+            else:
+                self._quiet.pop(gpu, None)
+        for gpu in set(self._quiet) - set(on_gpu):
+            del self._quiet[gpu]
+        if self._quiet.keys() == on_gpu.keys():  # every shared GPU quiet: the node is at rest
+            self._rest_left = REST_PERIODS - 1
+        gone = set(self._state) - set(allocs)
         for key in gone:
             self._forget(key)
         return decisions
 
-    def _read(self, gpus: Sequence[str], dirs: Mapping[str, str], running: bool = False) -> _Reading:
-        """The blocking part: NVML (through the feed), the cgroups of the processes it sampled,
-        and each container's launch count from its usage file; with `running`, every process
-        NVML lists on those GPUs as well (a stopped one has no samples)."""
+    def _paced(self, key: str) -> bool:
+        p = self._state.get(key)
+        return p is not None and p.pace_ns > 0
+
+    def _at_rest(self, tenants: Sequence[control.Tenant]) -> bool:
+        """Whether another period with nothing running would change nothing that matters: no
+        one paced or using the GPU, every shown use and remembered free use about 0."""
+        for t in tenants:
+            p = self._state.get(t.key)
+            if p is None or p.pace_ns or p.last_used or (p.free_use or 0.0) > AT_REST:
+                return False
+            if self._smoothed.get(t.key, 1.0) > AT_REST:
+                return False
+        return True
+
+    def _read(self, gpus: Sequence[str], running: bool = False, place: bool = True) -> _Reading:
+        """The blocking part: NVML (through the feed) and, with `place`, the cgroups of the
+        processes it sampled (kept per process: gpufrac.agent.processes.placements); with
+        `running`, every process NVML lists on those GPUs as well (a stopped one has no samples)."""
         out = _Reading()
         for gpu in gpus:
             out.samples[gpu] = [(s.pid, s.sm) for s in self.feed.poll(gpu)]
+        if not place:
+            return out
         if running:
             try:
                 out.running = [(p.pid, p.gpu) for p in read_gpu_processes() if p.gpu in gpus]
             except Exception as e:  # NVML's list failing leaves only the sampled ones to continue
                 log.warning("compute shares: cannot list the GPUs' processes: %s", e)
         pids = {pid for samples in out.samples.values() for pid, _ in samples} | {p for p, _ in out.running}
-        for pid in pids:
-            try:
-                out.cgroups[pid] = read_cgroup(pid)
-            except PeerError:  # gone since it was sampled, or its cgroup refused: no one's
-                out.cgroups[pid] = None
+        if pids:
+            out.cgroups = self._placements.lookup(pids)
+        return out
+
+    @staticmethod
+    def _read_launches(dirs: Mapping[str, str]) -> dict[str, int]:
+        """Each container's launch count, from its usage file (blocking); a broken file gives
+        none (it seeds no pace: the first pace is the default one)."""
+        out: dict[str, int] = {}
         for key, directory in dirs.items():
             try:
                 usage = abi.read_usage(directory)
             except abi.FormatError:
-                continue  # a broken file seeds no pace: the first pace is the default one
-            out.launches[key] = sum(int(s.launches) for s in abi.live_slots(usage))
+                continue
+            out[key] = sum(int(s.launches) for s in abi.live_slots(usage))
         return out
 
     def _attribute(self, reading: _Reading) -> dict[str, float]:
@@ -249,10 +318,12 @@ class ComputeLoop:
                 out.append((pid, ident))
         return out
 
-    def _launch_deltas(self, reading: _Reading, keys: Sequence[str]) -> dict[str, int]:
+    def _launch_deltas(self, counts: Mapping[str, int], tenants: Sequence[control.Tenant]) -> dict[str, int]:
+        """The launches since each container's count was last read (an idle one's is not
+        read: see tick)."""
         out: dict[str, int] = {}
-        for key in keys:
-            now = reading.launches.get(key)
+        for key in (t.key for t in tenants):
+            now = counts.get(key)
             before = self._launches.get(key)
             if now is not None:
                 self._launches[key] = now
@@ -295,10 +366,10 @@ class ComputeLoop:
         """A Warning, on the Node and on each pod of the GPU (once its pod is known), when the
         GPU's shares cannot all be met; once for each set of shares."""
         total = control.overcommitted([t for t, _ in pairs])
-        told = frozenset(f"{t.key}={t.share:.4f}" for t, _ in pairs)
         if not total:
             self._told_overcommit.pop(gpu, None)
             return
+        told = frozenset(f"{t.key}={t.share:.4f}" for t, _ in pairs)
         message = (
             f"compute shares on GPU {gpu} sum to {total * 100:.0f}% ("
             + ", ".join(f"{events.container_name(a)} {t.share * 100:.0f}%" for t, a in pairs)
@@ -320,6 +391,7 @@ class ComputeLoop:
         self._state.pop(key, None)
         self._written.pop(key, None)
         self._launches.pop(key, None)
+        self._met.discard(key)
         self._figures.pop(key, None)
         self._smoothed.pop(key, None)
         self._told_pod.pop(key, None)
@@ -361,4 +433,5 @@ class ComputeLoop:
             if pace:
                 self.bookings.set_compute_pace(key, 0)
         self._written.clear()
+        self._placements.close()
         self.feed.driven = False
