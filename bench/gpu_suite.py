@@ -278,6 +278,7 @@ def c_native(run: Run) -> tuple[bool, str]:
 
 
 def c_protos(run: Run) -> tuple[bool, str]:
+    gpu_call.restore_protos()  # carried in build/proto (gpu_prepare.sh)
     files = gpu_call.proto_files()
     if not files:
         return False, "no gpufrac/proto/*_pb2*.py: run bench/gpu_prepare.sh (make proto) and carry them"
