@@ -17,7 +17,8 @@
 
 Exit status: 0 every group passed; 1 a self-check or group failed; 2 no GPU (or bad usage).
 
-No `main()`: `python -m bench` runs every bench module that has one.
+No `main()`: `python -m bench` runs every bench module that has one. Over 500 lines: the
+suite must run as one file on a machine that has nothing of the project installed.
 """
 
 from __future__ import annotations

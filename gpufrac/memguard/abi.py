@@ -5,7 +5,9 @@ mirror it, and tests/memguard/test_abi.py proves they match offset for offset.
 
 The agent is the only writer of `config` (the container mounts it read-only);
 it updates in place under the seqlock so the shim never sees a torn limit.
-The shim is the writer of `usage`; the agent reads it and reaps dead slots.
+The shim is the writer of `usage`; the agent reads it and reaps dead slots. Over 500 lines:
+every file the agent and the shim share is mirrored here, so that one test holds all of them
+to the C header.
 """
 
 from __future__ import annotations

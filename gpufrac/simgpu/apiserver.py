@@ -15,7 +15,8 @@ validated), PUT of a named object (update, with the resourceVersion precondition
 DELETE on a collection (deletecollection, with a fieldSelector).
 
 Tests get one per test from the `kube_server` fixture (tests/fixtures/kube.py);
-the demo (`gpufrac run`) starts one itself.
+the demo (`gpufrac run`) starts one itself. Over 500 lines: it is one emulator, each
+extension above a few lines of the same request handler.
 """
 
 from __future__ import annotations
