@@ -18,7 +18,8 @@
 Exit status: 0 every group passed; 1 a self-check or group failed; 2 no GPU (or bad usage).
 
 No `main()`: `python -m bench` runs every bench module that has one. Over 500 lines: the
-suite must run as one file on a machine that has nothing of the project installed.
+self-checks, the groups and their shared time budget are one runner; what it reports and the
+call that starts it live apart (gpu_report.py, gpu_call.py).
 """
 
 from __future__ import annotations
