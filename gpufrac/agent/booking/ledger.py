@@ -114,6 +114,15 @@ class ContainerAlloc:
             return (pod_uid, container) in self.consumers
         return self.pod_uid == pod_uid and self.container == container
 
+    @property
+    def tied(self) -> bool:
+        """Whether the containers this booking serves are known: a device-plugin booking's pod
+        and container, a claim's consumers (a claim is never bound to one container name). Until
+        then a process on its GPU that no booking claims may be this one's."""
+        if self.claim is not None:
+            return bool(self.consumers)
+        return bool(self.pod_uid and self.container)
+
     def who(self) -> str:
         if self.claim is not None:
             return self.claim.who()
