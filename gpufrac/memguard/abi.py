@@ -5,7 +5,9 @@ mirror it, and tests/memguard/test_abi.py proves they match offset for offset.
 
 The agent is the only writer of `config` (the container mounts it read-only);
 it updates in place under the seqlock so the shim never sees a torn limit.
-The shim is the writer of `usage`; the agent reads it and reaps dead slots.
+The shim is the writer of `usage`; the agent reads it and reaps dead slots. Over 500 lines:
+every file the agent and the shim share is mirrored here, so that one test holds all of them
+to the C header.
 """
 
 from __future__ import annotations
@@ -438,6 +440,24 @@ _PID_INT = ProcSlot.pid.offset // 4
 assert _SLOT_SIZE % 8 == 0 and _SLOTS_AT % 8 == 0 and ProcSlot.used_bytes.offset % 8 == 0
 
 
+def _short(where: str, size: int) -> FormatError:
+    """The one error for a usage file cut short, however much of it was read: the agent logs
+    each kind of fault once, and a truncation is one fault whether the header or the whole
+    file was asked for."""
+    return FormatError(f"{where}: {size} bytes, want {USAGE_SIZE} (truncated or foreign file)")
+
+
+def _check_header(where: str, magic: int, version: int, size: int) -> None:
+    """FormatError for a usage header of another kind, worded alike for a header-only read and
+    a whole-file one (the same fault is one warning)."""
+    if magic != USAGE_MAGIC:
+        raise FormatError(f"{where}: bad magic {magic:#x}")
+    if version != ABI_VERSION:
+        raise FormatError(f"{where}: ABI version {version}, want {ABI_VERSION}")
+    if size != USAGE_SIZE:
+        raise FormatError(f"{where}: header says {size} bytes, want {USAGE_SIZE}")
+
+
 def _open_usage(path: Path, writable: bool) -> int:
     """An fd on a regular usage file (never a FIFO or a device: the file is the tenant's)."""
     flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
@@ -450,7 +470,7 @@ def _open_usage(path: Path, writable: bool) -> int:
         if not stat.S_ISREG(st.st_mode):
             raise FormatError(f"{path}: not a regular file")
         if st.st_size < USAGE_SIZE:
-            raise FormatError(f"{path}: {st.st_size} bytes, want {USAGE_SIZE} (truncated or foreign file)")
+            raise _short(str(path), st.st_size)
     except BaseException:
         os.close(fd)
         raise
@@ -461,14 +481,9 @@ def parse_usage(data: bytes | bytearray | memoryview, where: str = "usage file")
     """Validate and clamp the bytes of a usage file: a UsageStruct copy, or FormatError (the only
     exception it raises, whatever the bytes). Byte counters are clamped to USAGE_MAX_BYTES."""
     if len(data) < USAGE_SIZE:
-        raise FormatError(f"{where}: {len(data)} bytes, want {USAGE_SIZE} (truncated or foreign file)")
+        raise _short(where, len(data))
     s = UsageStruct.from_buffer_copy(bytes(data[:USAGE_SIZE]))
-    if s.magic != USAGE_MAGIC:
-        raise FormatError(f"{where}: bad magic {int(s.magic):#x}")
-    if s.abi_version != ABI_VERSION:
-        raise FormatError(f"{where}: ABI version {int(s.abi_version)}, want {ABI_VERSION}")
-    if s.file_size != USAGE_SIZE:
-        raise FormatError(f"{where}: header says {int(s.file_size)} bytes, want {USAGE_SIZE}")
+    _check_header(where, int(s.magic), int(s.abi_version), int(s.file_size))
     s.total_used = min(int(s.total_used), USAGE_MAX_BYTES)
     s.grant_returned = min(int(s.grant_returned), USAGE_MAX_BYTES)
     # The slots' counters looked at as one array of words (no slot object made): only a file
@@ -510,10 +525,9 @@ def parse_usage_total(head: bytes, where: str = "usage file") -> int:
     """The clamped total_used from the first USAGE_HEADER.size bytes of a usage file, its
     header validated; FormatError (only) otherwise."""
     if len(head) < USAGE_HEADER.size:
-        raise FormatError(f"{where}: {len(head)} bytes, truncated")
+        raise _short(where, len(head))
     magic, version, size, total, _ = USAGE_HEADER.unpack(head[: USAGE_HEADER.size])
-    if magic != USAGE_MAGIC or version != ABI_VERSION or size != USAGE_SIZE:
-        raise FormatError(f"{where}: bad magic, version {version} or size {size}")
+    _check_header(where, magic, version, size)
     return min(int(total), USAGE_MAX_BYTES)
 
 

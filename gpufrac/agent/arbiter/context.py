@@ -457,7 +457,7 @@ class Resolution:
         """The processes on `gpu` of containers holding no allocation there (arbiter/unbooked.py),
         none while a booking there other than `requester`'s is not yet tied to its container (the
         memory may be that one's, as the watchdog also waits)."""
-        if any(not (a.pod_uid and a.container) and a.key != requester for a in self._on_gpu(gpu)):
+        if any(not a.tied and a.key != requester for a in self._on_gpu(gpu)):
             return []
         return self.readings.unbooked_on(gpu)
 

@@ -10,7 +10,9 @@ touched from another thread; it keeps the bookings in memory and writes nothing 
 mapped config of a booked container (gpufrac.agent.booking.container_dirs creates, repairs and
 deletes the directories, in its own thread). It refuses double booking, never lets the sum of
 requests on a GPU exceed its allocatable memory, and tells listeners about every
-change so capacity sync and state persistence follow.
+change so capacity sync and state persistence follow. Over 500 lines: the bookings, their
+checks and their listeners are one piece of state with one owner; split, each part would
+reach into the others' dictionaries.
 """
 
 from __future__ import annotations
@@ -111,6 +113,15 @@ class ContainerAlloc:
         if self.claim is not None:
             return (pod_uid, container) in self.consumers
         return self.pod_uid == pod_uid and self.container == container
+
+    @property
+    def tied(self) -> bool:
+        """Whether the containers this booking serves are known: a device-plugin booking's pod
+        and container, a claim's consumers (a claim is never bound to one container name). Until
+        then a process on its GPU that no booking claims may be this one's."""
+        if self.claim is not None:
+            return bool(self.consumers)
+        return bool(self.pod_uid and self.container)
 
     def who(self) -> str:
         if self.claim is not None:

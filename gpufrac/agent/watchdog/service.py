@@ -291,7 +291,7 @@ class Watchdog:
         await self._act_on_hidden(hidden)
         await self._check_files(truth.tally(owned))
         # GPUs with a booking not yet tied to its container: no one is held to 0 there.
-        unsettled = {g for a in self.ledger.containers() if not (a.pod_uid and a.container) for g in a.gpus}
+        unsettled = {g for a in self.ledger.containers() if not a.tied for g in a.gpus}
         verdicts = plan(owned, self.config.tolerance, self.enforcing, unsettled)
         now_over = {(v.owner.key, v.gpu) for v in verdicts}
         for v in verdicts:
