@@ -133,6 +133,7 @@ class ComputeLoop:
         # A node at rest (every shared GPU quiet): the periods left before the next whole one,
         # and what its periods poll meanwhile (every GPU holding a container; the shared ones).
         self._rest_left = 0
+        self._keys: list[str] = []  # the containers booked at the last whole period
         self._watched: list[str] = []
         self._shared: frozenset[str] = frozenset()
         feed.driven = True
@@ -183,8 +184,11 @@ class ComputeLoop:
         period = self.interval if self._last is None else max(1e-3, now - self._last)
         self._last = now
         reading = None
-        if self._rest_left > 0:
-            # The node at rest: the driver alone is asked whether anything ran on a shared GPU.
+        booked = self.bookings.containers()
+        keys = [a.key for a in booked]
+        if self._rest_left > 0 and keys == self._keys:
+            # The node at rest, its containers the same: the driver alone is asked whether
+            # anything ran on a shared GPU.
             reading = await asyncio.to_thread(self._read, self._watched, place=False)
             if not any(sm > 0 for gpu in self._shared for _, sm in reading.samples.get(gpu, ())):
                 self._rest_left -= 1
@@ -193,12 +197,14 @@ class ComputeLoop:
             # driver's sample short), its processes placed first.
             pids = {pid for samples in reading.samples.values() for pid, _ in samples}
             reading.cgroups = await asyncio.to_thread(self._placements.lookup, pids)
+        # A container booked or released ends a rest at once: its GPU may be one not watched.
         self._rest_left = 0
+        self._keys = keys
         on_gpu = self.tenants()
         allocs = {a.key: a for pairs in on_gpu.values() for _, a in pairs}
         # Every GPU holding a container is read, whole GPUs too: the activity tracker's view of
         # the feed gets its samples from these reads alone.
-        self._watched = sorted({g for a in self.bookings.containers() for g in a.gpus})
+        self._watched = sorted({g for a in booked for g in a.gpus})
         self._shared = frozenset(on_gpu)
         if reading is None:
             reading = await asyncio.to_thread(self._read, self._watched, not self._recovered)
@@ -246,12 +252,18 @@ class ComputeLoop:
         p = self._state.get(key)
         return p is not None and p.pace_ns > 0
 
+    @property
+    def at_rest(self) -> bool:
+        """Whether the node is at rest: its next periods ask the driver alone (status, tests)."""
+        return self._rest_left > 0
+
     def _at_rest(self, tenants: Sequence[control.Tenant]) -> bool:
         """Whether another period with nothing running would change nothing that matters: no
-        one paced or using the GPU, every shown use and remembered free use about 0."""
+        one paced, held or using the GPU, every shown use, remembered free use and hold about 0
+        (an unheld container's hold fades while it is idle, as the periods skipped would)."""
         for t in tenants:
             p = self._state.get(t.key)
-            if p is None or p.pace_ns or p.last_used or (p.free_use or 0.0) > AT_REST:
+            if p is None or p.pace_ns or p.last_used or (p.free_use or 0.0) > AT_REST or p.hold > AT_REST:
                 return False
             if self._smoothed.get(t.key, 1.0) > AT_REST:
                 return False
