@@ -254,7 +254,7 @@ class ComputeLoop:
 
     @property
     def at_rest(self) -> bool:
-        """Whether the node is at rest: its next periods ask the driver alone (status, tests)."""
+        """Whether the node is at rest: its next periods ask the driver alone (tests read it)."""
         return self._rest_left > 0
 
     def _at_rest(self, tenants: Sequence[control.Tenant]) -> bool:
