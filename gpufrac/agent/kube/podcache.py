@@ -21,6 +21,7 @@ from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
 log = logging.getLogger(__name__)
+STOP_POLL = 0.1  # seconds between two stops of the watch while the thread ends (PodCache.stop)
 
 
 @dataclass(frozen=True)
@@ -208,13 +209,21 @@ class PodCache:
         self._thread.start()
 
     async def stop(self) -> None:
+        """End the watch thread. Its watch is stopped again and again until the thread is
+        gone: a stop() landing after the thread's last look at `_stopping` but before its next
+        watch has a response would be lost (kubernetes.watch resets its flag when a stream
+        starts), and the thread would hold its watch open until the server ends it (minutes)."""
         self._stopping.set()
-        w = self._watch
-        if w is not None:
-            w.stop()  # type: ignore[no-untyped-call]  # kubernetes.watch is untyped; shuts the socket down, which unblocks the thread's read
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, self._request_timeout + 5)
-            self._thread = None
+        thread = self._thread
+        if thread is None:
+            return
+        deadline = time.monotonic() + self._request_timeout + 5
+        while thread.is_alive() and time.monotonic() < deadline:
+            w = self._watch
+            if w is not None:
+                w.stop()  # type: ignore[no-untyped-call]  # kubernetes.watch is untyped; shuts the socket down, which unblocks the thread's read
+            await asyncio.to_thread(thread.join, STOP_POLL)
+        self._thread = None
 
     # -- the watch thread ------------------------------------------------------------------------
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -119,6 +122,37 @@ def test_watch_resumes_after_the_server_ends_it(kube_server: KubeServer) -> None
             await cache.stop()
 
     asyncio.run(asyncio.wait_for(scenario(), 120))
+
+
+def test_stop_ends_a_watch_that_was_starting_when_it_was_asked(
+    kube_server: KubeServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop landing while the thread is between deciding to watch and its watch's response
+    (a loaded node widens that window) still ends the thread at once, not when the server
+    ends the watch minutes later. Only the thread's timing is changed: a pause before the
+    client's stream starts."""
+    starting = threading.Event()
+    real_stream = watch.Watch.stream
+
+    def slow_start(self: watch.Watch, *args: Any, **kwargs: Any) -> Any:
+        starting.set()
+        time.sleep(0.5)  # the thread descheduled here: stop() comes meanwhile
+        return real_stream(self, *args, **kwargs)
+
+    async def scenario() -> float:
+        cache = PodCache(make_api_client(host=kube_server.url), NODE, watch_timeout=300)
+        monkeypatch.setattr(watch.Watch, "stream", slow_start)
+        cache.start()
+        assert await cache.wait_synced(30)
+        await asyncio.to_thread(starting.wait, 30)
+        began = time.monotonic()
+        await cache.stop()
+        return time.monotonic() - began
+
+    took = asyncio.run(asyncio.wait_for(scenario(), 120))
+    # Before the fix the thread held its watch open and stop() gave up after the request
+    # timeout and 5 s (35 s), the thread still running.
+    assert took < 20, f"stop() took {took:.1f}s"
 
 
 def test_fetch_reads_a_pod_directly(kube_server: KubeServer) -> None:
