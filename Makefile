@@ -168,10 +168,13 @@ image-lock: $(UV_VENV)/bin/uv
 # the demos of test_demo_signals.py, which each take :9410 when it looks free, never overlap;
 # xdist 3.8's --dist loadgroup does not group under pytest 9.2). Then the tests marked serial,
 # which need the node to themselves (pyproject.toml's markers), alone. Each pass lists its
-# slowest tests.
+# slowest tests. The sources are compiled to bytecode first: the suite starts about a thousand
+# Python processes (agents, workloads), and where PYTHONDONTWRITEBYTECODE is set (CI images
+# often set it) each would compile gpufrac's modules again (a quarter of a second an agent).
 TEST_WORKERS ?= 4
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=25
 test: setup native-asan tools floors
+	@$(PY) -m compileall -q -j0 gpufrac tests bench >/dev/null
 	@rc=0; \
 	echo "== tests, $(TEST_WORKERS) at a time"; \
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m 'not serial' tests || rc=1; \
