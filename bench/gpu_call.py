@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -43,6 +44,10 @@ CARRY_BYTES = 64 << 20
 NATIVE = "build/native"
 WHEELS = ".whl"
 PROTO_GLOBS = ("gpufrac/proto/*_pb2.py", "gpufrac/proto/*_pb2_grpc.py")
+# The generated protos travel as one carried folder (the kubelet's APIs give a dozen files, and
+# a call carries at most CARRY_LIMIT paths): gpu_prepare.sh copies them here, the suite puts
+# them back into gpufrac/proto before its checks (restore_protos).
+PROTO_CARRY = "build/proto"
 # Pinned to what the project's own tests run with (kmock is the apiserver emulator).
 KUBE_PINS = ("kubernetes==37.0.2", "kmock==0.8")
 WHEEL_PYTHON = "3.12"
@@ -110,8 +115,31 @@ def proto_files(root: Path = ROOT) -> list[str]:
 
 
 def carry(root: Path = ROOT) -> list[str]:
-    """The paths the call carries: the shim's build, the wheels, each generated proto."""
-    return [NATIVE, WHEELS, *proto_files(root)]
+    """The paths the call carries: the shim's build, the wheels, the generated protos."""
+    return [NATIVE, WHEELS, PROTO_CARRY]
+
+
+def pack_protos(root: Path = ROOT) -> int:
+    """Copy the generated protos into PROTO_CARRY (afresh); how many."""
+    dest = root / PROTO_CARRY
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    files = proto_files(root)
+    for f in files:
+        shutil.copy2(root / f, dest / Path(f).name)
+    return len(files)
+
+
+def restore_protos(root: Path = ROOT) -> int:
+    """Put the carried protos back into gpufrac/proto where they are missing; how many."""
+    src = root / PROTO_CARRY
+    n = 0
+    for f in sorted(src.glob("*_pb2*.py")) if src.is_dir() else []:
+        target = root / "gpufrac" / "proto" / f.name
+        if not target.exists():
+            shutil.copy2(f, target)
+            n += 1
+    return n
 
 
 def _size(path: Path) -> int:
@@ -191,9 +219,13 @@ def cli(argv: Sequence[str]) -> int:
     sub.add_parser("check", help="check the carry against the machine's limits; exit 1 if over or missing")
     sub.add_parser("json", help="print the check as JSON")
     sub.add_parser("stamp", help=f"record in {STAMP} the sources build/native was built from")
+    sub.add_parser("pack-protos", help=f"copy the generated protos into {PROTO_CARRY} (carried)")
     args = ap.parse_args(argv)
     if args.cmd == "stamp":
         write_stamp()
+        return 0
+    if args.cmd == "pack-protos":
+        print(f"{pack_protos()} generated protos in {PROTO_CARRY}")
         return 0
     if args.cmd == "show":
         sys.stdout.write(show())

@@ -3,7 +3,8 @@
 # it against the lent machine's limits, and prints the call to make (bench/README.md):
 #   build/native             the shim and simgpu's fake driver (make native: the Makefile's flags),
 #                            with the digest of the sources it was built from (.gpufrac-sources)
-#   gpufrac/proto/*_pb2*.py  the generated protos (make proto; only when missing or stale)
+#   build/proto              the generated protos (make proto, only when missing or stale),
+#                            copied into one folder: the suite puts them back in gpufrac/proto
 #   .whl/                    wheels (CPython 3.12, manylinux x86-64) of kubernetes and kmock
 #                            and what they need, for the resolver tests; fetched only when the
 #                            pinned set does not resolve from .whl already
@@ -40,6 +41,7 @@ if [ "$stale" = 1 ]; then
 else
   say "protos up to date"
 fi
+say "$("$PY" bench/gpu_call.py pack-protos)"
 
 pins=$("$PY" -c 'import sys; sys.path.insert(0, "bench"); import gpu_call; print(" ".join(gpu_call.KUBE_PINS))')
 wheel_args=$("$PY" -c 'import sys; sys.path.insert(0, "bench"); import gpu_call as g

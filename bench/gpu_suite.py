@@ -17,7 +17,9 @@
 
 Exit status: 0 every group passed; 1 a self-check or group failed; 2 no GPU (or bad usage).
 
-No `main()`: `python -m bench` runs every bench module that has one.
+No `main()`: `python -m bench` runs every bench module that has one. Over 500 lines: the
+self-checks, the groups and their shared time budget are one runner; what it reports and the
+call that starts it live apart (gpu_report.py, gpu_call.py).
 """
 
 from __future__ import annotations
@@ -278,6 +280,7 @@ def c_native(run: Run) -> tuple[bool, str]:
 
 
 def c_protos(run: Run) -> tuple[bool, str]:
+    gpu_call.restore_protos()  # carried in build/proto (gpu_prepare.sh)
     files = gpu_call.proto_files()
     if not files:
         return False, "no gpufrac/proto/*_pb2*.py: run bench/gpu_prepare.sh (make proto) and carry them"

@@ -7,7 +7,7 @@
 # On a lent GPU machine (Python 3.12 with PyTorch and friends, no package registry), after
 # bench/gpu_prepare.sh here, the device call is:
 #   command:   PYTHONUNBUFFERED=1 bash bench/gpu_suite.sh --out "$OUT"
-#   carry:     build/native, .whl and gpufrac/proto/*_pb2.py, *_pb2_grpc.py (gpu_prepare.sh prints the list)
+#   carry:     build/native, .whl and build/proto (the generated protos; gpu_prepare.sh prints the list)
 #   timeout_s: 480
 # It uses python3 as it is: no venv, no pip from a registry.
 #

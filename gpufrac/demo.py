@@ -9,7 +9,7 @@ libcuda) under the memguard shim. It then walks through sharing, bursting and
 collisions, printing each step, and serves the agent's metrics on localhost. A second
 simulated node runs the agent in DRA mode (a DRA driver, started alongside the first so its
 start costs no time): a claim is placed on the GPU that has room, held to its limit, and
-bursts.
+bursts. Over 500 lines: one walk-through, read top to bottom as the user sees it printed.
 """
 
 from __future__ import annotations

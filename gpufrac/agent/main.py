@@ -18,6 +18,8 @@ dra the DRA driver (gpufrac.dra.server) is, over the same service, with the clai
 
 Run it with `gpufrac agent --config node.yaml` or `python -m gpufrac.agent.main`;
 tests, the bench and the demo may also run `Agent` in-process (gpufrac.agent.runner).
+Over 500 lines: the composition root builds every part of both modes, in order, in one place
+on purpose (docs/architecture.md, "How the agent is put together").
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ mirror it, and tests/memguard/test_abi.py proves they match offset for offset.
 
 The agent is the only writer of `config` (the container mounts it read-only);
 it updates in place under the seqlock so the shim never sees a torn limit.
-The shim is the writer of `usage`; the agent reads it and reaps dead slots.
+The shim is the writer of `usage`; the agent reads it and reaps dead slots. Over 500 lines:
+every file the agent and the shim share is mirrored here, so that one test holds all of them
+to the C header.
 """
 
 from __future__ import annotations
@@ -432,6 +434,28 @@ USAGE_HEADER = _struct.Struct("=QIIQQ")  # magic, abi_version, file_size, total_
 assert USAGE_HEADER.size == UsageStruct.slots.offset
 _SLOT_SIZE = ctypes.sizeof(ProcSlot)
 _SLOTS_AT = UsageStruct.slots.offset
+_SLOT_WORDS, _SLOT_INTS = _SLOT_SIZE // 8, _SLOT_SIZE // 4  # a slot in u64 and in i32 units
+_USED_WORD, _PEAK_WORD = ProcSlot.used_bytes.offset // 8, ProcSlot.peak_bytes.offset // 8
+_PID_INT = ProcSlot.pid.offset // 4
+assert _SLOT_SIZE % 8 == 0 and _SLOTS_AT % 8 == 0 and ProcSlot.used_bytes.offset % 8 == 0
+
+
+def _short(where: str, size: int) -> FormatError:
+    """The one error for a usage file cut short, however much of it was read: the agent logs
+    each kind of fault once, and a truncation is one fault whether the header or the whole
+    file was asked for."""
+    return FormatError(f"{where}: {size} bytes, want {USAGE_SIZE} (truncated or foreign file)")
+
+
+def _check_header(where: str, magic: int, version: int, size: int) -> None:
+    """FormatError for a usage header of another kind, worded alike for a header-only read and
+    a whole-file one (the same fault is one warning)."""
+    if magic != USAGE_MAGIC:
+        raise FormatError(f"{where}: bad magic {magic:#x}")
+    if version != ABI_VERSION:
+        raise FormatError(f"{where}: ABI version {version}, want {ABI_VERSION}")
+    if size != USAGE_SIZE:
+        raise FormatError(f"{where}: header says {size} bytes, want {USAGE_SIZE}")
 
 
 def _open_usage(path: Path, writable: bool) -> int:
@@ -446,7 +470,7 @@ def _open_usage(path: Path, writable: bool) -> int:
         if not stat.S_ISREG(st.st_mode):
             raise FormatError(f"{path}: not a regular file")
         if st.st_size < USAGE_SIZE:
-            raise FormatError(f"{path}: {st.st_size} bytes, want {USAGE_SIZE} (truncated or foreign file)")
+            raise _short(str(path), st.st_size)
     except BaseException:
         os.close(fd)
         raise
@@ -457,20 +481,30 @@ def parse_usage(data: bytes | bytearray | memoryview, where: str = "usage file")
     """Validate and clamp the bytes of a usage file: a UsageStruct copy, or FormatError (the only
     exception it raises, whatever the bytes). Byte counters are clamped to USAGE_MAX_BYTES."""
     if len(data) < USAGE_SIZE:
-        raise FormatError(f"{where}: {len(data)} bytes, want {USAGE_SIZE} (truncated or foreign file)")
+        raise _short(where, len(data))
     s = UsageStruct.from_buffer_copy(bytes(data[:USAGE_SIZE]))
-    if s.magic != USAGE_MAGIC:
-        raise FormatError(f"{where}: bad magic {int(s.magic):#x}")
-    if s.abi_version != ABI_VERSION:
-        raise FormatError(f"{where}: ABI version {int(s.abi_version)}, want {ABI_VERSION}")
-    if s.file_size != USAGE_SIZE:
-        raise FormatError(f"{where}: header says {int(s.file_size)} bytes, want {USAGE_SIZE}")
+    _check_header(where, int(s.magic), int(s.abi_version), int(s.file_size))
     s.total_used = min(int(s.total_used), USAGE_MAX_BYTES)
     s.grant_returned = min(int(s.grant_returned), USAGE_MAX_BYTES)
-    for slot in s.slots:
-        slot.used_bytes = min(int(slot.used_bytes), USAGE_MAX_BYTES)
-        slot.peak_bytes = min(int(slot.peak_bytes), USAGE_MAX_BYTES)
+    # The slots' counters looked at as one array of words (no slot object made): only a file
+    # holding garbage is walked slot by slot (the agent reads hundreds of files a second).
+    words = memoryview(s).cast("B")[_SLOTS_AT:].cast("Q")
+    if (
+        max(words[_USED_WORD::_SLOT_WORDS]) > USAGE_MAX_BYTES
+        or max(words[_PEAK_WORD::_SLOT_WORDS]) > USAGE_MAX_BYTES
+    ):
+        for slot in s.slots:
+            slot.used_bytes = min(int(slot.used_bytes), USAGE_MAX_BYTES)
+            slot.peak_bytes = min(int(slot.peak_bytes), USAGE_MAX_BYTES)
     return s
+
+
+def live_slots(usage: UsageStruct) -> list[ProcSlot]:
+    """The slots of a usage copy that name a process (pid > 0), in order; the empty ones (most
+    of the 256) are skipped without a slot object made for each."""
+    pids = memoryview(usage).cast("B")[_SLOTS_AT:].cast("i")[_PID_INT::_SLOT_INTS]
+    slots = usage.slots
+    return [slots[i] for i, pid in enumerate(pids.tolist()) if pid > 0]
 
 
 def read_usage(directory: str | os.PathLike[str]) -> UsageStruct:
@@ -491,10 +525,9 @@ def parse_usage_total(head: bytes, where: str = "usage file") -> int:
     """The clamped total_used from the first USAGE_HEADER.size bytes of a usage file, its
     header validated; FormatError (only) otherwise."""
     if len(head) < USAGE_HEADER.size:
-        raise FormatError(f"{where}: {len(head)} bytes, truncated")
+        raise _short(where, len(head))
     magic, version, size, total, _ = USAGE_HEADER.unpack(head[: USAGE_HEADER.size])
-    if magic != USAGE_MAGIC or version != ABI_VERSION or size != USAGE_SIZE:
-        raise FormatError(f"{where}: bad magic, version {version} or size {size}")
+    _check_header(where, magic, version, size)
     return min(int(total), USAGE_MAX_BYTES)
 
 

@@ -8,25 +8,28 @@ threads) reach it over real HTTP on 127.0.0.1 with the real kubernetes client.
 The emulator is extended where the agent depends on apiserver behaviour that
 kmock 0.8 leaves out: field selectors on list/watch (spec.nodeName), uid,
 resourceVersion and creationTimestamp on objects, watch timeoutSeconds,
-410 Gone for expired resource versions (`KubeServer.expire_watches`), the
+410 Gone for expired resource versions (`KubeServer.expire_watches`), a watch
+that lags behind (`KubeServer.hold_watches`), the
 resource.k8s.io/v1 kinds of dynamic resource allocation (ResourceSlices,
 ResourceClaims and their templates, DeviceClasses: stored as given, not
 validated), PUT of a named object (update, with the resourceVersion precondition) and
 DELETE on a collection (deletecollection, with a fieldSelector).
 
 Tests get one per test from the `kube_server` fixture (tests/fixtures/kube.py);
-the demo (`gpufrac run`) starts one itself.
+the demo (`gpufrac run`) starts one itself. Over 500 lines: it is one emulator, each
+extension above a few lines of the same request handler.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import datetime
 import threading
 import uuid
 from asyncio import FIRST_COMPLETED
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator, Mapping
 from typing import Any, TypeVar, cast
 
 import aiohttp.web
@@ -80,6 +83,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         self.expired_before = 0  # watches from an older resourceVersion get 410 Gone
         self.closing = asyncio.Event()  # set when the server shuts down: open watches end
         self.expiry = asyncio.Event()  # set (then replaced) to give every open watch 410 Gone
+        self.flowing = asyncio.Event()  # cleared while watches are held (KubeServer.hold_watches)
+        self.flowing.set()
         self.resources["v1/pods"] = kmock.ResourceInfo(namespaced=True, kind="Pod", singular="pod")
         self.resources["v1/events"] = kmock.ResourceInfo(namespaced=True, kind="Event", singular="event")
         self.resources["v1/nodes"] = kmock.ResourceInfo(namespaced=False, kind="Node", singular="node")
@@ -304,6 +309,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             inner = bus.stream(since=mark)
             for event in first:
                 if self._wanted(request, event, selector):
+                    if not await self._flowing(closing):
+                        return
                     yield event
             while True:
                 remaining = None if deadline is None else max(0.0, deadline - loop.time())
@@ -324,6 +331,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                     yield event
                     return
                 if self._wanted(request, event, selector):
+                    if not await self._flowing(closing):
+                        return
                     yield event
         finally:
             pending = [f for f in (step, closing, expired) if f is not None and not f.done()]
@@ -334,6 +343,18 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                 await inner.aclose()
             if mark is not None:
                 await bus.unmark(mark)
+
+    async def _flowing(self, closing: asyncio.Future[Any]) -> bool:
+        """Wait while watches are held (a lagging watch: writes and reads go on, events wait);
+        False if the server shuts down meanwhile."""
+        if self.flowing.is_set():
+            return True
+        flowing = asyncio.ensure_future(self.flowing.wait())
+        try:
+            await asyncio.wait({flowing, closing}, return_when=FIRST_COMPLETED)
+        finally:
+            flowing.cancel()
+        return self.flowing.is_set()
 
     def _wanted(self, request: rendering.Request, event: Any, selector: str | None) -> bool:
         if not isinstance(event, dict):
@@ -509,6 +530,23 @@ class KubeServer:
             emu.pod_reads = None
 
         self.call(release)
+
+    @contextlib.contextmanager
+    def hold_watches(self) -> Iterator[None]:
+        """Within: open watches deliver nothing (a watch lagging behind the apiserver); writes,
+        GETs and lists go on. After: the events held flow on, in order."""
+
+        async def flow(emu: ApiServerEmulator, on: bool) -> None:
+            if on:
+                emu.flowing.set()
+            else:
+                emu.flowing.clear()
+
+        self.call(lambda emu: flow(emu, False))
+        try:
+            yield
+        finally:
+            self.call(lambda emu: flow(emu, True))
 
     def delete_silently(self, resource: Any, namespace: str, name: str) -> None:
         """Remove an object without a watch event, as if it went while a watcher was disconnected."""

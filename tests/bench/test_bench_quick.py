@@ -75,6 +75,12 @@ FIGURES: dict[str, tuple[str, ...]] = {
         "unprepare_p99_ms",
         "agent_cpu_per_prepare_ms",
     ),
+    "footprint": (
+        "agent_cpu_per_s_compute_on",
+        "agent_cpu_per_s_compute_off",
+        "idle_cpu_ratio_on_off",
+        "compute_added_cpu_per_s",
+    ),
     "packing": ("seed",),
     "shim": (
         "alloc_free_overhead_ns",

@@ -51,6 +51,7 @@ def repo_with(tmp_path: Path) -> Path:
     (root / ".whl").mkdir()
     (root / ".whl" / "a.whl").write_bytes(b"\0" * 2000)
     (root / "gpufrac" / "proto" / "x_pb2.py").write_bytes(b"\0" * 100)
+    assert gpu_call.pack_protos(root) == 1  # what gpu_prepare.sh does
     for entry in gpu_call.NATIVE_SOURCES:
         src = REPO / entry
         dst = root / entry
@@ -67,9 +68,10 @@ def test_the_carry_is_weighed_with_the_tree_that_travels(
 ) -> None:
     root = repo_with(tmp_path)
     r = gpu_call.check(root)
-    assert r["carry"] == ["build/native", ".whl", "gpufrac/proto/x_pb2.py"]
+    assert r["carry"] == ["build/native", ".whl", "build/proto"]
     assert r["carry_bytes"]["build/native"] == 3000 + len((root / gpu_call.STAMP).read_bytes())
     assert r["carry_bytes"][".whl"] == 2000
+    assert r["carry_bytes"]["build/proto"] == 100
     entries = [root / e for e in gpu_call.NATIVE_SOURCES]
     sources = sum(p.stat().st_size for e in entries for p in [e, *e.rglob("*")] if p.is_file())
     assert r["tree_bytes"] == 1000 + 500 + sources  # the copied sources are untracked, not ignored
@@ -91,3 +93,13 @@ def test_a_missing_carry_or_a_stale_build_is_refused(tmp_path: Path) -> None:
     assert gpu_call.stamp_matches(root) is False
     problems = gpu_call.check(root)["problems"]
     assert problems == ["build/native was not built from these sources (bench/gpu_prepare.sh rebuilds it)"]
+
+
+def test_the_carried_protos_are_put_back_where_the_suite_imports_them(tmp_path: Path) -> None:
+    """The device's copy of the tree has no generated protos (git ignores them): the suite puts
+    the carried ones back, leaving any that are there alone."""
+    root = repo_with(tmp_path)
+    (root / "gpufrac" / "proto" / "x_pb2.py").unlink()
+    assert gpu_call.restore_protos(root) == 1
+    assert (root / "gpufrac" / "proto" / "x_pb2.py").read_bytes() == b"\0" * 100
+    assert gpu_call.restore_protos(root) == 0

@@ -152,3 +152,15 @@ def test_a_fifo_in_place_of_the_usage_file_does_not_block_the_reader(tmp_path: P
 def test_the_header_reader_matches_the_structure() -> None:
     assert abi.USAGE_HEADER.size == abi.UsageStruct.slots.offset
     assert ctypes.sizeof(abi.UsageStruct) == SIZE
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.integers(0, abi.MAX_PROCS - 1), st.integers(-(2**31), 2**31 - 1), max_size=12))
+def test_live_slots_are_the_slots_naming_a_process(pids: dict[int, int]) -> None:
+    """The agent's hot paths take a file's live slots without walking all 256 (abi.live_slots):
+    the same slots, in the same order, as the walk, whatever pids a tenant wrote."""
+    u = abi.UsageStruct()
+    for i, pid in pids.items():
+        u.slots[i].pid, u.slots[i].launches = pid, i + 1
+    got = [(s.pid, s.launches) for s in abi.live_slots(u)]
+    assert got == [(s.pid, s.launches) for s in u.slots if s.pid > 0]

@@ -41,6 +41,7 @@ from gpufrac.agent.processes import kill
 from gpufrac.agent.processes.callers import AgentOutOfResources, PeerLookup
 from gpufrac.core.config import Config
 from gpufrac.core.units import format_bytes
+from gpufrac.memguard import abi
 
 log = logging.getLogger(__name__)
 
@@ -397,7 +398,7 @@ class Resolution:
             u = self.files.usage_of(a)
             used = self.held(a)
             # An unreadable usage file gives no activity either: the container counts as idle.
-            last = max((int(s.last_activity_ns) for s in u.slots if s.pid > 0), default=0) if u else 0
+            last = max((int(s.last_activity_ns) for s in abi.live_slots(u)), default=0) if u else 0
             idle_s = activity_mod.holding_idle_s(self.activity, a.key, last, now) if u else float("inf")
             out.append(
                 Holding(

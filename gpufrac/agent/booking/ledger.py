@@ -10,7 +10,9 @@ touched from another thread; it keeps the bookings in memory and writes nothing 
 mapped config of a booked container (gpufrac.agent.booking.container_dirs creates, repairs and
 deletes the directories, in its own thread). It refuses double booking, never lets the sum of
 requests on a GPU exceed its allocatable memory, and tells listeners about every
-change so capacity sync and state persistence follow.
+change so capacity sync and state persistence follow. Over 500 lines: the bookings, their
+checks and their listeners are one piece of state with one owner; split, each part would
+reach into the others' dictionaries.
 """
 
 from __future__ import annotations

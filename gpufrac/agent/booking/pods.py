@@ -4,7 +4,10 @@ Allocate carries only device IDs. The kubelet's pod-resources List maps those
 device IDs to namespace/pod/container; the apiserver (PodCache, a watch on this
 node's pods) gives the pod's uid, annotations and spec.priority. From those,
 annotations.parse_policy decides the container's limit, class and policy, and the
-ledger writes it to the container's config file.
+ledger writes it to the container's config file. A booking is bound to its pod's uid once
+(the pod a GET asked after the booking finds: the watch may lag) and keeps it: pod-resources
+names no uid, and a pod force-deleted while its container runs may have a successor of the
+same name, with its own booking.
 
 Until the pod is known the container keeps limit = request (the ledger's safe
 default). Bad annotations get a Warning Event "InvalidAnnotation" on the pod
@@ -72,6 +75,15 @@ class _Applied:
     booked: float  # the allocation's booking time: slices released and booked again are a new container
 
 
+@dataclass(frozen=True)
+class _Asked:
+    """A GET of a pod by name for a booking not yet bound: when asked, and what it found."""
+
+    at: float  # time.time(), as a booking's `created`
+    mono: float  # time.monotonic(), for the retry interval
+    pod: PodInfo | None  # None: absent, or the apiserver failed
+
+
 class PodIdentity:
     """Finds the pods behind allocations and keeps each container's policy applied; a refused
     annotation is counted in `metrics`."""
@@ -97,6 +109,7 @@ class PodIdentity:
         self._caps: dict[str, frozenset[str]] = {}  # policy caps already told, per container key
         self._problems: dict[str, frozenset[str]] = {}  # annotation refusals already told, likewise
         self._fetched: dict[tuple[str, str], float] = {}
+        self._asked: dict[tuple[str, str], _Asked] = {}  # the last GET per pod name for a new booking
         self._pending: asyncio.Task[None] | None = None
         # resolve() awaits the apiserver; a watch-triggered pass must not interleave with it.
         self._lock = asyncio.Lock()
@@ -150,6 +163,10 @@ class PodIdentity:
                 self._failed.pop(alloc.key, None)
         for key in set(self._failed) - held:
             del self._failed[key]
+        # A GET found a booking's pod once; only names of bookings still unbound may ask again.
+        unbound = {(a.namespace, a.pod) for a in self.ledger.containers() if not a.pod_uid}
+        for name in set(self._asked) - unbound:
+            del self._asked[name]
         for key in set(self._policies) - held:
             self._policies.pop(key, None)
             self._applied.pop(key, None)
@@ -168,25 +185,28 @@ class PodIdentity:
         return keyed(listed)
 
     async def _resolve_one(self, alloc: ContainerAlloc, entry: ContainerDevices | None) -> bool:
-        if entry is not None:
+        bound = bool(alloc.pod_uid and alloc.namespace and alloc.pod and alloc.container)
+        if bound or (entry is None and alloc.namespace and alloc.pod and alloc.container):
+            # Bound before (state, reconcile, an earlier pass); bound to a pod uid, a booking
+            # keeps its names whatever pod-resources, which names no uid, says.
+            ns, name, container = alloc.namespace or "", alloc.pod or "", alloc.container or ""
+        elif entry is not None:
             ns, name, container = entry.namespace, entry.pod, entry.container
-        elif alloc.namespace and alloc.pod and alloc.container:
-            ns, name, container = (
-                alloc.namespace,
-                alloc.pod,
-                alloc.container,
-            )  # bound before (state, reconcile)
         else:
             return False  # not listed yet: stays limit = request
-        pod = await self._pod(ns, name)
+        pod = await (self._pod(ns, name) if bound else self._owner(ns, name, alloc.created))
         if self.ledger.get(alloc.key) is not alloc:
             return False  # released (and maybe booked again by another pod) during the wait
         if pod is None:
             if (alloc.namespace, alloc.pod, alloc.container) != (ns, name, container):
                 self.ledger.bind(alloc.key, ns, name, container, None)
             return False
-        if alloc.pod_uid and pod.uid and alloc.pod_uid != pod.uid and entry is None:
-            return False  # a new pod of the same name; wait for pod-resources to say it owns this
+        if bound and pod.uid != alloc.pod_uid:
+            # A booking is one Allocate's, for one pod, for its whole life. Pod-resources names
+            # no uid: a pod of the same name that replaced its pod in the apiserver (a force
+            # delete, the old container still running) is another pod; its own Allocate books
+            # its own. This one keeps the policy of its pod.
+            return False
         self.ledger.bind(alloc.key, ns, name, container, pod.uid or None)
         inputs = _Applied(pod.uid, container, frozenset(pod.annotations.items()), pod.priority, alloc.created)
         if self._applied.get(alloc.key) == inputs:
@@ -195,6 +215,8 @@ class PodIdentity:
         return True
 
     async def _pod(self, namespace: str, name: str) -> PodInfo | None:
+        """The pod of that name: the cache's, or one direct GET when the watch has not delivered
+        it (not again for a while)."""
         if self.pods is None:
             return None
         pod = self.pods.get(namespace, name)
@@ -208,6 +230,38 @@ class PodIdentity:
         if len(self._fetched) > 4096:
             self._fetched = {k: t for k, t in self._fetched.items() if now - t < FETCH_RETRY}
         return await self.pods.fetch(namespace, name)
+
+    async def _owner(self, namespace: str, name: str, booked: float) -> PodInfo | None:
+        """The pod a booking made at `booked` (time.time()) is for, as a GET asked after it
+        finds it; None while unknown.
+
+        The kubelet admits only a pod it got from the apiserver, so the booking's pod was
+        there before the booking and a GET asked after returns it (unless that pod too has
+        gone since). The watch may lag: its pod of that name may still be a predecessor, force
+        deleted, whose successor this booking is. A GET asked after the booking is reused
+        (the other containers of the pod); a failed one is not repeated for FETCH_RETRY."""
+        if self.pods is None:
+            return None
+        seen = self._asked.get((namespace, name))
+        if (
+            seen is not None
+            and seen.at >= booked
+            and (seen.pod is not None or time.monotonic() - seen.mono < FETCH_RETRY)
+        ):
+            return self._newest(seen.pod)
+        at, mono = time.time(), time.monotonic()
+        fetched = await self.pods.fetch(namespace, name)
+        if fetched is not None and fetched.node_name != self.pods.node_name:
+            fetched = None  # a pod of that name bound to another node is not this node's booking's
+        self._asked[(namespace, name)] = _Asked(at, mono, fetched)
+        return self._newest(fetched)
+
+    def _newest(self, pod: PodInfo | None) -> PodInfo | None:
+        """`pod`, or the cache's copy of the same pod (the watch keeps it current)."""
+        if pod is None or self.pods is None:
+            return pod
+        cached = self.pods.get(pod.namespace, pod.name)
+        return cached if cached is not None and cached.uid == pod.uid else pod
 
     def _apply(self, alloc: ContainerAlloc, pod: PodInfo, container: str, inputs: _Applied) -> None:
         allocatable = min(self.ledger.geometry[u].allocatable for u in alloc.gpus)
@@ -276,6 +330,9 @@ class PodIdentity:
         """Watch delivered a pod: re-resolve if it owns one of our containers."""
         if kind == "DELETED":
             return
+        seen = self._asked.get((pod.namespace, pod.name))
+        if seen is not None and seen.pod is None:
+            del self._asked[(pod.namespace, pod.name)]  # a GET that found nothing is asked again now
         for alloc in self.ledger.containers():
             if (alloc.namespace, alloc.pod) == (pod.namespace, pod.name):
                 self._schedule()
@@ -293,9 +350,8 @@ class PodIdentity:
             log.exception("re-resolving pods after a watch event failed")
 
     def _known_listing(self) -> dict[str, ContainerDevices]:
-        # The bindings the ledger already holds stand in for a pod-resources List, except for
-        # containers bound to a pod uid: a new pod under the same name must not take those
-        # over on a watch event; only pod-resources may say it owns them.
+        # The bindings the ledger already holds stand in for a pod-resources List; a container
+        # bound to a pod uid needs none (it keeps its own names, and only ever its own pod).
         return {
             a.key: ContainerDevices(a.namespace, a.pod, a.container, a.resource, a.device_ids)
             for a in self.ledger.containers()

@@ -217,7 +217,7 @@ class ComputeLoop:
                 usage = abi.read_usage(directory)
             except abi.FormatError:
                 continue  # a broken file seeds no pace: the first pace is the default one
-            out.launches[key] = sum(int(s.launches) for s in usage.slots if s.pid > 0)
+            out.launches[key] = sum(int(s.launches) for s in abi.live_slots(usage))
         return out
 
     def _attribute(self, reading: _Reading) -> dict[str, float]:

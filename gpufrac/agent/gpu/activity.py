@@ -349,8 +349,7 @@ class ActivityTracker:
                 _Slot(
                     int(s.pid), int(s.start_time), int(s.launches), int(s.last_activity_ns), int(s.used_bytes)
                 )
-                for s in usage.slots
-                if s.pid > 0
+                for s in abi.live_slots(usage)
             ]
             out.slots[t.key] = slots
             for s in slots:

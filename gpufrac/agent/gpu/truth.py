@@ -167,7 +167,7 @@ def file_on_gpu(directory: str) -> int | None:
         u = abi.read_usage(directory)
     except abi.FormatError:
         return None
-    if any(s.pid > 0 and s.swapped for s in u.slots):
+    if any(s.swapped for s in abi.live_slots(u)):
         return None
     return int(u.total_used)
 

@@ -2,7 +2,9 @@
 one dedicated thread; every change is handed to the agent's asyncio loop with
 call_soon_threadsafe, so cache state is only touched on the loop. A watch that ends is
 resumed from the last resourceVersion; 410 Gone (the apiserver compacted past it) means
-relist and diff, so deletions missed while disconnected are still seen."""
+relist and diff, so deletions missed while disconnected are still seen. fetch() (a direct
+GET) may put a pod in the cache ahead of the watch; the watch's later events for an older pod
+of the same name are then dropped, so a deleted pod never comes back."""
 
 from __future__ import annotations
 
@@ -118,6 +120,9 @@ class PodCache:
         self._backoff = backoff
         self._pods: dict[tuple[str, str], PodInfo] = {}
         self._deletions = 0  # pods the cache has dropped so far (fetch() checks it)
+        # (namespace, name) -> uid of a pod fetch() put in the cache that the watch has not
+        # delivered yet: the watch's events for other pods of that name come from before it.
+        self._ahead: dict[tuple[str, str], str] = {}
         self._by_uid: dict[str, tuple[str, str]] = {}
         self._listeners: list[PodListener] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -186,6 +191,8 @@ class PodCache:
         changed = self.get(namespace, name) is not before or self._deletions != deletions
         if pod.node_name == self.node_name and not changed:
             self._apply("MODIFIED" if before else "ADDED", pod)
+            if before is None or before.uid != pod.uid:
+                self._ahead[(namespace, name)] = pod.uid  # ahead of the watch: _watched()
         return pod
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -289,7 +296,7 @@ class PodCache:
                 kind = event["type"]
                 if kind in ("ADDED", "MODIFIED", "DELETED"):
                     pod = PodInfo.from_dict(event["raw_object"])
-                    self._deliver(self._apply, kind, pod)
+                    self._deliver(self._watched, kind, pod)
                     rv = pod.resource_version or rv
                 elif kind == "BOOKMARK":
                     rv = w.resource_version or rv
@@ -301,7 +308,20 @@ class PodCache:
 
     # -- cache updates (on the loop) --------------------------------------------------------------
 
+    def _watched(self, kind: str, pod: PodInfo) -> None:
+        """A watch event. Under a name whose pod fetch() read ahead of the watch, the events
+        of other pods of that name are from before that pod existed (names are unique, the
+        watch keeps the apiserver's order): they would bring a deleted pod back."""
+        key = (pod.namespace, pod.name)
+        ahead = self._ahead.get(key)
+        if ahead is not None:
+            if pod.uid != ahead:
+                return
+            del self._ahead[key]  # the watch has caught up with it
+        self._apply(kind, pod)
+
     def _replace(self, pods: list[PodInfo]) -> None:
+        self._ahead.clear()  # a list is the whole truth as of its answer
         fresh = {(p.namespace, p.name): p for p in pods if p.node_name == self.node_name}
         for key, old in list(self._pods.items()):
             if key not in fresh:

@@ -43,7 +43,7 @@ def idle_seconds(usage: abi.UsageStruct, since_wall: float, now_mono_ns: int | N
     since `since_wall` (its allocation) when none of its live processes has launched yet.
     The shim stamps launches with CLOCK_MONOTONIC, the clock of time.monotonic_ns()."""
     now = time.monotonic_ns() if now_mono_ns is None else now_mono_ns
-    last = max((int(s.last_activity_ns) for s in usage.slots if s.pid > 0), default=0)
+    last = max((int(s.last_activity_ns) for s in abi.live_slots(usage)), default=0)
     if last:
         return max(0.0, (now - last) / 1e9)
     return max(0.0, time.time() - since_wall)
@@ -54,7 +54,7 @@ def read_usage_view(directory: str, since_wall: float) -> UsageView | None:
         u = abi.read_usage(directory)
     except abi.FormatError:
         return None
-    live = [s for s in u.slots if s.pid > 0]
+    live = abi.live_slots(u)
     return UsageView(
         used_bytes=int(u.total_used),
         processes=len(live),

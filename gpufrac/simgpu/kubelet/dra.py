@@ -27,6 +27,8 @@ It behaves as the kubelet's DRA manager and plugin watcher do towards a DRA driv
   defines is an error, as containerd's "unresolvable CDI devices").
 
 It runs its own asyncio loop in a thread; the public methods are synchronous and thread-safe.
+Over 500 lines: it stands for one part of the kubelet (registration, both API versions, the
+checkpoint and its replay, CDI), each a few methods of the same object.
 """
 
 from __future__ import annotations

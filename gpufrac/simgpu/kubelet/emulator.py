@@ -85,6 +85,7 @@ class KubeletEmulator:
         self._rpc_times: list[float] = []
         self._server: grpc.aio.Server | None = None
         self._pr_server: grpc.aio.Server | None = None
+        self._pr_servicer: PodResourcesServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -157,9 +158,8 @@ class KubeletEmulator:
         pb_grpc.add_RegistrationServicer_to_server(_Registration(self, self.generation), server)
         server.add_insecure_port(f"unix://{self.kubelet_socket}")
         pr_server = grpc.aio.server()
-        pr_grpc.add_PodResourcesListerServicer_to_server(
-            PodResourcesServer(self._pods, self._resources), pr_server
-        )
+        self._pr_servicer = PodResourcesServer(self._pods, self._resources)
+        pr_grpc.add_PodResourcesListerServicer_to_server(self._pr_servicer, pr_server)
         pr_server.add_insecure_port(f"unix://{self.pod_resources_socket}")
         await pr_server.start()
         await server.start()
@@ -360,6 +360,10 @@ class KubeletEmulator:
         """Per admitted (container, resource): seconds in GetPreferredAllocation + Allocate +
         PreStartContainer, as the kubelet waits for them."""
         return self._get(lambda: list(self._rpc_times))
+
+    def pod_resources_lists(self) -> int:
+        """pod-resources List calls answered since the kubelet last (re)started."""
+        return self._get(lambda: self._pr_servicer.lists if self._pr_servicer is not None else 0)
 
     def start_errors(self, pod_uid: str) -> dict[str, str]:
         return self._get(lambda: dict(self._pods[pod_uid].start_errors))

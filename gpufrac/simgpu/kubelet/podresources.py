@@ -46,6 +46,7 @@ class PodResourcesServer(pr_grpc.PodResourcesListerServicer):
     def __init__(self, pods: Mapping[str, PodRecord], resources: Mapping[str, Resource]) -> None:
         self._pods = pods
         self._resources = resources
+        self.lists = 0  # List calls answered (tests wait for the agent's next reconcile with it)
         self._tokens = 10.0
         self._last = time.monotonic()
 
@@ -63,6 +64,7 @@ class PodResourcesServer(pr_grpc.PodResourcesListerServicer):
         context: grpc.aio.ServicerContext[pr.ListPodResourcesRequest, pr.ListPodResourcesResponse],
     ) -> Any:
         await self._limit(context)
+        self.lists += 1
         return pr.ListPodResourcesResponse(pod_resources=[pod_resources(r) for r in self._pods.values()])
 
     async def GetAllocatableResources(

@@ -76,3 +76,26 @@ def test_a_usage_file_flipping_between_good_and_broken_is_warned_about_once(
     assert nw.do(f"burst {GiB} {3 * GiB}") == "denied"
     assert len(warnings_about(caplog, n)) == 1
     assert len(warnings_about(caplog, t)) == 1
+
+
+@pytest.mark.parametrize("fault", ["truncated", "bad magic"])
+def test_one_fault_read_by_header_and_whole_file_is_one_warning(
+    make_node: Make, caplog: pytest.LogCaptureFixture, fault: str
+) -> None:
+    """A burst reads only the file's header, the grant sweep the whole file: one broken file is
+    one warning whichever reads it first (both used to word a short file differently)."""
+    caplog.set_level(logging.WARNING, logger="gpufrac.agent.arbiter")
+    node = make_node()
+    t = node.add("t", 2, "8Gi")
+    tw = t.workload
+    assert tw is not None
+    if fault == "truncated":
+        os.truncate(os.path.join(t.alloc.directory, abi.USAGE_FILE), 0)
+    else:
+        write_magic(t, 0xBAD0)
+    assert tw.do(f"burst {GiB} {3 * GiB}") == "denied"  # the header read
+    assert node.on_loop(lambda: node.arbiter.files.usage_of(t.alloc)) is None  # the whole file
+    assert tw.do(f"burst {GiB} {3 * GiB}") == "denied"
+    said = warnings_about(caplog, t)
+    assert len(said) == 1, said
+    assert fault in said[0]

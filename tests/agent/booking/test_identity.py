@@ -233,3 +233,73 @@ def test_released_container_forgets_its_policy(
         assert ident.policy(alloc.key) is None
 
     asyncio.run(asyncio.wait_for(s.run(body), 120))
+
+
+def _web0(limit: str, priority: int) -> dict[str, Any]:
+    return pod_manifest(
+        "web-0", node=NODE, annotations={"gpufrac.dev/gpu-memory-limit": limit}, priority=priority
+    )
+
+
+def test_a_booking_keeps_its_pod_when_a_new_pod_takes_its_name(
+    kube_server: KubeServer, ledger: Ledger, node_config: Config
+) -> None:
+    """A StatefulSet pod force-deleted while its container runs, and created again. Pod-resources
+    still lists the old container under the name (it carries no uid) and the apiserver's pod
+    of that name is the successor: the old container keeps its own pod's limit and priority."""
+    s = Scenario(kube_server, ledger, node_config)
+    old = s.v1.create_namespaced_pod("default", _web0("3Gi", 10)).metadata.uid
+    alloc = s.allocate(2, "default", "web-0")
+
+    async def body(ident: PodIdentity) -> None:
+        assert await ident.resolve(s.listing) == 1
+        cfg = read_config(alloc.directory)
+        assert (cfg.pod_uid, cfg.limit_bytes, cfg.priority) == (old, 3 * GiB, 10)
+
+        await asyncio.to_thread(s.v1.delete_namespaced_pod, "web-0", "default")
+        new = (await asyncio.to_thread(s.v1.create_namespaced_pod, "default", _web0("4Gi", 200))).metadata.uid
+        cache = ident.pods
+        assert cache is not None
+        successor = lambda: getattr(cache.get("default", "web-0"), "uid", None) == new  # noqa: E731
+        await until_async(successor, what="the successor in the cache")
+
+        assert await ident.resolve(s.listing) == 0
+        cfg = read_config(alloc.directory)
+        assert (cfg.pod_uid, cfg.limit_bytes, cfg.priority) == (old, 3 * GiB, 10)
+        policy = ident.policy(alloc.key)
+        assert policy is not None and policy.limit_bytes == 3 * GiB and policy.priority == 10
+
+    asyncio.run(asyncio.wait_for(s.run(body), 120))
+
+
+def test_a_new_booking_is_its_new_pods_while_the_watch_still_shows_the_old_one(
+    kube_server: KubeServer, ledger: Ledger, node_config: Config
+) -> None:
+    """The kubelet admits the successor of a pod of the same name before the agent's watch has
+    delivered the change: the booking gets the successor's policy, never the old pod's, and
+    keeps it once the watch catches up."""
+    s = Scenario(kube_server, ledger, node_config)
+    old = s.v1.create_namespaced_pod("default", _web0("3Gi", 10)).metadata.uid
+
+    async def body(ident: PodIdentity) -> None:
+        cache = ident.pods
+        assert cache is not None
+        await until_async(lambda: cache.get("default", "web-0") is not None, what="web-0 in the cache")
+        with kube_server.hold_watches():
+            await asyncio.to_thread(s.v1.delete_namespaced_pod, "web-0", "default")
+            created = await asyncio.to_thread(s.v1.create_namespaced_pod, "default", _web0("4Gi", 200))
+            new = created.metadata.uid
+            alloc = s.allocate(2, "default", "web-0")  # the successor's Allocate
+            assert cache.get("default", "web-0").uid == old  # type: ignore[union-attr]  # the watch lags
+            assert await ident.resolve(s.listing) == 1
+            cfg = read_config(alloc.directory)
+            assert (cfg.pod_uid, cfg.limit_bytes, cfg.priority) == (new, 4 * GiB, 200)
+
+        # The watch catches up (a pod created after the held events arrives after them).
+        await asyncio.to_thread(s.v1.create_namespaced_pod, "default", pod_manifest("marker", node=NODE))
+        await until_async(lambda: cache.get("default", "marker") is not None, what="the watch caught up")
+        await ident.resolve(s.listing)
+        cfg = read_config(alloc.directory)
+        assert (cfg.pod_uid, cfg.limit_bytes, cfg.priority) == (new, 4 * GiB, 200)
+
+    asyncio.run(asyncio.wait_for(s.run(body), 120))

@@ -119,6 +119,14 @@ class SameSizeNode:
             done += cfg.limit_bytes == a.limit
         return done == len(self.live)
 
+    def wait_reconciled(self) -> None:
+        """Until the agent has answered from at least one whole reconcile pass (a pod-resources
+        List and the identity pass after it) begun after now: the third List from now is asked
+        only after the second's pass is over (the loop's passes follow one another)."""
+        lists = self.sim.kubelet.pod_resources_lists
+        start = lists()
+        until(lambda: lists() >= start + 3, what="the agent's next reconciles with pod-resources")
+
     def wait_settled(self) -> None:
         try:
             until(self.settled, what="every pod's own policy in its container's config")
@@ -190,6 +198,11 @@ def test_a_new_pod_under_an_old_name_gets_its_own_policy_never_the_old_pods_cont
     # A change the agent shows, made after the successor appeared: once b's new limit is in its
     # config, the agent has seen the successor, and the old container must still carry its own pod.
     node.annotate(b, 704)
+    node.wait_settled()
+    # The agent reconciles while the kubelet still lists the old container under the name
+    # web-0 (pod-resources carries no uid) and the apiserver's web-0 is the successor: two
+    # whole passes (List, then identity) begun after that, and the old one still carries its own.
+    node.wait_reconciled()
     node.wait_settled()
 
     # The old container stops; the successor is admitted on the same slices.

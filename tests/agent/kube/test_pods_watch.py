@@ -240,3 +240,41 @@ def test_a_pod_deleted_while_fetched_does_not_come_back(kube_server: KubeServer)
             await cache.stop()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_fetched_successor_is_not_undone_by_its_predecessors_late_events(kube_server: KubeServer) -> None:
+    """A pod is deleted and one of the same name created while the watch lags; fetch() reads
+    the successor. The predecessor's events, delivered after, are older than what the cache
+    holds: the successor stays, and no listener hears it deleted or the old pod back."""
+    v1 = kube_server.core_v1()
+    old = v1.create_namespaced_pod("ns1", pod_manifest("web-0", node=NODE, namespace="ns1")).metadata.uid
+    seen: list[tuple[str, str]] = []
+
+    async def scenario() -> None:
+        cache = PodCache(make_api_client(host=kube_server.url), NODE)
+        cache.start()
+        try:
+            assert await cache.wait_synced(30)
+            await until_async(lambda: cache.get("ns1", "web-0") is not None, what="web-0 in the cache")
+            with kube_server.hold_watches():
+                patch = {"metadata": {"annotations": {"late": "yes"}}}
+                await asyncio.to_thread(v1.patch_namespaced_pod, "web-0", "ns1", patch)
+                await asyncio.to_thread(v1.delete_namespaced_pod, "web-0", "ns1")
+                manifest = pod_manifest("web-0", node=NODE, namespace="ns1")
+                new = (await asyncio.to_thread(v1.create_namespaced_pod, "ns1", manifest)).metadata.uid
+                fetched = await cache.fetch("ns1", "web-0")
+                assert fetched is not None and fetched.uid == new
+                assert cache.get("ns1", "web-0") == fetched and cache.by_uid(old) is None
+                cache.subscribe(lambda kind, pod: seen.append((kind, pod.uid)))
+            # Every held event is delivered before this pod's.
+            await asyncio.to_thread(
+                v1.create_namespaced_pod, "ns1", pod_manifest("marker", node=NODE, namespace="ns1")
+            )
+            await until_async(lambda: cache.get("ns1", "marker") is not None, what="the watch caught up")
+            now = cache.get("ns1", "web-0")
+            assert now is not None and now.uid == new
+            assert [s for s in seen if s[1] in (old, new)] == [], seen
+        finally:
+            await cache.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

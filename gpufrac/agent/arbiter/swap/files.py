@@ -130,4 +130,4 @@ def processes_of(alloc: ContainerAlloc, peers: PeerLookup) -> list[int] | None:
 def launches_of(directory: str, slots: Iterable[SlotId]) -> int:
     want = set(slots)
     usage = abi.read_usage(directory)
-    return sum(int(s.launches) for s in usage.slots if s.pid > 0 and (int(s.pid), int(s.start_time)) in want)
+    return sum(int(s.launches) for s in abi.live_slots(usage) if (int(s.pid), int(s.start_time)) in want)

@@ -455,7 +455,7 @@ class SwapResolver:
             raise _Skip(
                 f"its usage file cannot be read ({e}): its shim could not be told to come back"
             ) from None
-        slots = {(int(s.pid), int(s.start_time)) for s in usage.slots if s.pid > 0}
+        slots = {(int(s.pid), int(s.start_time)) for s in abi.live_slots(usage)}
         out = []
         for pid in pids:
             state = process_state(pid, self.ckpt)

@@ -98,7 +98,7 @@ class Takeover:
             usage = await asyncio.to_thread(abi.read_usage, alloc.directory)
         except (FormatError, OSError):
             return None  # no flags to read (the container's own file, broken): nothing to take over
-        flagged = [s for s in usage.slots if s.pid > 0 and s.swapped]
+        flagged = [s for s in abi.live_slots(usage) if s.swapped]
         if not flagged:
             self._unavailable_said.discard(alloc.key)
             return None
