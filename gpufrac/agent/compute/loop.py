@@ -24,7 +24,6 @@ from typing import Protocol
 
 from gpufrac.agent.booking.ledger import ContainerAlloc
 from gpufrac.agent.compute import control, hold
-from gpufrac.agent.gpu.processes import read_gpu_processes
 from gpufrac.agent.gpu.utilisation import UtilisationFeed
 from gpufrac.agent.kube import events
 from gpufrac.agent.kube.events import EventSink
@@ -84,7 +83,6 @@ class _Reading:
     samples: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # GPU -> (pid, SM %)
     cgroups: dict[int, CgroupIdentity | None] = field(default_factory=dict)
     launches: dict[str, int] = field(default_factory=dict)  # container -> launches its file counts
-    running: list[tuple[int, str]] = field(default_factory=list)  # (pid, GPU) NVML lists (first period)
 
 
 class ComputeLoop:
@@ -117,7 +115,6 @@ class ComputeLoop:
         self._pids: dict[str, list[tuple[int, CgroupIdentity]]] = {}  # this period's GPU processes
         self._held: set[tuple[int, ...]] = set()  # pidfds of processes stopped now (hold.stop)
         self._stopping: set[asyncio.Future[list[int]]] = set()  # hold.stop calls under way
-        self._recovered = False
         self._failing: str | None = None  # the error the last failed period logged
         self._last: float | None = None
         feed.driven = True
@@ -172,11 +169,8 @@ class ComputeLoop:
         # Every GPU holding a container is read, whole GPUs too: the activity tracker's view of
         # the feed gets its samples from these reads alone.
         watched = sorted({g for a in self.bookings.containers() for g in a.gpus})
-        reading = await asyncio.to_thread(self._read, watched, dirs, not self._recovered)
+        reading = await asyncio.to_thread(self._read, watched, dirs)
         used = self._attribute(reading)
-        if not self._recovered:  # processes an earlier agent stopped and never continued
-            self._recovered = True
-            await asyncio.to_thread(hold.continue_stopped, self._ours(reading))
         decisions: list[control.Decision] = []
         for gpu, pairs in on_gpu.items():
             tenants = [t for t, _ in pairs]
@@ -194,19 +188,13 @@ class ComputeLoop:
             self._forget(key)
         return decisions
 
-    def _read(self, gpus: Sequence[str], dirs: Mapping[str, str], running: bool = False) -> _Reading:
+    def _read(self, gpus: Sequence[str], dirs: Mapping[str, str]) -> _Reading:
         """The blocking part: NVML (through the feed), the cgroups of the processes it sampled,
-        and each container's launch count from its usage file; with `running`, every process
-        NVML lists on those GPUs as well (a stopped one has no samples)."""
+        and each container's launch count from its usage file."""
         out = _Reading()
         for gpu in gpus:
             out.samples[gpu] = [(s.pid, s.sm) for s in self.feed.poll(gpu)]
-        if running:
-            try:
-                out.running = [(p.pid, p.gpu) for p in read_gpu_processes() if p.gpu in gpus]
-            except Exception as e:  # NVML's list failing leaves only the sampled ones to continue
-                log.warning("compute shares: cannot list the GPUs' processes: %s", e)
-        pids = {pid for samples in out.samples.values() for pid, _ in samples} | {p for p, _ in out.running}
+        pids = {pid for samples in out.samples.values() for pid, _ in samples}
         for pid in pids:
             try:
                 out.cgroups[pid] = read_cgroup(pid)
@@ -239,16 +227,6 @@ class ComputeLoop:
                     self._pids.setdefault(key, []).append((pid, ident))
         return used
 
-    def _ours(self, reading: _Reading) -> list[tuple[int, CgroupIdentity]]:
-        """The GPU processes of this agent's containers, with the identity they were placed by."""
-        out = []
-        for pid, gpu in {*reading.running, *((p, g) for g, ss in reading.samples.items() for p, _ in ss)}:
-            ident = reading.cgroups.get(pid)
-            owner = self.owners.owner(ident.pod_uid, ident.container_id) if ident else None
-            if ident is not None and owner is not None and owner.holding(gpu):
-                out.append((pid, ident))
-        return out
-
     def _launch_deltas(self, reading: _Reading, keys: Sequence[str]) -> dict[str, int]:
         out: dict[str, int] = {}
         for key in keys:
@@ -261,7 +239,7 @@ class ComputeLoop:
         return out
 
     def _apply(self, d: control.Decision, alloc: ContainerAlloc) -> None:
-        if self._written.get(d.key) != d.pace_ns:  # and at first sight: lifts a pace an earlier agent left
+        if self._written.get(d.key) != d.pace_ns:  # and at first sight
             self.bookings.set_compute_pace(d.key, d.pace_ns)
             self._written[d.key] = d.pace_ns
         shown = self._smoothed.get(d.key)
@@ -347,8 +325,8 @@ class ComputeLoop:
 
     async def close(self) -> None:
         """Lift every pace this loop set and continue every process it stopped: an agent that
-        stops must not leave containers held back by a contention it no longer watches (a
-        restarted agent lifts paces too, at first sight, and continues stopped processes).
+        stops must not leave containers held back by a contention it no longer watches (what a
+        killed agent left, a starting one undoes: gpufrac.agent.compute.leftover).
         Call once run() is cancelled."""
         for stopping in list(self._stopping):  # a stop its cancelled period left running
             with contextlib.suppress(Exception):
