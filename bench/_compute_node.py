@@ -139,6 +139,9 @@ class ComputeNode:
         self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
 
     async def _start(self) -> Any:
+        from gpufrac.agent.compute import leftover
+
+        await leftover.Leftovers(self.ledger).undo()  # what a starting agent does first (gpufrac.agent.main)
         return asyncio.get_running_loop().create_task(self.compute.run())
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:

@@ -54,6 +54,7 @@ from gpufrac.agent.booking.ledger_store import (
 from gpufrac.agent.booking.persist import Persister
 from gpufrac.agent.booking.pods import PodIdentity
 from gpufrac.agent.booking.reconcile import RECONCILE_INTERVAL, RELEASE_GRACE, ReconcileLoop, Reconciler
+from gpufrac.agent.compute import leftover
 from gpufrac.agent.compute.loop import ComputeLoop
 from gpufrac.agent.gpu import nodelabels
 from gpufrac.agent.gpu.activity import ActivityTracker
@@ -137,6 +138,7 @@ class Agent:
         # The parts start() builds, in this order (None until then, or where the node lacks
         # what the part needs: the apiserver, the arbiter socket, NVML).
         self.reconciler: Reconciler | None = None  # the ledger against pod-resources
+        self.leftovers: leftover.Leftovers | None = None  # what a killed agent's compute shares left
         self.persister: Persister[Ledger] | None = None  # the ledger's state file, batched
         self.health_sync: HealthSync | None = None  # GPU health into ledger, Events, labels
         self.events: EventRecorder | None = None  # Events on pods and the Node (apiserver)
@@ -186,8 +188,13 @@ class Agent:
             cfg.reserved_per_gpu,
         )
         await self._recover(ledger, reconciler)
+        # What a killed agent's compute shares left (processes stopped, paces), undone before
+        # anything of this one may stop or pace a container, compute shares on or off.
+        self.leftovers = leftover.Leftovers(ledger)
+        await self.leftovers.undo()
         self._other_mode(ledger)
         persister = self.persister = Persister(ledger, self.state)
+        ledger.add_listener(self.leftovers.changed)
         ledger.add_listener(self._on_change)
         ledger.add_listener(persister.changed)
         if self.health is None:

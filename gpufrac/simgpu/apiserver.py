@@ -99,6 +99,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         self.history_floor = 0  # watches from before the oldest kept event get 410 Gone
         self._buses = _RecordingBuses(self)
         self.request_log: list[tuple[str, str, dict[str, str]]] = []  # (method, path, query) of each
+        # While set and not yet released: every read of pods (get, list, watch) waits, as an
+        # apiserver that is slow or away would keep them (KubeServer.hold_pod_reads).
+        self.pod_reads: asyncio.Event | None = None
 
     async def _handle(self, request: rendering.Request) -> Any:
         # kmock keeps every request and, to route each new one, runs its reactions' filters over
@@ -109,6 +112,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             (str(getattr(request.method, "value", request.method)), request.url.path, dict(request.params))
         )
         del self._requests[:-REQUESTS_KEPT]
+        if self.pod_reads is not None and request.resource == PODS and request.method == kmock.method.GET:
+            await self.pod_reads.wait()
         if (
             request.method == kmock.method.DELETE
             and request.resource is not None
@@ -508,6 +513,23 @@ class KubeServer:
             emu.expiry = asyncio.Event()
 
         self.call(expire)
+
+    def hold_pod_reads(self) -> None:
+        """From now on, reads of pods wait (an apiserver slow or away for them) until
+        release_pod_reads(); writes are served."""
+
+        async def hold(emu: ApiServerEmulator) -> None:
+            emu.pod_reads = asyncio.Event()
+
+        self.call(hold)
+
+    def release_pod_reads(self) -> None:
+        async def release(emu: ApiServerEmulator) -> None:
+            if emu.pod_reads is not None:
+                emu.pod_reads.set()
+            emu.pod_reads = None
+
+        self.call(release)
 
     @contextlib.contextmanager
     def hold_watches(self) -> Iterator[None]:

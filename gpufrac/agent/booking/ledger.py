@@ -241,6 +241,11 @@ class Ledger:
         if handle is not None:
             handle.set_pace(pace_ns)
 
+    def compute_pace(self, key: str) -> int:
+        """The launch pace in the container's config now (0: none, or no config attached)."""
+        handle = self._files.get(key)
+        return handle.pace() if handle is not None else 0
+
     def container_dir(self, key: str) -> str:
         return os.path.join(self.config.paths.containers_dir, key)
 

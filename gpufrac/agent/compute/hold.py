@@ -13,9 +13,9 @@ Each process is signalled through a pidfd, and only once the pidfd pins it and i
 names the container it was sampled in (a pid is a number the kernel may hand to another process
 at any time; gpufrac.agent.processes.kill does the same for SIGKILL). The pidfd is kept until the same
 process is continued. An agent that stops continues every process it stopped; one that died
-leaves them stopped, so a starting agent continues every stopped process of the containers it
-serves (`continue_stopped`). All of it blocks (a /proc read, a syscall per process): callers run
-it in a worker thread.
+leaves them stopped, so a starting agent continues the stopped GPU processes of the pods it books
+(`continue_stopped`, from gpufrac.agent.compute.leftover). All of it blocks (a /proc read, a
+syscall per process): callers run it in a worker thread.
 """
 
 from __future__ import annotations
@@ -83,9 +83,10 @@ def resume(fds: Sequence[int]) -> None:
 
 
 def continue_stopped(processes: Iterable[tuple[int, CgroupIdentity]], proc: str = "/proc") -> int:
-    """SIGCONT every stopped process of these (an earlier agent may have stopped them and died);
-    how many. A process the tenant stopped itself is continued too: the price of never leaving
-    one stopped for ever."""
+    """SIGCONT every process of these stopped by a signal (state T: an earlier agent may have
+    stopped it and died), each still in the container `ident` names; how many. A process the
+    tenant stopped itself is continued too: the price of never leaving one stopped for ever
+    (docs/compute.md, Stopping). One stopped by a debugger (state t) is left alone."""
     n = 0
     for pid, ident in processes:
         if _state(pid, proc) != "T":

@@ -24,7 +24,6 @@ from typing import Protocol
 
 from gpufrac.agent.booking.ledger import ContainerAlloc
 from gpufrac.agent.compute import control, hold
-from gpufrac.agent.gpu.processes import read_gpu_processes
 from gpufrac.agent.gpu.utilisation import UtilisationFeed
 from gpufrac.agent.kube import events
 from gpufrac.agent.kube.events import EventSink
@@ -89,7 +88,6 @@ class _Reading:
 
     samples: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # GPU -> (pid, SM %)
     cgroups: dict[int, CgroupIdentity | None] = field(default_factory=dict)
-    running: list[tuple[int, str]] = field(default_factory=list)  # (pid, GPU) NVML lists (first period)
 
 
 class ComputeLoop:
@@ -122,7 +120,6 @@ class ComputeLoop:
         self._pids: dict[str, list[tuple[int, CgroupIdentity]]] = {}  # this period's GPU processes
         self._held: set[tuple[int, ...]] = set()  # pidfds of processes stopped now (hold.stop)
         self._stopping: set[asyncio.Future[list[int]]] = set()  # hold.stop calls under way
-        self._recovered = False
         self._failing: str | None = None  # the error the last failed period logged
         self._last: float | None = None
         self._met: set[str] = set()  # containers whose launch count was read at least once
@@ -207,11 +204,8 @@ class ComputeLoop:
         self._watched = sorted({g for a in booked for g in a.gpus})
         self._shared = frozenset(on_gpu)
         if reading is None:
-            reading = await asyncio.to_thread(self._read, self._watched, not self._recovered)
+            reading = await asyncio.to_thread(self._read, self._watched)
         used = self._attribute(reading)
-        if not self._recovered:  # processes an earlier agent stopped and never continued
-            self._recovered = True
-            await asyncio.to_thread(hold.continue_stopped, self._ours(reading))
         # Launch counts where they can shape a pace: a container that ran something this period
         # (a pace's first length comes from its recent launches), one that is paced, and each
         # one once at first sight (the count its first busy period is measured from). An idle
@@ -269,21 +263,15 @@ class ComputeLoop:
                 return False
         return True
 
-    def _read(self, gpus: Sequence[str], running: bool = False, place: bool = True) -> _Reading:
+    def _read(self, gpus: Sequence[str], place: bool = True) -> _Reading:
         """The blocking part: NVML (through the feed) and, with `place`, the cgroups of the
-        processes it sampled (kept per process: gpufrac.agent.processes.placements); with
-        `running`, every process NVML lists on those GPUs as well (a stopped one has no samples)."""
+        processes it sampled (kept per process: gpufrac.agent.processes.placements)."""
         out = _Reading()
         for gpu in gpus:
             out.samples[gpu] = [(s.pid, s.sm) for s in self.feed.poll(gpu)]
         if not place:
             return out
-        if running:
-            try:
-                out.running = [(p.pid, p.gpu) for p in read_gpu_processes() if p.gpu in gpus]
-            except Exception as e:  # NVML's list failing leaves only the sampled ones to continue
-                log.warning("compute shares: cannot list the GPUs' processes: %s", e)
-        pids = {pid for samples in out.samples.values() for pid, _ in samples} | {p for p, _ in out.running}
+        pids = {pid for samples in out.samples.values() for pid, _ in samples}
         if pids:
             out.cgroups = self._placements.lookup(pids)
         return out
@@ -320,16 +308,6 @@ class ComputeLoop:
                     self._pids.setdefault(key, []).append((pid, ident))
         return used
 
-    def _ours(self, reading: _Reading) -> list[tuple[int, CgroupIdentity]]:
-        """The GPU processes of this agent's containers, with the identity they were placed by."""
-        out = []
-        for pid, gpu in {*reading.running, *((p, g) for g, ss in reading.samples.items() for p, _ in ss)}:
-            ident = reading.cgroups.get(pid)
-            owner = self.owners.owner(ident.pod_uid, ident.container_id) if ident else None
-            if ident is not None and owner is not None and owner.holding(gpu):
-                out.append((pid, ident))
-        return out
-
     def _launch_deltas(self, counts: Mapping[str, int], tenants: Sequence[control.Tenant]) -> dict[str, int]:
         """The launches since each container's count was last read (an idle one's is not
         read: see tick)."""
@@ -344,7 +322,7 @@ class ComputeLoop:
         return out
 
     def _apply(self, d: control.Decision, alloc: ContainerAlloc) -> None:
-        if self._written.get(d.key) != d.pace_ns:  # and at first sight: lifts a pace an earlier agent left
+        if self._written.get(d.key) != d.pace_ns:  # and at first sight
             self.bookings.set_compute_pace(d.key, d.pace_ns)
             self._written[d.key] = d.pace_ns
         shown = self._smoothed.get(d.key)
@@ -431,8 +409,8 @@ class ComputeLoop:
 
     async def close(self) -> None:
         """Lift every pace this loop set and continue every process it stopped: an agent that
-        stops must not leave containers held back by a contention it no longer watches (a
-        restarted agent lifts paces too, at first sight, and continues stopped processes).
+        stops must not leave containers held back by a contention it no longer watches (what a
+        killed agent left, a starting one undoes: gpufrac.agent.compute.leftover).
         Call once run() is cancelled."""
         for stopping in list(self._stopping):  # a stop its cancelled period left running
             with contextlib.suppress(Exception):

@@ -114,7 +114,7 @@ def _state(pid: int) -> str:
 
 def test_a_starting_agent_continues_processes_an_earlier_one_left_stopped(nodes: list[ComputeNode]) -> None:
     """An agent that died while holding a container stopped leaves its processes stopped: the next
-    one continues them at its first period."""
+    one continues them as it starts (gpufrac.agent.compute.leftover), before its first period."""
     node = ComputeNode(mode="fair", control=False)
     nodes.append(node)
     m = node.add("held", 30)
