@@ -97,8 +97,12 @@ class CdiSpecs:
         tmp = f"{path}.tmp"
         # json.dumps without indent: the C encoder (indent takes the pure-Python one, ~10x slower).
         text = json.dumps(self.spec(claim), separators=(",", ":"))
-        os.makedirs(self.spec_dir, exist_ok=True)
-        with open(tmp, "w") as f:
+        try:
+            f = open(tmp, "w")  # noqa: SIM115 - closed below; the directory is made on a miss only
+        except FileNotFoundError:
+            os.makedirs(self.spec_dir, exist_ok=True)
+            f = open(tmp, "w")  # noqa: SIM115
+        with f:
             f.write(text)
         os.replace(tmp, path)  # the runtime never reads half a file
 
