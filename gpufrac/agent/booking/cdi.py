@@ -13,7 +13,8 @@ applies its container edits. The agent writes one spec file per prepared claim, 
   config (read-only), usage file and arbiter socket directory (gpufrac.memguard.inject).
 
 Every container of every pod that uses the claim gets the same directory: one usage file,
-one limit, one group. Files are written atomically (temporary file + rename) in a worker
+one limit, one group. Files are written atomically (temporary file + rename), a claim's on
+the agent's loop as it prepares it (a small file in a memory filesystem), the sweep's in a worker
 thread; no fsync: after a crash the agent writes every booked claim's spec again (sweep).
 """
 
@@ -91,17 +92,25 @@ class CdiSpecs:
         }
 
     def write_now(self, claim: ClaimDevice) -> None:
-        """Write a claim's spec (blocking)."""
-        os.makedirs(self.spec_dir, exist_ok=True)
+        """Write a claim's spec: a small file in a memory filesystem (a node's /var/run/cdi)."""
         path = self.path(claim.uid)
         tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.spec(claim), f, indent=1)
+        # json.dumps without indent: the C encoder (indent takes the pure-Python one, ~10x slower).
+        text = json.dumps(self.spec(claim), separators=(",", ":"))
+        try:
+            f = open(tmp, "w")  # noqa: SIM115 - closed below; the directory is made on a miss only
+        except FileNotFoundError:
+            os.makedirs(self.spec_dir, exist_ok=True)
+            f = open(tmp, "w")  # noqa: SIM115
+        with f:
+            f.write(text)
         os.replace(tmp, path)  # the runtime never reads half a file
 
     async def write(self, claim: ClaimDevice) -> list[str]:
-        """Write a claim's spec off the loop; the CDI device names of its answer."""
-        await asyncio.to_thread(self.write_now, claim)
+        """Write a claim's spec; the CDI device names of its answer. On the loop, as the claim's
+        record is: a few hundred bytes into the CDI directory, a memory filesystem on a node, cost
+        less than the hop to a worker thread and back, which a loaded node makes milliseconds."""
+        self.write_now(claim)
         return self.device_ids(claim)
 
     async def remove(self, uid: str) -> None:

@@ -230,6 +230,10 @@ class ClaimService:
         resource, ids = self._slices(allocation)
         alloc = self.ledger.reserve(resource, ids, claim=ref)
         self.policies.prepared(alloc, allocation)  # its limit and policy, before anything runs
+        # Admission's reclaim of its request begins now: its NVML reading, in a worker thread,
+        # runs while the loop writes the claim's files (should they fail, the reclaim runs out
+        # for nothing: bursts are lent, never owed).
+        self.admission.start(alloc)
         try:
             handle = await self.dirs.create(alloc.directory, alloc.config)
             self.ledger.attach(alloc.key, handle)
@@ -245,7 +249,6 @@ class ClaimService:
         devices: dict[str, set[str]] = {}
         for s in allocation.shares:
             devices.setdefault(s.device, set()).add(s.request)
-        self.admission.start(alloc)
         answer, _ = await asyncio.gather(
             self._answer(alloc, devices),
             self.admission.prestart(alloc),  # never refuses: at worst a warning

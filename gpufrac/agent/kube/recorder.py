@@ -32,6 +32,13 @@ DROP_LOG_EVERY = 60.0  # seconds between two log lines about dropped Events
 log = logging.getLogger(__name__)
 
 
+def _sent(call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """One write to the apiserver (in a worker thread), its answer read and dropped: the client's
+    model of it (an Event, a Pod) is never made, which cost more than the request itself."""
+    resp = call(*args, _preload_content=False, **kwargs)
+    resp.data  # noqa: B018 - read to its end, the connection goes back to the pool
+
+
 def _timestamp(t: float) -> str:
     return datetime.datetime.fromtimestamp(t, tz=datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -254,6 +261,7 @@ class EventRecorder:
         if ref.uid:
             body["metadata"] = {"uid": ref.uid}
         await asyncio.to_thread(
+            _sent,
             self._v1.patch_namespaced_pod_status,
             ref.name,
             ref.namespace,
@@ -280,6 +288,7 @@ class EventRecorder:
             body = {"count": seen.count + 1, "lastTimestamp": now}
             try:
                 await asyncio.to_thread(
+                    _sent,
                     self._v1.patch_namespaced_event,
                     seen.name,
                     seen.namespace,
@@ -323,11 +332,12 @@ class EventRecorder:
             "reportingComponent": self.component,
             "reportingInstance": self.node_name,
         }
-        # The client sends a plain dict body as it is; its hints name only the model class.
+        # The client sends a plain dict body as it is (its hints name only the model class).
         await asyncio.to_thread(
+            _sent,
             self._v1.create_namespaced_event,
             namespace,
-            event,  # type: ignore[arg-type]
+            event,
             _request_timeout=self._request_timeout,
         )
         self.created += 1

@@ -238,6 +238,30 @@ def test_state_roundtrip_rebooks_the_same(ledger: Ledger, tmp_path: Path) -> Non
     assert len(healthy(fresh, FRACTION, 0)) == 75
 
 
+def test_each_save_holds_every_change_since_the_last(ledger: Ledger, tmp_path: Path) -> None:
+    """The store encodes again only bookings that changed since its last save: a limit, an
+    identity, consumers, a release must each reach the next file all the same."""
+    store = StateStore(str(tmp_path / "store"))
+
+    def saved() -> dict[str, dict[str, object]]:
+        asyncio.run(store.save(ledger))
+        return {e["key"]: e for e in json.loads(store.path.read_text())["allocations"]}
+
+    a = ledger.allocate(MEMORY, ids(ledger, 0, MEMORY, range(4)))
+    b = ledger.allocate(MEMORY, ids(ledger, 1, MEMORY, range(2)))
+    assert saved()[a.key]["config"]["limit_bytes"] == 4 * GiB  # type: ignore[index]
+    ledger.update_config(a.key, limit_bytes=9 * GiB)
+    ledger.bind(b.key, "ns", "p", "c", "u")
+    state = saved()
+    assert state[a.key]["config"]["limit_bytes"] == 9 * GiB  # type: ignore[index]
+    assert (state[b.key]["namespace"], state[b.key]["pod"], state[b.key]["pod_uid"]) == ("ns", "p", "u")
+    assert state[b.key]["config"]["pod"] == "p"  # type: ignore[index]
+    ledger.release(a.key)
+    state = saved()
+    assert list(state) == [b.key]
+    assert state[b.key]["config"]["pod"] == "p"  # type: ignore[index]
+
+
 def test_a_malformed_state_entry_is_dropped_and_the_others_rebooked(
     ledger: Ledger, caplog: pytest.LogCaptureFixture
 ) -> None:
