@@ -176,9 +176,9 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=25
 test: setup native-asan tools floors
 	@$(PY) -m compileall -q -j0 gpufrac tests bench >/dev/null
 	@rc=0; \
-	echo "== tests, $(TEST_WORKERS) at a time"; \
+	echo "== tests, $(TEST_WORKERS) at a time ($$(date -u +%T))"; \
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m 'not serial' tests || rc=1; \
-	echo "== tests that need the node to themselves, one at a time"; \
+	echo "== tests that need the node to themselves, one at a time ($$(date -u +%T))"; \
 	$(PYTEST) -m serial tests || rc=1; \
 	{ $(run_gates); } || rc=1; exit $$rc
 
@@ -207,7 +207,7 @@ gate_import-layers := $(VENV)/bin/lint-imports --no-logo --no-cache
 gate_import-cycles := $(PY) tools/import_cycles.py
 # A shell snippet (no sub-make, so `make -n` runs nothing): each gate, then the verdict.
 run_gates = failed=; \
-  $(foreach g,$(GATES),echo "== make $(g): $(gate_$(g))"; { $(gate_$(g)); } || failed="$$failed $(g)";) \
+  $(foreach g,$(GATES),echo "== make $(g) ($$(date -u +%T)): $(gate_$(g))"; { $(gate_$(g)); } || failed="$$failed $(g)";) \
   if [ -n "$$failed" ]; then echo "lint: failed:$$failed (re-run one with: make <name>)" >&2; false; \
   else echo "lint: all gates passed ($(GATES))"; fi
 
