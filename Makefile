@@ -44,7 +44,6 @@ $(VENV)/.installed: pyproject.toml
 	  "(python3.11, python3.12, ... or python3); the demo's apiserver emulator, kmock, needs it." \
 	  "Or name one: make PYTHON=/path/to/python3.12 test" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 

@@ -40,6 +40,7 @@ WorkloadProcess (below) so every scenario runs the same real driver calls.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import subprocess
 import sys
@@ -334,7 +335,10 @@ class WorkloadProcess:
         self.proc.stdin.flush()
 
     def do(self, cmd: str, timeout: float = 60.0) -> str:
-        self.send(cmd)
+        """Send a command and read its answer; "<exited>" once the process has exited (also when
+        it was killed before the command reached it: the watchdog may kill it at any time)."""
+        with contextlib.suppress(BrokenPipeError):  # gone: its reader answers "<exited>" after its last line
+            self.send(cmd)
         return self.line(timeout)
 
     def do_all(self, cmds: Sequence[str], timeout: float = 60.0) -> list[str]:
